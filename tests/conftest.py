@@ -1,0 +1,38 @@
+"""Shared fixtures: the tiny random model (real tokenizer, real HF Llama) and a toy env."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turnrl.envs import StepResult, register_env
+from turnrl.models import tiny_model
+
+
+@register_env("say-digit")
+class SayDigit:
+    """Toy task for the tiny model: reward 1 when the reply starts with a digit."""
+
+    def __init__(self, turns: int = 1):
+        self.turns, self.turn = turns, 0
+
+    async def reset(self, seed: int) -> str:
+        self.turn = 0
+        return "Say a digit."
+
+    async def step(self, action: str) -> StepResult:
+        self.turn += 1
+        ok = action[:1].isdigit()
+        done = self.turn >= self.turns
+        return StepResult("Again." if not done else "", float(ok) / self.turns, done,
+                          {"success": ok})
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture
+def tiny():
+    return tiny_model(seed=0)

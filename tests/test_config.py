@@ -1,0 +1,239 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from turnrl.config import (
+    AlgoConfig,
+    Config,
+    ConfigError,
+    RolloutConfig,
+    config_from_dict,
+    config_help,
+    config_to_dict,
+    field_docs,
+    load_config,
+    save_config,
+)
+
+
+def _error(overrides=(), path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.fixture
+def yaml_file(tmp_path):
+    def write(data) -> str:
+        path = tmp_path / "cfg.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return str(path)
+
+    return write
+
+
+def test_defaults():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.model.name == "smollm2-135m-instruct"
+    assert cfg.env.options == {}
+    assert cfg.rollout.group_size == 8
+    assert cfg.algo.clip_high == 0.28
+    assert cfg.eval.seed_offset == 1_000_000
+    assert cfg.run.tensorboard is True and cfg.run.wandb is False
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().algo.clip_high = 1.0
+
+
+def test_yaml_then_overrides(yaml_file):
+    path = yaml_file({"algo": {"clip_high": 0.5, "kl_coef": 0.1}, "run": {"steps": 3}})
+    cfg = load_config(path, ["--algo.clip_high", "0.3"])
+    assert cfg.algo.clip_high == 0.3  # override beats file
+    assert cfg.algo.kl_coef == 0.1  # file beats default
+    assert cfg.run.steps == 3
+    assert cfg.algo.clip_low == 0.2  # untouched default
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["--algo.clip_high", "0.4"], ["--algo.clip_high=0.4"], ["algo.clip_high=0.4"]],
+)
+def test_override_syntaxes(overrides):
+    assert load_config(overrides=overrides).algo.clip_high == 0.4
+
+
+def test_several_overrides_and_last_wins():
+    cfg = load_config(overrides=["--run.steps", "7", "rollout.top_p=0.9", "--run.steps=9"])
+    assert cfg.run.steps == 9
+    assert cfg.rollout.top_p == 0.9
+
+
+def test_dict_option_override(yaml_file):
+    path = yaml_file({"env": {"name": "guess-number", "options": {"low": 1}}})
+    cfg = load_config(path, ["--env.options.high", "20", "--env.options.name=x"])
+    assert cfg.env.options == {"low": 1, "high": 20, "name": "x"}
+    assert isinstance(cfg.env.options["high"], int)
+    whole = load_config(overrides=["--env.options", "{high: 5}"])
+    assert whole.env.options == {"high": 5}
+
+
+def test_string_values_stay_strings():
+    cfg = load_config(overrides=["--run.out_dir", "123", "--model.name=tiny"])
+    assert cfg.run.out_dir == "123"
+    assert cfg.model.name == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("true", True), ("False", False), ("1", True), ("0", False), ("yes", True), ("no", False)],
+)
+def test_bool_parsing(text, expected):
+    assert load_config(overrides=[f"--run.wandb={text}"]).run.wandb is expected
+
+
+def test_bad_bool():
+    assert _error(["--run.wandb=maybe"]) == "run.wandb: expected bool, got 'maybe'"
+
+
+def test_int_accepted_for_float(yaml_file):
+    cfg = load_config(yaml_file({"algo": {"clip_high": 1}}), ["--optim.lr", "1e-4"])
+    assert cfg.algo.clip_high == 1.0 and isinstance(cfg.algo.clip_high, float)
+    assert cfg.optim.lr == pytest.approx(1e-4)
+
+
+def test_float_rejected_for_int(yaml_file):
+    assert _error(path=yaml_file({"run": {"steps": 1.5}})) == "run.steps: expected int, got 1.5"
+
+
+def test_unknown_key_suggests_closest():
+    message = _error(["--algo.clip_hihg", "0.3"])
+    assert message == "unknown config key 'algo.clip_hihg'; did you mean 'algo.clip_high'?"
+
+
+def test_unknown_section_suggests_closest(yaml_file):
+    assert "did you mean 'algo.clip_high'?" in _error(["--alg.clip_high=1"])
+    message = _error(path=yaml_file({"algoo": {"clip_high": 1}}))
+    assert message == "unknown config section 'algoo'; did you mean 'algo'?"
+
+
+def test_key_in_wrong_section_suggests_right_one():
+    assert _error(["--rollout.lr=1"]).endswith("did you mean 'optim.lr'?")
+
+
+def test_unknown_key_without_match_lists_section():
+    message = _error(["--algo.zzz=1"])
+    assert message.startswith("unknown config key 'algo.zzz'; valid keys in 'algo': advantage,")
+    assert "clip_high" in message
+
+
+def test_wrong_type():
+    assert _error(["--algo.clip_high", "abc"]) == "algo.clip_high: expected float, got 'abc'"
+
+
+def test_bad_literal():
+    message = _error(["--algo.advantage", "grpoo"])
+    assert message == (
+        "algo.advantage: 'grpoo' is not one of grpo, dr_grpo, rloo, reinforce_pp; "
+        "did you mean 'grpo'?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.group_size=0", "rollout.group_size must be >= 1, got 0"),
+        ("rollout.top_p=0", "rollout.top_p must be in (0, 1], got 0.0"),
+        ("rollout.temperature=-1", "rollout.temperature must be >= 0, got -1.0"),
+        ("algo.clip_low=-0.1", "algo.clip_low must be >= 0, got -0.1"),
+        ("algo.epochs=0", "algo.epochs must be >= 1, got 0"),
+        ("optim.lr=0", "optim.lr must be > 0, got 0.0"),
+        ("optim.micro_batch_size=0", "optim.micro_batch_size must be >= 1, got 0"),
+        ("run.steps=0", "run.steps must be >= 1, got 0"),
+    ],
+)
+def test_range_checks(override, message):
+    assert _error([override]) == message
+
+
+def test_range_checks_on_direct_construction():
+    with pytest.raises(ConfigError, match="rollout.group_size must be >= 1"):
+        RolloutConfig(group_size=0)
+    assert AlgoConfig(clip_high=1).clip_high == 1.0  # construction converts types too
+
+
+def test_missing_file():
+    assert _error(path="nope.yaml") == "config file 'nope.yaml' not found; check the path"
+
+
+def test_yaml_top_level_not_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    assert "must be a mapping of sections" in _error(path=str(path))
+
+
+def test_section_not_mapping(yaml_file):
+    assert "config section 'algo' must be a mapping" in _error(path=yaml_file({"algo": 3}))
+
+
+def test_empty_yaml_gives_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(str(path)) == Config()
+
+
+@pytest.mark.parametrize("overrides", [["--algo.clip_high"], ["--algo.clip_high", "--run.seed=1"]])
+def test_override_without_value(overrides):
+    assert _error(overrides) == "--algo.clip_high needs a value"
+
+
+def test_round_trip(tmp_path):
+    cfg = load_config(
+        overrides=["--algo.advantage=rloo", "--env.options.high=20", "--run.wandb=yes"]
+    )
+    data = config_to_dict(cfg)
+    assert data["algo"]["advantage"] == "rloo" and data["env"]["options"] == {"high": 20}
+    assert config_from_dict(data) == cfg
+    path = tmp_path / "sub" / "config.yaml"
+    save_config(cfg, path)
+    assert load_config(str(path)) == cfg
+    assert config_from_dict(yaml.safe_load(path.read_text())) == cfg
+
+
+def test_config_from_dict_validates():
+    with pytest.raises(ConfigError, match="did you mean 'algo.clip_high'"):
+        config_from_dict({"algo": {"clip_hihg": 0.3}})
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        config_from_dict({"rollout": {"group_size": 0}})
+
+
+def test_dict_option_not_shared_between_configs():
+    first = load_config(overrides=["--env.options.high=20"])
+    assert load_config().env.options == {}
+    assert first.env.options == {"high": 20}
+
+
+def test_every_field_has_a_docstring():
+    classes = [Config] + [type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)]
+    for cls in classes:
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+
+
+def test_help_has_one_line_per_key():
+    lines = config_help().splitlines()
+    sections = [getattr(Config(), f.name) for f in dataclasses.fields(Config)]
+    assert len(lines) == sum(len(dataclasses.fields(s)) for s in sections)
+    clip = next(line for line in lines if line.startswith("--algo.clip_high "))
+    assert clip.startswith("--algo.clip_high FLOAT (default 0.28)  ")
+    assert "DAPO" in clip
+    assert any(line.startswith("--run.wandb BOOL (default False)") for line in lines)
+    assert any(
+        line.startswith("--algo.advantage {grpo,dr_grpo,rloo,reinforce_pp}") for line in lines
+    )

@@ -1,0 +1,56 @@
+import json
+
+import pytest
+
+from turnrl.report import write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_metrics(run_dir, records):
+    lines = [json.dumps(r) for r in records]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_write_report_creates_png(tmp_path):
+    records = [
+        {
+            "step": i,
+            "time": 1000.0 + i,
+            "reward/mean": 0.1 * i,
+            "loss/policy": 1.0 / (i + 1),
+            "kl": None if i == 3 else 0.01 * i,
+            "episode/turns": 3,
+        }
+        for i in range(30)
+    ]
+    # Evaluation points, one without an interval; a record with no metrics at all.
+    records += [
+        {"step": 0, "eval/success": 0.2, "eval/success_lo": 0.1, "eval/success_hi": 0.35},
+        {"step": 29, "eval/success": 0.6},
+        {"step": 30},
+    ]
+    _write_metrics(tmp_path, records)
+    out = write_report(tmp_path)
+    assert out == tmp_path / "report.png"
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 1000
+
+
+def test_write_report_custom_out_and_torn_line(tmp_path):
+    _write_metrics(tmp_path, [{"step": 1, "success/rate": 0.5}])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "success/ra')
+    out = write_report(tmp_path, tmp_path / "plots" / "curves.png")
+    assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_write_report_with_no_plottable_metrics(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert write_report(tmp_path).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_write_report_missing_metrics(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl in .*TurnRL run directory"):
+        write_report(tmp_path)

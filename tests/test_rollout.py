@@ -1,0 +1,163 @@
+import asyncio
+from functools import partial
+
+import pytest
+import torch
+
+from turnrl.algorithms.losses import token_logprobs
+from turnrl.envs import StepResult, make_env
+from turnrl.rollout import (
+    ChatFormat,
+    Completion,
+    HFEngine,
+    SamplingParams,
+    TemplateError,
+    run_episodes,
+    sample_tokens,
+)
+from turnrl.types import ENV_VERSION, Episode, read_episodes, write_episodes
+
+
+class ScriptedEngine:
+    """An Engine that replies with fixed texts (and made-up logprobs), for bookkeeping tests."""
+
+    def __init__(self, tokenizer, replies, stop=True):
+        self.tokenizer, self.replies, self.stop, self.version, self.calls = (
+            tokenizer, replies, stop, 3, 0)
+
+    def generate(self, prompts, params):
+        text = self.replies[self.calls % len(self.replies)]
+        self.calls += 1
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = ids + [self.tokenizer.eos_token_id] if self.stop else ids
+        return [Completion(list(ids), [-0.5 - i for i in range(len(ids))],
+                           "stop" if self.stop else "length") for _ in prompts]
+
+
+def test_sample_tokens_greedy_and_top_p():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.1, 0.1, 0.8]]))
+    tokens, logprobs = sample_tokens(logits, 0.0, 1.0)
+    assert tokens.tolist() == [0, 2]
+    assert torch.allclose(logprobs, torch.log(torch.tensor([0.6, 0.8])))
+    gen = torch.Generator().manual_seed(0)
+    # top_p 0.5 keeps only the top token of row 0 (0.6 >= 0.5) and of row 1.
+    for _ in range(20):
+        tokens, logprobs = sample_tokens(logits, 1.0, 0.5, gen)
+        assert tokens.tolist() == [0, 2]
+    # Logprobs are reported under the untruncated tempered policy.
+    assert torch.allclose(logprobs, torch.log(torch.tensor([0.6, 0.8])), atol=1e-6)
+
+
+def test_engine_logprobs_match_a_recomputed_forward_pass(tiny):
+    model, tok = tiny
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    prompts = [tok("Say a digit.")["input_ids"], tok("Hi")["input_ids"]]  # different lengths
+    params = SamplingParams(max_new_tokens=6, temperature=0.7)
+    completions = engine.generate(prompts, params)
+    for prompt, completion in zip(prompts, completions, strict=True):
+        assert len(completion.token_ids) == len(completion.logprobs) == 6
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, :-1]
+        recomputed = token_logprobs(logits, ids[:, 1:], 0.7)[0, len(prompt) - 1:]
+        assert torch.allclose(recomputed, torch.tensor(completion.logprobs), atol=1e-4)
+
+
+def test_engine_stops_at_end_of_turn(tiny):
+    model, tok = tiny
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    # Make every token a stop token: each row stops after exactly one token.
+    params = SamplingParams(max_new_tokens=5, stop_token_ids=tuple(range(len(tok))))
+    completions = engine.generate([tok("abc")["input_ids"]] * 3, params)
+    assert all(c.finish_reason == "stop" and len(c.token_ids) == 1 for c in completions)
+
+
+def test_multi_turn_bookkeeping_masks_env_tokens(tiny):
+    _, tok = tiny
+    chat = ChatFormat(tok)
+    replies = ["5", "I think 8", "7"]
+    engine = ScriptedEngine(tok, replies)
+    make = partial(make_env, "guess-number", low=1, high=10, max_turns=3)
+    episodes = asyncio.run(run_episodes(make, [(0, 0), (1, 0)], engine, chat,
+                                        SamplingParams(max_new_tokens=8), env_name="guess"))
+    for episode in episodes:
+        assert len(episode.token_ids) == len(episode.loss_mask) == len(episode.logprobs)
+        assert episode.status == "done" and 1 <= len(episode.turns) <= 3
+        policy_positions = []
+        for turn, reply in zip(episode.turns, replies, strict=False):
+            span = episode.token_ids[turn.start:turn.end]
+            assert tok.decode(span) == reply + "<|im_end|>"  # exactly what was sampled
+            assert turn.action == reply
+            assert episode.logprobs[turn.start:turn.end] == [-0.5 - i for i in range(len(span))]
+            assert set(episode.versions[turn.start:turn.end]) == {3}
+            policy_positions += range(turn.start, turn.end)
+        masked = [i for i, m in enumerate(episode.loss_mask) if m]
+        assert masked == policy_positions
+        for i, m in enumerate(episode.loss_mask):
+            if not m:
+                assert episode.logprobs[i] == 0.0 and episode.versions[i] == ENV_VERSION
+        # The token stream renders as the chat template renders the whole conversation.
+        messages = [{"role": "user", "content": asyncio.run(make().reset(episode.seed))}]
+        for turn in episode.turns[:-1]:
+            messages += [{"role": "assistant", "content": turn.action},
+                         {"role": "user", "content": turn.observation}]
+        expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        last = episode.turns[-1]
+        assert tok.decode(episode.token_ids[:last.start]) == expected
+
+
+def test_truncated_reply_gets_its_end_of_turn_from_the_template(tiny):
+    _, tok = tiny
+    engine = ScriptedEngine(tok, ["4"], stop=False)  # hit max_new_tokens: no stop token
+    make = partial(make_env, "guess-number", max_turns=2)
+    [episode] = asyncio.run(run_episodes(make, [(5, 0)], engine, ChatFormat(tok),
+                                         SamplingParams(max_new_tokens=1)))
+    first, second = episode.turns
+    between = tok.decode(episode.token_ids[first.end:second.start])
+    assert between.startswith("<|im_end|>\n<|im_start|>user\n")
+    assert episode.loss_mask[first.end] == 0  # the template's end-of-turn is not trained
+
+
+def test_template_that_rewrites_history_is_rejected(tiny):
+    _, tok = tiny
+    # A template that strips whitespace from message contents changes earlier turns.
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                         "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(TemplateError, match="does not preserve the conversation prefix"):
+        ChatFormat(tok).check()
+
+
+class StuckEnv:
+    async def reset(self, seed):
+        return "hello"
+
+    async def step(self, action):
+        await asyncio.sleep(30)
+        return StepResult("", 1.0, True)
+
+
+class BrokenEnv(StuckEnv):
+    async def step(self, action):
+        raise RuntimeError("tool crashed")
+
+
+def test_stuck_or_broken_env_fails_the_episode_not_the_run(tiny):
+    _, tok = tiny
+    engine = ScriptedEngine(tok, ["ok"])
+    for env_cls, status, reason in [(StuckEnv, "timeout", "timed out"),
+                                    (BrokenEnv, "error", "tool crashed")]:
+        [episode] = asyncio.run(run_episodes(env_cls, [(0, 0)], engine, ChatFormat(tok),
+                                             SamplingParams(), env_timeout_s=0.2))
+        assert episode.status == status and reason in episode.info["reason"]
+        assert episode.reward == 0.0 and not episode.success
+
+
+def test_episodes_round_trip_through_jsonl(tmp_path, tiny):
+    _, tok = tiny
+    make = partial(make_env, "guess-number", max_turns=2)
+    episodes = asyncio.run(run_episodes(make, [(0, 0), (1, 1)], ScriptedEngine(tok, ["3"]),
+                                        ChatFormat(tok), SamplingParams()))
+    write_episodes(tmp_path / "e.jsonl", episodes)
+    back = read_episodes(tmp_path / "e.jsonl")
+    assert back == episodes and isinstance(back[0], Episode)

@@ -1,0 +1,96 @@
+"""Atomic checkpoints: everything a resume needs, never half written.
+
+A checkpoint is built in a temporary directory, every file fsynced, then renamed into
+place in one ``os.rename``; so after a ``kill -9`` at any point the run directory holds only
+whole checkpoints, and ``latest_checkpoint`` never returns a partial one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+
+PREFIX = "step-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for file in path.iterdir():
+        with open(file, "rb+") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def rng_state(engine_generator: torch.Generator | None = None) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if engine_generator is not None:
+        state["engine"] = engine_generator.get_state()
+    return state
+
+
+def restore_rng(state: dict, engine_generator: torch.Generator | None = None) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if engine_generator is not None and "engine" in state:
+        engine_generator.set_state(state["engine"])
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, *, rng: dict, extra: dict | None = None,
+                    keep: int = 2) -> Path:
+    """Write ``checkpoints/step-NNNNNN`` atomically and keep only the newest ``keep``."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(rng, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **(extra or {})}))
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving a step after a resume: replace the old copy
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    for old in sorted(root.glob(f"{PREFIX}*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest whole checkpoint, or None; leftover temporary directories are removed."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    for tmp in root.glob(f".tmp-{PREFIX}*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    found = sorted(root.glob(f"{PREFIX}*"))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Restore model and optimiser in place; return (state.json contents, rng state)."""
+    path = Path(path)
+    load_model(model, str(path / "model.safetensors"))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    return json.loads((path / "state.json").read_text()), rng

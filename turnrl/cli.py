@@ -1,0 +1,131 @@
+"""``turnrl train | eval | report | envs``; the options are generated from the config."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from turnrl.config import ConfigError, config_help, load_config
+
+USAGE = """turnrl train  [--config FILE.yaml] [--resume] [--section.key VALUE ...]
+turnrl eval   [--config FILE.yaml] [--checkpoint DIR] [--section.key VALUE ...]
+turnrl report RUN_DIR [--out FILE.png]
+turnrl envs
+
+Every config field is an option; `turnrl train --help` lists them with their docs."""
+
+
+def _split(argv: Sequence[str], flags: dict[str, bool]) -> tuple[dict, list[str]]:
+    """Take our own flags (name -> takes a value) out of argv; the rest are config overrides."""
+    found, rest, args = {}, [], list(argv)
+    while args:
+        arg = args.pop(0)
+        name = arg.split("=", 1)[0]
+        if name in flags:
+            if flags[name]:
+                if "=" in arg:
+                    found[name] = arg.split("=", 1)[1]
+                elif args:
+                    found[name] = args.pop(0)
+                else:
+                    raise ConfigError(f"{name} needs a value")
+            else:
+                found[name] = True
+        else:
+            rest.append(arg)
+    return found, rest
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    from turnrl.trainer.sync import train
+
+    own, overrides = _split(argv, {"--config": True, "--resume": False})
+    cfg = load_config(own.get("--config"), overrides)
+    train(cfg, resume=bool(own.get("--resume")))
+    return 0
+
+
+def cmd_eval(argv: Sequence[str]) -> int:
+    from dataclasses import replace
+    from functools import partial
+
+    import torch
+
+    from turnrl.checkpoint import load_checkpoint
+    from turnrl.envs import make_env
+    from turnrl.evaluation import evaluate
+    from turnrl.metrics import print_table
+    from turnrl.models import load_model
+    from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+
+    own, overrides = _split(argv, {"--config": True, "--checkpoint": True})
+    cfg = load_config(own.get("--config"), overrides)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
+                                  cache_dir=cfg.model.cache_dir or None)
+    if "--checkpoint" in own:
+        load_checkpoint(own["--checkpoint"], model, torch.optim.AdamW(model.parameters()))
+    chat = ChatFormat(tokenizer)
+    chat.check()
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.eval.temperature, cfg.rollout.top_p,
+                            stop_token_ids=(chat.end_of_turn,))
+    seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
+    make = partial(make_env, cfg.env.name, **cfg.env.options)
+    result, _ = evaluate(make, seeds, HFEngine(model, tokenizer.pad_token_id, cfg.run.seed), chat,
+                         replace(params), env_name=cfg.env.name,
+                         max_turns=cfg.rollout.max_turns, env_timeout_s=cfg.rollout.env_timeout_s)
+    print_table(f"{cfg.env.name}: {cfg.model.name}", ["policy", "success [95% CI]", "mean reward",
+                                                      "mean turns", "episodes"],
+                [result.row(own.get("--checkpoint", cfg.model.name))])
+    return 0
+
+
+def cmd_report(argv: Sequence[str]) -> int:
+    from turnrl.report import write_report
+
+    own, rest = _split(argv, {"--out": True})
+    if len(rest) != 1:
+        raise ConfigError("usage: turnrl report RUN_DIR [--out FILE.png]")
+    print(write_report(rest[0], own.get("--out")))
+    return 0
+
+
+def cmd_envs(argv: Sequence[str]) -> int:
+    from turnrl.envs import ENVS
+
+    for name, factory in ENVS.items():
+        doc = (factory.__doc__ or "").strip().splitlines()
+        print(f"{name:16s} {doc[0] if doc else ''}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "report": cmd_report, "envs": cmd_envs}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["train"]  # `turnrl` alone runs the embedded default
+    command, rest = argv[0], argv[1:]
+    if command in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if command not in COMMANDS:
+        print(f"turnrl: unknown command '{command}'; choose one of {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return 2
+    if "-h" in rest or "--help" in rest:
+        print(USAGE + "\n\nConfig options:\n" + config_help())
+        return 0
+    try:
+        return COMMANDS[command](rest)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        # Bad input is the user's to fix: one line, no traceback.
+        print(f"turnrl {command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

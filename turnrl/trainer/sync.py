@@ -1,0 +1,220 @@
+"""The synchronous trainer: collect -> score -> advantages -> update -> log, in one loop.
+
+Every stage is named and timed (``time/<stage>_s`` in metrics.jsonl), so the loop reads and
+profiles the same way. A run directory holds the resolved config, metrics, sample episodes,
+before/after evaluations and atomic checkpoints; ``resume=True`` continues from the newest
+checkpoint with the same config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from turnrl.algorithms.advantages import compute_advantages
+from turnrl.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    rng_state,
+    save_checkpoint,
+)
+from turnrl.config import Config, ConfigError, config_from_dict, config_to_dict, save_config
+from turnrl.envs import make_env
+from turnrl.evaluation import EvalResult, evaluate, summarize
+from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
+from turnrl.models import load_model
+from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes
+from turnrl.trainer.step import UpdateSettings, policy_update
+from turnrl.types import Batch, write_episodes
+
+
+class StageTimer:
+    """``with timer("collect"): ...`` accumulates wall seconds per named stage."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    before: EvalResult | None
+    after: EvalResult | None
+    table: str
+
+
+def training_seeds(cfg: Config, step: int) -> list[tuple[int, int]]:
+    """(env seed, group id) per episode of ``step``: each group replays one seed.
+
+    Seeds stay below ``eval.seed_offset``, so training never sees a held-out task.
+    """
+    groups = cfg.rollout.groups_per_step
+    base = (cfg.run.seed * 7919 + step * groups) % cfg.eval.seed_offset
+    return [((base + g) % cfg.eval.seed_offset, g)
+            for g in range(groups) for _ in range(cfg.rollout.group_size)]
+
+
+def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
+    """Create or reopen the run directory; on resume the saved config wins."""
+    run_dir = Path(cfg.run.out_dir)
+    checkpoint = latest_checkpoint(run_dir)
+    saved = run_dir / "config.yaml"
+    if resume:
+        if not saved.exists():
+            raise ConfigError(f"nothing to resume in '{run_dir}' (no config.yaml); "
+                              "drop --resume to start a new run")
+        import yaml
+
+        stored = config_from_dict(yaml.safe_load(saved.read_text()))
+        # Only the length of the run and the display may change on resume.
+        cfg = replace(stored, run=replace(stored.run, steps=cfg.run.steps,
+                                          progress=cfg.run.progress))
+    elif checkpoint is not None:
+        raise ConfigError(f"run directory '{run_dir}' already has checkpoints; pass --resume to "
+                          "continue it or choose another --run.out_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, saved)
+    return cfg, checkpoint if resume else None
+
+
+def train(cfg: Config, *, resume: bool = False) -> TrainResult:
+    cfg, checkpoint = prepare_run_dir(cfg, resume)
+    run_dir = Path(cfg.run.out_dir)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    random.seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+
+    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
+                                  cache_dir=cfg.model.cache_dir or None)
+    chat = ChatFormat(tokenizer)
+    chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
+    make = partial(make_env, cfg.env.name, **cfg.env.options)
+    make()  # bad env name or options fail here with a one-line error
+    engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed)
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
+                            cfg.rollout.top_p, stop_token_ids=(chat.end_of_turn,))
+    eval_params = replace(params, temperature=cfg.eval.temperature)
+    ref_model = copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
+                                  weight_decay=cfg.optim.weight_decay)
+    settings = UpdateSettings(cfg.algo, cfg.optim, cfg.rollout.temperature,
+                              cfg.algo.loss_agg_constant
+                              or cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
+    eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
+    run_eval = partial(evaluate, make, eval_seeds, engine, chat, eval_params,
+                       env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
+                       env_timeout_s=cfg.rollout.env_timeout_s)
+
+    start_step = 0
+    if checkpoint is not None:
+        state, rng = load_checkpoint(checkpoint, model, optimizer)
+        restore_rng(rng, engine.generator)
+        start_step = engine.version = state["step"]
+        truncate_metrics(run_dir / "metrics.jsonl", after_step=start_step)
+        print(f"resuming {run_dir} from step {start_step}")
+
+    before = _load_or_run_eval(run_dir / "eval_before", run_eval, cfg.eval.episodes)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+                           wandb_project=cfg.run.wandb_project, config=config_to_dict(cfg))
+    episodes_dir = run_dir / "episodes"
+    episodes_dir.mkdir(exist_ok=True)
+
+    with logger, TrainProgress(cfg.run.steps, start_step=start_step, enabled=cfg.run.progress,
+                               description=f"{cfg.env.name}", length_unit="turns") as progress:
+        for step in range(start_step, cfg.run.steps):
+            timer = StageTimer()
+            step_start = time.perf_counter()
+            with timer("collect"):
+                episodes = asyncio.run(run_episodes(
+                    make, training_seeds(cfg, step), engine, chat, params,
+                    env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
+                    max_context=getattr(model.config, "max_position_embeddings", None),
+                    env_timeout_s=cfg.rollout.env_timeout_s))
+            with timer("score"):
+                rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
+                groups = torch.tensor([ep.group for ep in episodes])
+            with timer("advantages"):
+                advantages = compute_advantages(cfg.algo.advantage, rewards, groups)
+                batch = Batch.from_episodes(episodes, advantages, tokenizer.pad_token_id)
+            with timer("update"):
+                update_metrics = policy_update(model, optimizer, batch, settings, ref_model)
+                engine.version += 1
+            with timer("log"):
+                summary = summarize(episodes)
+                metrics = {
+                    "reward/mean": summary.mean_reward,
+                    "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                    "success/rate": summary.success_rate,
+                    "episode/turns": summary.mean_turns,
+                    "episode/tokens": float(np.mean([len(ep.token_ids) for ep in episodes])),
+                    "episode/policy_tokens": float(np.mean([ep.num_policy_tokens
+                                                            for ep in episodes])),
+                    "episode/failed": summary.failed,
+                    **update_metrics,
+                }
+                if cfg.run.sample_episodes:
+                    write_episodes(episodes_dir / f"step-{step + 1:06d}.jsonl",
+                                   episodes[:cfg.run.sample_episodes])
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.run.steps:
+                result, _ = run_eval()
+                lo, hi = result.interval
+                metrics.update({"eval/success": result.success_rate, "eval/success_lo": lo,
+                                "eval/success_hi": hi, "eval/reward": result.mean_reward})
+            metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
+            metrics["time/step_s"] = time.perf_counter() - step_start
+            logger.log(step + 1, metrics)
+            progress.update(step + 1, reward=summary.mean_reward, turns=summary.mean_turns,
+                            success=f"{summary.success_rate:.0%}")
+            last = step + 1 == cfg.run.steps
+            if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
+                save_checkpoint(run_dir, step + 1, model, optimizer,
+                                rng=rng_state(engine.generator), keep=cfg.run.keep_checkpoints)
+
+    after = _load_or_run_eval(run_dir / "eval_after", run_eval, cfg.eval.episodes, fresh=True)
+    table = ""
+    if before and after:
+        title = f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes, before vs after"
+        table = print_table(title, ["policy", "success [95% CI]", "mean reward", "mean turns",
+                                    "episodes"],
+                            [before.row("before"), after.row(f"after {cfg.run.steps} steps")])
+        (run_dir / "summary.txt").write_text(table)
+    return TrainResult(run_dir, cfg.run.steps, before, after, table)
+
+
+def _load_or_run_eval(path: Path, run_eval, episodes: int, fresh: bool = False
+                      ) -> EvalResult | None:
+    """Evaluate once and keep the result (a resumed run does not re-measure 'before')."""
+    if episodes == 0:
+        return None
+    result_file = path.with_suffix(".json")
+    if result_file.exists() and not fresh:
+        data = json.loads(result_file.read_text())
+        return EvalResult(**{k: data[k] for k in ("episodes", "successes", "mean_reward",
+                                                  "mean_turns", "failed")})
+    result, eps = run_eval()
+    write_episodes(path.with_suffix(".jsonl"), eps)
+    tmp = result_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result.to_dict()))
+    tmp.replace(result_file)
+    return result

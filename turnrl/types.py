@@ -1,0 +1,143 @@
+"""The data that flows through TurnRL: turns, episodes and training batches.
+
+Every token of an episode carries its facts side by side (AReaL's multi-turn workflow keeps
+the same columns): whether the policy sampled it (``loss_mask``), the log-probability the
+behaviour policy gave it, and the policy version that produced it. Environment and template
+tokens have mask 0, log-probability 0.0 and version -1.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+ENV_VERSION = -1
+"""Version tag of tokens the policy did not sample (prompt, template, environment)."""
+
+
+@dataclass
+class Turn:
+    """One policy action and what the environment answered.
+
+    ``start:end`` is the span of the policy's sampled tokens inside ``Episode.token_ids``.
+    """
+
+    start: int
+    end: int
+    action: str
+    observation: str
+    reward: float
+    finish_reason: str = "stop"  # "stop" (end-of-turn token) or "length" (max_new_tokens)
+
+
+@dataclass
+class Episode:
+    """A whole multi-turn interaction, as token ids with per-token facts."""
+
+    env: str
+    seed: int
+    group: int
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0
+    success: bool = False
+    status: str = "running"  # running | done | truncated | timeout | error
+    info: dict = field(default_factory=dict)
+
+    def append(self, ids: Sequence[int], *, policy: bool, logprobs: Sequence[float] = (),
+               version: int = ENV_VERSION) -> tuple[int, int]:
+        """Append tokens and their facts; return their span in ``token_ids``."""
+        start = len(self.token_ids)
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1 if policy else 0] * len(ids))
+        self.logprobs.extend(logprobs if policy else [0.0] * len(ids))
+        self.versions.extend([version if policy else ENV_VERSION] * len(ids))
+        if not (len(self.token_ids) == len(self.loss_mask) == len(self.logprobs)
+                == len(self.versions)):
+            raise ValueError("episode columns out of step: logprobs must match the policy tokens")
+        return start, len(self.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status != "running"
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> Episode:
+        data = json.loads(line)
+        data["turns"] = [Turn(**t) for t in data["turns"]]
+        return cls(**data)
+
+
+def write_episodes(path: str | Path, episodes: Iterable[Episode]) -> None:
+    """Write episodes as JSONL (one episode a line), readable with ``read_episodes``."""
+    with open(path, "w") as f:
+        for ep in episodes:
+            f.write(ep.to_json() + "\n")
+
+
+def read_episodes(path: str | Path) -> list[Episode]:
+    with open(path) as f:
+        return [Episode.from_json(line) for line in f if line.strip()]
+
+
+@dataclass
+class Batch:
+    """Episodes padded on the right into tensors for the update.
+
+    Shapes: ``input_ids``, ``attention_mask``, ``loss_mask``, ``old_logprobs`` [B, T];
+    ``advantages`` [B] (one per episode) or [B, T] (per token, for turn-level credit).
+    ``loss_mask[b, t]`` marks that token ``t`` was sampled by the policy; the update scores
+    it from the logits at position ``t - 1``.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    @classmethod
+    def from_episodes(cls, episodes: Sequence[Episode], advantages: torch.Tensor,
+                      pad_id: int) -> Batch:
+        length = max(len(ep.token_ids) for ep in episodes)
+        shape = (len(episodes), length)
+        input_ids = torch.full(shape, pad_id, dtype=torch.long)
+        attention_mask = torch.zeros(shape, dtype=torch.long)
+        loss_mask = torch.zeros(shape, dtype=torch.float32)
+        old_logprobs = torch.zeros(shape, dtype=torch.float32)
+        for row, ep in enumerate(episodes):
+            n = len(ep.token_ids)
+            input_ids[row, :n] = torch.tensor(ep.token_ids)
+            attention_mask[row, :n] = 1
+            loss_mask[row, :n] = torch.tensor(ep.loss_mask, dtype=torch.float32)
+            old_logprobs[row, :n] = torch.tensor(ep.logprobs, dtype=torch.float32)
+        return cls(input_ids, attention_mask, loss_mask, old_logprobs, advantages)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: slice | torch.Tensor) -> Batch:
+        """A micro-batch, trimmed of trailing all-padding columns."""
+        width = int(self.attention_mask[rows].sum(dim=1).max())
+        return Batch(
+            input_ids=self.input_ids[rows, :width],
+            attention_mask=self.attention_mask[rows, :width],
+            loss_mask=self.loss_mask[rows, :width],
+            old_logprobs=self.old_logprobs[rows, :width],
+            advantages=self.advantages[rows] if self.advantages.dim() == 1
+            else self.advantages[rows, :width],
+        )
