@@ -179,7 +179,9 @@ def _smollm2_dir(cache_dir: str | None) -> Path:
     print(f"turnrl: converting bundled {SMOLLM2} GGUF once, cached at {target}", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2}.tmp-", dir=cache))
     try:
-        _convert_smollm2(gguf_path, tmp)
+        details = _convert_smollm2(gguf_path, tmp)
+        marker = {"format": _CONVERT_FORMAT, "source": gguf_path.name, **details}
+        (tmp / _DONE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         _fsync_tree(tmp)
         _publish(tmp, target)
     finally:
@@ -248,8 +250,9 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def _convert_smollm2(gguf_path: Path, out_dir: Path) -> None:
-    """Write a plain float32 safetensors HF checkpoint of the GGUF into out_dir and verify it.
+def _convert_smollm2(gguf_path: Path, out_dir: Path) -> dict:
+    """Write a plain float32 safetensors HF checkpoint of the GGUF into out_dir and verify it;
+    returns facts worth recording in the done-marker.
 
     transformers can load a GGUF directly, but only with `accelerate` installed, and it refuses to
     save such a model; so the weights are dequantised here with the `gguf` package into a plain
@@ -280,8 +283,9 @@ def _convert_smollm2(gguf_path: Path, out_dir: Path) -> None:
     probe = [{"role": "user", "content": "What is the capital of France?"},
              {"role": "assistant", "content": "The capital of France is Paris."}]
     text = tokenizer.apply_chat_template(probe, tokenize=False)
-    saved_tok = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    prompt = tokenizer.apply_chat_template(probe[:1], tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, return_tensors="pt").input_ids
+    saved_tok = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
     if saved_tok.eos_token != IM_END or not saved_tok.chat_template:
         raise ValueError("saved SmolLM2 tokenizer lost its eos token or chat template")
     if not torch.equal(saved_tok(text, return_tensors="pt").input_ids, ids):
@@ -291,13 +295,13 @@ def _convert_smollm2(gguf_path: Path, out_dir: Path) -> None:
         logits = model(ids).logits
         if not torch.equal(saved(ids).logits, logits):
             raise ValueError("saved SmolLM2 checkpoint does not reproduce the converted logits")
-        # Wrongly mapped weights (e.g. an un-permuted q/k) give near-uniform predictions (~10.8).
-        loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
-    if loss > 4.0:
-        raise ValueError(f"converted SmolLM2 looks broken: probe loss {loss:.2f}")
-
-    marker = {"format": _CONVERT_FORMAT, "source": gguf_file, "probe_loss": round(loss, 4)}
-    (out_dir / _DONE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    # Exact round trips do not catch wrongly mapped weights, so check the model still knows the
+    # answer: ~0.3 nats/token when right, ~3.6 with un-permuted q/k, ~11 for random weights.
+    start = len(tokenizer(prompt).input_ids)
+    loss = torch.nn.functional.cross_entropy(logits[0, start - 1:-1], ids[0, start:]).item()
+    if loss > 1.5:
+        raise ValueError(f"converted SmolLM2 looks broken: answer loss {loss:.2f} nats/token")
+    return {"answer_loss": round(loss, 4)}
 
 
 def _copy_gguf_weights(gguf_path: Path, model: PreTrainedModel) -> None:

@@ -1,0 +1,146 @@
+"""End to end: learning, update equivalences, resume after SIGKILL, CLI errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from turnrl.config import load_config
+from turnrl.metrics import read_metrics
+from turnrl.trainer import UpdateSettings, policy_update, train
+from turnrl.types import Batch
+
+TESTS = Path(__file__).parent
+TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_tokens", "3",
+        "--run.progress", "false", "--run.tensorboard", "false"]
+
+
+@pytest.mark.slow
+def test_tiny_model_learns_a_toy_task(tmp_path):
+    started = time.monotonic()
+    cfg = load_config(None, TINY + ["--optim.lr", "2e-2", "--run.steps", "20",
+                                    "--optim.micro_batch_size", "32",
+                                    "--run.out_dir", str(tmp_path)])
+    result = train(cfg)
+    assert result.before.success_rate < 0.3
+    assert result.after.success_rate > 0.9
+    assert time.monotonic() - started < 120
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert all(r["time/collect_s"] > 0 and r["time/update_s"] > 0 for r in records)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "before" in summary and "after 20 steps" in summary
+    assert len(list((tmp_path / "episodes").glob("*.jsonl"))) == 20
+
+
+def _batch(tiny, rows=6):
+    model, tok = tiny
+    torch.manual_seed(0)
+    ids = torch.randint(3, len(tok), (rows, 12))
+    mask = torch.zeros_like(ids, dtype=torch.float32)
+    mask[:, 6:] = 1
+    attention = torch.ones_like(ids)
+    attention[1, 9:] = 0  # a shorter row
+    mask[1, 9:] = 0
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+    old = torch.zeros_like(mask)
+    old[:, 1:] = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
+    return Batch(ids, attention, mask, old, torch.linspace(-1, 1, rows))
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_gradient_accumulation_matches_one_big_batch(tiny, agg):
+    model, _ = tiny
+    batch = _batch(tiny)
+    cfg = load_config(None, ["--algo.loss_agg", agg, "--optim.max_grad_norm", "0"])
+    grads = []
+    for micro in (6, 2):
+        settings = UpdateSettings(cfg.algo, cfg.optim.__class__(micro_batch_size=micro,
+                                                                max_grad_norm=0), 1.0, 12)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        policy_update(model, optimizer, batch, settings)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_on_policy_update_has_ratio_one_then_kl_grows(tiny):
+    import copy
+
+    model, _ = tiny
+    ref = copy.deepcopy(model)
+    batch = _batch(tiny)
+    cfg = load_config(None, ["--algo.kl_coef", "0.1", "--algo.epochs", "1"])
+    settings = UpdateSettings(cfg.algo, cfg.optim, 1.0, 12)
+    # Behaviour logprobs came from this very model: ratio 1, nothing clipped, KL to ref 0.
+    still = policy_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, settings, ref)
+    assert still["clip_fraction"] == 0.0 and abs(still["kl"]) < 1e-6 and still["entropy"] > 0
+    settings = UpdateSettings(cfg.algo.__class__(kl_coef=0.1, epochs=4), cfg.optim, 1.0, 12)
+    moved = policy_update(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batch,
+                          settings, ref)
+    assert moved["kl"] > 1e-4  # later epochs score a policy that has left the reference
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(),
+                                                      strict=True))
+
+
+def _train_cmd(out_dir, *extra):
+    return [sys.executable, "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); import conftest; "
+            "from turnrl.cli import main; sys.exit(main(sys.argv[2:]))",
+            str(TESTS), "train", *TINY, "--run.out_dir", str(out_dir), "--eval.episodes", "0",
+            "--run.checkpoint_every", "2", "--optim.lr", "1e-3", *extra]
+
+
+def test_resume_after_sigkill_continues_from_the_checkpoint(tmp_path):
+    proc = subprocess.Popen(_train_cmd(tmp_path, "--run.steps", "200"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    checkpoints = tmp_path / "checkpoints"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not list(checkpoints.glob("step-00000[4-9]")):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    saved = sorted(p.name for p in checkpoints.glob("step-*"))
+    assert saved, "no checkpoint before the kill"
+    resume_from = int(saved[-1].split("-")[1])
+    config_before = (tmp_path / "config.yaml").read_text()
+
+    # Without --resume a run directory with checkpoints is refused, not overwritten.
+    refused = subprocess.run(_train_cmd(tmp_path, "--run.steps", "12"), capture_output=True,
+                             text=True)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    done = subprocess.run(_train_cmd(tmp_path, "--run.steps", str(resume_from + 4), "--resume",
+                                     "--optim.lr", "5"),  # ignored: the saved config wins
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"from step {resume_from}" in done.stdout
+    assert (tmp_path / "config.yaml").read_text() == config_before.replace(
+        "steps: 200", f"steps: {resume_from + 4}")
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(1, resume_from + 5))  # no step lost or logged twice
+    assert not list(checkpoints.glob(".tmp-*"))
+    state = json.loads((checkpoints / f"step-{resume_from + 4:06d}" / "state.json").read_text())
+    assert state["step"] == resume_from + 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--algo.clip_hihg", "0.3"], "did you mean 'algo.clip_high'"),
+    (["--algo.clip_high", "abc"], "algo.clip_high: expected float, got 'abc'"),
+    (["--model.name", "/no/such/model"], "model path '/no/such/model' not found"),
+    (["--env.name", "guess-nmber", "--model.name", "tiny"], "did you mean 'guess-number'"),
+])
+def test_cli_bad_input_gives_one_line_error(tmp_path, args, message):
+    out = subprocess.run([sys.executable, "-m", "turnrl.cli", "train", "--run.out_dir",
+                          str(tmp_path), *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
