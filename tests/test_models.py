@@ -1,6 +1,8 @@
 import json
 import os
 import string
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -211,34 +213,80 @@ def test_crashed_conversion_leaves_nothing(monkeypatch, fake_convert, tmp_path):
     assert list(cache.iterdir()) == []
 
 
-def test_concurrent_conversions(monkeypatch, fake_convert, tmp_path):
+def test_threads_share_one_conversion(monkeypatch, fake_convert, tmp_path):
     cache = tmp_path / "cache"
-    both_converting = threading.Barrier(2, timeout=30)
-    convert = models._convert_smollm2
-
-    def slow_convert(gguf_path, out_dir):
-        both_converting.wait()
-        return convert(gguf_path, out_dir)
-
-    monkeypatch.setattr(models, "_convert_smollm2", slow_convert)
     results, errors = [], []
+    start = threading.Barrier(3, timeout=30)
 
     def worker():
+        start.wait()
         try:
             results.append(load_model(SMOLLM2, cache_dir=str(cache)))
         except BaseException as exc:  # reported below, on the main thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker) for _ in range(2)]
+    threads = [threading.Thread(target=worker) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert errors == [] and len(results) == 2 and len(fake_convert) == 2
-    assert (cache / SMOLLM2 / models._DONE_MARKER).is_file()
+    assert errors == [] and len(results) == 3
+    assert len(fake_convert) == 1
+    reference = _logits(*tiny_model(seed=7))
+    for model, tok in results:
+        assert torch.equal(_logits(model, tok), reference)  # and no half-loaded (meta) weights
+
+
+_CONVERTER = """
+import os, sys, time
+from pathlib import Path
+from turnrl import models
+
+cache, ready = Path(sys.argv[1]), Path(sys.argv[2])
+
+def convert(gguf_path, out_dir):
+    # Rendezvous, so both processes are converting at the same time.
+    (ready / str(os.getpid())).touch()
+    deadline = time.time() + 60
+    while len(list(ready.iterdir())) < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    model, tok = models.tiny_model(seed=7)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return {"pid": os.getpid()}
+
+models._bundled_gguf_path = lambda: cache / "fake.gguf"
+models._convert_smollm2 = convert
+models.load_model(models.SMOLLM2, cache_dir=str(cache))
+"""
+
+
+def test_processes_converting_at_once(tmp_path):
+    cache, ready = tmp_path / "cache", tmp_path / "ready"
+    ready.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", _CONVERTER, str(cache), str(ready)],
+                              env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    assert len(list(ready.iterdir())) == 2  # both really converted
     assert _leftovers(cache) == []
-    again, tok = load_model(SMOLLM2, cache_dir=str(cache))
-    assert torch.equal(_logits(again, tok), _logits(*results[0]))
+    marker = json.loads((cache / SMOLLM2 / models._DONE_MARKER).read_text())
+    assert marker["pid"] in {p.pid for p in procs}
+    model, tok = load_model(SMOLLM2, cache_dir=str(cache))
+    assert torch.equal(_logits(model, tok), _logits(*tiny_model(seed=7)))
+
+
+def test_publish_keeps_the_first_finished_copy(tmp_path):
+    target = tmp_path / SMOLLM2
+    for name in ("first", "second"):
+        tmp = tmp_path / f".{SMOLLM2}.tmp-{name}"
+        tmp.mkdir()
+        (tmp / "which").write_text(name)
+        (tmp / models._DONE_MARKER).write_text("{}")
+        models._publish(tmp, target)
+    assert (target / "which").read_text() == "first"
 
 
 # --- the real bundled model ------------------------------------------------------------------

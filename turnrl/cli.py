@@ -56,7 +56,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
     from turnrl.envs import make_env
     from turnrl.evaluation import evaluate
     from turnrl.metrics import print_table
-    from turnrl.models import load_model
+    from turnrl.models import load_model, resolve_device
     from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 
     own, overrides = _split(argv, {"--config": True, "--checkpoint": True})
@@ -65,6 +65,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
         torch.set_num_threads(cfg.run.threads)
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
                                   cache_dir=cfg.model.cache_dir or None)
+    model.to(resolve_device(cfg.model.device))
     if "--checkpoint" in own:
         load_checkpoint(own["--checkpoint"], model, torch.optim.AdamW(model.parameters()))
     chat = ChatFormat(tokenizer)

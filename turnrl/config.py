@@ -64,9 +64,13 @@ class ModelConfig(_Section):
     """parameter dtype of the policy (and reference) model"""
     cache_dir: str = ""
     """where the converted offline model is cached; '' means ~/.cache/turnrl"""
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'"""
 
     def _check(self) -> None:
         self._require("name", bool(self.name), "a model name or path")
+        self._require("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+                      "'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
 @dataclass(frozen=True)

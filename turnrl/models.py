@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -34,6 +35,12 @@ _CONVERT_FORMAT = 1
 _STALE_TMP_S = 3600.0
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# transformers' from_pretrained is not thread-safe (concurrent loads in one process come back
+# with meta or untied weights), and seeding a build uses the process-wide RNG: serialise both.
+_HF_LOCK = threading.RLock()
+# Threads of one process wait for a single conversion instead of each doing their own.
+_CONVERT_LOCK = threading.Lock()
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
@@ -108,7 +115,7 @@ def tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    with torch.random.fork_rng(devices=[]):
+    with _HF_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model, tokenizer
@@ -156,8 +163,9 @@ def _torch_dtype(dtype: str) -> torch.dtype:
 def _load_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    with _HF_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token is None:
         # Padding needs some id; unk is a safer filler than eos where the model has one.
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
@@ -173,6 +181,13 @@ def _smollm2_dir(cache_dir: str | None) -> Path:
     target = cache / SMOLLM2
     if _is_complete(target):
         return target
+    with _CONVERT_LOCK:
+        if not _is_complete(target):  # another thread may have just finished it
+            _convert_into_cache(cache, target)
+    return target
+
+
+def _convert_into_cache(cache: Path, target: Path) -> None:
     gguf_path = _bundled_gguf_path()
     cache.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(cache)
@@ -182,11 +197,10 @@ def _smollm2_dir(cache_dir: str | None) -> Path:
         details = _convert_smollm2(gguf_path, tmp)
         marker = {"format": _CONVERT_FORMAT, "source": gguf_path.name, **details}
         (tmp / _DONE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        _fsync_tree(tmp)
+        _finalise_tree(tmp)
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _is_complete(path: Path) -> bool:
@@ -230,7 +244,7 @@ def _publish(tmp: Path, target: Path) -> None:
             return
         except OSError:
             if _is_complete(target):
-                return  # a concurrent converter finished first; its result is as good as ours
+                return  # another process finished first; its result is as good as ours
         # target is a broken leftover (e.g. from a copy or an older version): move it aside.
         stale = target.with_name(f".{SMOLLM2}.stale-{uuid.uuid4().hex}")
         try:
@@ -241,13 +255,19 @@ def _publish(tmp: Path, target: Path) -> None:
     raise OSError(f"could not publish the converted model at {target}")
 
 
-def _fsync_tree(root: Path) -> None:
-    # Flush file data before the rename, so a power cut cannot leave a complete-looking
-    # directory holding empty files.
+def _finalise_tree(root: Path) -> None:
+    # mkdtemp makes the dir private (0700); a cache shared via TURNRL_CACHE must be readable.
+    root.chmod(0o755)
     for path in root.rglob("*"):
         if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+            path.chmod(0o644)
+            # Flush file data before the rename, so a power cut cannot leave a complete-looking
+            # directory holding empty files.
+            try:
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+            except OSError:
+                pass  # e.g. Windows refuses fsync on read-only handles; best effort only
 
 
 def _convert_smollm2(gguf_path: Path, out_dir: Path) -> dict:
@@ -274,7 +294,8 @@ def _convert_smollm2(gguf_path: Path, out_dir: Path) -> dict:
     config.pad_token_id = tokenizer.pad_token_id
     config.name_or_path = ""
 
-    model = LlamaForCausalLM(config)
+    with _HF_LOCK:
+        model = LlamaForCausalLM(config)
     _copy_gguf_weights(gguf_path, model)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -290,7 +311,8 @@ def _convert_smollm2(gguf_path: Path, out_dir: Path) -> dict:
         raise ValueError("saved SmolLM2 tokenizer lost its eos token or chat template")
     if not torch.equal(saved_tok(text, return_tensors="pt").input_ids, ids):
         raise ValueError("saved SmolLM2 tokenizer encodes differently from the GGUF tokenizer")
-    saved = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
+    with _HF_LOCK:
+        saved = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
     with torch.no_grad():
         logits = model(ids).logits
         if not torch.equal(saved(ids).logits, logits):
@@ -346,3 +368,13 @@ def _unpermute_rotary(weights, n_heads: int):
     rows = weights.shape[0]
     return (weights.reshape(n_heads, rows // n_heads // 2, 2, *weights.shape[1:])
             .swapaxes(1, 2).reshape(weights.shape))
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' picks CUDA when available; asking for CUDA without one is a clear error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"model.device is '{device}' but no CUDA device is available; "
+                         "use --model.device cpu")
+    return torch.device(device)

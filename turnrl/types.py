@@ -130,6 +130,10 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
+                                              self.old_logprobs, self.advantages)))
+
     def select(self, rows: slice | torch.Tensor) -> Batch:
         """A micro-batch, trimmed of trailing all-padding columns."""
         width = int(self.attention_mask[rows].sum(dim=1).max())

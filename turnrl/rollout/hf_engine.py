@@ -22,7 +22,7 @@ class HFEngine:
         self.model = model
         self.pad_token_id = pad_token_id
         self.version = 0
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(model.device).manual_seed(seed)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
@@ -44,29 +44,37 @@ class HFEngine:
             attention_mask[row, width - len(prompt):] = 1
         # Positions count real tokens only, so left padding does not shift them.
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        stop = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long)
+        device = self.model.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = position_ids.to(device)
+        stop = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long, device=device)
 
         cache = DynamicCache()
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, past_key_values=cache, use_cache=True)
         completions = [Completion() for _ in prompts]
-        finished = torch.zeros(rows, dtype=torch.bool)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
         next_position = position_ids[:, -1:] + 1
         for step in range(params.max_new_tokens):
             tokens, logprobs = sample_tokens(out.logits[:, -1, :], params.temperature,
                                              params.top_p, self.generator)
-            for row in (~finished).nonzero()[:, 0].tolist():
-                completions[row].token_ids.append(int(tokens[row]))
-                completions[row].logprobs.append(float(logprobs[row]))
             newly_stopped = torch.isin(tokens, stop) & ~finished
-            for row in newly_stopped.nonzero()[:, 0].tolist():
-                completions[row].finish_reason = "stop"
+            # One device-to-host copy per decode step, not one per row.
+            for row, (token, logprob, was_done, stops) in enumerate(zip(
+                    tokens.tolist(), logprobs.tolist(), finished.tolist(),
+                    newly_stopped.tolist(), strict=True)):
+                if not was_done:
+                    completions[row].token_ids.append(token)
+                    completions[row].logprobs.append(logprob)
+                if stops:
+                    completions[row].finish_reason = "stop"
             finished |= newly_stopped
             if finished.all() or step == params.max_new_tokens - 1:
                 break
             # Finished rows keep decoding padding; their outputs are ignored.
             tokens = tokens.masked_fill(finished, self.pad_token_id)
-            attention_mask = torch.cat([attention_mask, torch.ones((rows, 1), dtype=torch.long)], 1)
+            attention_mask = torch.cat([attention_mask, torch.ones((rows, 1), dtype=torch.long,
+                                                                   device=device)], 1)
             out = self.model(input_ids=tokens[:, None], attention_mask=attention_mask,
                              position_ids=next_position, past_key_values=out.past_key_values,
                              use_cache=True)

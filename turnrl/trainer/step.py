@@ -83,6 +83,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     for _ in range(settings.algo.epochs):
         optimizer.zero_grad(set_to_none=True)
         for mb in micro_batches(batch, settings.optim.micro_batch_size):
+            mb = mb.to(next(model.parameters()).device)
             loss, stats = _micro_batch_loss(model, ref_model, mb, settings, totals)
             loss.backward()
             sums["loss"] += float(loss.detach())

@@ -34,7 +34,7 @@ from turnrl.config import Config, ConfigError, config_from_dict, config_to_dict,
 from turnrl.envs import make_env
 from turnrl.evaluation import EvalResult, evaluate, summarize
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
-from turnrl.models import load_model
+from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes
 from turnrl.trainer.step import UpdateSettings, policy_update
 from turnrl.types import Batch, write_episodes
@@ -107,6 +107,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
 
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
                                   cache_dir=cfg.model.cache_dir or None)
+    model.to(resolve_device(cfg.model.device))
     chat = ChatFormat(tokenizer)
     chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
     make = partial(make_env, cfg.env.name, **cfg.env.options)

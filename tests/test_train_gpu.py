@@ -1,0 +1,35 @@
+"""GPU checks: skipped on machines without CUDA (the development machine has none, so
+these have not been run there; run them with `make test` on a GPU host)."""
+
+import pytest
+import torch
+
+from turnrl.algorithms.losses import token_logprobs
+from turnrl.config import load_config
+from turnrl.models import tiny_model
+from turnrl.rollout import HFEngine, SamplingParams
+from turnrl.trainer import train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_engine_logprobs_match_forward_on_gpu():
+    model, tok = tiny_model(seed=0)
+    model.to("cuda")
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    prompt = tok("Say a digit.")["input_ids"]
+    [completion] = engine.generate([prompt], SamplingParams(max_new_tokens=5))
+    ids = torch.tensor([prompt + completion.token_ids], device="cuda")
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]
+    recomputed = token_logprobs(logits, ids[:, 1:])[0, len(prompt) - 1:].cpu()
+    assert torch.allclose(recomputed, torch.tensor(completion.logprobs), atol=1e-3)
+
+
+def test_training_runs_on_gpu(tmp_path):
+    cfg = load_config(None, ["--model.name", "tiny", "--model.device", "cuda",
+                             "--env.name", "guess-number", "--run.steps", "3",
+                             "--eval.episodes", "8", "--run.out_dir", str(tmp_path),
+                             "--run.progress", "false"])
+    result = train(cfg)
+    assert result.after is not None and result.after.episodes == 8
