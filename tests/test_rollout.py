@@ -161,3 +161,24 @@ def test_episodes_round_trip_through_jsonl(tmp_path, tiny):
     write_episodes(tmp_path / "e.jsonl", episodes)
     back = read_episodes(tmp_path / "e.jsonl")
     assert back == episodes and isinstance(back[0], Episode)
+
+
+@pytest.mark.parametrize("reuse_cache", [True, False])
+def test_multi_turn_logprobs_match_one_forward_over_the_episode(tiny, reuse_cache):
+    """Token-in-token-out end to end: the stored behaviour logprobs of every turn equal a
+    single forward pass over the finished episode (with and without KV reuse across turns)."""
+    model, tok = tiny
+    engine = HFEngine(model, tok.pad_token_id, seed=1, reuse_cache=reuse_cache)
+    make = partial(make_env, "guess-number", max_turns=4)
+    episodes = asyncio.run(run_episodes(make, [(s, 0) for s in range(5)], engine,
+                                        ChatFormat(tok), SamplingParams(max_new_tokens=4,
+                                                                        temperature=0.8)))
+    assert max(len(ep.turns) for ep in episodes) == 4  # the tiny model never wins
+    for episode in episodes:
+        ids = torch.tensor([episode.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, :-1]
+        recomputed = token_logprobs(logits, ids[:, 1:], 0.8)[0]
+        mask = torch.tensor(episode.loss_mask[1:], dtype=torch.bool)
+        stored = torch.tensor(episode.logprobs[1:])
+        assert torch.allclose(recomputed[mask], stored[mask], atol=1e-4)
