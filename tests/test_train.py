@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from turnrl.algorithms.losses import entropy_from_logits, token_logprobs
 from turnrl.config import load_config
 from turnrl.metrics import read_metrics
 from turnrl.trainer import UpdateSettings, policy_update, train
+from turnrl.trainer.step import score_policy_tokens
 from turnrl.types import Batch
 
 TESTS = Path(__file__).parent
@@ -53,6 +55,20 @@ def _batch(tiny, rows=6):
     old = torch.zeros_like(mask)
     old[:, 1:] = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
     return Batch(ids, attention, mask, old, torch.linspace(-1, 1, rows))
+
+
+def test_scoring_policy_tokens_only_equals_the_full_logits(tiny):
+    model, _ = tiny
+    batch = _batch(tiny)
+    logprobs, entropy = score_policy_tokens(model, batch, 0.7, entropy=True)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    full = token_logprobs(logits[:, :-1], batch.input_ids[:, 1:], 0.7)
+    mask = batch.loss_mask[:, 1:].bool()
+    assert torch.allclose(logprobs[mask], full[mask], atol=1e-5)
+    assert torch.all(logprobs[~mask] == 0)
+    assert torch.allclose(entropy[mask], entropy_from_logits(logits[:, :-1], 0.7)[mask],
+                          atol=1e-5)
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])

@@ -6,13 +6,14 @@ and does not change the global backend of a process that also plots interactivel
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from turnrl.metrics import read_metrics
 
 __all__ = ["PREFERRED_METRICS", "write_report"]
 
@@ -28,19 +29,6 @@ PREFERRED_METRICS = (
 )
 _EVAL = "eval/success"
 _NCOLS = 3
-
-
-def _read_records(path: Path) -> list[dict[str, Any]]:
-    # Tolerant on purpose: a report should still be drawn for a run that crashed mid-line.
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and _number(record.get("step")) is not None:
-            records.append(record)
-    return records
 
 
 def _number(value: Any) -> float | None:
@@ -118,7 +106,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not metrics_path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}; is this a TurnRL run directory?")
     out_path = Path(out) if out is not None else run_dir / "report.png"
-    records = _read_records(metrics_path)
+    records = read_metrics(metrics_path)
     panels = _panels(records)
 
     ncols = min(_NCOLS, max(1, len(panels)))

@@ -24,6 +24,8 @@ class StepResult(NamedTuple):
 
 @runtime_checkable
 class Env(Protocol):
+    """``reset`` and ``step``; an optional ``system_prompt`` attribute sets the system message."""
+
     async def reset(self, seed: int) -> str:
         """Start a new episode, deterministic under ``seed``; return the first observation."""
         ...

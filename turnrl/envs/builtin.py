@@ -35,6 +35,8 @@ class GuessNumber:
     A player that halves the range needs ceil(log2(high - low + 1)) turns at most.
     """
 
+    system_prompt = "You are playing a number guessing game. Always reply with one number only."
+
     def __init__(self, low: int = 1, high: int = 10, max_turns: int = 5, turn_cost: float = 0.1):
         self.low, self.high, self.max_turns, self.turn_cost = low, high, max_turns, turn_cost
         self.target, self.turn = 0, 0
@@ -42,11 +44,8 @@ class GuessNumber:
     async def reset(self, seed: int) -> str:
         self.target = random.Random(seed).randint(self.low, self.high)
         self.turn = 0
-        return (
-            f"Let's play a game. I am thinking of a number between {self.low} and {self.high}. "
-            f"You have {self.max_turns} guesses. After each guess I will say higher or lower. "
-            "Reply with just your guess, a single number."
-        )
+        return (f"I am thinking of a number between {self.low} and {self.high}. You have "
+                f"{self.max_turns} guesses; after each one I say higher or lower. Your guess?")
 
     async def step(self, action: str) -> StepResult:
         self.turn += 1
@@ -54,10 +53,9 @@ class GuessNumber:
         if guess == self.target:
             reward = 1.0 - self.turn_cost * (self.turn - 1)
             return StepResult("Correct!", reward, True, {"success": True, "turns": self.turn})
-        out_of_turns = self.turn >= self.max_turns
         if guess is None:
-            reply = f"Please reply with a single number between {self.low} and {self.high}."
+            reply = f"Reply with one number between {self.low} and {self.high}."
         else:
             reply = "Higher." if guess < self.target else "Lower."
         info = {"success": False, "turns": self.turn}
-        return StepResult(reply, 0.0, out_of_turns, info)
+        return StepResult(reply, 0.0, self.turn >= self.max_turns, info)

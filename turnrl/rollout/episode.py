@@ -44,9 +44,15 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def start(self, observation: str) -> tuple[list[dict], str, list[int]]:
-        """The first prompt: (messages, rendered text, token ids)."""
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+    def start(self, observation: str, system_prompt: str | None = None
+              ) -> tuple[list[dict], str, list[int]]:
+        """The first prompt: (messages, rendered text, token ids).
+
+        ``system_prompt`` (the environment's) overrides the one given at construction;
+        with neither, the template's own default applies.
+        """
+        system_prompt = system_prompt or self.system_prompt
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages.append({"role": "user", "content": observation})
         text = self.render(messages, generation_prompt=True)
         return messages, text, self.encode(text)
@@ -125,7 +131,7 @@ async def run_episodes(
         if isinstance(first, BaseException):
             _fail(episode, first, "reset")
             continue
-        messages, rendered, ids = chat.start(first)
+        messages, rendered, ids = chat.start(first, getattr(env, "system_prompt", None))
         episode.append(ids, policy=False)
         live.append(_Live(env, episode, messages, rendered))
 

@@ -38,32 +38,56 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     return [batch.select(order[i:i + size]) for i in range(0, len(batch), size)]
 
 
+def score_policy_tokens(model: nn.Module, mb: Batch, temperature: float, *,
+                        entropy: bool = False, entropy_grad: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities (and optionally entropies) of the policy's tokens only.
+
+    Returns ``[B, T-1]`` tensors aligned with ``mb.input_ids[:, 1:]``, zero off the loss
+    mask. The decoder runs on every token (they are all context), but the LM head and the
+    softmax over the vocabulary run only where the policy sampled: in a multi-turn episode
+    most tokens are prompt and environment text, and on CPU the 49k-wide softmax over them
+    cost about a third of the update.
+    Assumes the model's logits are ``lm_head(hidden)`` (optionally soft-capped, as Gemma).
+    """
+    hidden = model.get_decoder()(input_ids=mb.input_ids,
+                                 attention_mask=mb.attention_mask).last_hidden_state
+    where = mb.loss_mask[:, 1:].bool()
+    logits = model.get_output_embeddings()(hidden[:, :-1][where])  # [N, V]
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = cap * torch.tanh(logits / cap)
+    logprobs = torch.zeros(where.shape, dtype=torch.float32, device=logits.device)
+    logprobs = logprobs.masked_scatter(where, token_logprobs(logits, mb.input_ids[:, 1:][where],
+                                                             temperature))
+    if not entropy:
+        return logprobs, None
+    # Entropy as a metric only needs no graph: skip the extra [N, V] activations.
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        values = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
+    entropies = torch.zeros_like(logprobs).masked_scatter(where, values)
+    return logprobs, entropies
+
+
 def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
                       s: UpdateSettings, totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
     """Loss of one micro-batch, already scaled so micro-batch losses sum to the batch loss."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-    targets, mask = mb.input_ids[:, 1:], mb.loss_mask[:, 1:]
-    logprobs = token_logprobs(logits, targets, s.temperature)
+    mask = mb.loss_mask[:, 1:]
+    logprobs, entropy = score_policy_tokens(model, mb, s.temperature, entropy=True,
+                                            entropy_grad=s.algo.entropy_coef > 0)
     advantages = mb.advantages[:, None] if mb.advantages.dim() == 1 else mb.advantages[:, 1:]
     per_token, clipped = clipped_policy_loss(logprobs, mb.old_logprobs[:, 1:], advantages,
                                              s.algo.clip_low, s.algo.clip_high)
-    stats = {"clipped": float((clipped.float() * mask).sum())}
+    stats = {"clipped": float((clipped.float() * mask).sum()),
+             "entropy": float((entropy.detach() * mask).sum())}
     if s.algo.kl_coef > 0:
         with torch.no_grad():
-            ref_logits = ref_model(input_ids=mb.input_ids,
-                                   attention_mask=mb.attention_mask).logits[:, :-1]
-            ref_logprobs = token_logprobs(ref_logits, targets, s.temperature)
+            ref_logprobs, _ = score_policy_tokens(ref_model, mb, s.temperature)
         kl = kl_penalty(logprobs, ref_logprobs, s.algo.kl_estimator)
         per_token = per_token + s.algo.kl_coef * kl
         stats["kl"] = float((kl.detach() * mask).sum())
     if s.algo.entropy_coef > 0:
-        entropy = entropy_from_logits(logits, s.temperature)
         per_token = per_token - s.algo.entropy_coef * entropy
-    else:
-        with torch.no_grad():  # for the metric only: scored on policy tokens alone
-            entropy = torch.zeros_like(mask)
-            entropy[mask.bool()] = entropy_from_logits(logits[mask.bool()][None], s.temperature)[0]
-    stats["entropy"] = float((entropy.detach() * mask).sum())
     loss = aggregate_loss(per_token, mask, s.algo.loss_agg, total_tokens=totals["tokens"],
                           total_seqs=totals["seqs"], constant=s.agg_constant)
     return loss, stats
