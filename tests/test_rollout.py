@@ -182,3 +182,26 @@ def test_multi_turn_logprobs_match_one_forward_over_the_episode(tiny, reuse_cach
         mask = torch.tensor(episode.loss_mask[1:], dtype=torch.bool)
         stored = torch.tensor(episode.logprobs[1:])
         assert torch.allclose(recomputed[mask], stored[mask], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_template_and_logprobs_hold_over_turns():
+    """The real offline model: its chat template passes the prefix check, and behaviour
+    logprobs of a 2-turn episode match a forward pass over the whole episode."""
+    from turnrl.models import load_model
+
+    model, tok = load_model("smollm2-135m-instruct")
+    chat = ChatFormat(tok)
+    chat.check()
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    make = partial(make_env, "guess-number", max_turns=2)
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=(chat.end_of_turn,))
+    episodes = asyncio.run(run_episodes(make, [(0, 0), (1, 0)], engine, chat, params))
+    for episode in episodes:
+        assert tok.decode(episode.token_ids).startswith("<|im_start|>system\nYou are playing")
+        ids = torch.tensor([episode.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, :-1]
+        mask = torch.tensor(episode.loss_mask[1:], dtype=torch.bool)
+        recomputed = token_logprobs(logits, ids[:, 1:])[0][mask]
+        assert torch.allclose(recomputed, torch.tensor(episode.logprobs[1:])[mask], atol=1e-3)

@@ -160,3 +160,17 @@ def test_cli_bad_input_gives_one_line_error(tmp_path, args, message):
     assert out.returncode == 2
     assert message in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_report_and_envs_commands(tmp_path):
+    from turnrl.cli import main
+    from turnrl.metrics import MetricsLogger
+
+    with MetricsLogger(tmp_path) as logger:
+        for step in range(1, 4):
+            logger.log(step, {"reward/mean": step / 4, "success/rate": step / 5})
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert main(["envs"]) == 0
+    assert main(["no-such-command"]) == 2

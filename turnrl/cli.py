@@ -119,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "-h" in rest or "--help" in rest:
         print(USAGE + "\n\nConfig options:\n" + config_help())
         return 0
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its per-load weight bars would drown our own
     try:
         return COMMANDS[command](rest)
     except (ConfigError, FileNotFoundError, ValueError) as err:

@@ -90,7 +90,7 @@ class RolloutConfig(_Section):
     """episodes per prompt/seed (the GRPO group)"""
     groups_per_step: int = 4
     """groups collected per training step"""
-    max_new_tokens: int = 16
+    max_new_tokens: int = 8
     """tokens generated per policy turn"""
     max_turns: int = 8
     """hard cap on policy turns per episode, on top of the environment's own"""
@@ -136,7 +136,7 @@ class AlgoConfig(_Section):
 
 @dataclass(frozen=True)
 class OptimConfig(_Section):
-    lr: float = 1e-5
+    lr: float = 4e-5
     """AdamW learning rate"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
@@ -168,13 +168,13 @@ class EvalConfig(_Section):
 
 @dataclass(frozen=True)
 class RunConfig(_Section):
-    steps: int = 40
+    steps: int = 12
     """training steps"""
     seed: int = 0
     """global random seed (training episode seeds derive from it)"""
     out_dir: str = "runs/default"
     """run directory for metrics, samples and checkpoints"""
-    checkpoint_every: int = 5
+    checkpoint_every: int = 4
     """save a checkpoint every N steps (0 = only at the end)"""
     keep_checkpoints: int = 2
     """how many recent checkpoints to keep on disk"""
