@@ -97,7 +97,9 @@ def test_multi_turn_bookkeeping_masks_env_tokens(tiny):
             if not m:
                 assert episode.logprobs[i] == 0.0 and episode.versions[i] == ENV_VERSION
         # The token stream renders as the chat template renders the whole conversation.
-        messages = [{"role": "user", "content": asyncio.run(make().reset(episode.seed))}]
+        env = make()
+        messages = [{"role": "system", "content": env.system_prompt},
+                    {"role": "user", "content": asyncio.run(env.reset(episode.seed))}]
         for turn in episode.turns[:-1]:
             messages += [{"role": "assistant", "content": turn.action},
                          {"role": "user", "content": turn.observation}]
