@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from turnrl.algorithms.advantages import compute_advantages
 from turnrl.checkpoint import (
@@ -82,8 +83,6 @@ def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
         if not saved.exists():
             raise ConfigError(f"nothing to resume in '{run_dir}' (no config.yaml); "
                               "drop --resume to start a new run")
-        import yaml
-
         stored = config_from_dict(yaml.safe_load(saved.read_text()))
         # Only the length of the run and the display may change on resume.
         cfg = replace(stored, run=replace(stored.run, steps=cfg.run.steps,
