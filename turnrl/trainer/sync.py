@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
 import json
 import random
 import time
@@ -135,7 +136,9 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
         print(f"resuming {run_dir} from step {start_step}")
 
     before = _load_or_run_eval(run_dir / "eval_before", run_eval, cfg.eval.episodes)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+    # run.tensorboard means "when installed": no warning on machines without it.
+    tensorboard = cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is not None
+    logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb=cfg.run.wandb,
                            wandb_project=cfg.run.wandb_project, config=config_to_dict(cfg))
     episodes_dir = run_dir / "episodes"
     episodes_dir.mkdir(exist_ok=True)
