@@ -17,22 +17,16 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from turnrl.metrics import fsync_dir
+
 PREFIX = "step-"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_tree(path: Path) -> None:
     for file in path.iterdir():
         with open(file, "rb+") as f:
             os.fsync(f.fileno())
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
 def rng_state(engine_generator: torch.Generator | None = None) -> dict:
@@ -69,7 +63,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     if final.exists():  # re-saving a step after a resume: replace the old copy
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     for old in sorted(root.glob(f"{PREFIX}*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -28,6 +28,7 @@ __all__ = [
     "METRICS_FILE",
     "MetricsLogger",
     "TrainProgress",
+    "fsync_dir",
     "print_table",
     "read_metrics",
     "truncate_metrics",
@@ -54,7 +55,8 @@ def _clean_value(value: Any) -> Any:
     return value if math.isfinite(value) else None
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable (best effort where unsupported)."""
     # Makes a rename durable on POSIX; directories cannot be opened this way on Windows.
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -129,7 +131,7 @@ def truncate_metrics(path: str | Path, after_step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _open_tensorboard(run_dir: Path) -> Any:
