@@ -24,7 +24,12 @@ class StepResult(NamedTuple):
 
 @runtime_checkable
 class Env(Protocol):
-    """``reset`` and ``step``; an optional ``system_prompt`` attribute sets the system message."""
+    """``reset`` and ``step``; an optional ``system_prompt`` attribute sets the system message.
+
+    Both must really be asynchronous: the per-step timeout can only interrupt code that
+    awaits. Run blocking work (a subprocess, a slow library call) with
+    ``await asyncio.to_thread(...)`` or ``asyncio.create_subprocess_exec``.
+    """
 
     async def reset(self, seed: int) -> str:
         """Start a new episode, deterministic under ``seed``; return the first observation."""
