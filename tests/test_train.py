@@ -174,3 +174,17 @@ def test_report_and_envs_commands(tmp_path):
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert main(["envs"]) == 0
     assert main(["no-such-command"]) == 2
+
+
+def test_eval_command_scores_a_checkpoint(tmp_path, capsys):
+    from turnrl.cli import main
+
+    common = ["--model.name", "tiny", "--env.name", "guess-number", "--eval.episodes", "6",
+              "--run.progress", "false"]
+    assert main(["train", *common, "--run.steps", "1", "--run.out_dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    checkpoint = tmp_path / "checkpoints" / "step-000001"
+    assert main(["eval", *common, "--checkpoint", str(checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "step-000001" in out and "episodes" in out
+    assert main(["eval", *common, "--checkpoint", str(tmp_path / "nope")]) == 2

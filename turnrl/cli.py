@@ -48,6 +48,7 @@ def cmd_train(argv: Sequence[str]) -> int:
 def cmd_eval(argv: Sequence[str]) -> int:
     from dataclasses import replace
     from functools import partial
+    from pathlib import Path
 
     import torch
 
@@ -65,8 +66,14 @@ def cmd_eval(argv: Sequence[str]) -> int:
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
                                   cache_dir=cfg.model.cache_dir or None)
     model.to(resolve_device(cfg.model.device))
+    label = cfg.model.name
     if "--checkpoint" in own:
-        load_checkpoint(own["--checkpoint"], model, torch.optim.AdamW(model.parameters()))
+        checkpoint = Path(own["--checkpoint"])
+        if not (checkpoint / "model.safetensors").is_file():
+            raise FileNotFoundError(f"no checkpoint at '{checkpoint}'; pass a "
+                                    "RUN_DIR/checkpoints/step-NNNNNN directory")
+        load_checkpoint(checkpoint, model, torch.optim.AdamW(model.parameters()))
+        label = checkpoint.name
     chat = ChatFormat(tokenizer)
     chat.check()
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.eval.temperature, cfg.rollout.top_p,
@@ -78,7 +85,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
                          max_turns=cfg.rollout.max_turns, env_timeout_s=cfg.rollout.env_timeout_s)
     print_table(f"{cfg.env.name}: {cfg.model.name}", ["policy", "success [95% CI]", "mean reward",
                                                       "mean turns", "episodes"],
-                [result.row(own.get("--checkpoint", cfg.model.name))])
+                [result.row(label)])
     return 0
 
 
