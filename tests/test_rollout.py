@@ -1,4 +1,5 @@
 import asyncio
+import time
 from functools import partial
 
 import pytest
@@ -13,6 +14,7 @@ from turnrl.rollout import (
     SamplingParams,
     TemplateError,
     run_episodes,
+    run_sync,
     sample_tokens,
 )
 from turnrl.types import ENV_VERSION, Episode, read_episodes, write_episodes
@@ -144,13 +146,28 @@ class BrokenEnv(StuckEnv):
         raise RuntimeError("tool crashed")
 
 
+class StubbornEnv(StuckEnv):
+    """Swallows cancellation and keeps going, as a careless retry loop would."""
+
+    async def step(self, action):
+        for _ in range(300):
+            try:
+                await asyncio.sleep(0.1)
+            except asyncio.CancelledError:
+                continue
+        return StepResult("", 1.0, True)
+
+
 def test_stuck_or_broken_env_fails_the_episode_not_the_run(tiny):
     _, tok = tiny
     engine = ScriptedEngine(tok, ["ok"])
     for env_cls, status, reason in [(StuckEnv, "timeout", "timed out"),
+                                    (StubbornEnv, "timeout", "timed out"),
                                     (BrokenEnv, "error", "tool crashed")]:
-        [episode] = asyncio.run(run_episodes(env_cls, [(0, 0)], engine, ChatFormat(tok),
-                                             SamplingParams(), env_timeout_s=0.2))
+        started = time.monotonic()
+        [episode] = run_sync(run_episodes(env_cls, [(0, 0)], engine, ChatFormat(tok),
+                                          SamplingParams(), env_timeout_s=0.2))
+        assert time.monotonic() - started < 5
         assert episode.status == status and reason in episode.info["reason"]
         assert episode.reward == 0.0 and not episode.success
 
@@ -165,17 +182,23 @@ def test_episodes_round_trip_through_jsonl(tmp_path, tiny):
     assert back == episodes and isinstance(back[0], Episode)
 
 
-@pytest.mark.parametrize("reuse_cache", [True, False])
-def test_multi_turn_logprobs_match_one_forward_over_the_episode(tiny, reuse_cache):
+@pytest.mark.parametrize("reuse_cache, stop_chars", [(True, ""), (False, ""), (True, "aeo ")])
+def test_multi_turn_logprobs_match_one_forward_over_the_episode(tiny, reuse_cache, stop_chars):
     """Token-in-token-out end to end: the stored behaviour logprobs of every turn equal a
     single forward pass over the finished episode (with and without KV reuse across turns)."""
     model, tok = tiny
     engine = HFEngine(model, tok.pad_token_id, seed=1, reuse_cache=reuse_cache)
     make = partial(make_env, "guess-number", max_turns=4)
-    episodes = asyncio.run(run_episodes(make, [(s, 0) for s in range(5)], engine,
+    # Stopping on common characters makes rows finish early, at different steps.
+    stops = tuple(tok.convert_tokens_to_ids(list(stop_chars)))
+    episodes = asyncio.run(run_episodes(make, [(s, 0) for s in range(6)], engine,
                                         ChatFormat(tok), SamplingParams(max_new_tokens=4,
-                                                                        temperature=0.8)))
+                                                                        temperature=0.8,
+                                                                        stop_token_ids=stops)))
     assert max(len(ep.turns) for ep in episodes) == 4  # the tiny model never wins
+    if stops:
+        reasons = {t.finish_reason for ep in episodes for t in ep.turns}
+        assert reasons == {"stop", "length"}
     for episode in episodes:
         ids = torch.tensor([episode.token_ids])
         with torch.no_grad():

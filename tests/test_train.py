@@ -1,6 +1,5 @@
 """End to end: learning, update equivalences, resume after SIGKILL, CLI errors."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from turnrl.algorithms.losses import entropy_from_logits, token_logprobs
+from turnrl.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
 from turnrl.config import load_config
 from turnrl.metrics import read_metrics
 from turnrl.trainer import UpdateSettings, policy_update, train
@@ -134,18 +135,55 @@ def test_resume_after_sigkill_continues_from_the_checkpoint(tmp_path):
                              text=True)
     assert refused.returncode == 2 and "--resume" in refused.stderr
 
-    done = subprocess.run(_train_cmd(tmp_path, "--run.steps", str(resume_from + 4), "--resume",
-                                     "--optim.lr", "5"),  # ignored: the saved config wins
+    # Resuming may extend the run, but not silently change what it trains.
+    changed = subprocess.run(_train_cmd(tmp_path, "--run.steps", "12", "--resume",
+                                        "--optim.lr", "5"), capture_output=True, text=True)
+    assert changed.returncode == 2 and "cannot change optim.lr" in changed.stderr
+
+    final = resume_from + 4
+    done = subprocess.run(_train_cmd(tmp_path, "--run.steps", str(final), "--resume"),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"from step {resume_from}" in done.stdout
     assert (tmp_path / "config.yaml").read_text() == config_before.replace(
-        "steps: 200", f"steps: {resume_from + 4}")
+        "steps: 200", f"steps: {final}")
     steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
-    assert steps == list(range(1, resume_from + 5))  # no step lost or logged twice
-    assert not list(checkpoints.glob(".tmp-*"))
-    state = json.loads((checkpoints / f"step-{resume_from + 4:06d}" / "state.json").read_text())
-    assert state["step"] == resume_from + 4
+    assert steps == list(range(1, final + 1))  # no step lost or logged twice
+
+    # Model, optimiser and RNG states all came back: the same weights as a run never killed.
+    straight = tmp_path.parent / f"{tmp_path.name}-straight"
+    subprocess.run(_train_cmd(straight, "--run.steps", str(final)), check=True,
+                   capture_output=True, timeout=120)
+    resumed = load_file(checkpoints / f"step-{final:06d}" / "model.safetensors")
+    uninterrupted = load_file(straight / "checkpoints" / f"step-{final:06d}" / "model.safetensors")
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+
+
+def test_a_checkpoint_torn_by_a_crash_is_never_loaded(tmp_path, tiny):
+    model, _ = tiny
+    optimizer = torch.optim.AdamW(model.parameters())
+    whole = save_checkpoint(tmp_path, 4, model, optimizer, rng=rng_state())
+    torn = tmp_path / "checkpoints" / ".tmp-step-000008-999"  # killed mid-save
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"half")
+    assert latest_checkpoint(tmp_path) == whole
+    assert not torn.exists()
+    state, _ = load_checkpoint(whole, model, optimizer)
+    assert state["step"] == 4
+
+
+def test_a_new_run_in_a_used_directory_starts_clean(tmp_path):
+    run = ["--run.out_dir", str(tmp_path), "--run.checkpoint_every", "0", "--run.steps", "2",
+           "--eval.episodes", "2"]
+    first = load_config(None, TINY + run)
+    # A first attempt that never reached a checkpoint: only its per-run files are there.
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 9}\n')
+    (tmp_path / "eval_before.json").write_text('{"episodes": 99}')
+    result = train(first)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert result.before.episodes == 2
 
 
 @pytest.mark.parametrize("args, message", [

@@ -60,8 +60,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     torch.save(rng, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **(extra or {})}))
     _fsync_tree(tmp)
-    if final.exists():  # re-saving a step after a resume: replace the old copy
-        shutil.rmtree(final)
+    if final.exists():  # re-saving a step after a resume: move the old copy out of sight first
+        stale = root / f".tmp-old-{PREFIX}{step:06d}-{os.getpid()}"
+        os.rename(final, stale)
+        shutil.rmtree(stale)
     os.rename(tmp, final)
     fsync_dir(root)
     for old in sorted(root.glob(f"{PREFIX}*"))[:-keep] if keep > 0 else []:

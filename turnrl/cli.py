@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from turnrl.config import ConfigError, config_help, load_config
 
@@ -41,6 +42,12 @@ def cmd_train(argv: Sequence[str]) -> int:
 
     own, overrides = _split(argv, {"--config": True, "--resume": False})
     cfg = load_config(own.get("--config"), overrides)
+    if own.get("--resume") and cfg.run.out_dir:
+        if "--config" in own:
+            raise ConfigError("--resume continues a run with its saved config; drop --config")
+        saved = Path(cfg.run.out_dir) / "config.yaml"
+        if saved.exists():  # overrides apply on top of the saved config, and are checked
+            cfg = load_config(str(saved), overrides)
     train(cfg, resume=bool(own.get("--resume")))
     return 0
 
@@ -48,7 +55,6 @@ def cmd_train(argv: Sequence[str]) -> int:
 def cmd_eval(argv: Sequence[str]) -> int:
     from dataclasses import replace
     from functools import partial
-    from pathlib import Path
 
     import torch
 
@@ -60,7 +66,11 @@ def cmd_eval(argv: Sequence[str]) -> int:
     from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 
     own, overrides = _split(argv, {"--config": True, "--checkpoint": True})
-    cfg = load_config(own.get("--config"), overrides)
+    config_path = own.get("--config")
+    run_config = Path(own.get("--checkpoint", ".")).parent.parent / "config.yaml"
+    if config_path is None and "--checkpoint" in own and run_config.exists():
+        config_path = str(run_config)  # evaluate on the run's own model, env and settings
+    cfg = load_config(config_path, overrides)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,

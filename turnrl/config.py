@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import os
 import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -163,7 +164,8 @@ class EvalConfig(_Section):
     """held-out seeds start here, disjoint from training seeds"""
 
     def _check(self) -> None:
-        self._at_least(0, "episodes", "every", "temperature", "seed_offset")
+        self._at_least(0, "episodes", "every", "temperature")
+        self._at_least(1, "seed_offset")
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,8 @@ class RunConfig(_Section):
     """training steps"""
     seed: int = 0
     """global random seed (training episode seeds derive from it)"""
-    out_dir: str = "runs/default"
-    """run directory for metrics, samples and checkpoints"""
+    out_dir: str = ""
+    """run directory for metrics, samples and checkpoints; '' = runs/<env>-<date>-<time>"""
     checkpoint_every: int = 4
     """save a checkpoint every N steps (0 = only at the end)"""
     keep_checkpoints: int = 2
@@ -400,6 +402,13 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def changed_keys(old: Config, new: Config) -> list[str]:
+    """Dotted keys whose values differ between two configs."""
+    a, b = config_to_dict(old), config_to_dict(new)
+    return [f"{section}.{key}" for section in a for key in a[section]
+            if a[section][key] != b[section][key]]
+
+
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Rebuild a config (e.g. on resume) with the same checks as ``load_config``."""
     tree = config_to_dict(Config())
@@ -409,7 +418,13 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    # Write then rename: a kill mid-write must not leave a truncated config for --resume.
+    tmp = Path(path).with_suffix(".yaml.tmp")
+    with open(tmp, "w") as f:
+        f.write(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 # ---- help ------------------------------------------------------------------------------------

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from turnrl.envs.base import Env
 from turnrl.rollout.engine import Engine, SamplingParams
-from turnrl.rollout.episode import ChatFormat, run_episodes
+from turnrl.rollout.episode import ChatFormat, run_episodes, run_sync
 from turnrl.stats import format_rate, wilson_interval
 from turnrl.types import Episode
 
@@ -52,12 +51,14 @@ def summarize(episodes: Sequence[Episode]) -> EvalResult:
 
 def evaluate(make: Callable[[], Env], seeds: Sequence[int], engine: Engine, chat: ChatFormat,
              params: SamplingParams, *, env_name: str, max_turns: int, chunk: int = 32,
-             env_timeout_s: float = 30.0) -> tuple[EvalResult, list[Episode]]:
+             env_timeout_s: float = 30.0, max_context: int | None = None
+             ) -> tuple[EvalResult, list[Episode]]:
     """Play one episode per seed (``chunk`` at a time, to bound the batch)."""
     episodes: list[Episode] = []
     for i in range(0, len(seeds), chunk):
         pairs = [(seed, i + j) for j, seed in enumerate(seeds[i:i + chunk])]
-        episodes += asyncio.run(run_episodes(make, pairs, engine, chat, params,
+        episodes += run_sync(run_episodes(make, pairs, engine, chat, params,
                                              env_name=env_name, max_turns=max_turns,
-                                             env_timeout_s=env_timeout_s))
+                                             env_timeout_s=env_timeout_s,
+                                             max_context=max_context))
     return summarize(episodes), episodes

@@ -98,7 +98,29 @@ class _Live:
 
 
 async def _with_timeout(coro, timeout_s: float):
-    return await asyncio.wait_for(coro, timeout=timeout_s)
+    """Await ``coro`` for at most ``timeout_s``; then cancel it and move on without waiting.
+
+    Unlike ``asyncio.wait_for``, this does not wait for the cancelled step to finish, so an
+    environment that swallows ``CancelledError`` cannot hold the turn loop.
+    """
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        raise TimeoutError
+    return task.result()
+
+
+def run_sync(coro):
+    """``asyncio.run`` for the trainer, except that tasks still pending at the end (an env
+    step that timed out and ignores cancellation) are cancelled once and abandoned."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.close()
 
 
 async def run_episodes(

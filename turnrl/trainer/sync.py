@@ -8,11 +8,11 @@ checkpoint with the same config.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import importlib.util
 import json
 import random
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,12 +32,19 @@ from turnrl.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from turnrl.config import Config, ConfigError, config_from_dict, config_to_dict, save_config
+from turnrl.config import (
+    Config,
+    ConfigError,
+    changed_keys,
+    config_from_dict,
+    config_to_dict,
+    save_config,
+)
 from turnrl.envs import make_env
 from turnrl.evaluation import EvalResult, evaluate, summarize
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import load_model, resolve_device
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes
+from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
 from turnrl.trainer.step import UpdateSettings, policy_update
 from turnrl.types import Batch, write_episodes
 
@@ -75,8 +82,19 @@ def training_seeds(cfg: Config, step: int) -> list[tuple[int, int]]:
             for g in range(groups) for _ in range(cfg.rollout.group_size)]
 
 
+RESUMABLE = ("run.steps", "run.progress")
+"""Config keys a resumed run may change; anything else would silently change the run."""
+_PER_RUN_FILES = ("metrics.jsonl", "eval_before.json", "eval_before.jsonl", "eval_after.json",
+                  "eval_after.jsonl", "summary.txt")
+
+
 def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
-    """Create or reopen the run directory; on resume the saved config wins."""
+    """Create or reopen the run directory; return the config to run and the checkpoint."""
+    if not cfg.run.out_dir:
+        if resume:
+            raise ConfigError("--resume needs --run.out_dir RUN_DIR, the run to continue")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        cfg = replace(cfg, run=replace(cfg.run, out_dir=f"runs/{cfg.env.name}-{stamp}"))
     run_dir = Path(cfg.run.out_dir)
     checkpoint = latest_checkpoint(run_dir)
     saved = run_dir / "config.yaml"
@@ -85,12 +103,17 @@ def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
             raise ConfigError(f"nothing to resume in '{run_dir}' (no config.yaml); "
                               "drop --resume to start a new run")
         stored = config_from_dict(yaml.safe_load(saved.read_text()))
-        # Only the length of the run and the display may change on resume.
-        cfg = replace(stored, run=replace(stored.run, steps=cfg.run.steps,
-                                          progress=cfg.run.progress))
+        changed = [key for key in changed_keys(stored, cfg) if key not in RESUMABLE]
+        if changed:
+            raise ConfigError(f"cannot change {', '.join(changed)} when resuming '{run_dir}'; "
+                              f"only {', '.join(RESUMABLE)} may change: start a new run instead")
     elif checkpoint is not None:
         raise ConfigError(f"run directory '{run_dir}' already has checkpoints; pass --resume to "
                           "continue it or choose another --run.out_dir")
+    else:  # a new run: what an attempt that never checkpointed left behind is stale
+        for name in _PER_RUN_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "episodes", ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, saved)
     return cfg, checkpoint if resume else None
@@ -123,17 +146,21 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
                               cfg.algo.loss_agg_constant
                               or cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
     eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
+    max_context = getattr(model.config, "max_position_embeddings", None)
     run_eval = partial(evaluate, make, eval_seeds, engine, chat, eval_params,
                        env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
-                       env_timeout_s=cfg.rollout.env_timeout_s)
+                       env_timeout_s=cfg.rollout.env_timeout_s, max_context=max_context)
 
     start_step = 0
     if checkpoint is not None:
         state, rng = load_checkpoint(checkpoint, model, optimizer)
         restore_rng(rng, engine.generator)
         start_step = engine.version = state["step"]
-        truncate_metrics(run_dir / "metrics.jsonl", after_step=start_step)
         print(f"resuming {run_dir} from step {start_step}")
+    else:
+        print(f"run directory: {run_dir}")
+    # Steps logged after the checkpoint (or by a run that never checkpointed) are redone.
+    truncate_metrics(run_dir / "metrics.jsonl", after_step=start_step)
 
     before = _load_or_run_eval(run_dir / "eval_before", run_eval, cfg.eval.episodes)
     # run.tensorboard means "when installed": no warning on machines without it.
@@ -149,10 +176,10 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
             timer = StageTimer()
             step_start = time.perf_counter()
             with timer("collect"):
-                episodes = asyncio.run(run_episodes(
+                episodes = run_sync(run_episodes(
                     make, training_seeds(cfg, step), engine, chat, params,
                     env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
-                    max_context=getattr(model.config, "max_position_embeddings", None),
+                    max_context=max_context,
                     env_timeout_s=cfg.rollout.env_timeout_s))
             with timer("score"):
                 rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
