@@ -53,17 +53,12 @@ def cmd_train(argv: Sequence[str]) -> int:
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
-    from dataclasses import replace
-    from functools import partial
-
     import torch
 
     from turnrl.checkpoint import load_checkpoint
-    from turnrl.envs import make_env
-    from turnrl.evaluation import evaluate
+    from turnrl.evaluation import COLUMNS
     from turnrl.metrics import print_table
-    from turnrl.models import load_model, resolve_device
-    from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+    from turnrl.trainer.sync import load_policy
 
     own, overrides = _split(argv, {"--config": True, "--checkpoint": True})
     config_path = own.get("--config")
@@ -73,29 +68,17 @@ def cmd_eval(argv: Sequence[str]) -> int:
     cfg = load_config(config_path, overrides)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
-                                  cache_dir=cfg.model.cache_dir or None)
-    model.to(resolve_device(cfg.model.device))
+    policy = load_policy(cfg)
     label = cfg.model.name
     if "--checkpoint" in own:
         checkpoint = Path(own["--checkpoint"])
         if not (checkpoint / "model.safetensors").is_file():
             raise FileNotFoundError(f"no checkpoint at '{checkpoint}'; pass a "
                                     "RUN_DIR/checkpoints/step-NNNNNN directory")
-        load_checkpoint(checkpoint, model, torch.optim.AdamW(model.parameters()))
+        load_checkpoint(checkpoint, policy.model, torch.optim.AdamW(policy.model.parameters()))
         label = checkpoint.name
-    chat = ChatFormat(tokenizer)
-    chat.check()
-    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.eval.temperature, cfg.rollout.top_p,
-                            stop_token_ids=(chat.end_of_turn,))
-    seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
-    make = partial(make_env, cfg.env.name, **cfg.env.options)
-    result, _ = evaluate(make, seeds, HFEngine(model, tokenizer.pad_token_id, cfg.run.seed), chat,
-                         replace(params), env_name=cfg.env.name,
-                         max_turns=cfg.rollout.max_turns, env_timeout_s=cfg.rollout.env_timeout_s)
-    print_table(f"{cfg.env.name}: {cfg.model.name}", ["policy", "success [95% CI]", "mean reward",
-                                                      "mean turns", "episodes"],
-                [result.row(label)])
+    result, _ = policy.run_eval()
+    print_table(f"{cfg.env.name}: {cfg.model.name}", COLUMNS, [result.row(label)])
     return 0
 
 

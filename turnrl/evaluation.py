@@ -11,6 +11,9 @@ from turnrl.rollout.episode import ChatFormat, run_episodes, run_sync
 from turnrl.stats import format_rate, wilson_interval
 from turnrl.types import Episode
 
+COLUMNS = ["policy", "success [95% CI]", "mean reward", "mean turns", "episodes"]
+"""Header of the tables whose rows ``EvalResult.row`` gives."""
+
 
 @dataclass
 class EvalResult:

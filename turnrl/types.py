@@ -65,10 +65,6 @@ class Episode:
         return start, len(self.token_ids)
 
     @property
-    def finished(self) -> bool:
-        return self.status != "running"
-
-    @property
     def num_policy_tokens(self) -> int:
         return sum(self.loss_mask)
 

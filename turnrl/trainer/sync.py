@@ -14,7 +14,7 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -41,7 +41,7 @@ from turnrl.config import (
     save_config,
 )
 from turnrl.envs import make_env
-from turnrl.evaluation import EvalResult, evaluate, summarize
+from turnrl.evaluation import COLUMNS, EvalResult, evaluate, summarize
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
@@ -119,6 +119,39 @@ def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
     return cfg, checkpoint if resume else None
 
 
+@dataclass
+class Policy:
+    """The model and everything that plays it: shared by ``train`` and ``turnrl eval``."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    chat: ChatFormat
+    engine: HFEngine
+    max_context: int | None
+    run_eval: Callable[[], tuple[EvalResult, list]]
+    """Plays the held-out seeds ``eval.seed_offset ...`` once with the current weights."""
+
+
+def load_policy(cfg: Config) -> Policy:
+    """Load the model on its device, check its chat template and the env, wire evaluation."""
+    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
+                                  cache_dir=cfg.model.cache_dir or None)
+    model.to(resolve_device(cfg.model.device))
+    chat = ChatFormat(tokenizer)
+    chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
+    make = partial(make_env, cfg.env.name, **cfg.env.options)
+    make()  # bad env name or options fail here with a one-line error
+    engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed)
+    eval_params = SamplingParams(cfg.rollout.max_new_tokens, cfg.eval.temperature,
+                                 cfg.rollout.top_p, stop_token_ids=(chat.end_of_turn,))
+    eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
+    max_context = getattr(model.config, "max_position_embeddings", None)
+    run_eval = partial(evaluate, make, eval_seeds, engine, chat, eval_params,
+                       env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
+                       env_timeout_s=cfg.rollout.env_timeout_s, max_context=max_context)
+    return Policy(model, tokenizer, chat, engine, max_context, run_eval)
+
+
 def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     cfg, checkpoint = prepare_run_dir(cfg, resume)
     run_dir = Path(cfg.run.out_dir)
@@ -128,28 +161,17 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     np.random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
 
-    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
-                                  cache_dir=cfg.model.cache_dir or None)
-    model.to(resolve_device(cfg.model.device))
-    chat = ChatFormat(tokenizer)
-    chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
+    policy = load_policy(cfg)
+    model, tokenizer, chat, engine = policy.model, policy.tokenizer, policy.chat, policy.engine
     make = partial(make_env, cfg.env.name, **cfg.env.options)
-    make()  # bad env name or options fail here with a one-line error
-    engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed)
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                             cfg.rollout.top_p, stop_token_ids=(chat.end_of_turn,))
-    eval_params = replace(params, temperature=cfg.eval.temperature)
     ref_model = copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
                                   weight_decay=cfg.optim.weight_decay)
     settings = UpdateSettings(cfg.algo, cfg.optim, cfg.rollout.temperature,
                               cfg.algo.loss_agg_constant
                               or cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
-    eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
-    max_context = getattr(model.config, "max_position_embeddings", None)
-    run_eval = partial(evaluate, make, eval_seeds, engine, chat, eval_params,
-                       env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
-                       env_timeout_s=cfg.rollout.env_timeout_s, max_context=max_context)
 
     start_step = 0
     if checkpoint is not None:
@@ -162,7 +184,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     # Steps logged after the checkpoint (or by a run that never checkpointed) are redone.
     truncate_metrics(run_dir / "metrics.jsonl", after_step=start_step)
 
-    before = _load_or_run_eval(run_dir / "eval_before", run_eval, cfg.eval.episodes)
+    before = _load_or_run_eval(run_dir / "eval_before", policy.run_eval, cfg.eval.episodes)
     # run.tensorboard means "when installed": no warning on machines without it.
     tensorboard = cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is not None
     logger = MetricsLogger(run_dir, tensorboard=tensorboard, wandb=cfg.run.wandb,
@@ -179,7 +201,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
                 episodes = run_sync(run_episodes(
                     make, training_seeds(cfg, step), engine, chat, params,
                     env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
-                    max_context=max_context,
+                    max_context=policy.max_context,
                     env_timeout_s=cfg.rollout.env_timeout_s))
             with timer("score"):
                 rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
@@ -207,7 +229,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
                     write_episodes(episodes_dir / f"step-{step + 1:06d}.jsonl",
                                    episodes[:cfg.run.sample_episodes])
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.run.steps:
-                result, _ = run_eval()
+                result, _ = policy.run_eval()
                 lo, hi = result.interval
                 metrics.update({"eval/success": result.success_rate, "eval/success_lo": lo,
                                 "eval/success_hi": hi, "eval/reward": result.mean_reward})
@@ -221,12 +243,12 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
                 save_checkpoint(run_dir, step + 1, model, optimizer,
                                 rng=rng_state(engine.generator), keep=cfg.run.keep_checkpoints)
 
-    after = _load_or_run_eval(run_dir / "eval_after", run_eval, cfg.eval.episodes, fresh=True)
+    after = _load_or_run_eval(run_dir / "eval_after", policy.run_eval, cfg.eval.episodes,
+                              fresh=True)
     table = ""
     if before and after:
         title = f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes, before vs after"
-        table = print_table(title, ["policy", "success [95% CI]", "mean reward", "mean turns",
-                                    "episodes"],
+        table = print_table(title, COLUMNS,
                             [before.row("before"), after.row(f"after {cfg.run.steps} steps")])
         (run_dir / "summary.txt").write_text(table)
     return TrainResult(run_dir, cfg.run.steps, before, after, table)
