@@ -139,7 +139,8 @@ def test_wrong_type():
 def test_bad_literal():
     message = _error(["--algo.advantage", "grpoo"])
     assert message == (
-        "algo.advantage: 'grpoo' is not one of grpo, dr_grpo, rloo, reinforce_pp; "
+        "algo.advantage: 'grpoo' is not one of grpo, dr_grpo, rloo, reinforce_pp, gigpo, "
+        "turn_gae, archer; "
         "did you mean 'grpo'?"
     )
 

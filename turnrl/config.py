@@ -101,6 +101,8 @@ class RolloutConfig(_Section):
     """nucleus sampling probability mass"""
     env_timeout_s: float = 30.0
     """an environment step slower than this many seconds fails the episode"""
+    reuse_cache: bool = True
+    """keep the KV cache across turns and drop finished episodes from the decode batch"""
 
     def _check(self) -> None:
         self._at_least(1, "group_size", "groups_per_step", "max_new_tokens", "max_turns")
@@ -111,8 +113,9 @@ class RolloutConfig(_Section):
 
 @dataclass(frozen=True)
 class AlgoConfig(_Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    """advantage estimator"""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gigpo", "turn_gae",
+                       "archer"] = "grpo"
+    """advantage estimator; gigpo, turn_gae and archer assign credit per turn"""
     clip_low: float = 0.2
     """lower PPO clip: the ratio is kept above 1 - clip_low"""
     clip_high: float = 0.28
@@ -129,10 +132,33 @@ class AlgoConfig(_Section):
     """entropy bonus coefficient"""
     epochs: int = 1
     """optimisation passes over each batch"""
+    gamma: float = 0.95
+    """discount per turn for turn-level credit (gigpo, turn_gae, archer)"""
+    gae_lambda: float = 0.95
+    """GAE lambda over turns (turn_gae)"""
+    gigpo_step_weight: float = 1.0
+    """GiGPO: weight of the step-level (anchor-state) advantage added to the episode-level one"""
+    critic_lr: float = 1e-3
+    """learning rate of the turn-level critic (turn_gae, archer)"""
+    critic_tau: float = 0.1
+    """Polyak rate of the critic's target networks (archer)"""
+    critic_updates: int = 8
+    """critic gradient steps per training step (turn_gae, archer)"""
+    replay_episodes: int = 256
+    """ArCHer replay buffer size, in episodes"""
+    decoupled: bool = False
+    """decoupled PPO (AReaL): importance weights against the behaviour policy, trust region
+    around the proximal (pre-update) policy; always on in async mode"""
+    is_cap: float = 5.0
+    """truncate behaviour importance weights at this value (0 = no truncation)"""
 
     def _check(self) -> None:
-        self._at_least(0, "clip_low", "clip_high", "loss_agg_constant", "kl_coef", "entropy_coef")
-        self._at_least(1, "epochs")
+        self._at_least(0, "clip_low", "clip_high", "loss_agg_constant", "kl_coef", "entropy_coef",
+                       "critic_tau", "is_cap")
+        self._at_least(1, "epochs", "critic_updates", "replay_episodes")
+        self._require("gamma", 0 <= self.gamma <= 1, "in [0, 1]")
+        self._require("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]")
+        self._require("critic_lr", self.critic_lr > 0, "> 0")
 
 
 @dataclass(frozen=True)
@@ -145,10 +171,14 @@ class OptimConfig(_Section):
     """gradient-norm clipping threshold (0 = no clipping)"""
     micro_batch_size: int = 8
     """sequences per forward/backward; the batch is split and gradients accumulated"""
+    memory_budget_mb: int = 0
+    """size micro-batches so activations stay under this many MB (0 = micro_batch_size rows)"""
+    shared_prefix: bool = True
+    """compute the prompt a group shares once in the update's forward and backward"""
 
     def _check(self) -> None:
         self._require("lr", self.lr > 0, "> 0")
-        self._at_least(0, "weight_decay", "max_grad_norm")
+        self._at_least(0, "weight_decay", "max_grad_norm", "memory_budget_mb")
         self._at_least(1, "micro_batch_size")
 
 
@@ -192,10 +222,57 @@ class RunConfig(_Section):
     """Weights & Biases project name"""
     progress: bool = True
     """show a rich progress bar"""
+    mode: Literal["sync", "async"] = "sync"
+    """'sync': collect then update; 'async': Ray rollout workers and a learner, decoupled"""
 
     def _check(self) -> None:
         self._at_least(1, "steps", "keep_checkpoints")
         self._at_least(0, "seed", "checkpoint_every", "sample_episodes", "threads")
+
+
+@dataclass(frozen=True)
+class RayConfig(_Section):
+    address: str = ""
+    """'' starts a local Ray cluster; 'auto' or HOST:PORT joins an existing one"""
+    num_workers: int = 1
+    """rollout worker actors (async mode)"""
+    worker_cpus: float = 1.0
+    """CPUs reserved per rollout worker"""
+    worker_gpus: float = 0.0
+    """GPUs reserved per rollout worker (vLLM engines need 1)"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """generation engine of the rollout workers; vllm needs a GPU and the vllm extra"""
+
+    def _check(self) -> None:
+        self._at_least(1, "num_workers")
+        self._at_least(0, "worker_cpus", "worker_gpus")
+
+
+@dataclass(frozen=True)
+class StalenessConfig(_Section):
+    max_versions: int = 2
+    """async: train on an episode only if its oldest token is at most this many policy
+    versions behind the learner"""
+    on_stale: Literal["drop", "regenerate"] = "drop"
+    """what happens to a too-stale episode: dropped, or its seed played again"""
+    adaptive: bool = False
+    """shrink or grow max_versions from the effective sample size of the importance weights"""
+    ess_low: float = 0.6
+    """adaptive: shrink the bound when the normalised ESS falls below this"""
+    ess_high: float = 0.9
+    """adaptive: grow the bound when the normalised ESS stays above this"""
+    max_versions_limit: int = 8
+    """adaptive: never grow the bound past this"""
+    partial_rollouts: bool = True
+    """keep unfinished episodes across weight updates and continue them (APRIL)"""
+    overprovision: float = 1.5
+    """async: keep this many times a step's episodes in flight; train on the first finished"""
+
+    def _check(self) -> None:
+        self._at_least(0, "max_versions")
+        self._at_least(1, "max_versions_limit", "overprovision")
+        self._require("ess_low", 0 < self.ess_low <= self.ess_high <= 1,
+                      "in (0, ess_high] with ess_high <= 1")
 
 
 @dataclass(frozen=True)
@@ -214,6 +291,10 @@ class Config:
     """held-out evaluation"""
     run: RunConfig = field(default_factory=RunConfig)
     """run bookkeeping and logging"""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Ray cluster and rollout workers (async mode)"""
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    """bounded staleness and partial rollouts (async mode)"""
 
 
 # ---- type conversion -------------------------------------------------------------------------

@@ -24,6 +24,9 @@ class Turn:
     """One policy action and what the environment answered.
 
     ``start:end`` is the span of the policy's sampled tokens inside ``Episode.token_ids``.
+    ``state`` names the environment state the action was taken in: the environment's
+    ``info["state_key"]`` when it gives one, else the observation the policy answered
+    (GiGPO groups actions taken in the same state across the episodes of a group).
     """
 
     start: int
@@ -32,6 +35,7 @@ class Turn:
     observation: str
     reward: float
     finish_reason: str = "stop"  # "stop" (end-of-turn token) or "length" (max_new_tokens)
+    state: str = ""
 
 
 @dataclass

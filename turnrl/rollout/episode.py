@@ -95,6 +95,8 @@ class _Live:
     episode: Episode
     messages: list[dict]
     rendered: str
+    state: str
+    """Key of the state the next action is taken in (see ``Turn.state``)."""
 
 
 async def _with_timeout(coro, timeout_s: float):
@@ -155,7 +157,7 @@ async def run_episodes(
             continue
         messages, rendered, ids = chat.start(first, getattr(env, "system_prompt", None))
         episode.append(ids, policy=False)
-        live.append(_Live(env, episode, messages, rendered))
+        live.append(_Live(env, episode, messages, rendered, state=first))
 
     while live:
         completions = engine.generate([s.episode.token_ids for s in live], params)
@@ -171,10 +173,12 @@ async def run_episodes(
             start, end = episode.append(completion.token_ids, policy=True,
                                         logprobs=completion.logprobs, version=engine.version)
             if isinstance(result, BaseException):
-                episode.turns.append(Turn(start, end, text, "", 0.0, completion.finish_reason))
+                episode.turns.append(Turn(start, end, text, "", 0.0, completion.finish_reason,
+                                          state.state))
                 _fail(episode, result, "step")
                 continue
-            _record(episode, result, start, end, text, completion.finish_reason)
+            _record(episode, result, start, end, text, completion.finish_reason, state.state)
+            state.state = str((result.info or {}).get("state_key", result.observation))
             if result.done:
                 episode.status = "done"
                 continue
@@ -195,11 +199,12 @@ async def run_episodes(
 
 
 def _record(episode: Episode, result: StepResult, start: int, end: int, text: str,
-            finish_reason: str) -> None:
+            finish_reason: str, state: str) -> None:
     episode.turns.append(Turn(start, end, text, result.observation, float(result.reward),
-                              finish_reason))
+                              finish_reason, state))
     episode.reward += float(result.reward)
     info = dict(result.info or {})
+    info.pop("state_key", None)
     if "success" in info:
         episode.success = bool(info.pop("success"))
     episode.info.update(info)
