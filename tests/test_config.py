@@ -236,5 +236,6 @@ def test_help_has_one_line_per_key():
     assert "DAPO" in clip
     assert any(line.startswith("--run.wandb BOOL (default False)") for line in lines)
     assert any(
-        line.startswith("--algo.advantage {grpo,dr_grpo,rloo,reinforce_pp}") for line in lines
+        line.startswith("--algo.advantage {grpo,dr_grpo,rloo,reinforce_pp,gigpo,")
+        for line in lines
     )
