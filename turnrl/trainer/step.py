@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from turnrl.algorithms.losses import (
     aggregate_loss,
@@ -26,20 +27,57 @@ class UpdateSettings:
     """Sampling temperature: the update scores tokens under the same tempered policy."""
     agg_constant: int
     """Normaliser of ``seq_mean_token_sum_norm`` (max policy tokens per episode)."""
+    token_budget: int = 0
+    """Most padded tokens per micro-batch (0 = only ``optim.micro_batch_size`` rows)."""
 
 
-def micro_batches(batch: Batch, size: int) -> list[Batch]:
-    """Split a batch for gradient accumulation, rows of similar length together.
+def micro_batches(batch: Batch, size: int, token_budget: int = 0) -> list[Batch]:
+    """Split a batch for gradient accumulation.
 
-    Sorting by length keeps padding (wasted compute) low inside each micro-batch.
+    Rows that share a prompt (a GRPO group) go together so ``shared_prefix`` can run the
+    prompt once; within a group, rows of similar length go together to keep padding
+    (wasted compute) low. A micro-batch holds at most ``size`` rows and, when
+    ``token_budget`` > 0, at most that many padded tokens (rows x longest row), so its
+    activations fit the memory budget; a single row over the budget still goes alone.
     """
     lengths = batch.attention_mask.sum(dim=1)
-    order = lengths.argsort(descending=True)
-    return [batch.select(order[i:i + size]) for i in range(0, len(batch), size)]
+    split = shared_prefix_split(batch)
+    owner = split.owner if split is not None else torch.zeros_like(lengths)
+    # Stable two-key sort: by owner, then longest first inside each owner.
+    order = lengths.argsort(descending=True, stable=True)
+    order = order[owner[order].argsort(stable=True)]
+    chunks, current, widest = [], [], 0
+    for row in order.tolist():
+        length = int(lengths[row])
+        full = len(current) == size
+        over = token_budget and current and max(widest, length) * (len(current) + 1) > token_budget
+        if full or over:
+            chunks.append(current)
+            current, widest = [], 0
+        current.append(row)
+        widest = max(widest, length)
+    if current:
+        chunks.append(current)
+    return [batch.select(torch.tensor(rows)) for rows in chunks]
+
+
+def activation_bytes_per_token(config, dtype_bytes: int = 4) -> int:
+    """Rough bytes of activations a decoder keeps for the backward pass, per token.
+
+    Per layer: the residual stream and norm outputs, attention inputs and outputs
+    (about ten hidden-size vectors) and the MLP's gate, up, activation and product
+    (four intermediate-size vectors). Calibrated against measured peak memory in
+    ``benchmarks/step_throughput.py``; it ignores the LM head, which only runs on policy
+    tokens.
+    """
+    hidden = config.hidden_size
+    inner = getattr(config, "intermediate_size", 4 * hidden)
+    return config.num_hidden_layers * (10 * hidden + 4 * inner) * dtype_bytes
 
 
 def score_policy_tokens(model: nn.Module, mb: Batch, temperature: float, *,
-                        entropy: bool = False, entropy_grad: bool = False
+                        entropy: bool = False, entropy_grad: bool = False,
+                        shared_prefix: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities (and optionally entropies) of the policy's tokens only.
 
@@ -47,13 +85,19 @@ def score_policy_tokens(model: nn.Module, mb: Batch, temperature: float, *,
     mask. The decoder runs on every token (they are all context), but the LM head and the
     softmax over the vocabulary run only where the policy sampled: in a multi-turn episode
     most tokens are prompt and environment text, and on CPU the 49k-wide softmax over them
-    cost about a third of the update.
-    Assumes the model's logits are ``lm_head(hidden)`` (optionally soft-capped, as Gemma).
+    cost about a third of the update. With ``shared_prefix`` a prompt that several rows
+    share is run once (see ``_shared_prefix_hidden``); the result is the same to float
+    tolerance. Assumes the model's logits are ``lm_head(hidden)`` (optionally soft-capped).
     """
-    hidden = model.get_decoder()(input_ids=mb.input_ids,
-                                 attention_mask=mb.attention_mask).last_hidden_state
     where = mb.loss_mask[:, 1:].bool()
-    logits = model.get_output_embeddings()(hidden[:, :-1][where])  # [N, V]
+    split = shared_prefix_split(mb) if shared_prefix else None
+    if split is None:
+        hidden = model.get_decoder()(input_ids=mb.input_ids,
+                                     attention_mask=mb.attention_mask).last_hidden_state
+        scored = hidden[:, :-1][where]
+    else:
+        scored = _shared_prefix_hidden(model, mb, split)
+    logits = model.get_output_embeddings()(scored)  # [N, V]
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = cap * torch.tanh(logits / cap)
@@ -69,12 +113,82 @@ def score_policy_tokens(model: nn.Module, mb: Batch, temperature: float, *,
     return logprobs, entropies
 
 
+@dataclass(frozen=True)
+class PrefixSplit:
+    """Rows cut where their own tokens begin; rows with the same prompt share its cut.
+
+    ``cut[b]`` tokens of row ``b`` form its prefix: everything before its first policy
+    token except the last prompt token, which stays with the suffix because its hidden
+    state scores the first policy token. ``owner[b]`` indexes ``prefixes``, the distinct
+    prefixes (all equal for the rows of one GRPO group).
+    """
+
+    cut: torch.Tensor  # [B]
+    owner: torch.Tensor  # [B]
+    prefixes: list[list[int]]
+
+
+def shared_prefix_split(mb: Batch) -> PrefixSplit | None:
+    """Find the prompts rows share; None when no two rows share a prefix worth skipping."""
+    has_policy = mb.loss_mask.bool().any(dim=1)
+    cut = torch.where(has_policy, mb.loss_mask.argmax(dim=1) - 1, 0).clamp(min=0)
+    ids = mb.input_ids.tolist()
+    index: dict[tuple[int, ...], int] = {}
+    owner = [index.setdefault(tuple(row[:c]), len(index)) for row, c in zip(ids, cut.tolist(),
+                                                                            strict=True)]
+    if len(index) == len(owner) or int(cut.min()) == 0:
+        return None  # nothing shared, or a row with no prompt to share
+    prefixes = [list(key) for key in index]
+    return PrefixSplit(cut, torch.tensor(owner), prefixes)
+
+
+def _shared_prefix_hidden(model: nn.Module, mb: Batch, split: PrefixSplit) -> torch.Tensor:
+    """Hidden states ``[N, H]`` at the positions that score policy tokens, prefixes run once.
+
+    The distinct prefixes go through the decoder once (with gradients), their key/value
+    cache is indexed out to every row that shares it (indexing is differentiable: the
+    backward pass sums each row's gradient into the one prefix computation), then each
+    row's suffix attends to its prefix through that cache. Prefixes are padded on the
+    right; the attention mask hides the padding and explicit positions skip it.
+    """
+    device = mb.input_ids.device
+    decoder = model.get_decoder()
+    width = max(len(p) for p in split.prefixes)
+    prefix_ids = torch.full((len(split.prefixes), width), int(mb.input_ids[0, 0]),
+                            dtype=torch.long, device=device)
+    prefix_mask = torch.zeros_like(prefix_ids)
+    for u, prefix in enumerate(split.prefixes):
+        prefix_ids[u, :len(prefix)] = torch.tensor(prefix, device=device)
+        prefix_mask[u, :len(prefix)] = 1
+    cache = DynamicCache()
+    decoder(input_ids=prefix_ids, attention_mask=prefix_mask, past_key_values=cache,
+            use_cache=True)
+    owner = split.owner.to(device)
+    cache.batch_select_indices(owner)
+
+    cut = split.cut.to(device)
+    lengths = mb.attention_mask.sum(dim=1)
+    suffix_width = int((lengths - cut).max())
+    columns = cut[:, None] + torch.arange(suffix_width, device=device)[None, :]
+    in_row = columns < lengths[:, None]
+    columns = columns.clamp(max=mb.input_ids.shape[1] - 1)
+    suffix_ids = mb.input_ids.gather(1, columns).masked_fill(~in_row, int(mb.input_ids[0, 0]))
+    attention_mask = torch.cat([prefix_mask[owner], in_row.long()], dim=1)
+    hidden = decoder(input_ids=suffix_ids, attention_mask=attention_mask, position_ids=columns,
+                     past_key_values=cache, use_cache=True).last_hidden_state
+    # Suffix position k holds token cut + k; it scores token cut + k + 1.
+    scores_next = mb.loss_mask.gather(1, (columns + 1).clamp(max=mb.input_ids.shape[1] - 1))
+    scores_next = scores_next.bool() & ((columns + 1) < lengths[:, None])
+    return hidden[scores_next]
+
+
 def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
                       s: UpdateSettings, totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
     """Loss of one micro-batch, already scaled so micro-batch losses sum to the batch loss."""
     mask = mb.loss_mask[:, 1:]
     logprobs, entropy = score_policy_tokens(model, mb, s.temperature, entropy=True,
-                                            entropy_grad=s.algo.entropy_coef > 0)
+                                            entropy_grad=s.algo.entropy_coef > 0,
+                                            shared_prefix=s.optim.shared_prefix)
     advantages = mb.advantages[:, None] if mb.advantages.dim() == 1 else mb.advantages[:, 1:]
     per_token, clipped = clipped_policy_loss(logprobs, mb.old_logprobs[:, 1:], advantages,
                                              s.algo.clip_low, s.algo.clip_high)
@@ -82,7 +196,8 @@ def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
              "entropy": float((entropy.detach() * mask).sum())}
     if s.algo.kl_coef > 0:
         with torch.no_grad():
-            ref_logprobs, _ = score_policy_tokens(ref_model, mb, s.temperature)
+            ref_logprobs, _ = score_policy_tokens(ref_model, mb, s.temperature,
+                                                  shared_prefix=s.optim.shared_prefix)
         kl = kl_penalty(logprobs, ref_logprobs, s.algo.kl_estimator)
         per_token = per_token + s.algo.kl_coef * kl
         stats["kl"] = float((kl.detach() * mask).sum())
@@ -106,7 +221,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     grad_norms = []
     for _ in range(settings.algo.epochs):
         optimizer.zero_grad(set_to_none=True)
-        for mb in micro_batches(batch, settings.optim.micro_batch_size):
+        for mb in micro_batches(batch, settings.optim.micro_batch_size, settings.token_budget):
             mb = mb.to(next(model.parameters()).device)
             loss, stats = _micro_batch_loss(model, ref_model, mb, settings, totals)
             loss.backward()

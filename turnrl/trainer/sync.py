@@ -45,7 +45,7 @@ from turnrl.evaluation import COLUMNS, EvalResult, evaluate, summarize
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
-from turnrl.trainer.step import UpdateSettings, policy_update
+from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, policy_update
 from turnrl.types import Batch, write_episodes
 
 
@@ -141,7 +141,8 @@ def load_policy(cfg: Config) -> Policy:
     chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
     make = partial(make_env, cfg.env.name, **cfg.env.options)
     make()  # bad env name or options fail here with a one-line error
-    engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed)
+    engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
+                      reuse_cache=cfg.rollout.reuse_cache)
     eval_params = SamplingParams(cfg.rollout.max_new_tokens, cfg.eval.temperature,
                                  cfg.rollout.top_p, stop_token_ids=(chat.end_of_turn,))
     eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
@@ -150,6 +151,17 @@ def load_policy(cfg: Config) -> Policy:
                        env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
                        env_timeout_s=cfg.rollout.env_timeout_s, max_context=max_context)
     return Policy(model, tokenizer, chat, engine, max_context, run_eval)
+
+
+def update_settings(cfg: Config, model: torch.nn.Module) -> UpdateSettings:
+    """The update's knobs from the config; the memory budget becomes a token budget."""
+    budget = cfg.optim.memory_budget_mb * 2**20
+    dtype_bytes = torch.finfo(next(model.parameters()).dtype).bits // 8
+    return UpdateSettings(
+        cfg.algo, cfg.optim, cfg.rollout.temperature,
+        agg_constant=cfg.algo.loss_agg_constant
+        or cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
+        token_budget=budget // activation_bytes_per_token(model.config, dtype_bytes))
 
 
 def train(cfg: Config, *, resume: bool = False) -> TrainResult:
@@ -169,9 +181,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     ref_model = copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
                                   weight_decay=cfg.optim.weight_decay)
-    settings = UpdateSettings(cfg.algo, cfg.optim, cfg.rollout.temperature,
-                              cfg.algo.loss_agg_constant
-                              or cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
+    settings = update_settings(cfg, model)
 
     start_step = 0
     if checkpoint is not None:

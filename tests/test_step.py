@@ -1,0 +1,114 @@
+"""The update's speed paths compute the same thing as the plain path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from turnrl.config import AlgoConfig, OptimConfig
+from turnrl.trainer.step import (
+    UpdateSettings,
+    micro_batches,
+    policy_update,
+    score_policy_tokens,
+    shared_prefix_split,
+)
+from turnrl.types import Batch, Episode
+
+
+def _grouped_episodes(groups: int = 2, size: int = 3, seed: int = 0) -> list[Episode]:
+    """Multi-turn-shaped episodes: a prompt shared by each group, then policy/env turns."""
+    rng = torch.Generator().manual_seed(seed)
+    episodes = []
+    for g in range(groups):
+        prompt = torch.randint(3, 60, (5 + 3 * g,), generator=rng).tolist()
+        for _ in range(size):
+            ep = Episode(env="toy", seed=g, group=g)
+            ep.append(prompt, policy=False)
+            for _turn in range(1 + int(torch.randint(0, 3, (1,), generator=rng))):
+                n = 1 + int(torch.randint(0, 4, (1,), generator=rng))
+                action = torch.randint(3, 60, (n,), generator=rng).tolist()
+                ep.append(action, policy=True, logprobs=[-1.5] * n, version=0)
+                ep.append(torch.randint(3, 60, (2,), generator=rng).tolist(), policy=False)
+            episodes.append(ep)
+    return episodes
+
+
+def _batch(episodes, per_token: bool = False) -> Batch:
+    advantages = torch.linspace(-1, 1, len(episodes))
+    batch = Batch.from_episodes(episodes, advantages, pad_id=0)
+    if per_token:
+        batch.advantages = torch.randn(batch.input_ids.shape, generator=torch.Generator()
+                                       .manual_seed(1))
+    return batch
+
+
+def test_split_finds_each_groups_prompt():
+    batch = _batch(_grouped_episodes())
+    split = shared_prefix_split(batch)
+    assert split is not None
+    assert split.owner.tolist() == [0, 0, 0, 1, 1, 1]
+    # The last prompt token stays with the suffix: it scores the first policy token.
+    assert split.cut.tolist() == [4, 4, 4, 7, 7, 7]
+    assert [len(p) for p in split.prefixes] == [4, 7]
+
+
+def test_split_declines_when_nothing_is_shared():
+    episodes = _grouped_episodes(groups=3, size=1)
+    assert shared_prefix_split(_batch(episodes)) is None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prefix_scores_and_gradients_equal_naive(tiny, temperature):
+    model, _ = tiny
+    batch = _batch(_grouped_episodes())
+    results = []
+    for shared in (False, True):
+        model.zero_grad()
+        logprobs, entropy = score_policy_tokens(model, batch, temperature, entropy=True,
+                                                shared_prefix=shared)
+        (logprobs * torch.linspace(0.5, 2, logprobs.shape[1])).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results.append((logprobs.detach(), entropy, grads))
+    (lp_a, ent_a, grads_a), (lp_b, ent_b, grads_b) = results
+    assert (lp_a != 0).sum() == batch.loss_mask[:, 1:].sum()  # every policy token scored
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_micro_batches_keep_groups_together_and_respect_token_budget():
+    batch = _batch(_grouped_episodes(groups=2, size=4))
+    chunks = micro_batches(batch, size=4)
+    assert len(chunks) == 2
+    for mb in chunks:  # each micro-batch is one group: one shared prompt
+        split = shared_prefix_split(mb)
+        assert split is not None and len(split.prefixes) == 1
+    width = int(batch.attention_mask.sum(dim=1).max())
+    budgeted = micro_batches(batch, size=8, token_budget=2 * width)
+    assert all(mb.input_ids.numel() <= 2 * width for mb in budgeted)
+    assert sum(len(mb) for mb in budgeted) == len(batch)
+    alone = micro_batches(batch, size=8, token_budget=1)  # over budget: one row each
+    assert [len(mb) for mb in alone] == [1] * len(batch)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_optimisations_on_and_off_reach_the_same_parameters(tiny, per_token):
+    model, _ = tiny
+    batch = _batch(_grouped_episodes(groups=2, size=4), per_token=per_token)
+    finals = []
+    for shared, budget, rows in ((False, 0, 8), (True, 0, 4), (True, 40, 8)):
+        trained = copy.deepcopy(model)
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+        settings = UpdateSettings(AlgoConfig(), OptimConfig(shared_prefix=shared,
+                                                            micro_batch_size=rows),
+                                  temperature=1.0, agg_constant=16, token_budget=budget)
+        policy_update(trained, optimizer, batch, settings)
+        finals.append(torch.cat([p.detach().flatten() for p in trained.parameters()]))
+    moved = (finals[0] - torch.cat([p.detach().flatten() for p in model.parameters()])).abs()
+    assert moved.max() > 1e-4  # the step did something
+    for other in finals[1:]:
+        torch.testing.assert_close(other, finals[0], atol=2e-6, rtol=1e-4)
