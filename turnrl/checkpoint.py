@@ -47,8 +47,12 @@ def restore_rng(state: dict, engine_generator: torch.Generator | None = None) ->
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, *, rng: dict, extra: dict | None = None,
-                    keep: int = 2) -> Path:
-    """Write ``checkpoints/step-NNNNNN`` atomically and keep only the newest ``keep``."""
+                    components: dict[str, dict] | None = None, keep: int = 2) -> Path:
+    """Write ``checkpoints/step-NNNNNN`` atomically and keep only the newest ``keep``.
+
+    ``components`` are further state dicts a resume needs (a critic, a replay buffer),
+    saved as ``<name>.pt`` and read back with ``load_component``.
+    """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
@@ -58,6 +62,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(rng, tmp / "rng.pt")
+    for name, state in (components or {}).items():
+        torch.save(state, tmp / f"{name}.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **(extra or {})}))
     _fsync_tree(tmp)
     if final.exists():  # re-saving a step after a resume: move the old copy out of sight first
@@ -90,3 +96,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     rng = torch.load(path / "rng.pt", weights_only=False)
     return json.loads((path / "state.json").read_text()), rng
+
+
+def load_component(path: str | Path, name: str) -> dict | None:
+    """A state dict saved with ``components={name: ...}``, or None if the checkpoint has none."""
+    file = Path(path) / f"{name}.pt"
+    return torch.load(file, weights_only=False) if file.exists() else None

@@ -25,7 +25,8 @@ class Turn:
 
     ``start:end`` is the span of the policy's sampled tokens inside ``Episode.token_ids``.
     ``state`` names the environment state the action was taken in: the environment's
-    ``info["state_key"]`` when it gives one, else the observation the policy answered
+    ``state_key`` (its attribute after ``reset``, then ``info["state_key"]`` of each step)
+    when it gives one, else the observation the policy answered
     (GiGPO groups actions taken in the same state across the episodes of a group).
     """
 
@@ -101,7 +102,9 @@ class Batch:
     Shapes: ``input_ids``, ``attention_mask``, ``loss_mask``, ``old_logprobs`` [B, T];
     ``advantages`` [B] (one per episode) or [B, T] (per token, for turn-level credit).
     ``loss_mask[b, t]`` marks that token ``t`` was sampled by the policy; the update scores
-    it from the logits at position ``t - 1``.
+    it from the logits at position ``t - 1``. ``old_logprobs`` are the behaviour policy's
+    (the sampler's); ``prox_logprobs`` [B, T], when set, are the proximal policy's (the
+    weights right before this update) for decoupled PPO.
     """
 
     input_ids: torch.Tensor
@@ -109,6 +112,7 @@ class Batch:
     loss_mask: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
+    prox_logprobs: torch.Tensor | None = None
 
     @classmethod
     def from_episodes(cls, episodes: Sequence[Episode], advantages: torch.Tensor,
@@ -131,8 +135,9 @@ class Batch:
         return self.input_ids.shape[0]
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
-                                              self.old_logprobs, self.advantages)))
+        return Batch(*(None if t is None else t.to(device)
+                       for t in (self.input_ids, self.attention_mask, self.loss_mask,
+                                 self.old_logprobs, self.advantages, self.prox_logprobs)))
 
     def select(self, rows: slice | torch.Tensor) -> Batch:
         """A micro-batch, trimmed of trailing all-padding columns."""
@@ -144,4 +149,6 @@ class Batch:
             old_logprobs=self.old_logprobs[rows, :width],
             advantages=self.advantages[rows] if self.advantages.dim() == 1
             else self.advantages[rows, :width],
+            prox_logprobs=None if self.prox_logprobs is None
+            else self.prox_logprobs[rows, :width],
         )

@@ -157,7 +157,9 @@ async def run_episodes(
             continue
         messages, rendered, ids = chat.start(first, getattr(env, "system_prompt", None))
         episode.append(ids, policy=False)
-        live.append(_Live(env, episode, messages, rendered, state=first))
+        # An env's own state key names the start state, so a later return to it matches.
+        live.append(_Live(env, episode, messages, rendered,
+                          state=str(getattr(env, "state_key", first))))
 
     while live:
         completions = engine.generate([s.episode.token_ids for s in live], params)

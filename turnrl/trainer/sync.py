@@ -25,9 +25,11 @@ import torch
 import yaml
 
 from turnrl.algorithms.advantages import compute_advantages
+from turnrl.algorithms.turn_credit import TurnCredit, is_turn_level
 from turnrl.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    load_component,
     restore_rng,
     rng_state,
     save_checkpoint,
@@ -182,12 +184,16 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
                                   weight_decay=cfg.optim.weight_decay)
     settings = update_settings(cfg, model)
+    credit = (TurnCredit(cfg.algo, model.config.hidden_size, seed=cfg.run.seed)
+              if is_turn_level(cfg.algo.advantage) else None)
 
     start_step = 0
     if checkpoint is not None:
         state, rng = load_checkpoint(checkpoint, model, optimizer)
         restore_rng(rng, engine.generator)
         start_step = engine.version = state["step"]
+        if credit is not None and (saved := load_component(checkpoint, "credit")) is not None:
+            credit.load_state_dict(saved)
         print(f"resuming {run_dir} from step {start_step}")
     else:
         print(f"run directory: {run_dir}")
@@ -216,8 +222,10 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
             with timer("score"):
                 rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
                 groups = torch.tensor([ep.group for ep in episodes])
-            with timer("advantages"):
-                advantages = compute_advantages(cfg.algo.advantage, rewards, groups)
+            with timer("advantages"):  # turn-level credit may also train its critic here
+                advantages = (credit.advantages(model, episodes, tokenizer.pad_token_id)
+                              if credit is not None
+                              else compute_advantages(cfg.algo.advantage, rewards, groups))
                 batch = Batch.from_episodes(episodes, advantages, tokenizer.pad_token_id)
             with timer("update"):
                 update_metrics = policy_update(model, optimizer, batch, settings, ref_model)
@@ -234,6 +242,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
                                                             for ep in episodes])),
                     "episode/failed": summary.failed,
                     **update_metrics,
+                    **(credit.metrics() if credit is not None else {}),
                 }
                 if cfg.run.sample_episodes:
                     write_episodes(episodes_dir / f"step-{step + 1:06d}.jsonl",
@@ -251,7 +260,8 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
             last = step + 1 == cfg.run.steps
             if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
                 save_checkpoint(run_dir, step + 1, model, optimizer,
-                                rng=rng_state(engine.generator), keep=cfg.run.keep_checkpoints)
+                                rng=rng_state(engine.generator), keep=cfg.run.keep_checkpoints,
+                                components=None if credit is None else {"credit": credit.state_dict()})
 
     after = _load_or_run_eval(run_dir / "eval_after", policy.run_eval, cfg.eval.episodes,
                               fresh=True)
