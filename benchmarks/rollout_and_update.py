@@ -1,7 +1,8 @@
-"""Side-by-side timings of the two CPU savings the spine ships, on the same workload.
+"""Side-by-side timings of the CPU savings in rollouts and the update, on the same workload.
 
 1. Multi-turn rollouts: KV cache kept across turns vs re-reading the conversation each turn.
-2. The update: scoring only the policy's tokens vs the full ``[B, T, V]`` logits.
+2. The update: scoring only the policy's tokens vs the full ``[B, T, V]`` logits, and
+   running the prompt the episodes share once (``optim.shared_prefix``) vs once per episode.
 
 Each variant runs ``--repeats`` times, alternating, after a warm-up; medians and ratios are
 printed. Usage: ``python benchmarks/rollout_and_update.py [--model tiny] [--episodes 32]``.
@@ -21,7 +22,7 @@ from turnrl.algorithms.losses import token_logprobs
 from turnrl.envs import make_env
 from turnrl.models import load_model
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes
-from turnrl.trainer.step import score_policy_tokens
+from turnrl.trainer.step import micro_batches, score_policy_tokens
 from turnrl.types import Batch
 
 
@@ -51,12 +52,11 @@ def main() -> None:
 
     batch = Batch.from_episodes(episodes, torch.ones(len(episodes)), tok.pad_token_id)
 
-    def update(policy_only: bool) -> None:
+    def update(mode: str) -> None:
         model.zero_grad()
-        for start in range(0, len(batch), args.micro_batch):
-            mb = batch.select(slice(start, start + args.micro_batch))
-            if policy_only:
-                logprobs, _ = score_policy_tokens(model, mb, 1.0)
+        for mb in micro_batches(batch, args.micro_batch):
+            if mode != "full":
+                logprobs, _ = score_policy_tokens(model, mb, 1.0, shared_prefix=mode == "shared")
             else:
                 logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
                 logprobs = token_logprobs(logits[:, :-1], mb.input_ids[:, 1:])
@@ -64,8 +64,9 @@ def main() -> None:
 
     variants = {f"rollout: {name}": partial(lambda e: asyncio.run(
         run_episodes(make, seeds, e, chat, params)), engine) for name, engine in engines.items()}
-    variants["update: policy tokens only"] = partial(update, True)
-    variants["update: full logits"] = partial(update, False)
+    variants["update: shared prompt once"] = partial(update, "shared")
+    variants["update: policy tokens only"] = partial(update, "policy")
+    variants["update: full logits"] = partial(update, "full")
     for fn in variants.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -86,6 +87,8 @@ def main() -> None:
     update_ratio = medians["update: full logits"] / medians["update: policy tokens only"]
     print(f"ratio: rollout re-prefill / kv kept = {rollout:.2f}")
     print(f"ratio: update full logits / policy tokens only = {update_ratio:.2f}")
+    shared = medians["update: policy tokens only"] / medians["update: shared prompt once"]
+    print(f"ratio: update policy tokens only / shared prompt once = {shared:.2f}")
 
 
 if __name__ == "__main__":

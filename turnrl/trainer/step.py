@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from turnrl.algorithms.losses import (
     kl_penalty,
     token_logprobs,
 )
+from turnrl.algorithms.offpolicy import behaviour_weights, decoupled_policy_loss
 from turnrl.config import AlgoConfig, OptimConfig
 from turnrl.types import Batch
 
@@ -190,10 +191,20 @@ def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
                                             entropy_grad=s.algo.entropy_coef > 0,
                                             shared_prefix=s.optim.shared_prefix)
     advantages = mb.advantages[:, None] if mb.advantages.dim() == 1 else mb.advantages[:, 1:]
-    per_token, clipped = clipped_policy_loss(logprobs, mb.old_logprobs[:, 1:], advantages,
-                                             s.algo.clip_low, s.algo.clip_high)
-    stats = {"clipped": float((clipped.float() * mask).sum()),
-             "entropy": float((entropy.detach() * mask).sum())}
+    stats = {}
+    if mb.prox_logprobs is None:
+        per_token, clipped = clipped_policy_loss(logprobs, mb.old_logprobs[:, 1:], advantages,
+                                                 s.algo.clip_low, s.algo.clip_high)
+    else:
+        per_token, clipped, _ = decoupled_policy_loss(
+            logprobs, mb.prox_logprobs[:, 1:], mb.old_logprobs[:, 1:], advantages,
+            s.algo.clip_low, s.algo.clip_high, s.algo.is_cap)
+        # ESS is measured on the raw weights: the cap would hide the mismatch.
+        raw = behaviour_weights(mb.prox_logprobs[:, 1:], mb.old_logprobs[:, 1:])
+        stats["weight_sum"] = float((raw * mask).sum())
+        stats["weight_sq_sum"] = float((raw * raw * mask).sum())
+    stats.update({"clipped": float((clipped.float() * mask).sum()),
+                  "entropy": float((entropy.detach() * mask).sum())})
     if s.algo.kl_coef > 0:
         with torch.no_grad():
             ref_logprobs, _ = score_policy_tokens(ref_model, mb, s.temperature,
@@ -214,10 +225,13 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
 
     Returns metrics averaged over policy tokens: loss, clip fraction, entropy, KL, grad norm.
     """
+    if settings.algo.decoupled and batch.prox_logprobs is None:
+        batch = with_proximal_logprobs(model, batch, settings)
     model.train()
     totals = {"tokens": float(batch.loss_mask[:, 1:].sum().clamp(min=1)),
               "seqs": float(len(batch))}
-    sums: dict[str, float] = {"loss": 0.0, "clipped": 0.0, "entropy": 0.0, "kl": 0.0}
+    sums: dict[str, float] = {"loss": 0.0, "clipped": 0.0, "entropy": 0.0, "kl": 0.0,
+                              "weight_sum": 0.0, "weight_sq_sum": 0.0}
     grad_norms = []
     for _ in range(settings.algo.epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -241,4 +255,29 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     }
     if settings.algo.kl_coef > 0:
         metrics["kl"] = sums["kl"] / totals["tokens"] / passes
+    if batch.prox_logprobs is not None:
+        # Normalised ESS (sum w)^2 / (n sum w^2) of the behaviour weights (first epoch's).
+        n = totals["tokens"] * passes
+        metrics["offpolicy/ess"] = sums["weight_sum"] ** 2 / max(n * sums["weight_sq_sum"], 1e-12)
+        metrics["offpolicy/weight_mean"] = sums["weight_sum"] / n
     return metrics
+
+
+@torch.no_grad()
+def with_proximal_logprobs(model: nn.Module, batch: Batch, settings: UpdateSettings) -> Batch:
+    """``batch`` with the current weights' log-probabilities as the proximal policy.
+
+    Decoupled PPO (AReaL) keeps the trust region around the policy right before this
+    update rather than around the (possibly several versions old) behaviour policy; one
+    no-grad scoring pass gives it.
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    prox = torch.zeros_like(batch.old_logprobs)
+    for start in range(0, len(batch), settings.optim.micro_batch_size):
+        rows = torch.arange(start, min(start + settings.optim.micro_batch_size, len(batch)))
+        mb = batch.select(rows).to(device)
+        logprobs, _ = score_policy_tokens(model, mb, settings.temperature,
+                                          shared_prefix=settings.optim.shared_prefix)
+        prox[rows, 1:logprobs.shape[1] + 1] = logprobs.cpu()
+    return replace(batch, prox_logprobs=prox.to(batch.old_logprobs.device))
