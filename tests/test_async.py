@@ -1,0 +1,429 @@
+"""Asynchronous training: the continuous turn loop, the learner's books, and Ray end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import sys
+import threading
+import time
+from functools import partial
+
+import pytest
+
+from turnrl.config import load_config
+from turnrl.envs import StepResult
+from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_sync
+from turnrl.rollout.continuous import ContinuousRollout, Group
+from turnrl.trainer.async_ import (
+    AssignmentBook,
+    _Learner,
+    group_seed,
+    group_staleness,
+    split_stale,
+)
+from turnrl.trainer.sync import training_seeds
+from turnrl.types import ENV_VERSION, Episode
+
+# ---- (a) the continuous loop, plain asyncio, tiny model ---------------------------------------
+
+
+class LatencyEnv:
+    """``turns`` turns; each step sleeps a random few ms; ``slow_seed``'s first step ``slow`` s.
+
+    ``stuck_seed`` never answers; ``error_seed`` raises. Step spans go to ``log``.
+    """
+
+    def __init__(self, log, turns=3, slow_seed=None, slow=0.0, stuck_seed=None, error_seed=None):
+        self.log, self.turns, self.slow_seed, self.slow = log, turns, slow_seed, slow
+        self.stuck_seed, self.error_seed = stuck_seed, error_seed
+        self.rng = random.Random(0)
+
+    async def reset(self, seed):
+        self.seed, self.turn = seed, 0
+        return "Say a digit."
+
+    async def step(self, action):
+        self.turn += 1
+        start = time.time()
+        if self.seed == self.stuck_seed:
+            await asyncio.Event().wait()
+        if self.seed == self.error_seed:
+            raise ValueError("boom")
+        slow = self.seed == self.slow_seed and self.turn == 1
+        await asyncio.sleep(self.slow if slow else self.rng.uniform(0, 0.02))
+        self.log.append((self.seed, start, time.time()))
+        done = self.turn >= self.turns
+        return StepResult("Again." if not done else "", 1.0, done, {"success": done})
+
+
+class RecordingEngine:
+    """The HF engine, recording when each generate call happens and how big it is."""
+
+    def __init__(self, engine):
+        self.inner, self.calls = engine, []
+
+    @property
+    def version(self):
+        return self.inner.version
+
+    @version.setter
+    def version(self, value):
+        self.inner.version = value
+
+    def generate(self, prompts, params):
+        self.calls.append((time.time(), len(prompts)))
+        return self.inner.generate(prompts, params)
+
+
+def _loop(tiny, make, *, group_size=2, **kwargs):
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    engine = RecordingEngine(HFEngine(model, tok.pad_token_id, seed=0))
+    params = SamplingParams(3, 1.0, stop_token_ids=(chat.end_of_turn,))
+    return ContinuousRollout(make, engine, chat, params, group_size=group_size,
+                             env_name="latency", **kwargs), engine
+
+
+def test_a_slow_env_step_does_not_hold_back_the_other_episodes(tiny):
+    log = []
+    rollout, engine = _loop(tiny, partial(LatencyEnv, log, slow_seed=100, slow=1.5))
+    for assignment, seed in enumerate([100, 101, 102, 103]):
+        rollout.submit(assignment, seed)
+    run_sync(rollout.run(until_drained=True))
+    groups = rollout.take_groups()
+
+    assert sorted(g.assignment for g in groups) == [0, 1, 2, 3]
+    assert all(len(g.episodes) == 2 and g.seed == 100 + g.assignment for g in groups)
+    assert all(ep.status == "done" and len(ep.turns) == 3 for g in groups for ep in g.episodes)
+    assert groups[-1].assignment == 0  # the slow group is delivered last, the others first
+    # While the slow group's first step was pending, the others played their two remaining
+    # turns (two more generate calls) and finished.
+    slow_start = min(start for seed, start, _ in log if seed == 100)
+    slow_end = max(end for seed, start, end in log if seed == 100 and start == slow_start)
+    during = [t for t, _ in engine.calls if slow_start < t < slow_end]
+    assert len(during) >= 2, "the others kept generating while a slow step was pending"
+    assert all(g.finished_at < slow_end for g in groups if g.assignment != 0)
+    assert rollout.stats.overlapped_calls >= 2
+    assert max(size for _, size in engine.calls) > 2  # episodes of several groups batched
+    assert rollout.known_assignments() == set()
+
+
+def test_a_stuck_env_times_out_and_a_raising_env_fails_with_its_reason(tiny):
+    rollout, _ = _loop(tiny, partial(LatencyEnv, [], stuck_seed=7, error_seed=8),
+                       group_size=1, env_timeout_s=0.3)
+    for assignment, seed in enumerate([7, 8, 9]):
+        rollout.submit(assignment, seed)
+    started = time.monotonic()
+    run_sync(rollout.run(until_drained=True))
+    assert time.monotonic() - started < 20
+    by_seed = {g.seed: g.episodes[0] for g in rollout.take_groups()}
+    assert by_seed[7].status == "timeout" and by_seed[7].info["reason"] == "env step timed out"
+    assert by_seed[8].status == "error"
+    assert by_seed[8].info["reason"] == "env step raised ValueError: boom"
+    assert by_seed[9].status == "done" and len(by_seed[9].turns) == 3
+    # The failed turn's tokens are kept, with their version, and the turn is recorded.
+    assert len(by_seed[7].turns) == 1 and by_seed[7].num_policy_tokens > 0
+
+
+def _policy_versions(episode):
+    return [v for v in episode.versions if v != ENV_VERSION]
+
+
+def test_weights_swapped_mid_run_partial_rollouts_span_versions(tiny):
+    rollout, engine = _loop(tiny, partial(LatencyEnv, [], turns=4))
+
+    def before_generate():  # the owner loads new weights: here, a new version at call 3
+        if len(engine.calls) == 2:
+            engine.version += 1
+
+    rollout.before_generate = before_generate
+    for assignment in range(3):
+        rollout.submit(assignment, 200 + assignment)
+    run_sync(rollout.run(until_drained=True))
+    episodes = [ep for g in rollout.take_groups() for ep in g.episodes]
+
+    assert len(episodes) == 6 and all(ep.status == "done" for ep in episodes)
+    assert all(len(ep.turns) == 4 for ep in episodes)  # partial episodes were continued
+    mixed = [ep for ep in episodes if set(_policy_versions(ep)) == {0, 1}]
+    assert mixed, "an episode in flight at the swap carries both versions"
+    for ep in episodes:
+        versions = _policy_versions(ep)
+        assert versions == sorted(versions)  # a turn is sampled by one version, never older
+    assert rollout.stats.version_swaps == 1
+
+
+def test_without_partial_rollouts_weights_change_only_between_waves(tiny):
+    rollout, engine = _loop(tiny, partial(LatencyEnv, [], turns=2), pool_size=2,
+                            partial_rollouts=False)
+    swaps = []
+
+    def before_generate():  # a newer version is always waiting
+        engine.version += 1
+        swaps.append(engine.version)
+
+    rollout.before_generate = before_generate
+    for assignment in range(3):
+        rollout.submit(assignment, 300 + assignment)
+    run_sync(rollout.run(until_drained=True))
+    groups = rollout.take_groups()
+    assert len(groups) == 3
+    for group in groups:
+        versions = {v for ep in group.episodes for v in _policy_versions(ep)}
+        assert len(versions) == 1  # one wave, one version
+    assert len({g.oldest_version for g in groups}) == 3 and len(swaps) == 3
+
+
+def test_proximal_logprobs_of_fresh_episodes_match_the_sampled_ones(tiny):
+    import torch
+
+    from turnrl.algorithms.offpolicy import behaviour_weights, normalised_ess
+    from turnrl.trainer.step import UpdateSettings, with_proximal_logprobs
+    from turnrl.types import Batch
+
+    rollout, _ = _loop(tiny, partial(LatencyEnv, [], turns=2))
+    for assignment in range(2):
+        rollout.submit(assignment, assignment)
+    run_sync(rollout.run(until_drained=True))
+    episodes = [ep for g in rollout.take_groups() for ep in g.episodes]
+    batch = Batch.from_episodes(episodes, torch.zeros(len(episodes)), tiny[1].pad_token_id)
+    cfg = load_config(None, ["--optim.micro_batch_size", "3"])
+    settings = UpdateSettings(cfg.algo, cfg.optim, 1.0, 6)
+    proximal = with_proximal_logprobs(tiny[0], batch, settings).prox_logprobs
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(proximal[mask], batch.old_logprobs[mask], atol=1e-4)
+    assert torch.all(proximal[~mask] == 0)
+    weights = behaviour_weights(proximal, batch.old_logprobs)
+    assert normalised_ess(weights, mask) == pytest.approx(1.0, abs=1e-6)
+
+
+# ---- (c) staleness filter and the learner's books (no Ray) --------------------------------------
+
+
+def _episode(versions, group=0):
+    ep = Episode(env="scripted", seed=0, group=group)
+    for v in versions:
+        ep.append([5], policy=v != ENV_VERSION, logprobs=[-1.0] if v != ENV_VERSION else (),
+                  version=v)
+    return ep
+
+
+def _group(assignment, *version_lists, seed=None):
+    return Group(assignment, assignment if seed is None else seed,
+                 [_episode(v, assignment) for v in version_lists])
+
+
+def test_staleness_filter_uses_the_oldest_policy_token_of_the_group():
+    groups = [
+        _group(0, [-1, 3, 3, -1, 5], [-1, 4]),  # oldest 3: 2 behind learner 5, kept
+        _group(1, [-1, 2, 5], [-1, 5]),  # oldest 2 (a partial rollout across 3 versions)
+        _group(2, [-1, -1]),  # no policy token (env failed at once): nothing stale
+        _group(3, [-1, 5], [-1, 1, -1]),  # one old episode makes the whole group stale
+        _group(4, [-1, 5, 5]),
+    ]
+    fresh, stale = split_stale(groups, learner_version=5, max_versions=2)
+    assert [g.assignment for g in fresh] == [0, 2, 4]
+    assert [g.assignment for g in stale] == [1, 3]
+    assert [group_staleness(g, 5) for g in groups] == [2, 3, 0, 4, 0]
+    assert groups[1].oldest_version == 2 and groups[2].oldest_version is None
+    fresh, stale = split_stale(groups, learner_version=5, max_versions=0)  # on-policy only
+    assert [g.assignment for g in fresh] == [2, 4]
+
+
+def test_group_seeds_are_the_sync_trainers_seeds():
+    cfg = load_config(None, ["--rollout.groups_per_step", "3", "--rollout.group_size", "2",
+                             "--run.seed", "4"])
+    sync = [seed for step in range(3) for seed, _ in training_seeds(cfg, step)[::2]]
+    assert [group_seed(cfg, i) for i in range(9)] == sync
+
+
+def test_the_book_accepts_each_assignment_once_and_finds_lost_ones():
+    book = AssignmentBook(lambda index: 1000 + index)
+    a, b, c = (book.issue(worker=0, seq=s) for s in (1, 2, 5))
+    assert (a.seed, b.seed, c.seed) == (1000, 1001, 1002)
+    assert book.deliver(_group(a.id, [0], seed=a.seed))
+    assert not book.deliver(_group(a.id, [0], seed=a.seed))  # delivered twice
+    assert not book.deliver(_group(99, [0], seed=5))  # never issued
+    assert not book.deliver(_group(b.id, [0], seed=77))  # wrong seed for the id
+    assert book.duplicates == 3
+    # A worker answering a poll sent at seq 4 that knows none of b, c: only b was sent before.
+    assert [x.id for x in book.lost(0, known=set(), before_seq=4)] == [b.id]
+    book.move(b, worker=1, seq=6)
+    assert book.at(1) == [b] and b.reissues == 1
+    again = book.issue(worker=1, seq=7, seed=c.seed)  # regenerate: a new id, the same seed
+    assert again.id != c.id and again.seed == c.seed and book.next_index == 3
+
+
+class FakeFleet:
+    """Scripted worker reports, for the learner's buffer without Ray."""
+
+    def __init__(self, reports):
+        self.reports, self.assigned, self.seq, self.reconciled = list(reports), [], 0, 0
+        self.version = {}
+
+    def up(self):
+        return [0]
+
+    alive = up
+
+    def _next_seq(self):
+        self.seq += 1
+        return self.seq
+
+    def assign(self, worker, assignments):
+        self.assigned += [(a.id, a.seed) for a in assignments]
+
+    def poll(self, timeout_s):
+        return [(0, self._next_seq(), self.reports.pop(0)(self))] if self.reports else []
+
+    def reconcile(self, worker, seq, report):
+        self.reconciled += 1
+
+
+class _Report:
+    def __init__(self, groups):
+        self.groups = groups
+
+
+def test_the_learner_trains_each_assignment_once_and_regenerates_stale_seeds():
+    cfg = load_config(None, ["--rollout.groups_per_step", "2", "--staleness.overprovision",
+                             "1.5", "--staleness.on_stale", "regenerate",
+                             "--staleness.max_versions", "1"])
+    book = AssignmentBook(lambda index: 500 + index)
+    seeds = {}
+
+    def deliver(ids, version):
+        def report(fleet):
+            return _Report([_group(i, [-1, version], seed=seeds[i]) for i in ids])
+        return report
+
+    fleet = FakeFleet([deliver([0], 0), deliver([0, 1, 2], 0)])
+    learner = _Learner(cfg, fleet, book, None)
+    learner.top_up()
+    seeds.update(fleet.assigned)
+    assert fleet.assigned == [(0, 500), (1, 501), (2, 502)]  # ceil(1.5 * 2) outstanding
+    groups, _ = learner.collect(2)
+    # Assignment 0 arrived twice: trained once. Group 2 waits in the buffer.
+    assert [g.assignment for g in groups] == [0, 1] and book.duplicates == 1
+    assert [g.assignment for g in learner.buffer] == [2]
+    assert [a for a, _ in fleet.assigned[3:]] == [3, 4]  # topped up while the learner trains
+
+    learner.version = 2  # two updates later, buffered group 2 (version 0) is too stale
+    seeds.update(fleet.assigned)
+    fleet.reports = [deliver([3, 4], 2), deliver([5], 2)]
+    groups, _ = learner.collect(2)
+    assert book.outcome[2] == "regenerated" and learner.step_events["regenerated"] == [2]
+    assert (5, 502) in fleet.assigned  # seed 502 played again under the new id 5
+    assert [g.assignment for g in groups] == [3, 4]
+
+
+# ---- (b), (d) a real local Ray cluster ------------------------------------------------------
+
+TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_tokens", "3",
+        "--run.progress", "false", "--run.tensorboard", "false", "--run.mode", "async",
+        "--optim.lr", "1e-3", "--ray.num_workers", "1", "--rollout.group_size", "4",
+        "--rollout.groups_per_step", "2"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    # say-digit is registered by conftest, a module the workers cannot import: ship it by
+    # value (a user's env in an importable package or in __main__ needs nothing of the kind).
+    ray.cloudpickle.register_pickle_by_value(sys.modules["conftest"])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules["conftest"])
+
+
+def _books_balance(result):
+    """Every assignment handed out ended exactly one way; none was trained twice."""
+    trained = [a for a, _ in result.trained]
+    assert len(trained) == len(set(trained))
+    ends = [set(trained), set(result.dropped), set(result.regenerated), set(result.abandoned)]
+    assert sum(map(len, ends)) == len(set().union(*ends))  # disjoint
+    assert set().union(*ends) == set(result.issued)  # nothing lost
+    assert all(result.issued[a] == seed for a, seed in result.trained)
+
+
+@pytest.mark.slow
+def test_async_training_on_a_local_ray_cluster(ray_cluster, tmp_path):
+    from turnrl.metrics import read_metrics
+    from turnrl.trainer.async_ import LEDGER_FILE, train_async
+
+    cfg = load_config(None, TINY + ["--run.steps", "3", "--eval.episodes", "4",
+                                    "--run.checkpoint_every", "2",
+                                    "--staleness.adaptive", "true",
+                                    "--run.out_dir", str(tmp_path)])
+    result = train_async(cfg)
+
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert math.isfinite(r["loss/policy"]) and math.isfinite(r["grad_norm"])
+        assert 0 <= r["async/staleness_mean"] <= r["async/staleness_max"] <= 2
+        assert r["time/wait_s"] >= 0 and r["async/dropped_groups"] >= 0
+        assert {"reward/mean", "success/rate", "async/version_lag",
+                "async/worker_restarts", "async/regenerated_groups"} <= r.keys()
+        assert 0 < r["staleness/ess"] <= 1 + 1e-6  # the adaptive bound read the update's ESS
+        assert r["staleness/ess"] == r["offpolicy/ess"]  # decoupled PPO is on in async mode
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert checkpoints == ["step-000002", "step-000003"]
+    for name in ("config.yaml", "eval_before.json", "eval_after.json", "summary.txt",
+                 LEDGER_FILE):
+        assert (tmp_path / name).exists(), name
+    assert len(result.trained) == 3 * 2 and result.after.episodes == 4
+    assert "after 3 steps" in result.table
+    _books_balance(result)
+    deadline = time.monotonic() + 10
+    while ray_cluster.util.list_named_actors() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not ray_cluster.util.list_named_actors()  # the workers are gone
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_its_work_reissued(ray_cluster, tmp_path):
+    from turnrl.metrics import read_metrics
+    from turnrl.trainer.async_ import LEDGER_FILE, train_async
+
+    cfg = load_config(None, TINY + ["--run.steps", "4", "--eval.episodes", "0",
+                                    "--run.checkpoint_every", "0",
+                                    "--env.options.turns", "2",
+                                    "--staleness.overprovision", "2",
+                                    "--run.out_dir", str(tmp_path)])
+    killed = []
+
+    def kill_after_the_first_step():
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                names = [n for n in ray_cluster.util.list_named_actors() if "-rollout-" in n]
+                worker = ray_cluster.get_actor(names[0])
+                ray_cluster.kill(worker, no_restart=False)  # Ray restarts it
+                killed.append(names[0])
+                return
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_after_the_first_step)
+    killer.start()
+    result = train_async(cfg)
+    killer.join()
+
+    assert killed, "the worker was never killed"
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert sum(r["async/worker_restarts"] for r in records) == result.worker_restarts == 1
+    # The restarted worker got back the work it held: same ids, same seeds, each trained
+    # (or left over at the end) once; 8 groups trained on, none twice, none lost.
+    assert result.reissued
+    assert len(result.trained) == 4 * 2
+    _books_balance(result)
+    trained_seeds = [seed for _, seed in result.trained]
+    assert len(set(trained_seeds)) == len(trained_seeds)
+    ledger = [json.loads(line) for line in (tmp_path / LEDGER_FILE).read_text().splitlines()]
+    assert [(a, seed) for r in ledger for a, seed, _ in r["trained"]] == result.trained
+    assert sorted(a for r in ledger for a in r["reissued"]) == sorted(result.reissued)

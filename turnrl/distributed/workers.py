@@ -1,0 +1,200 @@
+"""Rollout workers: thin Ray actors around the continuous turn loop.
+
+Each ``RolloutWorker`` is a process with its own copy of the policy model, its own engine and
+its own environments; it runs ``ContinuousRollout`` (turnrl/rollout/continuous.py) in a
+background thread with its own asyncio loop, so the actor's methods stay responsive while it
+generates. The learner (the driver process, turnrl/trainer/async_.py) talks to it through
+four calls, all cheap:
+
+- ``set_weights(version, [state_dict_ref])``: the learner ``ray.put``s its state dict once per
+  version and sends every worker the *reference* (wrapped in a list, so Ray does not fetch it
+  eagerly). The worker remembers only the newest; right before its next generate call it
+  fetches that one from the object store, loads it and bumps ``engine.version`` (which drops
+  the HF engine's KV cache, computed with the old weights). Versions that were superseded
+  before the worker got to them are never fetched.
+- ``assign([(assignment, seed), ...])``: groups to play; the learner picks the seeds.
+- ``take_groups(max, wait_s)``: finished groups (a short long-poll), plus what the learner
+  needs to reconcile its books: every assignment the worker still holds, the weights version
+  it has, and an *incarnation* id that changes when Ray restarts the actor.
+- ``ping()``: the incarnation, to wait for start-up (and surface a constructor error).
+
+Why each worker holds its own model copy: generation and training run at the same time in
+different processes (possibly on different machines and GPUs), and generation needs one
+consistent snapshot of the weights while the optimiser rewrites the learner's. A process
+cannot sample from another process's tensors, and sharing one model would put generation
+back in lock-step with the update, which is exactly what the asynchronous trainer removes.
+The price is one model's memory per worker and one object-store transfer per version a
+worker actually loads.
+
+What happens when a worker dies: the actors are started with ``max_restarts=-1``, so Ray
+starts a fresh process that runs ``__init__`` again (new model copy, empty pool, new
+incarnation, no weights yet: it waits for the learner's before generating anything). Calls in
+flight or made while it restarts fail with ``RayActorError`` (``ActorUnavailableError``); the
+learner catches them, stops handing that worker new work, and retries. The first report of
+the new incarnation shows weights and assignments missing; the learner re-sends the newest
+weights and re-issues the missing assignments, with the same ids and seeds, to the restarted
+worker. Every group carries its (assignment, seed), and the learner accepts an assignment
+only once, so a late or repeated delivery is ignored: no episode is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from turnrl.config import Config
+from turnrl.envs.base import ENVS, make_env
+from turnrl.rollout.continuous import ContinuousRollout, Group
+from turnrl.rollout.engine import SamplingParams
+from turnrl.rollout.episode import run_sync
+
+
+@dataclass
+class WorkerReport:
+    """One ``take_groups`` answer."""
+
+    worker: int
+    incarnation: str
+    """Random id of this actor process; a new one means Ray restarted the worker."""
+    groups: list[Group]
+    known: set[int]
+    """Assignments the worker still holds (queued, playing, finished and not yet taken)."""
+    version: int
+    """Policy version the worker generates with now (-1 before it loaded any weights)."""
+    weights_version: int
+    """Newest version it has been sent (-1: none)."""
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutWorker:
+    """One rollout worker; a plain class, made a Ray actor by ``spawn_workers``.
+
+    ``env_factory`` is the learner's ``ENVS[cfg.env.name]``, registered here under the same
+    name: environments registered at run time in the driver (a script, a test's conftest)
+    then exist in the worker too. Ray pickles it, by reference for an importable module and
+    by value for ``__main__``; the worker must be able to import whatever it references.
+    """
+
+    def __init__(self, cfg: Config, index: int = 0, env_factory: Any = None,
+                 pool_size: int | None = None, threads: int | None = None) -> None:
+        from turnrl.trainer.sync import load_policy  # the trainer package imports this one
+
+        self.index = index
+        self.incarnation = uuid.uuid4().hex
+        # One thread per reserved CPU: torch's default (one per core of the machine) would
+        # oversubscribe the cores the learner and the other workers run on.
+        torch.set_num_threads(threads or max(1, int(cfg.ray.worker_cpus)))
+        if env_factory is not None:
+            ENVS[cfg.env.name] = env_factory
+        policy = load_policy(cfg)  # the same model, chat template and env checks as the learner
+        self.model, self.engine = policy.model, policy.engine
+        self.engine.reuse_cache = cfg.rollout.reuse_cache
+        self.engine.generator.manual_seed(cfg.run.seed * 1009 + 17 * (index + 1))
+        self.engine.version = -1  # nothing the learner sent yet
+        self._weights_lock = threading.Lock()
+        self._newest: tuple[int, Any] | None = None
+        self._have_weights = threading.Event()
+        self._stopping = False
+        params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
+                                cfg.rollout.top_p, stop_token_ids=(policy.chat.end_of_turn,))
+        self.rollout = ContinuousRollout(
+            partial(make_env, cfg.env.name, **cfg.env.options), self.engine, policy.chat,
+            params, group_size=cfg.rollout.group_size, pool_size=pool_size,
+            env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
+            max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s,
+            before_generate=self._load_newest_weights,
+            partial_rollouts=cfg.staleness.partial_rollouts, worker=index)
+        self._thread = threading.Thread(target=self._serve, name=f"rollout-{index}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            run_sync(self.rollout.run())
+        except BaseException:  # noqa: BLE001 - kept in rollout.error, raised by take_groups
+            pass
+
+    def _load_newest_weights(self) -> None:
+        """Before each generate call: load the newest version sent, if it is not loaded yet."""
+        while not self._have_weights.wait(0.1):  # never generate with weights not sent
+            if self._stopping:
+                return
+        with self._weights_lock:
+            version, state = self._newest
+        if version == self.engine.version:
+            return
+        if isinstance(state, list):  # [ObjectRef]: fetch only now, and only the newest
+            import ray
+
+            state = ray.get(state[0])
+        self.model.load_state_dict(state)
+        self.engine.version = version  # also invalidates the engine's KV cache
+
+    # ---- actor methods -------------------------------------------------------------------
+
+    def ping(self) -> str:
+        return self.incarnation
+
+    def set_weights(self, version: int, state_dict_ref: Any) -> int:
+        """Remember the newest weights: ``[ObjectRef]`` of a state dict, or a state dict."""
+        with self._weights_lock:
+            if self._newest is None or version > self._newest[0]:
+                self._newest = (version, state_dict_ref)
+        self._have_weights.set()
+        return version
+
+    def assign(self, assignments: list[tuple[int, int]]) -> int:
+        for assignment, seed in assignments:
+            self.rollout.submit(assignment, seed)
+        return len(assignments)
+
+    def take_groups(self, max_groups: int | None = None, wait_s: float = 0.0) -> WorkerReport:
+        """Finished groups (waiting up to ``wait_s`` for one) and the worker's state."""
+        if self.rollout.error is not None:
+            raise self.rollout.error  # the loop crashed: a bug or a broken env, not a restart
+        groups = self.rollout.take_groups(max_groups, wait_s)
+        with self._weights_lock:
+            sent = self._newest[0] if self._newest is not None else -1
+        return WorkerReport(self.index, self.incarnation, groups,
+                            self.rollout.known_assignments(), self.engine.version, sent,
+                            self.rollout.stats.to_dict())
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.rollout.stop()
+        self._thread.join(timeout=10)
+
+
+def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None = None,
+                  threads: int | None = None, name_prefix: str | None = None) -> list:
+    """Start ``cfg.ray.num_workers`` restartable ``RolloutWorker`` actors; return handles.
+
+    With ``name_prefix`` the actors are named ``{name_prefix}-{i}`` (visible in
+    ``ray list actors``; ``ray.get_actor`` finds them). ``max_task_retries=0``: a call that
+    was in flight when a worker died fails instead of running twice; the learner reconciles.
+    """
+    import ray
+
+    actor = ray.remote(RolloutWorker)
+    handles = []
+    for index in range(cfg.ray.num_workers):
+        options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0,
+                                   "num_cpus": cfg.ray.worker_cpus,
+                                   "num_gpus": cfg.ray.worker_gpus}
+        if name_prefix:
+            options["name"] = f"{name_prefix}-{index}"
+        handles.append(actor.options(**options).remote(cfg, index, env_factory, pool_size,
+                                                        threads))
+    return handles
+
+
+def worker_pool_size(cfg: Config, outstanding_groups: int) -> int:
+    """Episodes a worker keeps live: its share of the learner's outstanding groups."""
+    share = math.ceil(outstanding_groups / cfg.ray.num_workers)
+    return max(1, share) * cfg.rollout.group_size
