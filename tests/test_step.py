@@ -112,3 +112,34 @@ def test_optimisations_on_and_off_reach_the_same_parameters(tiny, per_token):
     assert moved.max() > 1e-4  # the step did something
     for other in finals[1:]:
         torch.testing.assert_close(other, finals[0], atol=2e-6, rtol=1e-4)
+
+
+def test_one_training_step_is_the_same_with_speedups_on_and_off(tmp_path):
+    """KV reuse across turns and the shared-prompt update change speed, not the result."""
+    from safetensors.torch import load_file
+
+    from turnrl.checkpoint import latest_checkpoint
+    from turnrl.config import load_config
+    from turnrl.metrics import read_metrics
+    from turnrl.trainer import train
+    from turnrl.types import read_episodes
+
+    base = ["--model.name", "tiny", "--env.name", "say-digit", "--env.options", "{turns: 3}",
+            "--rollout.max_new_tokens", "3", "--rollout.group_size", "4",
+            "--rollout.groups_per_step", "2", "--optim.lr", "1e-2", "--run.steps", "1",
+            "--eval.episodes", "0", "--run.progress", "false", "--run.tensorboard", "false"]
+    weights = []
+    for name, flags in (("on", []), ("off", ["--rollout.reuse_cache", "false",
+                                              "--optim.shared_prefix", "false"])):
+        train(load_config(None, base + flags + ["--run.out_dir", str(tmp_path / name)]))
+        weights.append(load_file(latest_checkpoint(tmp_path / name) / "model.safetensors"))
+    on, off = ([ep.token_ids for ep in read_episodes(tmp_path / n / "episodes" / "step-000001.jsonl")]
+               for n in ("on", "off"))
+    assert on == off  # the same samples
+    (m_on,), (m_off,) = (read_metrics(tmp_path / n / "metrics.jsonl") for n in ("on", "off"))
+    for key in ("loss/policy", "grad_norm", "entropy"):
+        assert m_on[key] == pytest.approx(m_off[key], rel=1e-4, abs=1e-6)
+    # Adam's first step moves each weight by about lr * sign(gradient): a gradient that is
+    # float noise may flip sign, so allow 2% of lr on a handful of elements.
+    for key in weights[0]:
+        torch.testing.assert_close(weights[1][key], weights[0][key], atol=2e-4, rtol=0)
