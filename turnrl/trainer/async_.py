@@ -68,15 +68,17 @@ from turnrl.checkpoint import (
 )
 from turnrl.config import Config, ConfigError, config_to_dict
 from turnrl.envs import ENVS
-from turnrl.evaluation import COLUMNS, summarize
-from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
+from turnrl.metrics import MetricsLogger, TrainProgress, truncate_metrics
 from turnrl.rollout.continuous import Group
 from turnrl.trainer.step import policy_update, with_proximal_logprobs
 from turnrl.trainer.sync import (
     StageTimer,
     TrainResult,
     _load_or_run_eval,
+    before_after_table,
+    episode_metrics,
     load_policy,
+    periodic_eval,
     prepare_run_dir,
     training_seeds,
     update_settings,
@@ -430,10 +432,7 @@ class _Learner:
 
 def _connect(cfg: Config) -> bool:
     """Join (``ray.address``) or start a local Ray cluster; True if we started it."""
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("run.mode async needs Ray: pip install -e '.[ray]'") from None
+    import ray
 
     if ray.is_initialized():
         return False
@@ -584,17 +583,10 @@ def train_async(cfg: Config, *, resume: bool = False) -> AsyncTrainResult:
                 with timer("publish"):
                     fleet.publish(learner.version, model)
                 with timer("log"):
-                    summary = summarize(episodes)
                     events = learner.step_events
+                    summary, metrics = episode_metrics(episodes)
                     metrics = {
-                        "reward/mean": summary.mean_reward,
-                        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                        "success/rate": summary.success_rate,
-                        "episode/turns": summary.mean_turns,
-                        "episode/tokens": float(np.mean([len(ep.token_ids) for ep in episodes])),
-                        "episode/policy_tokens": float(np.mean([ep.num_policy_tokens
-                                                                for ep in episodes])),
-                        "episode/failed": summary.failed,
+                        **metrics,
                         **update_metrics,
                         **(credit.metrics() if credit is not None else {}),
                         "async/staleness_mean": float(np.mean(ep_lags)),
@@ -634,12 +626,7 @@ def train_async(cfg: Config, *, resume: bool = False) -> AsyncTrainResult:
                     if cfg.run.sample_episodes:
                         write_episodes(episodes_dir / f"step-{step + 1:06d}.jsonl",
                                        episodes[:cfg.run.sample_episodes])
-                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 \
-                        and step + 1 < cfg.run.steps:
-                    result, _ = policy.run_eval()
-                    lo, hi = result.interval
-                    metrics.update({"eval/success": result.success_rate, "eval/success_lo": lo,
-                                    "eval/success_hi": hi, "eval/reward": result.mean_reward})
+                metrics.update(periodic_eval(cfg, policy, step))
                 metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
                 metrics["time/step_s"] = time.perf_counter() - step_start
                 logger.log(step + 1, metrics)
@@ -663,12 +650,7 @@ def train_async(cfg: Config, *, resume: bool = False) -> AsyncTrainResult:
             book.resolve(assignment, "abandoned")
         after = _load_or_run_eval(run_dir / "eval_after", policy.run_eval, cfg.eval.episodes,
                                   fresh=True)
-        table = ""
-        if before and after:
-            title = f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes, before vs after"
-            table = print_table(title, COLUMNS,
-                                [before.row("before"), after.row(f"after {cfg.run.steps} steps")])
-            (run_dir / "summary.txt").write_text(table)
+        table = before_after_table(cfg, run_dir, before, after)
         return AsyncTrainResult(
             run_dir, cfg.run.steps, before, after, table, trained=trained,
             dropped=totals["dropped"], regenerated=totals["regenerated"],

@@ -231,27 +231,13 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
                 update_metrics = policy_update(model, optimizer, batch, settings, ref_model)
                 engine.version += 1
             with timer("log"):
-                summary = summarize(episodes)
-                metrics = {
-                    "reward/mean": summary.mean_reward,
-                    "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                    "success/rate": summary.success_rate,
-                    "episode/turns": summary.mean_turns,
-                    "episode/tokens": float(np.mean([len(ep.token_ids) for ep in episodes])),
-                    "episode/policy_tokens": float(np.mean([ep.num_policy_tokens
-                                                            for ep in episodes])),
-                    "episode/failed": summary.failed,
-                    **update_metrics,
-                    **(credit.metrics() if credit is not None else {}),
-                }
+                summary, metrics = episode_metrics(episodes)
+                metrics.update(update_metrics)
+                metrics.update(credit.metrics() if credit is not None else {})
                 if cfg.run.sample_episodes:
                     write_episodes(episodes_dir / f"step-{step + 1:06d}.jsonl",
                                    episodes[:cfg.run.sample_episodes])
-            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.run.steps:
-                result, _ = policy.run_eval()
-                lo, hi = result.interval
-                metrics.update({"eval/success": result.success_rate, "eval/success_lo": lo,
-                                "eval/success_hi": hi, "eval/reward": result.mean_reward})
+            metrics.update(periodic_eval(cfg, policy, step))
             metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
             metrics["time/step_s"] = time.perf_counter() - step_start
             logger.log(step + 1, metrics)
@@ -265,13 +251,45 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
 
     after = _load_or_run_eval(run_dir / "eval_after", policy.run_eval, cfg.eval.episodes,
                               fresh=True)
-    table = ""
-    if before and after:
-        title = f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes, before vs after"
-        table = print_table(title, COLUMNS,
-                            [before.row("before"), after.row(f"after {cfg.run.steps} steps")])
-        (run_dir / "summary.txt").write_text(table)
+    table = before_after_table(cfg, run_dir, before, after)
     return TrainResult(run_dir, cfg.run.steps, before, after, table)
+
+
+def episode_metrics(episodes: list) -> tuple[EvalResult, dict[str, float]]:
+    """What a step's episodes say: reward, success, length (shared by sync and async)."""
+    summary = summarize(episodes)
+    rewards = [ep.reward for ep in episodes]
+    return summary, {
+        "reward/mean": summary.mean_reward,
+        "reward/std": float(np.std(rewards, ddof=1)) if len(rewards) > 1 else 0.0,
+        "success/rate": summary.success_rate,
+        "episode/turns": summary.mean_turns,
+        "episode/tokens": float(np.mean([len(ep.token_ids) for ep in episodes])),
+        "episode/policy_tokens": float(np.mean([ep.num_policy_tokens for ep in episodes])),
+        "episode/failed": summary.failed,
+    }
+
+
+def periodic_eval(cfg: Config, policy: Policy, step: int) -> dict[str, float]:
+    """Held-out metrics every ``eval.every`` steps (the last step gets the 'after' table)."""
+    if not cfg.eval.every or (step + 1) % cfg.eval.every or step + 1 >= cfg.run.steps:
+        return {}
+    result, _ = policy.run_eval()
+    lo, hi = result.interval
+    return {"eval/success": result.success_rate, "eval/success_lo": lo,
+            "eval/success_hi": hi, "eval/reward": result.mean_reward}
+
+
+def before_after_table(cfg: Config, run_dir: Path, before: EvalResult | None,
+                       after: EvalResult | None) -> str:
+    """Print and save (summary.txt) the before/after table; '' without evaluation."""
+    if not (before and after):
+        return ""
+    title = f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes, before vs after"
+    table = print_table(title, COLUMNS,
+                        [before.row("before"), after.row(f"after {cfg.run.steps} steps")])
+    (run_dir / "summary.txt").write_text(table)
+    return table
 
 
 def _load_or_run_eval(path: Path, run_eval, episodes: int, fresh: bool = False
