@@ -2,6 +2,7 @@
 
 # imported for their @register_env side effect
 from turnrl.envs import builtin as _builtin  # noqa: F401
+from turnrl.envs import latency as _latency  # noqa: F401
 from turnrl.envs import maze as _maze  # noqa: F401
 from turnrl.envs import twenty_questions as _twenty_questions  # noqa: F401
 from turnrl.envs import wordle as _wordle  # noqa: F401

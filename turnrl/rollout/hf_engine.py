@@ -1,9 +1,30 @@
-"""A Hugging Face transformers engine for CPU: batched sampling with a KV cache.
+"""A Hugging Face transformers engine for CPU: batched sampling with a KV cache kept per row.
 
-The KV cache outlives a call: when every prompt of the next call extends a sequence of the
-previous call (the next turn of the same episodes, same weights), only the new tokens are
-prefilled. On SmolLM2 a guess-number episode re-read from scratch each turn spends most of
-its time in prefill; reusing the cache removes that.
+A call left-pads its prompts into one batch, prefills them, then decodes token by token. The
+keys and values of every row outlive the call, *per sequence*, so that a later call prefills
+only what is new (on SmolLM2 a multi-turn episode re-read from scratch each turn spends most
+of its time in prefill). The caching rules:
+
+- After a call each row leaves its sequence (prompt + reply, less the last sampled token,
+  which was never fed) with that sequence's keys and values, real positions only.
+- A prompt that extends a kept sequence continues from it: only the tokens past it are
+  prefilled. Prompts that extend none are prefilled from scratch in the same batch (their
+  past is masked zeros). Rows may come and go freely between calls, as in the continuous loop,
+  where each call continues whichever episodes are waiting for the policy.
+- A kept sequence that a call extends is replaced by the longer one; sequences a call does
+  not touch stay for later calls. At most ``max_kept_rows`` sequences are kept (or the last
+  call's rows, if more: those are never evicted), least recently written evicted first, so
+  ended episodes cannot pile up.
+- A version bump (new weights) drops every kept sequence: their keys and values are stale.
+- Identical prompts of one call (a GRPO group's first turn) are prefilled once and their keys,
+  values and last logits copied to every row (``share_prompts``).
+
+Positions count real tokens only, so padding anywhere (left, in between, after a row stopped)
+shifts nothing, and rows of any lengths and histories share one batch. Decoding writes each
+step's keys and values in place into a preallocated buffer; ``compact`` drops stopped rows
+from the batch once at least half of it has stopped (their keys and values are kept). Only
+the last position's logits are computed, and plain sampling inverts the CDF instead of
+calling ``torch.multinomial`` (same distribution, other random draws than before).
 """
 
 from __future__ import annotations
@@ -12,23 +33,159 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
 
 from turnrl.rollout.engine import Completion, SamplingParams, sample_tokens
 
 
 @dataclass
-class _KeptCache:
-    """What the previous call left: its rows' sequences and their KV cache.
+class _Kept:
+    """One kept sequence: its tokens and their keys/values ``[layers, 2, kv_heads, len, dim]``."""
 
-    The cache holds every token of ``sequences[r]`` except the last sampled one, which was
-    never fed back; ``attention_mask`` marks its real (non-padding) columns.
+    tokens: tuple[int, ...]
+    kv: torch.Tensor
+
+
+class _KeptRows:
+    """Kept sequences of one policy version, in least-recently-written-first order."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.rows: dict[tuple[int, ...], _Kept] = {}
+
+    def match(self, prompts: Sequence[Sequence[int]]) -> list[_Kept | None]:
+        """The longest kept sequence each prompt strictly extends (None: prefill it all)."""
+        lengths = sorted({len(tokens) for tokens in self.rows}, reverse=True)
+        return [self._longest_prefix(prompt, lengths) for prompt in prompts]
+
+    def _longest_prefix(self, prompt: Sequence[int], lengths: list[int]) -> _Kept | None:
+        for n in lengths:
+            if n < len(prompt) and (row := self.rows.get(tuple(prompt[:n]))) is not None:
+                return row
+        return None
+
+    def replace(self, extended: list[_Kept], new: list[_Kept], max_rows: int) -> None:
+        """Swap the sequences a call extended for its new ones; evict beyond ``max_rows``."""
+        for row in extended:
+            self.rows.pop(row.tokens, None)
+        for row in new:
+            self.rows.pop(row.tokens, None)  # re-inserted last: most recently written
+            self.rows[row.tokens] = row
+        # The call's own rows are never evicted: the next call most likely continues them.
+        excess = len(self.rows) - max(max_rows, len(new))
+        for tokens in list(self.rows)[:max(excess, 0)]:
+            del self.rows[tokens]
+
+
+class _InPlaceLayer(DynamicLayer):
+    """One layer's view of the batch buffer: the model's update writes the new keys and values
+    in place and gets views back, instead of concatenating a new tensor at every step."""
+
+    def __init__(self, kv: torch.Tensor, length: int):
+        super().__init__()
+        self.kv, self.length, self.is_initialized = kv, length, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        self.kv[0, :, :, self.length:end] = key_states
+        self.kv[1, :, :, self.length:end] = value_states
+        self.length = end
+        return self.kv[0, :, :, :end], self.kv[1, :, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class _Batch:
+    """Keys/values of the rows being decoded, in a buffer preallocated to the call's length.
+
+    ``kv`` is ``[layers, 2, rows, kv_heads, capacity, dim]``, of which the first ``length``
+    columns are filled; ``mask`` marks the real ones and ``positions`` holds each row's count of
+    real tokens, which is the position of its next token.
     """
 
-    version: int
-    sequences: list[list[int]]
-    cache: DynamicCache
-    attention_mask: torch.Tensor
+    def __init__(self, kv: torch.Tensor, mask: torch.Tensor, length: int,
+                 positions: torch.Tensor):
+        self.kv, self.mask, self.length, self.positions = kv, mask, length, positions
+
+    def _forward(self, model: PreTrainedModel, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the last input column; the inputs' keys/values land in the buffer."""
+        cache = Cache(layers=[_InPlaceLayer(layer, self.length) for layer in self.kv])
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.length += input_ids.shape[1]
+        return out.logits[:, -1]
+
+    def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor,
+                new_mask: torch.Tensor) -> torch.Tensor:
+        """Feed the left-padded new tokens of every row after its past."""
+        start, width = self.length, input_ids.shape[1]
+        self.mask[:, start:start + width] = new_mask
+        position_ids = self.positions[:, None] + (new_mask.cumsum(dim=1) - 1).clamp(min=0)
+        # A 4-D mask goes to the attention as is: real keys, causally. A padding query also sees
+        # itself, so no row is fully masked (which can give NaN keys/values for later steps).
+        columns = torch.arange(start + width)
+        causal = columns[None, :] <= (start + torch.arange(width))[:, None]
+        own = columns[None, :] == (start + torch.arange(width))[:, None]
+        attention = (self.mask[:, None, :start + width] & causal) | own
+        self.positions = self.positions + new_mask.sum(dim=1)
+        return self._forward(model, input_ids, attention[:, None], position_ids)
+
+    def step(self, model: PreTrainedModel, tokens: torch.Tensor, real: torch.Tensor
+             ) -> torch.Tensor:
+        """Feed one token per row; rows where ``real`` is False are fed masked-out padding."""
+        self.mask[:, self.length] = real
+        logits = self._forward(model, tokens[:, None],
+                               self.mask[:, None, None, :self.length + 1],
+                               self.positions[:, None])
+        self.positions = self.positions + real
+        return logits
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep (or repeat) the rows ``index``, in that order."""
+        kv = self.kv.new_empty(self.kv.shape[:2] + (len(index),) + self.kv.shape[3:])
+        kv[:, :, :, :, :self.length] = self.kv[:, :, index, :, :self.length]
+        self.kv, self.mask, self.positions = kv, self.mask[index], self.positions[index]
+
+    def row(self, i: int) -> torch.Tensor:
+        """Keys/values of row ``i``'s real tokens: ``[layers, 2, kv_heads, tokens, dim]``."""
+        return self.kv[:, :, i, :, :self.length][:, :, :, self.mask[i, :self.length]]
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_tokens``, but plain sampling (top_p 1) draws by inverting the CDF: the same
+    distribution from one uniform number per row, where ``torch.multinomial`` draws one per
+    vocabulary entry (about 20x slower on CPU for SmolLM2's 49k tokens)."""
+    if params.temperature == 0 or params.top_p < 1:
+        return sample_tokens(logits, params.temperature, params.top_p, generator)
+    logprobs = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    cdf = logprobs.exp().cumsum(dim=-1, dtype=torch.float64)  # float64: exact enough at 49k
+    draw = torch.rand((len(cdf), 1), generator=generator, dtype=torch.float64,
+                      device=cdf.device) * cdf[:, -1:]
+    # right=True never lands on a zero-probability token (its CDF step is empty).
+    tokens = torch.searchsorted(cdf, draw, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def _left_padded(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, mask of real tokens), both ``[rows, longest]``, padding on the left."""
+    width = max(len(tokens) for tokens in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for row, tokens in enumerate(rows):
+        input_ids[row, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, width - len(tokens):] = True
+    return input_ids, mask
+
+
+def _unique(prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
+    """Distinct prompts in order of first appearance, and the index of each prompt's one."""
+    first: dict[tuple[int, ...], int] = {}
+    index = [first.setdefault(tuple(prompt), len(first)) for prompt in prompts]
+    return [list(prompt) for prompt in first], index
 
 
 class HFEngine:
@@ -36,17 +193,22 @@ class HFEngine:
 
     All prompts of a call are left-padded into one batch, prefilled once, then decoded token
     by token from the KV cache. A row that samples a stop token is finished (it is fed
-    padding, masked out, from then on); the batch stops when every row is finished or
-    ``max_new_tokens`` is reached.
+    padding, masked out, from then on, or leaves the batch with ``compact``); the call ends
+    when every row is finished or ``max_new_tokens`` is reached. See the module docstring for
+    what is kept between calls.
     """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, seed: int = 0,
-                 reuse_cache: bool = True):
+                 reuse_cache: bool = True, *, max_kept_rows: int = 64,
+                 share_prompts: bool = True, compact: bool = True):
         self.model = model
         self.pad_token_id = pad_token_id
         self.reuse_cache = reuse_cache
+        self.max_kept_rows = max_kept_rows
+        self.share_prompts = share_prompts
+        self.compact = compact
         self._version = 0
-        self._kept: _KeptCache | None = None
+        self._kept = _KeptRows(self._version)
         self.generator = torch.Generator(model.device).manual_seed(seed)
 
     @property
@@ -56,7 +218,12 @@ class HFEngine:
     @version.setter
     def version(self, value: int) -> None:
         self._version = value
-        self._kept = None  # new weights: the cached keys and values are stale
+        self._kept = _KeptRows(value)  # new weights: the cached keys and values are stale
+
+    @property
+    def kept_rows(self) -> int:
+        """Number of sequences whose keys/values are kept for later calls."""
+        return len(self._kept.rows)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
@@ -69,65 +236,69 @@ class HFEngine:
         finally:
             self.model.train(was_training)
 
-    def _match_kept(self, prompts: Sequence[Sequence[int]]) -> list[int] | None:
-        """Row of the kept cache that each prompt extends, or None if any prompt is new."""
-        kept = self._kept
-        if kept is None or kept.version != self._version or not self.reuse_cache:
-            return None
-        by_sequence = {(len(s), tuple(s)): row for row, s in enumerate(kept.sequences)}
-        lengths = sorted({len(s) for s in kept.sequences})
-        rows = []
-        for prompt in prompts:
-            row = next((by_sequence[(n, tuple(prompt[:n]))] for n in lengths
-                        if n <= len(prompt) and (n, tuple(prompt[:n])) in by_sequence), None)
-            if row is None:
-                return None
-            rows.append(row)
-        return rows
-
     def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-        device = self.model.device
-        reuse = self._match_kept(prompts)
-        if reuse is None:
-            cache = DynamicCache()
-            past_mask = torch.zeros((len(prompts), 0), dtype=torch.long, device=device)
-            new_tokens = [list(p) for p in prompts]
+        if self._kept.version != self._version or not self.reuse_cache:
+            self._kept = _KeptRows(self._version)
+        if self.share_prompts:
+            unique, index = _unique(prompts)
         else:
-            kept = self._kept
-            index = torch.tensor(reuse, device=device)
-            cache = kept.cache
-            cache.batch_select_indices(index)
-            past_mask = kept.attention_mask[index]
-            # The previous call's last sampled token was never fed: it starts the new tokens.
-            new_tokens = [list(p[len(kept.sequences[r]) - 1:]) for p, r in zip(prompts, reuse,
-                                                                                  strict=True)]
-        self._kept = None
+            unique, index = [list(p) for p in prompts], list(range(len(prompts)))
+        pasts = self._kept.match(unique)
+        batch = self._batch(pasts, [len(p) for p in unique], params.max_new_tokens)
+        input_ids, new_mask = _left_padded(
+            [prompt[len(past.tokens) if past else 0:] for prompt, past in zip(unique, pasts,
+                                                                              strict=True)],
+            self.pad_token_id)
+        logits = batch.prefill(self.model, input_ids.to(batch.kv.device),
+                               new_mask.to(batch.kv.device))
+        if len(unique) < len(prompts):  # shared prompts: copy their prefill to every row
+            index_t = torch.tensor(index, device=batch.kv.device)
+            batch.select(index_t)
+            logits = logits[index_t]
+        completions, kvs = self._decode(batch, logits, len(prompts), params)
+        if self.reuse_cache:
+            new = [_Kept(tuple(prompt) + tuple(c.token_ids[:-1]), kv)
+                   for prompt, c, kv in zip(prompts, completions, kvs, strict=True)]
+            self._kept.replace([p for p in pasts if p is not None], new, self.max_kept_rows)
+        return completions
 
-        rows, width = len(prompts), max(len(t) for t in new_tokens)
-        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        new_mask = torch.zeros((rows, width), dtype=torch.long)
-        for row, tokens in enumerate(new_tokens):
-            input_ids[row, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
-            new_mask[row, width - len(tokens):] = 1
-        input_ids, new_mask = input_ids.to(device), new_mask.to(device)
-        # Positions count real tokens only, so padding (left or in between) shifts nothing.
-        position_ids = past_mask.sum(dim=1, keepdim=True) + (new_mask.cumsum(dim=1) - 1).clamp(min=0)
-        attention_mask = torch.cat([past_mask, new_mask], dim=1)
-        stop = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long, device=device)
+    def _batch(self, pasts: list[_Kept | None], prompt_lengths: list[int],
+               max_new_tokens: int) -> _Batch:
+        """A buffer holding each row's kept past, right-aligned, with room for the whole call."""
+        config = self.model.config.get_text_config()
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        past_lengths = [len(p.tokens) if p else 0 for p in pasts]
+        width = max(past_lengths)
+        new_width = max(n - p for n, p in zip(prompt_lengths, past_lengths, strict=True))
+        capacity = width + new_width + max(max_new_tokens - 1, 0)
+        kv = torch.empty((config.num_hidden_layers, 2, len(pasts), heads, capacity, head_dim),
+                         dtype=self.model.dtype, device=self.model.device)
+        kv[:, :, :, :, :width] = 0  # masked, but must be finite: 0 * NaN would leak
+        mask = torch.zeros((len(pasts), capacity), dtype=torch.bool, device=kv.device)
+        for row, past in enumerate(pasts):
+            if past is not None:
+                kv[:, :, row, :, width - len(past.tokens):width] = past.kv
+                mask[row, width - len(past.tokens):width] = True
+        positions = torch.tensor(past_lengths, dtype=torch.long, device=kv.device)
+        return _Batch(kv, mask, width, positions)
 
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, past_key_values=cache, use_cache=True)
-        completions = [Completion() for _ in prompts]
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        next_position = position_ids[:, -1:] + 1
+    def _decode(self, batch: _Batch, logits: torch.Tensor, rows: int, params: SamplingParams
+                ) -> tuple[list[Completion], list[torch.Tensor]]:
+        """Sample up to ``max_new_tokens`` per row; returns the completions and, if the cache
+        is reused, each row's keys/values (prompt and reply, less the last sampled token)."""
+        completions = [Completion() for _ in range(rows)]
+        kvs: list[torch.Tensor | None] = [None] * rows
+        live = list(range(rows))  # completion of each batch row
+        stop = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long, device=logits.device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=logits.device)
         for step in range(params.max_new_tokens):
-            tokens, logprobs = sample_tokens(out.logits[:, -1, :], params.temperature,
-                                             params.top_p, self.generator)
+            tokens, logprobs = _sample(logits, params, self.generator)
             newly_stopped = torch.isin(tokens, stop) & ~finished
             # One device-to-host copy per decode step, not one per row.
-            for row, (token, logprob, was_done, stops) in enumerate(zip(
-                    tokens.tolist(), logprobs.tolist(), finished.tolist(),
-                    newly_stopped.tolist(), strict=True)):
+            for row, token, logprob, was_done, stops in zip(
+                    live, tokens.tolist(), logprobs.tolist(), finished.tolist(),
+                    newly_stopped.tolist(), strict=True):
                 if not was_done:
                     completions[row].token_ids.append(token)
                     completions[row].logprobs.append(logprob)
@@ -136,17 +307,15 @@ class HFEngine:
             finished |= newly_stopped
             if finished.all() or step == params.max_new_tokens - 1:
                 break
-            # Finished rows are fed masked-out padding, so their cache stays reusable.
-            tokens = tokens.masked_fill(finished, self.pad_token_id)
-            attention_mask = torch.cat([attention_mask, (~finished).long()[:, None]], dim=1)
-            out = self.model(input_ids=tokens[:, None], attention_mask=attention_mask,
-                             position_ids=next_position, past_key_values=out.past_key_values,
-                             use_cache=True)
-            next_position = next_position + (~finished).long()[:, None]
-
-        if self.reuse_cache:
-            self._kept = _KeptCache(self._version,
-                                    [list(p) + c.token_ids for p, c in zip(prompts, completions,
-                                                                          strict=True)],
-                                    out.past_key_values, attention_mask)
-        return completions
+            if self.compact and 2 * int(finished.sum()) >= len(live):
+                for i in finished.nonzero()[:, 0].tolist():
+                    kvs[live[i]] = batch.row(i) if self.reuse_cache else None
+                active = (~finished).nonzero()[:, 0]
+                batch.select(active)
+                live = [live[i] for i in active.tolist()]
+                tokens, finished = tokens[active], finished[active]
+            logits = batch.step(self.model, tokens.masked_fill(finished, self.pad_token_id),
+                                ~finished)
+        for i, row in enumerate(live):
+            kvs[row] = batch.row(i) if self.reuse_cache else None
+        return completions, kvs

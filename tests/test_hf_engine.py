@@ -1,0 +1,200 @@
+"""HFEngine's caching: per-row reuse across calls, shared-prompt prefill, compaction.
+
+Every optimisation must leave the sampled distribution and the reported log-probabilities
+unchanged: logprobs are checked against one full forward pass over prompt + reply, and greedy
+replies against the engine with the optimisation switched off.
+"""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from turnrl.algorithms.losses import token_logprobs
+from turnrl.rollout import HFEngine, SamplingParams
+from turnrl.rollout.hf_engine import _sample
+
+TEMPERATURE = 0.7
+
+
+def encode(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def recomputed(model, prompt, completion, temperature=TEMPERATURE):
+    ids = torch.tensor([list(prompt) + completion.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]
+    return token_logprobs(logits, ids[:, 1:], temperature)[0, len(prompt) - 1:]
+
+
+def assert_logprobs_match(model, prompts, completions, temperature=TEMPERATURE):
+    for prompt, completion in zip(prompts, completions, strict=True):
+        assert len(completion.token_ids) == len(completion.logprobs) > 0
+        expected = recomputed(model, prompt, completion, temperature)
+        assert torch.allclose(expected, torch.tensor(completion.logprobs), atol=1e-4)
+
+
+class PrefillSpy:
+    """Records, of the engine's forward passes (those with a cache), the (rows, width) of every
+    prefill in ``shapes`` and the rows of every one-token decode step in ``decode_rows``."""
+
+    def __init__(self, model):
+        self.shapes, self.decode_rows = [], []
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        if kwargs.get("past_key_values") is None:
+            return  # a test's own forward pass
+        rows, width = kwargs["input_ids"].shape
+        if width > 1:
+            self.shapes.append((rows, width))
+        else:
+            self.decode_rows.append(rows)
+
+
+def continue_(prompt, completion, tok, text=" ok?"):
+    """The next turn's prompt: prompt + reply + an environment message."""
+    return list(prompt) + completion.token_ids + encode(tok, text)
+
+
+def interleaved_calls(engine, tok, params):
+    """Three calls over changing row subsets: continued rows, brand-new rows, and a row that
+    skips a call (kept meanwhile). Returns every call's (prompts, completions)."""
+    a, b, c = encode(tok, "Say a digit."), encode(tok, "Hi"), encode(tok, "Count: 1 2 3")
+    first = [a, b, c]
+    out1 = engine.generate(first, params)
+    second = [continue_(b, out1[1], tok), encode(tok, "New one"), continue_(a, out1[0], tok)]
+    out2 = engine.generate(second, params)
+    # c skipped the second call; the new row of call 2 and b go on; d is brand new.
+    third = [continue_(c, out1[2], tok, " again"), continue_(second[0], out2[0], tok),
+             encode(tok, "d"), continue_(second[1], out2[1], tok)]
+    out3 = engine.generate(third, params)
+    return [(first, out1), (second, out2), (third, out3)]
+
+
+def test_interleaved_rows_reuse_their_own_cache_and_match_a_forward_pass(tiny):
+    model, tok = tiny
+    spy = PrefillSpy(model)
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    params = SamplingParams(max_new_tokens=5, temperature=TEMPERATURE)
+    calls = interleaved_calls(engine, tok, params)
+    for prompts, completions in calls:
+        assert_logprobs_match(model, prompts, completions)
+    # Call 3 prefills only what follows each row's kept sequence: its widest new part is
+    # the brand-new prompt "d" or a continuation, never a whole conversation.
+    third_prompts = calls[2][0]
+    assert spy.shapes[2][0] == 4 and spy.shapes[2][1] < min(len(p) for p in third_prompts[:2])
+    assert engine.kept_rows == 4 + 1  # call 3's rows, plus a's, which call 3 skipped
+
+
+def test_greedy_replies_are_the_same_with_each_optimisation_on_or_off(tiny):
+    model, tok = tiny
+    # Stopping on common characters makes rows finish at different steps (compaction runs).
+    stops = tuple(tok.convert_tokens_to_ids(list("aeo ")))
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=stops)
+    replies = {}
+    # Everything on, everything off, and each optimisation off on its own.
+    for flags in [(True, True, True), (False, False, False), (False, True, True),
+                  (True, False, True), (True, True, False)]:
+        engine = HFEngine(model, tok.pad_token_id, **dict(zip(
+            ["reuse_cache", "share_prompts", "compact"], flags, strict=True)))
+        calls = interleaved_calls(engine, tok, params)
+        replies[flags] = [[c.token_ids for c in out] for _, out in calls]
+        for prompts, completions in calls:
+            assert_logprobs_match(model, prompts, completions, temperature=1.0)
+    assert len({repr(r) for r in replies.values()}) == 1
+    reasons = {c.finish_reason for _, out in calls for c in out}
+    assert reasons == {"stop", "length"}
+
+
+def test_identical_prompts_are_prefilled_once(tiny):
+    model, tok = tiny
+    spy = PrefillSpy(model)
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    group, other = encode(tok, "Guess a number."), encode(tok, "Hi")
+    prompts = [group] * 4 + [other, group]
+    params = SamplingParams(max_new_tokens=6, temperature=TEMPERATURE)
+    completions = engine.generate(prompts, params)
+    assert spy.shapes == [(2, len(group))]  # two distinct prompts, one prefill row each
+    assert_logprobs_match(model, prompts, completions)
+    assert len({tuple(c.token_ids) for c in completions[:4]}) > 1  # rows sample on their own
+    # Each copy keeps its own cache: the next turn of every row continues from it.
+    second = [continue_(p, c, tok) for p, c in zip(prompts, completions, strict=True)]
+    assert_logprobs_match(model, second, engine.generate(second, params))
+    assert spy.shapes[1][1] < len(group)
+
+
+def test_compacted_rows_keep_their_cache_for_the_next_turn(tiny):
+    model, tok = tiny
+    spy = PrefillSpy(model)
+    engine = HFEngine(model, tok.pad_token_id, seed=0, compact=True)
+    # Half the vocabulary stops a row: rows stop at different steps, most of them early.
+    params = SamplingParams(max_new_tokens=8, temperature=TEMPERATURE,
+                            stop_token_ids=tuple(range(0, len(tok), 2)))
+    prompts = [encode(tok, text) for text in ["Say a digit.", "Hi", "abc", "Count: 1 2"]]
+    first = engine.generate(prompts, params)
+    assert_logprobs_match(model, prompts, first)
+    assert min(spy.decode_rows) < len(prompts)  # stopped rows left the batch
+    second = [continue_(p, c, tok) for p, c in zip(prompts, first, strict=True)]
+    assert_logprobs_match(model, second, engine.generate(second, params))
+    assert spy.shapes[1][1] < min(len(p) for p in second)  # every row reused its cache
+
+
+def test_kept_rows_are_bounded_least_recently_written_first(tiny):
+    model, tok = tiny
+    spy = PrefillSpy(model)
+    engine = HFEngine(model, tok.pad_token_id, seed=0, max_kept_rows=2)
+    params = SamplingParams(max_new_tokens=3, temperature=TEMPERATURE)
+    old = [encode(tok, "one"), encode(tok, "two"), encode(tok, "three")]
+    out = engine.generate(old, params)
+    assert engine.kept_rows == 3  # a call's own rows are all kept, whatever the bound
+    engine.generate([encode(tok, "four")], params)
+    assert engine.kept_rows == 2  # "one" and "two", the oldest, were evicted
+    again = [continue_(p, c, tok) for p, c in zip(old, out, strict=True)]
+    assert_logprobs_match(model, again, engine.generate(again, params))
+    assert spy.shapes[-1] == (3, max(len(p) for p in again[:2]))  # "one" re-read in full
+
+
+def test_new_version_drops_the_cache(tiny):
+    model, tok = tiny
+    spy = PrefillSpy(model)
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    params = SamplingParams(max_new_tokens=3, temperature=TEMPERATURE)
+    prompt = encode(tok, "Say a digit.")
+    out = engine.generate([prompt], params)
+    with torch.no_grad():  # an update: the kept keys and values no longer fit the weights
+        model.model.norm.weight.mul_(1.5)
+    engine.version += 1
+    assert engine.kept_rows == 0
+    second = [continue_(prompt, out[0], tok)]
+    assert_logprobs_match(model, second, engine.generate(second, params))
+    assert spy.shapes[-1] == (1, len(second[0]))
+
+
+def test_grouped_query_attention_model(tiny):
+    """SmolLM2 shares each key/value head among 3 query heads; decoding takes another path."""
+    _, tok = tiny
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    params = SamplingParams(max_new_tokens=4, temperature=TEMPERATURE)
+    prompts = [encode(tok, "Say a digit."), encode(tok, "Hi"), encode(tok, "Hi")]
+    first = engine.generate(prompts, params)
+    assert_logprobs_match(model, prompts, first)
+    second = [continue_(p, c, tok) for p, c in zip(prompts, first, strict=True)]
+    assert_logprobs_match(model, second, engine.generate(second, params))
+
+
+def test_inverse_cdf_sampler_follows_the_tempered_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    logits = torch.log(probs).expand(4000, -1)
+    params = SamplingParams(temperature=1.0)
+    tokens, logprobs = _sample(logits, params, torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=5) / len(tokens)
+    assert counts[1] == counts[4] == 0  # zero-probability tokens are never drawn
+    assert torch.allclose(counts, probs, atol=0.03)
+    assert torch.allclose(logprobs, torch.log(probs)[tokens])
+    hot = _sample(logits, SamplingParams(temperature=2.0), torch.Generator().manual_seed(0))
+    assert torch.allclose(hot[1], torch.log_softmax(torch.log(probs) / 2, -1)[hot[0]])
