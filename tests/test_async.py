@@ -89,7 +89,7 @@ def _loop(tiny, make, *, group_size=2, **kwargs):
 
 def test_a_slow_env_step_does_not_hold_back_the_other_episodes(tiny):
     log = []
-    rollout, engine = _loop(tiny, partial(LatencyEnv, log, slow_seed=100, slow=1.5))
+    rollout, engine = _loop(tiny, partial(LatencyEnv, log, slow_seed=100, slow=4.0))
     for assignment, seed in enumerate([100, 101, 102, 103]):
         rollout.submit(assignment, seed)
     run_sync(rollout.run(until_drained=True))
