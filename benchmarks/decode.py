@@ -17,6 +17,8 @@ CPU seconds and the ratio with / without the optimisation (below 1: it helps):
 
 ``--baseline FILE`` adds the ``HFEngine`` of another hf_engine.py (e.g. the previous version,
 from ``git show``) to sections 1-4. Usage: ``python benchmarks/decode.py [--threads 2]``.
+On a machine shared with other jobs, ``OMP_WAIT_POLICY=PASSIVE`` keeps the 2 threads from
+spinning while they wait for a core (several times slower, and far noisier, otherwise).
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--baseline", help="an hf_engine.py whose HFEngine to time as well")
     args = parser.parse_args()
