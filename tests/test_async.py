@@ -427,3 +427,20 @@ def test_a_killed_worker_is_restarted_and_its_work_reissued(ray_cluster, tmp_pat
     ledger = [json.loads(line) for line in (tmp_path / LEDGER_FILE).read_text().splitlines()]
     assert [(a, seed) for r in ledger for a, seed, _ in r["trained"]] == result.trained
     assert sorted(a for r in ledger for a in r["reissued"]) == sorted(result.reissued)
+
+
+def test_published_weights_ship_a_tied_matrix_once_and_load_back_whole():
+    import torch
+
+    from turnrl.distributed.workers import with_tied_weights, without_tied_weights
+    from turnrl.models import tiny_model
+
+    model, _ = tiny_model(seed=0)  # tied like SmolLM2
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    shipped = without_tied_weights(state)
+    assert len(shipped) == len(state)  # one key fewer, plus the alias map
+    assert shipped["__tied__"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    other, _ = tiny_model(seed=1)
+    other.load_state_dict(with_tied_weights(shipped))  # strict: every key is back
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, state[key]), key

@@ -14,6 +14,7 @@ from turnrl.trainer.step import (
     policy_update,
     score_policy_tokens,
     shared_prefix_split,
+    with_proximal_logprobs,
 )
 from turnrl.types import Batch, Episode
 
@@ -112,6 +113,28 @@ def test_optimisations_on_and_off_reach_the_same_parameters(tiny, per_token):
     assert moved.max() > 1e-4  # the step did something
     for other in finals[1:]:
         torch.testing.assert_close(other, finals[0], atol=2e-6, rtol=1e-4)
+
+
+def test_one_epoch_decoupled_update_takes_the_proximal_policy_from_its_own_pass(tiny):
+    """Skipping the separate proximal pass (one epoch) changes neither the step nor the ESS."""
+    model, _ = tiny
+    batch = _batch(_grouped_episodes(groups=2, size=4))
+    # Behaviour log-probs that differ from the model's, as with stale episodes.
+    batch.old_logprobs = batch.old_logprobs + 0.3 * batch.loss_mask * torch.randn(
+        batch.old_logprobs.shape, generator=torch.Generator().manual_seed(2))
+    settings = UpdateSettings(AlgoConfig(decoupled=True, epochs=1), OptimConfig(),
+                              temperature=1.0, agg_constant=16)
+    finals, metrics = [], []
+    for precomputed in (True, False):
+        trained = copy.deepcopy(model)
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+        given = with_proximal_logprobs(trained, batch, settings) if precomputed else batch
+        metrics.append(policy_update(trained, optimizer, given, settings))
+        finals.append(torch.cat([p.detach().flatten() for p in trained.parameters()]))
+    torch.testing.assert_close(finals[1], finals[0], atol=2e-6, rtol=1e-4)
+    assert metrics[0]["offpolicy/ess"] < 0.99  # the behaviour policy differs
+    assert metrics[1]["offpolicy/ess"] == pytest.approx(metrics[0]["offpolicy/ess"], abs=1e-5)
+    assert metrics[1]["loss/policy"] == pytest.approx(metrics[0]["loss/policy"], abs=1e-6)
 
 
 def test_one_training_step_is_the_same_with_speedups_on_and_off(tmp_path):

@@ -102,7 +102,7 @@ class RolloutConfig(_Section):
     env_timeout_s: float = 30.0
     """an environment step slower than this many seconds fails the episode"""
     reuse_cache: bool = True
-    """keep the KV cache across turns and drop finished episodes from the decode batch"""
+    """keep each episode's KV cache across turns, so a turn prefills only its new tokens"""
 
     def _check(self) -> None:
         self._at_least(1, "group_size", "groups_per_step", "max_new_tokens", "max_turns")

@@ -192,15 +192,18 @@ def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
                                             shared_prefix=s.optim.shared_prefix)
     advantages = mb.advantages[:, None] if mb.advantages.dim() == 1 else mb.advantages[:, 1:]
     stats = {}
-    if mb.prox_logprobs is None:
+    if not s.algo.decoupled:
         per_token, clipped = clipped_policy_loss(logprobs, mb.old_logprobs[:, 1:], advantages,
                                                  s.algo.clip_low, s.algo.clip_high)
     else:
+        # No proximal log-probs given (one epoch): this forward pass, before the optimiser
+        # step, is the proximal policy; detached, it is what a separate pass would compute.
+        prox = logprobs.detach() if mb.prox_logprobs is None else mb.prox_logprobs[:, 1:]
         per_token, clipped, _ = decoupled_policy_loss(
-            logprobs, mb.prox_logprobs[:, 1:], mb.old_logprobs[:, 1:], advantages,
+            logprobs, prox, mb.old_logprobs[:, 1:], advantages,
             s.algo.clip_low, s.algo.clip_high, s.algo.is_cap)
         # ESS is measured on the raw weights: the cap would hide the mismatch.
-        raw = behaviour_weights(mb.prox_logprobs[:, 1:], mb.old_logprobs[:, 1:])
+        raw = behaviour_weights(prox, mb.old_logprobs[:, 1:])
         stats["weight_sum"] = float((raw * mask).sum())
         stats["weight_sq_sum"] = float((raw * raw * mask).sum())
     stats.update({"clipped": float((clipped.float() * mask).sum()),
@@ -225,7 +228,9 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
 
     Returns metrics averaged over policy tokens: loss, clip fraction, entropy, KL, grad norm.
     """
-    if settings.algo.decoupled and batch.prox_logprobs is None:
+    if settings.algo.decoupled and batch.prox_logprobs is None and settings.algo.epochs > 1:
+        # Later epochs need the weights from before the first step; with one epoch the
+        # update's own forward pass gives them and the extra scoring pass is skipped.
         batch = with_proximal_logprobs(model, batch, settings)
     model.train()
     totals = {"tokens": float(batch.loss_mask[:, 1:].sum().clamp(min=1)),
@@ -255,7 +260,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     }
     if settings.algo.kl_coef > 0:
         metrics["kl"] = sums["kl"] / totals["tokens"] / passes
-    if batch.prox_logprobs is not None:
+    if settings.algo.decoupled:
         # Normalised ESS (sum w)^2 / (n sum w^2) of the behaviour weights (first epoch's).
         n = totals["tokens"] * passes
         metrics["offpolicy/ess"] = sums["weight_sum"] ** 2 / max(n * sums["weight_sq_sum"], 1e-12)
