@@ -46,8 +46,8 @@ from dataclasses import asdict, dataclass
 
 from turnrl.envs.base import Env
 from turnrl.rollout.engine import Completion, Engine, SamplingParams
-from turnrl.rollout.episode import ChatFormat, _fail, _Live, _record, _with_timeout
-from turnrl.types import ENV_VERSION, Episode, Turn
+from turnrl.rollout.episode import ChatFormat, _end_turn, _fail, _Live, _with_timeout
+from turnrl.types import ENV_VERSION, Episode
 
 
 @dataclass
@@ -346,19 +346,11 @@ class ContinuousRollout:
         completion, text, start, end = slot.turn
         slot.turn = None
         live, episode = slot.live, slot.episode
-        if error is not None:
-            episode.turns.append(Turn(start, end, text, "", 0.0, completion.finish_reason,
-                                      live.state))
-            _fail(episode, error, "step")
+        next_state = _end_turn(episode, error if error is not None else result, start, end,
+                               text, completion.finish_reason, live.state, self.max_turns)
+        if next_state is None:
             return
-        _record(episode, result, start, end, text, completion.finish_reason, live.state)
-        live.state = str((result.info or {}).get("state_key", result.observation))
-        if result.done:
-            episode.status = "done"
-            return
-        if len(episode.turns) >= self.max_turns:
-            episode.status = "truncated"
-            return
+        live.state = next_state
         live.rendered, ids = self.chat.continue_after(
             live.messages, live.rendered, text, completion.finish_reason == "stop",
             result.observation)

@@ -174,19 +174,11 @@ async def run_episodes(
             episode = state.episode
             start, end = episode.append(completion.token_ids, policy=True,
                                         logprobs=completion.logprobs, version=engine.version)
-            if isinstance(result, BaseException):
-                episode.turns.append(Turn(start, end, text, "", 0.0, completion.finish_reason,
-                                          state.state))
-                _fail(episode, result, "step")
+            next_state = _end_turn(episode, result, start, end, text, completion.finish_reason,
+                                   state.state, max_turns)
+            if next_state is None:
                 continue
-            _record(episode, result, start, end, text, completion.finish_reason, state.state)
-            state.state = str((result.info or {}).get("state_key", result.observation))
-            if result.done:
-                episode.status = "done"
-                continue
-            if len(episode.turns) >= max_turns:
-                episode.status = "truncated"
-                continue
+            state.state = next_state
             state.rendered, ids = chat.continue_after(
                 state.messages, state.rendered, text, completion.finish_reason == "stop",
                 result.observation)
@@ -198,6 +190,24 @@ async def run_episodes(
             still_live.append(state)
         live = still_live
     return episodes
+
+
+def _end_turn(episode: Episode, outcome: StepResult | BaseException, start: int, end: int,
+              text: str, finish_reason: str, state: str, max_turns: int) -> str | None:
+    """Record a policy turn and the env's answer (or failure): the next state key, or None
+    when the episode has ended (done, failed, or out of turns)."""
+    if isinstance(outcome, BaseException):
+        episode.turns.append(Turn(start, end, text, "", 0.0, finish_reason, state))
+        _fail(episode, outcome, "step")
+        return None
+    _record(episode, outcome, start, end, text, finish_reason, state)
+    if outcome.done:
+        episode.status = "done"
+        return None
+    if len(episode.turns) >= max_turns:
+        episode.status = "truncated"
+        return None
+    return str((outcome.info or {}).get("state_key", outcome.observation))
 
 
 def _record(episode: Episode, result: StepResult, start: int, end: int, text: str,
