@@ -46,7 +46,7 @@ def test_turnrl_side_and_scaling(capsys, tmp_path):
 
 
 def test_turnrl_and_trl_side_by_side(capsys, tmp_path):
-    pytest.importorskip("trl")
+    # make test installs the bench extra, so TRL is always there: no skip.
     out = tmp_path / "bench.json"
     assert bench.main(["--quick", "--groups", "2", "4", "--no-scaling", "--threads", "1",
                        "--json", str(out)]) == 0
