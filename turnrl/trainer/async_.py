@@ -252,8 +252,9 @@ class _Fleet:
             self.incarnation[w] = incarnation
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
-        state = without_tied_weights({k: v.detach().to("cpu")
-                                      for k, v in model.state_dict().items()})
+        # Tied tensors are found on the model's device (copies to the CPU no longer alias).
+        state = without_tied_weights({k: v.detach() for k, v in model.state_dict().items()})
+        state = {k: v.to("cpu") if torch.is_tensor(v) else v for k, v in state.items()}
         self.weights = (version, self.ray.put(state))  # once per version, for all workers
         for w in self.alive():
             self.send_weights(w)

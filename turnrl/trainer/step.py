@@ -197,7 +197,8 @@ def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
                                                  s.algo.clip_low, s.algo.clip_high)
     else:
         # No proximal log-probs given (one epoch): this forward pass, before the optimiser
-        # step, is the proximal policy; detached, it is what a separate pass would compute.
+        # step, is the proximal policy; detached, it is what a separate pass would compute
+        # (for models without active dropout, as here: the separate pass runs in eval mode).
         prox = logprobs.detach() if mb.prox_logprobs is None else mb.prox_logprobs[:, 1:]
         per_token, clipped, _ = decoupled_policy_loss(
             logprobs, prox, mb.old_logprobs[:, 1:], advantages,
