@@ -155,6 +155,44 @@ def test_weights_swapped_mid_run_partial_rollouts_span_versions(tiny):
     assert rollout.stats.version_swaps == 1
 
 
+def test_tokens_after_a_mid_episode_swap_are_sampled_by_the_new_weights_alone(tiny):
+    """An episode continued across a swap keeps no keys/values computed by the old weights:
+    each token's behaviour log-prob is the log-prob of the version it is tagged with,
+    scored over the whole episode from scratch."""
+    import torch
+
+    from turnrl.models import tiny_model
+    from turnrl.trainer.step import UpdateSettings, with_proximal_logprobs
+    from turnrl.types import Batch
+
+    old = {k: v.clone() for k, v in tiny[0].state_dict().items()}
+    new_model = tiny_model(seed=7)[0]
+    rollout, engine = _loop(tiny, partial(LatencyEnv, [], turns=3))
+
+    def before_generate():  # new weights loaded in place before generate call 2
+        if len(engine.calls) == 1:
+            tiny[0].load_state_dict(new_model.state_dict())
+            engine.version += 1
+
+    rollout.before_generate = before_generate
+    rollout.submit(0, 300)
+    run_sync(rollout.run(until_drained=True))
+    episodes = rollout.take_groups()[0].episodes
+    batch = Batch.from_episodes(episodes, torch.zeros(len(episodes)), tiny[1].pad_token_id)
+    cfg = load_config(None, [])
+    settings = UpdateSettings(cfg.algo, cfg.optim, 1.0, 6)
+    versions = torch.full(batch.input_ids.shape, ENV_VERSION)
+    for row, ep in enumerate(episodes):
+        versions[row, :len(ep.versions)] = torch.tensor(ep.versions)
+    old_model = tiny_model(seed=0)[0]
+    old_model.load_state_dict(old)
+    for version, model in ((0, old_model), (1, new_model)):
+        mask = batch.loss_mask.bool() & (versions == version)
+        assert mask.any(), f"no tokens of version {version}"
+        scored = with_proximal_logprobs(model, batch, settings).prox_logprobs
+        assert torch.allclose(scored[mask], batch.old_logprobs[mask], atol=1e-4), version
+
+
 def test_without_partial_rollouts_weights_change_only_between_waves(tiny):
     rollout, engine = _loop(tiny, partial(LatencyEnv, [], turns=2), pool_size=2,
                             partial_rollouts=False)
@@ -444,3 +482,41 @@ def test_published_weights_ship_a_tied_matrix_once_and_load_back_whole():
     other.load_state_dict(with_tied_weights(shipped))  # strict: every key is back
     for key, value in other.state_dict().items():
         assert torch.equal(value, state[key]), key
+
+
+def test_a_worker_samples_with_the_weights_it_was_sent_last():
+    """Each group's behaviour log-probs are the sent model's own, never the previous one's:
+    the worker really loads what ``set_weights`` ships, and no cache outlives a swap (the
+    two groups share their prompt, so a stale prompt cache would show here)."""
+    import torch
+
+    from turnrl.distributed.workers import RolloutWorker, without_tied_weights
+    from turnrl.models import tiny_model
+    from turnrl.trainer.step import UpdateSettings, with_proximal_logprobs
+    from turnrl.types import Batch
+
+    cfg = load_config(None, TINY + ["--env.options.turns", "2"])
+    settings = UpdateSettings(cfg.algo, cfg.optim, cfg.rollout.temperature, 6)
+    models = [tiny_model(seed=seed)[0] for seed in (1, 2)]
+    worker = RolloutWorker(cfg, pool_size=8)
+    try:
+        for version, model in enumerate(models):
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            worker.set_weights(version, without_tied_weights(state))
+            worker.assign([(version, 100)])  # the same seed: the same prompts
+            groups = []
+            deadline = time.monotonic() + 60
+            while not groups and time.monotonic() < deadline:
+                groups = worker.take_groups(wait_s=1.0).groups
+            assert groups, "the worker returned no group within 60 s"
+            episodes = groups[0].episodes
+            assert all(set(ep.versions) - {-1} == {version} for ep in episodes)
+            batch = Batch.from_episodes(episodes, torch.zeros(len(episodes)),
+                                        worker.engine.pad_token_id)
+            mask = batch.loss_mask.bool()
+            sent, other = (with_proximal_logprobs(m, batch, settings).prox_logprobs[mask]
+                           for m in (model, models[1 - version]))
+            assert torch.allclose(sent, batch.old_logprobs[mask], atol=1e-4)
+            assert not torch.allclose(other, batch.old_logprobs[mask], atol=1e-2)
+    finally:
+        worker.stop()
