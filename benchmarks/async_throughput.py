@@ -101,6 +101,7 @@ class RunSpec:
     threads: int = 2
     overprovision: float = 1.5
     max_versions: int = 2
+    queued_groups: int = 0
     eval_episodes: int = 64
     timeout_s: float = 1800.0
 
@@ -122,6 +123,7 @@ class RunSpec:
             "ray.num_workers": 1, "ray.worker_cpus": 1,
             "staleness.overprovision": self.overprovision,
             "staleness.max_versions": self.max_versions,
+            "staleness.queued_groups": self.queued_groups,
         }
         return [f"--{k}={v}" for k, v in args.items()]
 
@@ -332,6 +334,7 @@ def summarize_run(raw: dict[str, Any]) -> dict[str, Any]:
                 "overlapped_calls": delta("overlapped_calls") / calls,
                 "version_swaps": delta("version_swaps"),
                 "max_live": last.get("max_live", 0),
+                "mean_live": delta("live_at_calls") / calls,
                 "episodes_finished": last.get("episodes_finished", 0),
             }
         out["staleness"] = {
@@ -370,7 +373,8 @@ def _num(x: float | None, digits: int = 1) -> str:
 
 
 COLUMNS = ["lat ms", "mode", "steps", "wall s", "ep/s", "tok/s", "vs best 0ms", "time split",
-           "gen busy / rows per call / ms per row", "stale mean/max, dropped", "reward @same eps",
+           "gen busy / rows per call / ms per row / live (async: mean, max)",
+           "stale mean/max, dropped", "reward @same eps",
            "train reward last 1/4", "eval success after budget"]
 
 
@@ -399,6 +403,7 @@ def model_table(model: str, runs: list[dict[str, Any]], before: dict | None) -> 
             _num(r["tokens_per_s"] / best0, 2) if best0 and r.get("tokens_per_s") else "-",
             split or (r.get("error") or "-"),
             f"{_pct(gen['busy'])} / {gen['rows_per_call']:.0f} / {gen['ms_per_row']:.1f}"
+            + (f" / {gen['mean_live']:.0f}, {gen['max_live']:.0f}" if "mean_live" in gen else "")
             if gen else "-",
             f"{stale['mean']:.2f}/{stale['max']:.0f}, {stale['dropped_groups']:.0f}"
             if stale else "-",
@@ -485,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-versions", default="auto",
                         help="async staleness bound (versions); 'auto' grows it with the "
                              "latency (2 at 0 ms, 4 at 100 ms, 8 at 500 ms)")
+    parser.add_argument("--queued-groups", type=int, default=0,
+                        help="async groups queued at the worker beyond its pool, started as "
+                             "soon as the pool has room (staleness.queued_groups)")
     parser.add_argument("--no-sync1", action="store_true",
                         help="skip the extra 1-thread sync run at 0 ms (by default it runs, "
                              "so 'best at 0 ms' is the best of sync on 1 and 2 threads and "
@@ -540,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
                                median_ms),
                            max_versions=int(_auto(args.max_versions, AUTO_MAX_VERSIONS,
                                                   median_ms)),
+                           queued_groups=args.queued_groups,
                            eval_episodes=args.eval_episodes,
                            timeout_s=max(600.0, 4 * seconds + 600))
 

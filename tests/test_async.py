@@ -325,6 +325,22 @@ class _Report:
         self.groups = groups
 
 
+def test_queued_groups_wait_at_the_worker_beyond_its_pool():
+    from turnrl.distributed.workers import worker_pool_size
+    from turnrl.trainer.async_ import in_flight_groups
+
+    cfg = load_config(None, ["--rollout.groups_per_step", "2", "--rollout.group_size", "4",
+                             "--staleness.overprovision", "1.5",
+                             "--staleness.queued_groups", "2"])
+    fleet = FakeFleet([])
+    learner = _Learner(cfg, fleet, AssignmentBook(lambda index: index), None)
+    learner.top_up()
+    assert in_flight_groups(cfg) == 3 and len(fleet.assigned) == 3 + 2
+    assert worker_pool_size(cfg, in_flight_groups(cfg)) == 3 * 4  # the queue is not played
+    learner.top_up()
+    assert len(fleet.assigned) == 5  # topped up, not added to
+
+
 def test_the_learner_trains_each_assignment_once_and_regenerates_stale_seeds():
     cfg = load_config(None, ["--rollout.groups_per_step", "2", "--staleness.overprovision",
                              "1.5", "--staleness.on_stale", "regenerate",
@@ -520,3 +536,39 @@ def test_a_worker_samples_with_the_weights_it_was_sent_last():
             assert not torch.allclose(other, batch.old_logprobs[mask], atol=1e-2)
     finally:
         worker.stop()
+
+
+def test_worker_zero_samples_what_the_sync_loop_samples_from_the_same_weights():
+    """Common random numbers: worker 0 seeds its sampler like the sync trainer's engine, so
+    one group played by both from the same weights is the same group, token for token."""
+    import torch
+
+    from turnrl.distributed.workers import RolloutWorker, sampling_seed, without_tied_weights
+    from turnrl.envs import make_env
+    from turnrl.models import tiny_model
+    from turnrl.rollout.episode import run_episodes
+
+    cfg = load_config(None, TINY + ["--env.options.turns", "2", "--run.seed", "3"])
+    model, tokenizer = tiny_model(seed=1)
+    worker = RolloutWorker(cfg, index=0, pool_size=8)
+    try:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        worker.set_weights(0, without_tied_weights(state))
+        worker.assign([(0, 42)])
+        groups, deadline = [], time.monotonic() + 60
+        while not groups and time.monotonic() < deadline:
+            groups = worker.take_groups(wait_s=1.0).groups
+    finally:
+        worker.stop()
+    assert groups, "the worker returned no group within 60 s"
+    chat = ChatFormat(tokenizer)
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
+                            cfg.rollout.top_p, stop_token_ids=(chat.end_of_turn,))
+    engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed)
+    episodes = run_sync(run_episodes(partial(make_env, "say-digit", turns=2),
+                                     [(42, 0)] * cfg.rollout.group_size, engine, chat, params))
+    assert [ep.token_ids for ep in groups[0].episodes] == [ep.token_ids for ep in episodes]
+    assert sampling_seed(cfg.run.seed, 0) == cfg.run.seed
+    assert len({sampling_seed(cfg.run.seed, w) for w in range(4)}) == 4
+    assert torch.equal(torch.tensor(groups[0].episodes[0].logprobs),
+                       torch.tensor(episodes[0].logprobs))

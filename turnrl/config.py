@@ -267,9 +267,12 @@ class StalenessConfig(_Section):
     """keep unfinished episodes across weight updates and continue them (APRIL)"""
     overprovision: float = 1.5
     """async: keep this many times a step's episodes in flight; train on the first finished"""
+    queued_groups: int = 0
+    """async: groups queued at each worker beyond its pool of live episodes, started the moment
+    the pool has room (a group held open by one slow episode then leaves no slots idle)"""
 
     def _check(self) -> None:
-        self._at_least(0, "max_versions")
+        self._at_least(0, "max_versions", "queued_groups")
         self._at_least(1, "max_versions_limit", "overprovision")
         self._require("ess_low", 0 < self.ess_low <= self.ess_high <= 1,
                       "in (0, ess_high] with ess_high <= 1")

@@ -100,7 +100,7 @@ class RolloutWorker:
             # Every live episode's cache must survive until its next turn: a smaller bound
             # evicts rows the pool still needs and re-prefills them (7.8 vs 15.3 ms a row).
             self.engine.max_kept_rows = max(self.engine.max_kept_rows, pool_size)
-        self.engine.generator.manual_seed(cfg.run.seed * 1009 + 17 * (index + 1))
+        self.engine.generator.manual_seed(sampling_seed(cfg.run.seed, index))
         self.engine.version = -1  # nothing the learner sent yet
         self._weights_lock = threading.Lock()
         self._newest: tuple[int, Any] | None = None
@@ -174,6 +174,16 @@ class RolloutWorker:
         self._stopping = True
         self.rollout.stop()
         self._thread.join(timeout=10)
+
+
+def sampling_seed(run_seed: int, worker: int) -> int:
+    """Seed of a worker's sampling generator. Worker 0 draws the same random numbers as the
+    sync trainer's engine (seeded with ``run.seed``), so sync and async runs of one seed
+    compare on common random numbers: at the same weights they sample the same first turns.
+    Without that, one seed of each compares two sampling streams, and at a few updates the
+    stream decides more than the mode (SmolLM2, 8 steps of guess-number, the sync loop alone:
+    26.6% held-out success with one stream, 71.9% with another)."""
+    return run_seed if worker == 0 else run_seed * 1009 + 17 * worker
 
 
 TIED_KEYS = "__tied__"

@@ -111,6 +111,8 @@ class LoopStats:
     episodes_finished: int = 0
     groups_finished: int = 0
     max_live: int = 0
+    live_at_calls: int = 0
+    """Sum over generate calls of the live episodes at the call (/ calls: the mean pool)."""
     version_swaps: int = 0
     generate_s: float = 0.0
 
@@ -291,6 +293,7 @@ class ContinuousRollout:
         self.stats.generate_s += time.perf_counter() - started
         self.stats.generate_calls += 1
         self.stats.generated_rows += len(waiting)
+        self.stats.live_at_calls += len(self._slots)
         self.stats.overlapped_calls += env_running
         for slot, completion in zip(waiting, completions, strict=True):
             text = self.chat.tokenizer.decode(completion.token_ids[:-1]

@@ -16,8 +16,9 @@ Reinforcement Learning System for Language Reasoning", arXiv:2505.24298):
 
 Between them sits the **buffer** of the learner's books (``AssignmentBook``): the learner
 hands out *assignments* (an id and the seed of one GRPO group), keeping about
-``staleness.overprovision * groups_per_step`` of them outstanding so the workers always have
-work, and trains on the first ones that finish (groups finished beyond a step's need wait in
+``staleness.overprovision * groups_per_step`` of them in play so the workers always have
+work (plus ``staleness.queued_groups`` per worker waiting to start the moment a pool has
+room: a group is only started whole, and one slow episode holds its group open), and trains on the first ones that finish (groups finished beyond a step's need wait in
 the buffer for the next step). A group is fresh enough while its *oldest* policy token is at
 most ``staleness.max_versions`` versions behind the learner (AReaL's bounded staleness,
 checked on arrival and again when a buffered group is used); a staler group is dropped
@@ -103,6 +104,11 @@ def group_seed(cfg: Config, index: int) -> int:
     """Seed of the ``index``-th group handed out: the seeds the sync trainer would play."""
     step, group = divmod(index, cfg.rollout.groups_per_step)
     return training_seeds(cfg, step)[group * cfg.rollout.group_size][0]
+
+
+def in_flight_groups(cfg: Config) -> int:
+    """Groups the workers play at once: ``overprovision`` times a step's need."""
+    return math.ceil(cfg.staleness.overprovision * cfg.rollout.groups_per_step)
 
 
 def group_staleness(group: Group, learner_version: int) -> int:
@@ -369,7 +375,9 @@ class _Learner:
         self.fleet = fleet
         self.book = book
         self.adaptive = staleness_bound
-        self.target = math.ceil(cfg.staleness.overprovision * cfg.rollout.groups_per_step)
+        # In flight (the workers' pools) plus queued behind them, buffered groups included.
+        self.target = (in_flight_groups(cfg)
+                       + cfg.staleness.queued_groups * cfg.ray.num_workers)
         self.buffer: list[Group] = []
         self.version = 0
         self.step_events: dict[str, list[int]] = {"dropped": [], "regenerated": []}
@@ -524,11 +532,11 @@ def train_async(cfg: Config, *, resume: bool = False) -> AsyncTrainResult:
         truncate_metrics(ledger_path, after_step=start_step)
 
         # Workers start (seconds: a process, imports, a model) while the learner evaluates.
-        target = math.ceil(cfg.staleness.overprovision * cfg.rollout.groups_per_step)
         from turnrl.distributed.workers import spawn_workers, worker_pool_size
 
         handles = spawn_workers(
-            cfg, env_factory=ENVS.get(cfg.env.name), pool_size=worker_pool_size(cfg, target),
+            cfg, env_factory=ENVS.get(cfg.env.name),
+            pool_size=worker_pool_size(cfg, in_flight_groups(cfg)),
             name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout")
         fleet = _Fleet(handles, book)
         learner = _Learner(cfg, fleet, book, adaptive)
