@@ -462,6 +462,17 @@ def _auto(value: str, table: tuple, median_ms: float) -> float:
     return [v for start, v in table if median_ms >= start][-1]
 
 
+def _queued(args: argparse.Namespace, model: str, median_ms: float) -> int:
+    """``--queued-groups``: a number, or 'auto' (see its help)."""
+    if args.queued_groups != "auto":
+        return int(args.queued_groups)
+    if median_ms == 0:  # nothing waits on tools: a queue would only age the buffer
+        return 0
+    over = _auto(args.overprovision, AUTO_OVERPROVISION.get(
+        model, AUTO_OVERPROVISION["smollm2-135m-instruct"]), median_ms)
+    return math.ceil(over * args.groups_per_step)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m-instruct"])
@@ -490,9 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-versions", default="auto",
                         help="async staleness bound (versions); 'auto' grows it with the "
                              "latency (2 at 0 ms, 4 at 100 ms, 8 at 500 ms)")
-    parser.add_argument("--queued-groups", type=int, default=0,
+    parser.add_argument("--queued-groups", default="auto",
                         help="async groups queued at the worker beyond its pool, started as "
-                             "soon as the pool has room (staleness.queued_groups)")
+                             "soon as the pool has room (staleness.queued_groups); 'auto': "
+                             "none at 0 ms, one pool's worth (overprovision x groups per "
+                             "step) with tool latency")
     parser.add_argument("--no-sync1", action="store_true",
                         help="skip the extra 1-thread sync run at 0 ms (by default it runs, "
                              "so 'best at 0 ms' is the best of sync on 1 and 2 threads and "
@@ -548,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                                median_ms),
                            max_versions=int(_auto(args.max_versions, AUTO_MAX_VERSIONS,
                                                   median_ms)),
-                           queued_groups=args.queued_groups,
+                           queued_groups=_queued(args, model, median_ms),
                            eval_episodes=args.eval_episodes,
                            timeout_s=max(600.0, 4 * seconds + 600))
 

@@ -76,13 +76,21 @@ def test_interleaved_rows_reuse_their_own_cache_and_match_a_forward_pass(tiny):
     spy = PrefillSpy(model)
     engine = HFEngine(model, tok.pad_token_id, seed=0)
     params = SamplingParams(max_new_tokens=5, temperature=TEMPERATURE)
+    starts, generate = [], engine.generate
+
+    def marked(prompts, params):  # where each call's prefills begin in spy.shapes
+        starts.append(len(spy.shapes))
+        return generate(prompts, params)
+
+    engine.generate = marked
     calls = interleaved_calls(engine, tok, params)
     for prompts, completions in calls:
         assert_logprobs_match(model, prompts, completions)
     # Call 3 prefills only what follows each row's kept sequence: its widest new part is
     # the brand-new prompt "d" or a continuation, never a whole conversation.
-    third_prompts = calls[2][0]
-    assert spy.shapes[2][0] == 4 and spy.shapes[2][1] < min(len(p) for p in third_prompts[:2])
+    third_prompts, third_prefills = calls[2][0], spy.shapes[starts[2]:]
+    assert sum(rows for rows, _ in third_prefills) == 4
+    assert max(width for _, width in third_prefills) < min(len(p) for p in third_prompts[:2])
     assert engine.kept_rows == 4 + 1  # call 3's rows, plus a's, which call 3 skipped
 
 
@@ -198,3 +206,29 @@ def test_inverse_cdf_sampler_follows_the_tempered_distribution():
     assert torch.allclose(logprobs, torch.log(probs)[tokens])
     hot = _sample(logits, SamplingParams(temperature=2.0), torch.Generator().manual_seed(0))
     assert torch.allclose(hot[1], torch.log_softmax(torch.log(probs) / 2, -1)[hot[0]])
+
+
+def test_a_long_fresh_prompt_is_prefilled_apart_from_short_continuations(tiny):
+    """Rows whose new parts differ a lot in length are prefilled in separate buckets (no row
+    padded to a fresh prompt's length), then decoded together; samples stay exact."""
+    from turnrl.rollout.hf_engine import MIN_SPLIT_TOKENS, _prefill_buckets
+
+    assert _prefill_buckets([10, 300, 40, 280, 100]) == [[1, 3], [4], [0, 2]]
+    assert _prefill_buckets([60, 2, 15]) == [[0, 1, 2]]  # short: one pass beats the padding
+    model, tok = tiny
+    spy = PrefillSpy(model)
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    params = SamplingParams(max_new_tokens=5, temperature=TEMPERATURE)
+    short = [encode(tok, "Say a digit."), encode(tok, "Hi")]
+    first = engine.generate(short, params)
+    fresh = encode(tok, "A long rule book. " * 8)
+    assert len(fresh) > 2 * MIN_SPLIT_TOKENS
+    prompts = [continue_(short[0], first[0], tok), fresh, continue_(short[1], first[1], tok),
+               fresh]
+    before = len(spy.shapes)
+    completions = engine.generate(prompts, params)
+    assert_logprobs_match(model, prompts, completions)
+    widths = sorted(width for _, width in spy.shapes[before:])
+    assert len(widths) == 2 and widths[0] < 20 and widths[1] == len(fresh)
+    again = [continue_(p, c, tok) for p, c in zip(prompts, completions, strict=True)]
+    assert_logprobs_match(model, again, engine.generate(again, params))  # caches were kept

@@ -165,6 +165,9 @@ class ContinuousRollout:
         self._groups: dict[int, _GroupState] = {}
         self._finished: deque[Group] = deque()
         self._slots: list[_Slot] = []
+        self._ended: list[list[int]] = []
+        """Token ids of episodes ended since the last generate call: their cache is released
+        in the generation thread (the engine is not safe to touch from this one mid-call)."""
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -308,6 +311,10 @@ class ContinuousRollout:
 
     def _generate_batch(self, prompts: list[list[int]], may_swap: bool
                         ) -> tuple[list[Completion], int]:
+        with self.lock:
+            ended, self._ended = self._ended, []
+        if ended and hasattr(self.engine, "release"):
+            self.engine.release(ended)
         if may_swap and self.before_generate is not None:
             before = self.engine.version
             self.before_generate()
@@ -368,6 +375,7 @@ class ContinuousRollout:
     def _episode_ended(self, slot: _Slot) -> None:
         self.stats.episodes_finished += 1
         with self._ready:
+            self._ended.append(slot.episode.token_ids)
             state = self._groups[slot.assignment]
             state.open -= 1
             if state.open:

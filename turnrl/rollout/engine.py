@@ -35,6 +35,9 @@ class Engine(Protocol):
         """Continue every prompt once, all in one batch."""
         ...
 
+    # Optional: ``release(sequences)`` forgets any cache kept for sequences that will not be
+    # continued (ended episodes); the continuous turn loop calls it when an engine has it.
+
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
