@@ -232,3 +232,17 @@ def test_a_long_fresh_prompt_is_prefilled_apart_from_short_continuations(tiny):
     assert len(widths) == 2 and widths[0] < 20 and widths[1] == len(fresh)
     again = [continue_(p, c, tok) for p, c in zip(prompts, completions, strict=True)]
     assert_logprobs_match(model, again, engine.generate(again, params))  # caches were kept
+
+
+def test_released_sequences_lose_their_kept_cache_and_others_keep_theirs(tiny):
+    model, tok = tiny
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    params = SamplingParams(max_new_tokens=4, temperature=TEMPERATURE)
+    prompts = [encode(tok, "Say a digit."), encode(tok, "Hi")]
+    completions = engine.generate(prompts, params)
+    assert engine.kept_rows == 2
+    ended = continue_(prompts[0], completions[0], tok, " done")  # the episode's final tokens
+    engine.release([ended])
+    assert engine.kept_rows == 1
+    engine.release([encode(tok, "never generated")])  # unknown sequences are ignored
+    assert engine.kept_rows == 1

@@ -270,10 +270,11 @@ class HFEngine:
 
     def release(self, sequences: Sequence[Sequence[int]]) -> None:
         """Forget the kept keys/values of sequences that will never be continued (ended
-        episodes), so the bound evicts nothing a live episode still needs: otherwise an
-        episode waiting long on a tool is the least recently written row and loses its cache
-        to rows of finished ones (tiny model, 500 ms tools, 160 live episodes: 10.4 ms a
-        generated row with a bound of 160 rows, 5.4 ms with room for every row ever kept)."""
+        episodes): the bound then evicts rows of finished episodes first, not the row of an
+        episode that waits long on a tool (the least recently written one). Memory for kept
+        rows follows the live episodes. (Measured effect on speed: small; with 500 ms tools
+        the share of rows prefilled from scratch was 0.26 with a 160-row bound and 0.22
+        with room for every row, i.e. new episodes' first turns.)"""
         for sequence in sequences:
             self._kept.drop_prefixes_of(sequence)
 
