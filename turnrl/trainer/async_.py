@@ -18,8 +18,9 @@ Between them sits the **buffer** of the learner's books (``AssignmentBook``): th
 hands out *assignments* (an id and the seed of one GRPO group), keeping about
 ``staleness.overprovision * groups_per_step`` of them in play so the workers always have
 work (plus ``staleness.queued_groups`` per worker waiting to start the moment a pool has
-room: a group is only started whole, and one slow episode holds its group open), and trains on the first ones that finish (groups finished beyond a step's need wait in
-the buffer for the next step). A group is fresh enough while its *oldest* policy token is at
+room: a group is only started whole, and one slow episode holds its group open), and
+trains on the first ones that finish (groups finished beyond a step's need wait in the
+buffer for the next step). A group is fresh enough while its *oldest* policy token is at
 most ``staleness.max_versions`` versions behind the learner (AReaL's bounded staleness,
 checked on arrival and again when a buffered group is used); a staler group is dropped
 (``on_stale: drop``) or its seed is played again under a new assignment id
