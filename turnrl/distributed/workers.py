@@ -179,9 +179,10 @@ class RolloutWorker:
 def sampling_seed(run_seed: int, worker: int) -> int:
     """Seed of a worker's sampling generator. Worker 0 draws the same random numbers as the
     sync trainer's engine (seeded with ``run.seed``), so sync and async runs of one seed
-    compare on common random numbers: at the same weights they sample the same first turns.
-    Without that, one seed of each compares two sampling streams, and at a few updates the
-    stream decides more than the mode (SmolLM2, 8 steps of guess-number, the sync loop alone:
+    draw from common random numbers (one group from the same weights is sampled alike; with
+    several in flight the worker batches rows differently and the draws land elsewhere).
+    With other seeds, one run of each compares two sampling streams, and at a few updates
+    the stream decides more than the mode (SmolLM2, 8 steps of guess-number, the sync loop alone:
     26.6% held-out success with one stream, 71.9% with another)."""
     return run_seed if worker == 0 else run_seed * 1009 + 17 * worker
 
