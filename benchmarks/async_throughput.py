@@ -462,15 +462,13 @@ def _auto(value: str, table: tuple, median_ms: float) -> float:
     return [v for start, v in table if median_ms >= start][-1]
 
 
-def _queued(args: argparse.Namespace, model: str, median_ms: float) -> int:
+def _queued(value: str, overprovision: float, groups_per_step: int, median_ms: float) -> int:
     """``--queued-groups``: a number, or 'auto' (see its help)."""
-    if args.queued_groups != "auto":
-        return int(args.queued_groups)
+    if value != "auto":
+        return int(value)
     if median_ms == 0:  # nothing waits on tools: a queue would only age the buffer
         return 0
-    over = _auto(args.overprovision, AUTO_OVERPROVISION.get(
-        model, AUTO_OVERPROVISION["smollm2-135m-instruct"]), median_ms)
-    return math.ceil(over * args.groups_per_step)
+    return math.ceil(overprovision * groups_per_step)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,20 +546,19 @@ def main(argv: list[str] | None = None) -> int:
 
         def spec(mode: str, median_ms: float, model=model, seconds=seconds, lr=lr) -> RunSpec:
             tag = f"{model}-{mode}-{median_ms:g}ms"
+            overprovision = _auto(args.overprovision, AUTO_OVERPROVISION.get(
+                model, AUTO_OVERPROVISION["smollm2-135m-instruct"]), median_ms)
             return RunSpec(model=model, mode=mode, median_ms=median_ms, seconds=seconds,
                            out_dir=str(workdir / tag), env=args.env, env_options=env_options,
                            sigma=args.sigma, group_size=args.group_size,
                            groups_per_step=args.groups_per_step,
                            max_new_tokens=args.max_new_tokens, lr=lr, seed=args.seed,
                            threads=args.threads,
-                           overprovision=_auto(
-                               args.overprovision,
-                               AUTO_OVERPROVISION.get(model,
-                                                      AUTO_OVERPROVISION["smollm2-135m-instruct"]),
-                               median_ms),
+                           overprovision=overprovision,
                            max_versions=int(_auto(args.max_versions, AUTO_MAX_VERSIONS,
                                                   median_ms)),
-                           queued_groups=_queued(args, model, median_ms),
+                           queued_groups=_queued(args.queued_groups, overprovision,
+                                                 args.groups_per_step, median_ms),
                            eval_episodes=args.eval_episodes,
                            timeout_s=max(600.0, 4 * seconds + 600))
 

@@ -207,12 +207,13 @@ def _prefill_buckets(new_lengths: list[int]) -> list[list[int]]:
     return [sorted(bucket) for bucket in buckets]  # one bucket: the call's own row order
 
 
-def _merged(parts: list[tuple[list[int], _Batch, torch.Tensor]], rows: int,
-            max_new_tokens: int) -> tuple[_Batch, torch.Tensor]:
+def _merged(parts: list[tuple[list[int], _Batch, torch.Tensor]], max_new_tokens: int
+            ) -> tuple[_Batch, torch.Tensor]:
     """One decode buffer from separately prefilled buckets, rows back in call order. Each
     bucket's filled columns go right-aligned: positions count real tokens, so where the
     padding sits changes nothing."""
     _, first, first_logits = parts[0]
+    rows = sum(len(index) for index, _, _ in parts)
     width = max(part.length for _, part, _ in parts)
     shape = list(first.kv.shape)
     shape[2], shape[4] = rows, width + max(max_new_tokens - 1, 0)
@@ -314,7 +315,7 @@ class HFEngine:
                                   new_mask.to(part.kv.device))
             parts.append((rows, part, logits))
         batch, logits = (parts[0][1], parts[0][2]) if len(parts) == 1 \
-            else _merged(parts, len(news), params.max_new_tokens)
+            else _merged(parts, params.max_new_tokens)
         if len(unique) < len(prompts):  # shared prompts: copy their prefill to every row
             index_t = torch.tensor(index, device=batch.kv.device)
             batch.select(index_t)
