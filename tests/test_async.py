@@ -572,3 +572,37 @@ def test_worker_zero_samples_what_the_sync_loop_samples_from_the_same_weights():
     assert len({sampling_seed(cfg.run.seed, w) for w in range(4)}) == 4
     assert torch.equal(torch.tensor(groups[0].episodes[0].logprobs),
                        torch.tensor(episodes[0].logprobs))
+
+
+def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
+    """``vllm_engine`` hands vLLM a directory: the tiny model, built in code, saved first (the
+    same weights load back); a local directory as is. vLLM is not on this machine, so a
+    stand-in records what it was given (the real one runs in tests/test_async_vllm_gpu.py)."""
+    import torch
+
+    import turnrl.rollout.vllm_engine as vllm_module
+    from turnrl.distributed.workers import sampling_seed, vllm_engine
+    from turnrl.models import load_model
+    from turnrl.trainer.sync import load_policy
+
+    given = {}
+
+    class Recorder:
+        def __init__(self, path, **kwargs):
+            given.update(path=path, **kwargs)
+
+    monkeypatch.setattr(vllm_module, "VLLMEngine", Recorder)
+    cfg = load_config(None, TINY + ["--ray.engine", "vllm", "--ray.worker_gpus", "1",
+                                    "--run.seed", "3"])
+    policy = load_policy(cfg)
+    vllm_engine(cfg, policy, 1)
+    saved_dir = given["path"]
+    assert given["seed"] == sampling_seed(3, 1) and given["dtype"] == "float32"
+    saved, tokenizer = load_model(str(saved_dir))
+    ids = torch.tensor([tokenizer("Say a digit.")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(saved(ids).logits, policy.model(ids).logits)
+    local = load_config(None, TINY + ["--ray.engine", "vllm", "--ray.worker_gpus", "1",
+                                      "--model.name", str(saved_dir)])
+    vllm_engine(local, policy, 0)
+    assert given["path"] == saved_dir  # a local directory is used as it is, not copied

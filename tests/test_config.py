@@ -156,6 +156,9 @@ def test_bad_literal():
         ("optim.lr=0", "optim.lr must be > 0, got 0.0"),
         ("optim.micro_batch_size=0", "optim.micro_batch_size must be >= 1, got 0"),
         ("run.steps=0", "run.steps must be >= 1, got 0"),
+        ("ray.gpu_memory_utilization=0", "ray.gpu_memory_utilization must be in (0, 1], got 0.0"),
+        ("ray.engine=vllm", "ray.engine vllm samples on a GPU: reserve one per worker with "
+                            "--ray.worker_gpus 1 (or a fraction to share it with the learner)"),
     ],
 )
 def test_range_checks(override, message):

@@ -242,10 +242,17 @@ class RayConfig(_Section):
     """GPUs reserved per rollout worker (vLLM engines need 1)"""
     engine: Literal["hf", "vllm"] = "hf"
     """generation engine of the rollout workers; vllm needs a GPU and the vllm extra"""
+    gpu_memory_utilization: float = 0.5
+    """vllm: share of its GPU's memory a worker's vLLM engine may take (weights + KV cache)"""
 
     def _check(self) -> None:
         self._at_least(1, "num_workers")
         self._at_least(0, "worker_cpus", "worker_gpus")
+        self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1,
+                      "in (0, 1]")
+        if self.engine == "vllm" and self.worker_gpus <= 0:
+            raise ConfigError("ray.engine vllm samples on a GPU: reserve one per worker with "
+                              "--ray.worker_gpus 1 (or a fraction to share it with the learner)")
 
 
 @dataclass(frozen=True)

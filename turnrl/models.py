@@ -86,6 +86,18 @@ def load_model(
     return model, tokenizer
 
 
+def model_directory(name: str, cache_dir: str | None = None) -> Path | None:
+    """The local Hugging Face directory ``load_model(name)`` reads, for engines that load
+    their own copy (vLLM): the converted SmolLM2 cache, or ``name`` itself; None for ``tiny``,
+    which is built in code."""
+    if name == "tiny":
+        return None
+    if name == SMOLLM2:
+        return _smollm2_dir(cache_dir)
+    path = Path(name).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
 def tiny_model(
     seed: int = 0,
     *,

@@ -26,6 +26,12 @@ back in lock-step with the update, which is exactly what the asynchronous traine
 The price is one model's memory per worker and one object-store transfer per version a
 worker actually loads.
 
+On GPUs (``ray.engine: vllm``, ``ray.worker_gpus`` > 0) the worker samples with a
+``VLLMEngine`` on the GPU Ray assigned it, and a version is loaded by vLLM's own weight loader,
+in place (``VLLMEngine.update_weights``, which also drops its prefix cache); the learner's
+state dict still travels through the object store. Not run here: the development machine has
+no GPU (``tests/test_async_vllm_gpu.py`` skips without one).
+
 What happens when a worker dies: the actors are started with ``max_restarts=-1``, so Ray
 starts a fresh process that runs ``__init__`` again (new model copy, empty pool, new
 incarnation, no weights yet: it waits for the learner's before generating anything). Calls in
@@ -40,17 +46,19 @@ only once, so a late or repeated delivery is ignored: no episode is lost or coun
 from __future__ import annotations
 
 import math
+import tempfile
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from turnrl.config import Config
 from turnrl.envs.base import ENVS, make_env
-from turnrl.models import configure_torch
+from turnrl.models import configure_torch, model_directory
 from turnrl.rollout.continuous import ContinuousRollout, Group
 from turnrl.rollout.engine import SamplingParams
 from turnrl.rollout.episode import run_sync
@@ -93,14 +101,19 @@ class RolloutWorker:
         configure_torch(threads or max(1, int(cfg.ray.worker_cpus)))
         if env_factory is not None:
             ENVS[cfg.env.name] = env_factory
+        if cfg.ray.engine == "vllm":  # vLLM holds the weights on the GPU; keep a CPU copy only
+            cfg = replace(cfg, model=replace(cfg.model, device="cpu"))
         policy = load_policy(cfg)  # the same model, chat template and env checks as the learner
-        self.model, self.engine = policy.model, policy.engine
-        self.engine.reuse_cache = cfg.rollout.reuse_cache
-        if pool_size is not None:
-            # Every live episode's cache must survive until its next turn: a smaller bound
-            # evicts rows the pool still needs and re-prefills them (7.8 vs 15.3 ms a row).
-            self.engine.max_kept_rows = max(self.engine.max_kept_rows, pool_size)
-        self.engine.generator.manual_seed(sampling_seed(cfg.run.seed, index))
+        if cfg.ray.engine == "vllm":
+            self.model, self.engine = None, vllm_engine(cfg, policy, index)
+        else:
+            self.model, self.engine = policy.model, policy.engine
+            self.engine.reuse_cache = cfg.rollout.reuse_cache
+            if pool_size is not None:
+                # Every live episode's cache must survive until its next turn: a smaller bound
+                # evicts rows the pool still needs and re-prefills them (7.8 vs 15.3 ms a row).
+                self.engine.max_kept_rows = max(self.engine.max_kept_rows, pool_size)
+            self.engine.generator.manual_seed(sampling_seed(cfg.run.seed, index))
         self.engine.version = -1  # nothing the learner sent yet
         self._weights_lock = threading.Lock()
         self._newest: tuple[int, Any] | None = None
@@ -138,6 +151,9 @@ class RolloutWorker:
             import ray
 
             state = ray.get(state[0])
+        if self.model is None:  # vLLM: its own loader, in place; it resets its prefix cache
+            self.engine.update_weights(with_tied_weights(state), version)
+            return
         self.model.load_state_dict(with_tied_weights(state))
         self.engine.version = version  # also invalidates the engine's KV cache
 
@@ -185,6 +201,26 @@ def sampling_seed(run_seed: int, worker: int) -> int:
     the stream decides more than the mode (SmolLM2, 8 steps of guess-number, the sync loop alone:
     26.6% held-out success with one stream, 71.9% with another)."""
     return run_seed if worker == 0 else run_seed * 1009 + 17 * worker
+
+
+def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
+    """A ``VLLMEngine`` for worker ``index`` on the GPU Ray gave it (not run here: no GPU).
+
+    vLLM loads a model directory: a local one or the converted SmolLM2 cache as is; the tiny
+    model, built in code, is first saved from ``policy`` to a temporary directory. The learner's weights
+    then arrive through ``update_weights`` (vLLM's own loader, in place). The sampling seed is
+    the worker's, as for the HF engine; vLLM draws other random numbers than it does.
+    """
+    from turnrl.rollout.vllm_engine import VLLMEngine
+
+    path = model_directory(cfg.model.name, cfg.model.cache_dir or None)
+    if path is None:
+        path = Path(tempfile.mkdtemp(prefix=f"turnrl-vllm-{index}-"))
+        policy.model.save_pretrained(path)
+        policy.tokenizer.save_pretrained(path)
+    return VLLMEngine(path, seed=sampling_seed(cfg.run.seed, index), dtype=cfg.model.dtype,
+                      gpu_memory_utilization=cfg.ray.gpu_memory_utilization,
+                      max_model_len=policy.max_context)
 
 
 TIED_KEYS = "__tied__"

@@ -484,9 +484,6 @@ def train_async(cfg: Config, *, resume: bool = False) -> AsyncTrainResult:
     """
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("run.mode async needs Ray: pip install 'turnrl[ray]'")
-    if cfg.ray.engine != "hf":
-        raise ConfigError(f"ray.engine {cfg.ray.engine!r} is not supported by the async "
-                          "trainer yet; use ray.engine hf")
     import ray
 
     cfg, checkpoint = prepare_run_dir(cfg, resume)
