@@ -346,7 +346,13 @@ def summarize_run(raw: dict[str, Any]) -> dict[str, Any]:
             "mixed_version_episodes": statistics.fmean(
                 r["metrics"]["async/mixed_version_episodes"] for r in records),
             "ess": statistics.fmean(r["metrics"].get("offpolicy/ess") or 1.0 for r in records),
+            "group_lifetime_s": statistics.fmean(
+                r["metrics"].get("async/group_lifetime_s", 0.0) for r in window),
         }
+        # Versions the learner advances while one group plays: the staleness this throughput
+        # needs the bound to allow (groups past the bound are dropped).
+        out["staleness"]["lifetime_versions"] = (out["staleness"]["group_lifetime_s"]
+                                                 / out["step_s_median"])
     rewards = [r["metrics"]["reward/mean"] for r in records]
     quarter = rewards[-max(1, n // 4):]
     out["train_reward_last_quarter"] = statistics.fmean(quarter)
@@ -374,7 +380,7 @@ def _num(x: float | None, digits: int = 1) -> str:
 
 COLUMNS = ["lat ms", "mode", "steps", "wall s", "ep/s", "tok/s", "vs best 0ms", "time split",
            "gen busy / rows per call / ms per row / live (async: mean, max)",
-           "stale mean/max, dropped", "reward @same eps",
+           "stale mean/max, dropped; group lifetime (s = versions)", "reward @same eps",
            "train reward last 1/4", "eval success after budget"]
 
 
@@ -405,7 +411,8 @@ def model_table(model: str, runs: list[dict[str, Any]], before: dict | None) -> 
             f"{_pct(gen['busy'])} / {gen['rows_per_call']:.0f} / {gen['ms_per_row']:.1f}"
             + (f" / {gen['mean_live']:.0f}, {gen['max_live']:.0f}" if "mean_live" in gen else "")
             if gen else "-",
-            f"{stale['mean']:.2f}/{stale['max']:.0f}, {stale['dropped_groups']:.0f}"
+            f"{stale['mean']:.2f}/{stale['max']:.0f}, {stale['dropped_groups']:.0f}; "
+            f"{stale['group_lifetime_s']:.1f} s = {stale['lifetime_versions']:.1f} v"
             if stale else "-",
             f"{_num(reward_at(r, same), 3)} @{same}" if same else "-",
             _num(r.get("train_reward_last_quarter"), 3),

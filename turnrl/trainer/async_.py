@@ -603,6 +603,10 @@ def train_async(cfg: Config, *, resume: bool = False) -> AsyncTrainResult:
                         **(credit.metrics() if credit is not None else {}),
                         "async/staleness_mean": float(np.mean(ep_lags)),
                         "async/staleness_max": max(lags),
+                        # Start to delivery of a trained group: with the step rate, the
+                        # staleness that throughput implies (Little's law, see README).
+                        "async/group_lifetime_s": float(np.mean(
+                            [g.finished_at - g.started_at for g in groups])),
                         "async/mixed_version_episodes": float(np.mean(
                             [len(set(ep.versions) - {-1}) > 1 for ep in episodes])),
                         "async/dropped_groups": len(events["dropped"]),
