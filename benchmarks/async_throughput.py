@@ -102,6 +102,7 @@ class RunSpec:
     overprovision: float = 1.5
     max_versions: int = 2
     queued_groups: int = 0
+    keep_kv_cache: bool = False
     eval_episodes: int = 64
     timeout_s: float = 1800.0
 
@@ -124,6 +125,7 @@ class RunSpec:
             "staleness.overprovision": self.overprovision,
             "staleness.max_versions": self.max_versions,
             "staleness.queued_groups": self.queued_groups,
+            "staleness.keep_kv_cache": str(self.keep_kv_cache).lower(),
         }
         return [f"--{k}={v}" for k, v in args.items()]
 
@@ -511,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                              "soon as the pool has room (staleness.queued_groups); 'auto': "
                              "none at 0 ms, one pool's worth (overprovision x groups per "
                              "step) with tool latency")
+    parser.add_argument("--keep-kv-cache", action="store_true",
+                        help="async workers keep their keys/values across weight updates "
+                             "(staleness.keep_kv_cache, PipelineRL's in-flight update)")
     parser.add_argument("--no-sync1", action="store_true",
                         help="skip the extra 1-thread sync run at 0 ms (by default it runs, "
                              "so 'best at 0 ms' is the best of sync on 1 and 2 threads and "
@@ -566,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   median_ms)),
                            queued_groups=_queued(args.queued_groups, overprovision,
                                                  args.groups_per_step, median_ms),
+                           keep_kv_cache=args.keep_kv_cache,
                            eval_episodes=args.eval_episodes,
                            timeout_s=max(600.0, 4 * seconds + 600))
 

@@ -178,6 +178,28 @@ def test_new_version_drops_the_cache(tiny):
     assert spy.shapes[-1] == (1, len(second[0]))
 
 
+def test_keeping_the_cache_across_versions_reads_only_new_tokens_with_stale_keys(tiny):
+    """PipelineRL's in-flight update: after a version bump the kept keys and values (of the
+    old weights) are used, so only the new tokens are prefilled and the reply's log-probs
+    differ from a fresh forward pass of the new weights (they are what the sampler used)."""
+    model, tok = tiny
+    spy = PrefillSpy(model)
+    engine = HFEngine(model, tok.pad_token_id, seed=0, keep_cache_across_versions=True)
+    params = SamplingParams(max_new_tokens=3, temperature=TEMPERATURE)
+    prompt = encode(tok, "Say a digit.")
+    out = engine.generate([prompt], params)
+    with torch.no_grad():  # changes every key of layer 0: the kept ones are now stale
+        model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    engine.version += 1
+    assert engine.kept_rows == 1
+    second = [continue_(prompt, out[0], tok)]
+    [reply] = engine.generate(second, params)
+    kept = len(prompt) + len(out[0].token_ids) - 1  # the last sampled token was never fed
+    assert spy.shapes[-1] == (1, len(second[0]) - kept)
+    fresh = recomputed(model, second[0], reply)
+    assert not torch.allclose(fresh, torch.tensor(reply.logprobs), atol=1e-3)
+
+
 def test_grouped_query_attention_model(tiny):
     """SmolLM2 shares each key/value head among 3 query heads; decoding takes another path."""
     _, tok = tiny

@@ -277,6 +277,9 @@ class StalenessConfig(_Section):
     queued_groups: int = 0
     """async: groups queued at each worker beyond its pool of live episodes, started the moment
     the pool has room (a group held open by one slow episode then leaves no slots idle)"""
+    keep_kv_cache: bool = False
+    """async: workers keep live episodes' keys/values across a weight update instead of
+    re-reading them with the new weights (PipelineRL); faster, slightly more off-policy"""
 
     def _check(self) -> None:
         self._at_least(0, "max_versions", "queued_groups")

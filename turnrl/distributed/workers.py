@@ -109,11 +109,13 @@ class RolloutWorker:
         else:
             self.model, self.engine = policy.model, policy.engine
             self.engine.reuse_cache = cfg.rollout.reuse_cache
+            self.engine.keep_cache_across_versions = cfg.staleness.keep_kv_cache
             if pool_size is not None:
                 # Every live episode's cache must survive until its next turn: a smaller bound
                 # evicts rows the pool still needs and re-prefills them (7.8 vs 15.3 ms a row).
                 self.engine.max_kept_rows = max(self.engine.max_kept_rows, pool_size)
             self.engine.generator.manual_seed(sampling_seed(cfg.run.seed, index))
+        self.keep_kv_cache = cfg.staleness.keep_kv_cache
         self.engine.version = -1  # nothing the learner sent yet
         self._weights_lock = threading.Lock()
         self._newest: tuple[int, Any] | None = None
@@ -151,8 +153,9 @@ class RolloutWorker:
             import ray
 
             state = ray.get(state[0])
-        if self.model is None:  # vLLM: its own loader, in place; it resets its prefix cache
-            self.engine.update_weights(with_tied_weights(state), version)
+        if self.model is None:  # vLLM: its own loader, in place
+            self.engine.update_weights(with_tied_weights(state), version,
+                                       keep_cache=self.keep_kv_cache)
             return
         self.model.load_state_dict(with_tied_weights(state))
         self.engine.version = version  # also invalidates the engine's KV cache

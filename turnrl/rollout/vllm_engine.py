@@ -145,9 +145,12 @@ class VLLMEngine:
         outputs = self.llm.generate(requests, self._vllm_params(params), use_tqdm=False)
         return [to_completion(out.outputs[0]) for out in outputs]
 
-    def update_weights(self, weights: WeightsLike, version: int) -> None:
+    def update_weights(self, weights: WeightsLike, version: int, *,
+                       keep_cache: bool = False) -> None:
         """Copy the learner's weights (a state dict, or ``(name, tensor)`` pairs with Hugging
-        Face names) into the vLLM model in place, then adopt ``version``."""
+        Face names) into the vLLM model in place, then adopt ``version``. The prefix cache
+        (keys and values of the old weights) is dropped unless ``keep_cache`` (PipelineRL's
+        in-flight update, as ``HFEngine.keep_cache_across_versions``)."""
         pairs = named_tensors(weights, to_cpu=not self._in_process)
         if not pairs:
             raise ValueError("update_weights got no tensors")
@@ -156,6 +159,7 @@ class VLLMEngine:
             self.llm.apply_model(load)
         else:  # older single-GPU engines expose the model directly
             load(self.llm.llm_engine.model_executor.driver_worker.model_runner.model)
-        if hasattr(self.llm, "reset_prefix_cache") and self.llm.reset_prefix_cache() is False:
+        stale = not keep_cache and hasattr(self.llm, "reset_prefix_cache")
+        if stale and self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM could not reset its prefix cache after the weight update")
         self.version = version
