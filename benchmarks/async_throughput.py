@@ -36,8 +36,9 @@ groups_per_step`` groups in flight, and a group is only delivered when its slowe
 ends: with tools that sometimes take seconds a small pool leaves the worker idle or feeding
 it tiny batches, so by default the pool grows with the latency as far as the model's
 generation speed needs (``--overprovision auto``, see ``AUTO_OVERPROVISION``: tiny 1.5 at
-0 ms, 3 at 100 ms, 5 at 500 ms; SmolLM2 1.5, 1.5, 2). Longer-lived groups span more learner versions, so
-the staleness bound grows too (``--max-versions auto``: 2, 4, 8); groups too stale on
+0 ms, 3 at 100 ms, 10 at 500 ms; SmolLM2 1.5, 1.5, 2). Longer-lived groups span more learner
+versions, so the staleness bound grows too (``--max-versions auto``: 2, 4, then 32 for tiny and
+8 for SmolLM2 at 500 ms); groups too stale on
 arrival are dropped and counted (their generation was wasted), and "reward @same eps"
 checks that the extra staleness does not cost reward per trained episode. Runs are
 interleaved (sync, async per latency) so drifting machine load hits both; each run is its
@@ -65,18 +66,24 @@ from typing import Any
 
 DEFAULT_SECONDS = {"tiny": 90.0, "smollm2-135m-instruct": 300.0}
 DEFAULT_LR = {"tiny": 1e-3, "smollm2-135m-instruct": 4e-5}
-AUTO_OVERPROVISION = {"tiny": ((0, 1.5), (100, 3.0), (500, 5.0)),
+AUTO_OVERPROVISION = {"tiny": ((0, 1.5), (100, 3.0), (500, 10.0)),
                       "smollm2-135m-instruct": ((0, 1.5), (100, 1.5), (500, 2.0))}
 """Model -> ((median ms from which it applies, overprovision), ...) for ``--overprovision
 auto``. Little's law: the episodes inside tool calls at any time are the worker's generation
-rate times the mean latency (1.65 x the median at sigma 1). The tiny model generates ~150
-rows/s on one thread, so at 500 ms ~120 episodes (15 groups, more with the groups held open
-by one straggler) sit in tools and the pool must be ~5 x a step's 4 groups for the worker to
-have anything to batch; SmolLM2 generates ~1-5 rows/s, so a few episodes sit in tools and
+rate times the mean latency (1.65 x the median at sigma 1). The tiny model generates ~300
+rows/s on one thread (with ``--keep-kv-cache``; ~110 when it re-reads every episode after
+each weight update), so at 500 ms ~250 episodes sit in tools and the pool must be ~10 x a
+step's 4 groups (320 episodes) for the worker to have anything to batch; SmolLM2 generates ~1-5 rows/s, so a few episodes sit in tools and
 the default 1.5 nearly suffices, while a big pool only delays the first groups (every
 episode of the pool advances turn by turn together) and ages them. Other models: SmolLM2's."""
-AUTO_MAX_VERSIONS = ((0, 2), (100, 4), (500, 8))
-"""(median ms from which it applies, staleness bound) for ``--max-versions auto``."""
+AUTO_MAX_VERSIONS = {"tiny": ((0, 2), (100, 4), (500, 32)),
+                     "smollm2-135m-instruct": ((0, 2), (100, 4), (500, 8))}
+"""Model -> ((median ms from which it applies, staleness bound), ...) for ``--max-versions
+auto``. Little's law again: a group lives L seconds from its first token to delivery, and
+the learner makes S steps a second, so groups arrive about L x S versions old; a bound below
+that drops them. The tiny model's learner steps ~1.8 times a second and, at 500 ms, groups
+live 7-9 s (pool 320): 13-18 versions, hence 32 (measured: a bound of 16 dropped 21% of the
+groups, 32 dropped 3%). SmolLM2 steps every ~40 s: 8 is never reached."""
 
 
 @dataclass
@@ -504,10 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overprovision", default="auto",
                         help="async groups in flight per step's need; 'auto' grows it with "
                              "the latency, as the model needs (tiny: 1.5 at 0 ms, 3 at 100 ms, "
-                             "5 at 500 ms; smollm2: 1.5, 1.5, 2)")
+                             "10 at 500 ms; smollm2: 1.5, 1.5, 2)")
     parser.add_argument("--max-versions", default="auto",
                         help="async staleness bound (versions); 'auto' grows it with the "
-                             "latency (2 at 0 ms, 4 at 100 ms, 8 at 500 ms)")
+                             "latency (2 at 0 ms, 4 at 100 ms; at 500 ms 32 for tiny, 8 for "
+                             "smollm2)")
     parser.add_argument("--queued-groups", default="auto",
                         help="async groups queued at the worker beyond its pool, started as "
                              "soon as the pool has room (staleness.queued_groups); 'auto': "
@@ -567,8 +575,8 @@ def main(argv: list[str] | None = None) -> int:
                            max_new_tokens=args.max_new_tokens, lr=lr, seed=args.seed,
                            threads=args.threads,
                            overprovision=overprovision,
-                           max_versions=int(_auto(args.max_versions, AUTO_MAX_VERSIONS,
-                                                  median_ms)),
+                           max_versions=int(_auto(args.max_versions, AUTO_MAX_VERSIONS.get(
+                               model, AUTO_MAX_VERSIONS["smollm2-135m-instruct"]), median_ms)),
                            queued_groups=_queued(args.queued_groups, overprovision,
                                                  args.groups_per_step, median_ms),
                            keep_kv_cache=args.keep_kv_cache,
