@@ -73,8 +73,8 @@ auto``. Little's law: the episodes inside tool calls at any time are the worker'
 rate times the mean latency (1.65 x the median at sigma 1). The tiny model generates ~300
 rows/s on one thread (with ``--keep-kv-cache``; ~110 when it re-reads every episode after
 each weight update), so at 500 ms ~250 episodes sit in tools and the pool must be ~10 x a
-step's 4 groups (320 episodes) for the worker to have anything to batch; SmolLM2 generates ~1-5 rows/s, so a few episodes sit in tools and
-the default 1.5 nearly suffices, while a big pool only delays the first groups (every
+step's 4 groups (320 episodes) for the worker to have anything to batch; SmolLM2 generates
+~1-5 rows/s, so a few episodes sit in tools and the default 1.5 nearly suffices, while a big pool only delays the first groups (every
 episode of the pool advances turn by turn together) and ages them. Other models: SmolLM2's."""
 AUTO_MAX_VERSIONS = {"tiny": ((0, 2), (100, 4), (500, 32)),
                      "smollm2-135m-instruct": ((0, 2), (100, 4), (500, 8))}

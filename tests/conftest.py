@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -36,3 +38,12 @@ def _two_threads():
 @pytest.fixture
 def tiny():
     return tiny_model(seed=0)
+
+
+def groups_within(worker, seconds: float) -> list:
+    """The first finished groups a ``RolloutWorker`` reports, polling for up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if groups := worker.take_groups(wait_s=1.0).groups:
+            return groups
+    raise AssertionError(f"the worker returned no group within {seconds:.0f} s")

@@ -12,6 +12,7 @@ import time
 from functools import partial
 
 import pytest
+from conftest import groups_within
 
 from turnrl.config import load_config
 from turnrl.envs import StepResult
@@ -520,12 +521,7 @@ def test_a_worker_samples_with_the_weights_it_was_sent_last():
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             worker.set_weights(version, without_tied_weights(state))
             worker.assign([(version, 100)])  # the same seed: the same prompts
-            groups = []
-            deadline = time.monotonic() + 60
-            while not groups and time.monotonic() < deadline:
-                groups = worker.take_groups(wait_s=1.0).groups
-            assert groups, "the worker returned no group within 60 s"
-            episodes = groups[0].episodes
+            episodes = groups_within(worker, 60)[0].episodes
             assert all(set(ep.versions) - {-1} == {version} for ep in episodes)
             batch = Batch.from_episodes(episodes, torch.zeros(len(episodes)),
                                         worker.engine.pad_token_id)
@@ -555,12 +551,9 @@ def test_worker_zero_samples_what_the_sync_loop_samples_from_the_same_weights():
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         worker.set_weights(0, without_tied_weights(state))
         worker.assign([(0, 42)])
-        groups, deadline = [], time.monotonic() + 60
-        while not groups and time.monotonic() < deadline:
-            groups = worker.take_groups(wait_s=1.0).groups
+        groups = groups_within(worker, 60)
     finally:
         worker.stop()
-    assert groups, "the worker returned no group within 60 s"
     chat = ChatFormat(tokenizer)
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                             cfg.rollout.top_p, stop_token_ids=(chat.end_of_turn,))

@@ -6,8 +6,6 @@ The model is the tiny random Llama widened to a head size of 64 (vLLM's attentio
 not all take tiny heads), saved as a local model directory in float32.
 """
 
-import time
-
 import pytest
 import torch
 
@@ -15,6 +13,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("vllm")
 pytest.importorskip("ray")
+
+from conftest import groups_within  # noqa: E402
 
 from turnrl.config import load_config  # noqa: E402
 from turnrl.distributed.workers import RolloutWorker, without_tied_weights  # noqa: E402
@@ -55,12 +55,7 @@ def test_a_vllm_worker_samples_with_the_weights_it_was_sent(model_dir):
         for version, model in enumerate(models):
             worker.set_weights(version, without_tied_weights(model.state_dict()))
             worker.assign([(version, 100)])  # the same seed: the same prompts
-            groups = []
-            deadline = time.monotonic() + 300
-            while not groups and time.monotonic() < deadline:
-                groups = worker.take_groups(wait_s=1.0).groups
-            assert groups, "the worker returned no group within 300 s"
-            episodes = groups[0].episodes
+            episodes = groups_within(worker, 300)[0].episodes
             assert all(set(ep.versions) - {-1} == {version} for ep in episodes)
             batch = Batch.from_episodes(episodes, torch.zeros(len(episodes)), pad)
             mask = batch.loss_mask.bool()

@@ -28,7 +28,8 @@ worker actually loads.
 
 On GPUs (``ray.engine: vllm``, ``ray.worker_gpus`` > 0) the worker samples with a
 ``VLLMEngine`` on the GPU Ray assigned it, and a version is loaded by vLLM's own weight loader,
-in place (``VLLMEngine.update_weights``, which also drops its prefix cache); the learner's
+in place (``VLLMEngine.update_weights``, which also drops its prefix cache unless
+``staleness.keep_kv_cache``); the learner's
 state dict still travels through the object store. Not run here: the development machine has
 no GPU (``tests/test_async_vllm_gpu.py`` skips without one).
 
@@ -109,13 +110,12 @@ class RolloutWorker:
         else:
             self.model, self.engine = policy.model, policy.engine
             self.engine.reuse_cache = cfg.rollout.reuse_cache
-            self.engine.keep_cache_across_versions = cfg.staleness.keep_kv_cache
             if pool_size is not None:
                 # Every live episode's cache must survive until its next turn: a smaller bound
                 # evicts rows the pool still needs and re-prefills them (7.8 vs 15.3 ms a row).
                 self.engine.max_kept_rows = max(self.engine.max_kept_rows, pool_size)
             self.engine.generator.manual_seed(sampling_seed(cfg.run.seed, index))
-        self.keep_kv_cache = cfg.staleness.keep_kv_cache
+        self.engine.keep_cache_across_versions = cfg.staleness.keep_kv_cache
         self.engine.version = -1  # nothing the learner sent yet
         self._weights_lock = threading.Lock()
         self._newest: tuple[int, Any] | None = None
@@ -154,8 +154,7 @@ class RolloutWorker:
 
             state = ray.get(state[0])
         if self.model is None:  # vLLM: its own loader, in place
-            self.engine.update_weights(with_tied_weights(state), version,
-                                       keep_cache=self.keep_kv_cache)
+            self.engine.update_weights(with_tied_weights(state), version)
             return
         self.model.load_state_dict(with_tied_weights(state))
         self.engine.version = version  # also invalidates the engine's KV cache
@@ -210,8 +209,8 @@ def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
     """A ``VLLMEngine`` for worker ``index`` on the GPU Ray gave it (not run here: no GPU).
 
     vLLM loads a model directory: a local one or the converted SmolLM2 cache as is; the tiny
-    model, built in code, is first saved from ``policy`` to a temporary directory. The learner's weights
-    then arrive through ``update_weights`` (vLLM's own loader, in place). The sampling seed is
+    model, built in code, is first saved from ``policy`` to a temporary directory. The
+    learner's weights then arrive through ``update_weights`` (vLLM's own loader, in place). The sampling seed is
     the worker's, as for the HF engine; vLLM draws other random numbers than it does.
     """
     from turnrl.rollout.vllm_engine import VLLMEngine

@@ -22,7 +22,8 @@ of its time in prefill). The caching rules:
   off-policyness negligible). The log-probabilities reported are still those of the
   distribution each token was drawn from, so decoupled PPO's importance weights see, and
   correct, the difference. Re-reading every live episode after each update is what this
-  saves: 11.4 of 12.8 ms a generated row in a worker swapping weights every 1.8 s.
+  saves: 7.7 vs 2.7 ms a generated row, 81% of it prefill, in a worker swapping weights
+  every 1.8 s (``benchmarks/worker_loop.py``).
 - Identical prompts of one call (a GRPO group's first turn) are prefilled once and their keys,
   values and last logits copied to every row (``share_prompts``).
 

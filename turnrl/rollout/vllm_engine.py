@@ -89,7 +89,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 enforce_eager: bool = False, version: int = 0, **llm_kwargs: Any):
+                 enforce_eager: bool = False, version: int = 0,
+                 keep_cache_across_versions: bool = False, **llm_kwargs: Any):
         try:
             import vllm
             from vllm.inputs import TokensPrompt
@@ -100,6 +101,8 @@ class VLLMEngine:
         self._sampling_params_cls = vllm.SamplingParams
         self._tokens_prompt = TokensPrompt
         self.version = version
+        self.keep_cache_across_versions = keep_cache_across_versions
+        """Keep the prefix cache across ``update_weights`` (as ``HFEngine``'s flag)."""
         kwargs: dict[str, Any] = {
             "model": os.fspath(model_path),
             "seed": seed,
@@ -145,12 +148,11 @@ class VLLMEngine:
         outputs = self.llm.generate(requests, self._vllm_params(params), use_tqdm=False)
         return [to_completion(out.outputs[0]) for out in outputs]
 
-    def update_weights(self, weights: WeightsLike, version: int, *,
-                       keep_cache: bool = False) -> None:
+    def update_weights(self, weights: WeightsLike, version: int) -> None:
         """Copy the learner's weights (a state dict, or ``(name, tensor)`` pairs with Hugging
         Face names) into the vLLM model in place, then adopt ``version``. The prefix cache
-        (keys and values of the old weights) is dropped unless ``keep_cache`` (PipelineRL's
-        in-flight update, as ``HFEngine.keep_cache_across_versions``)."""
+        (keys and values of the old weights) is dropped unless ``keep_cache_across_versions``
+        (PipelineRL's in-flight update)."""
         pairs = named_tensors(weights, to_cpu=not self._in_process)
         if not pairs:
             raise ValueError("update_weights got no tensors")
@@ -159,7 +161,7 @@ class VLLMEngine:
             self.llm.apply_model(load)
         else:  # older single-GPU engines expose the model directly
             load(self.llm.llm_engine.model_executor.driver_worker.model_runner.model)
-        stale = not keep_cache and hasattr(self.llm, "reset_prefix_cache")
+        stale = not self.keep_cache_across_versions and hasattr(self.llm, "reset_prefix_cache")
         if stale and self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM could not reset its prefix cache after the weight update")
         self.version = version
