@@ -10,7 +10,7 @@ needed to reach a success threshold.
 Starting policy. The tiny built-in model (``turnrl.models.tiny_model``, 154k parameters,
 character-level tokenizer, here with 2048 positions) is first trained by imitation of the
 task's scripted reference player (``turnrl.envs.reference``) on 512 noisy demonstrations for
-200 steps (``turnrl.warmup``): 30% of the expert's moves are replaced by a wasted turn (a
+200 steps (``benchmarks/warmup.py``): 30% of the expert's moves are replaced by a wasted turn (a
 question already answered, the previous guess again), so the demonstrations are the expert's
 games with useless turns inserted. Sampled at temperature 1 the warmed-up model wastes and
 garbles turns and succeeds ~20-30% of the time (greedy, twenty-questions succeeds 100%). It is
@@ -131,7 +131,7 @@ def warm_dir(out: Path, name: str, task: Task, settings: Settings) -> Path:
 def run_warmup(out: str, name: str, task: Task, settings: Settings) -> dict:
     import torch
 
-    from turnrl.warmup import WarmupConfig, warm_start
+    from warmup import WarmupConfig, warm_start
 
     torch.set_num_threads(settings.threads)
     start, cpu = time.perf_counter(), time.process_time()

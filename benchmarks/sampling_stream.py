@@ -26,22 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
-from functools import partial
 
 import torch
 
-from turnrl.algorithms.advantages import compute_advantages
 from turnrl.config import load_config
 from turnrl.distributed.workers import with_tied_weights, without_tied_weights
-from turnrl.envs import make_env
 from turnrl.models import configure_torch
-from turnrl.rollout import SamplingParams, run_sync
+from turnrl.policy import load_policy, training_seeds
+from turnrl.rollout import run_sync
 from turnrl.rollout.continuous import ContinuousRollout
 from turnrl.rollout.episode import run_episodes
-from turnrl.trainer.step import make_optimizer, policy_update
-from turnrl.trainer.sync import load_policy, training_seeds, update_settings
-from turnrl.types import Batch
+from turnrl.trainer.rl_step import rl_step
+from turnrl.trainer.run import StageTimer, build_learner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,14 +57,9 @@ def main(argv: list[str] | None = None) -> int:
                              "--rollout.max_new_tokens", "8", "--optim.lr", "4e-5",
                              "--run.seed", str(args.seed), "--eval.episodes", "64"])
     learner = load_policy(cfg)
-    model, chat = learner.model, learner.chat
-    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
-                            cfg.rollout.top_p, stop_token_ids=(chat.end_of_turn,))
-    make = partial(make_env, cfg.env.name, **cfg.env.options)
-    settings = update_settings(cfg, model)
-    if args.source == "worker":  # async mode's objective
-        settings = replace(settings, algo=replace(settings.algo, decoupled=True))
-    optimizer = make_optimizer(model, cfg.optim)
+    model, chat, params, make = learner.model, learner.chat, learner.params, learner.make_env
+    # async mode's objective for the worker's data
+    update = build_learner(cfg, learner, decoupled=args.source == "worker")
     worker = load_policy(cfg) if args.source == "worker" else learner
     worker.engine.generator.manual_seed(args.sampler_seed)
     size = cfg.rollout.group_size
@@ -94,12 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             run_sync(loop.run(until_drained=True))
             groups = sorted(loop.take_groups(), key=lambda g: g.assignment)
             episodes = [ep for group in groups for ep in group.episodes]
-        rewards = torch.tensor([ep.reward for ep in episodes])
-        group_ids = torch.tensor([ep.group for ep in episodes])
-        batch = Batch.from_episodes(
-            episodes, compute_advantages(cfg.algo.advantage, rewards, group_ids),
-            learner.tokenizer.pad_token_id)
-        metrics = policy_update(model, optimizer, batch, settings)
+        _, metrics = rl_step(update, episodes, StageTimer())
         learner.engine.version += 1
         print(json.dumps({
             "source": args.source, "sampler_seed": args.sampler_seed, "step": step + 1,

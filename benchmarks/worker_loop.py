@@ -34,7 +34,7 @@ from turnrl.envs import make_env
 from turnrl.models import configure_torch
 from turnrl.rollout import SamplingParams, hf_engine
 from turnrl.rollout.continuous import ContinuousRollout
-from turnrl.trainer.sync import load_policy
+from turnrl.policy import load_policy
 
 
 def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from turnrl.envs import StepResult, register_env
 from turnrl.models import tiny_model
+
+# Benchmarks and their helpers (step_throughput, warmup) live outside the package; tests
+# import them as top-level modules, as `python benchmarks/NAME.py` does.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 
 @register_env("say-digit")

@@ -7,7 +7,6 @@ import torch
 
 from turnrl.algorithms import (
     ADVANTAGE_FNS,
-    compute_advantages,
     dr_grpo_advantages,
     group_mean,
     group_std,
@@ -64,7 +63,7 @@ def test_reinforce_pp():
 def test_all_equal_rewards_give_zero(name):
     rewards = torch.full((6,), 0.7)
     ids = torch.tensor([5, 5, 5, 2, 2, 11])
-    adv = compute_advantages(name, rewards, ids)
+    adv = ADVANTAGE_FNS[name](rewards, ids)
     assert torch.isfinite(adv).all()
     close(adv, [0.0] * 6)
 
@@ -73,11 +72,24 @@ def test_integer_rewards_are_accepted():
     close(dr_grpo_advantages(torch.tensor([1, 0]), torch.tensor([0, 0])), [0.5, -0.5])
 
 
-def test_registry_and_unknown_name():
-    assert set(ADVANTAGE_FNS) == {"grpo", "dr_grpo", "rloo", "reinforce_pp"}
-    close(compute_advantages("rloo", REWARDS, IDS), rloo_advantages(REWARDS, IDS))
-    with pytest.raises(ValueError, match="valid"):
-        compute_advantages("ppo", REWARDS, IDS)
+def test_every_estimator_is_registered_and_a_new_one_is_one_entry():
+    from turnrl.algorithms.estimators import Outcome, make_estimator
+    from turnrl.config import AlgoConfig, ConfigError
+    from turnrl.registry import ESTIMATORS
+
+    assert set(ADVANTAGE_FNS) <= set(ESTIMATORS)  # outcome-level ones are estimators too
+    with pytest.raises(ConfigError, match="did you mean 'rloo'"):
+        AlgoConfig(advantage="rlooo")
+    # A user's estimator: one function and one registry entry, then the config takes it.
+    ESTIMATORS["sign"] = lambda algo, hidden, seed: Outcome(lambda r, g: torch.sign(r - 0.5))
+    try:
+        estimator = make_estimator(AlgoConfig(advantage="sign"), hidden_size=8)
+        from turnrl.types import Episode
+
+        eps = [Episode("e", 0, 0, reward=r) for r in (1.0, 0.0)]
+        close(estimator.advantages(eps, None, 0), [1.0, -1.0])
+    finally:
+        del ESTIMATORS["sign"]
 
 
 def test_shape_mismatch_raises():

@@ -15,17 +15,12 @@ import pytest
 from conftest import groups_within
 
 from turnrl.config import load_config
+from turnrl.distributed.book import AssignmentBook, group_staleness, in_flight_groups, split_stale
+from turnrl.distributed.source import RaySource
 from turnrl.envs import StepResult
+from turnrl.policy import group_seed, training_seeds
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_sync
 from turnrl.rollout.continuous import ContinuousRollout, Group
-from turnrl.trainer.async_ import (
-    AssignmentBook,
-    _Learner,
-    group_seed,
-    group_staleness,
-    split_stale,
-)
-from turnrl.trainer.sync import training_seeds
 from turnrl.types import ENV_VERSION, Episode
 
 # ---- (a) the continuous loop, plain asyncio, tiny model ---------------------------------------
@@ -328,13 +323,12 @@ class _Report:
 
 def test_queued_groups_wait_at_the_worker_beyond_its_pool():
     from turnrl.distributed.workers import worker_pool_size
-    from turnrl.trainer.async_ import in_flight_groups
 
     cfg = load_config(None, ["--rollout.groups_per_step", "2", "--rollout.group_size", "4",
                              "--staleness.overprovision", "1.5",
                              "--staleness.queued_groups", "2"])
     fleet = FakeFleet([])
-    learner = _Learner(cfg, fleet, AssignmentBook(lambda index: index), None)
+    learner = RaySource(cfg, fleet, AssignmentBook(lambda index: index))
     learner.top_up()
     assert in_flight_groups(cfg) == 3 and len(fleet.assigned) == 3 + 2
     assert worker_pool_size(cfg, in_flight_groups(cfg)) == 3 * 4  # the queue is not played
@@ -355,11 +349,11 @@ def test_the_learner_trains_each_assignment_once_and_regenerates_stale_seeds():
         return report
 
     fleet = FakeFleet([deliver([0], 0), deliver([0, 1, 2], 0)])
-    learner = _Learner(cfg, fleet, book, None)
+    learner = RaySource(cfg, fleet, book)
     learner.top_up()
     seeds.update(fleet.assigned)
     assert fleet.assigned == [(0, 500), (1, 501), (2, 502)]  # ceil(1.5 * 2) outstanding
-    groups, _ = learner.collect(2)
+    groups = learner.collect(2)
     # Assignment 0 arrived twice: trained once. Group 2 waits in the buffer.
     assert [g.assignment for g in groups] == [0, 1] and book.duplicates == 1
     assert [g.assignment for g in learner.buffer] == [2]
@@ -368,7 +362,7 @@ def test_the_learner_trains_each_assignment_once_and_regenerates_stale_seeds():
     learner.version = 2  # two updates later, buffered group 2 (version 0) is too stale
     seeds.update(fleet.assigned)
     fleet.reports = [deliver([3, 4], 2), deliver([5], 2)]
-    groups, _ = learner.collect(2)
+    groups = learner.collect(2)
     assert book.outcome[2] == "regenerated" and learner.step_events["regenerated"] == [2]
     assert (5, 502) in fleet.assigned  # seed 502 played again under the new id 5
     assert [g.assignment for g in groups] == [3, 4]
@@ -406,8 +400,9 @@ def _books_balance(result):
 
 @pytest.mark.slow
 def test_async_training_on_a_local_ray_cluster(ray_cluster, tmp_path):
+    from turnrl.distributed import LEDGER_FILE
+    from turnrl.launch import train_async
     from turnrl.metrics import read_metrics
-    from turnrl.trainer.async_ import LEDGER_FILE, train_async
 
     cfg = load_config(None, TINY + ["--run.steps", "3", "--eval.episodes", "4",
                                     "--run.checkpoint_every", "2",
@@ -416,11 +411,14 @@ def test_async_training_on_a_local_ray_cluster(ray_cluster, tmp_path):
     result = train_async(cfg)
 
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for r in records:
+    ledger = [json.loads(line) for line in (tmp_path / LEDGER_FILE).read_text().splitlines()]
+    assert [r["step"] for r in records] == [line["step"] for line in ledger] == [1, 2, 3]
+    for r, line in zip(records, ledger, strict=True):
         assert math.isfinite(r["loss/policy"]) and math.isfinite(r["grad_norm"])
         assert 0 <= r["async/staleness_mean"] <= r["async/staleness_max"] <= 2
-        assert r["time/wait_s"] >= 0 and r["async/dropped_groups"] >= 0
+        assert r["time/wait_s"] <= r["time/collect_s"]  # waiting for groups is collecting
+        assert r["async/dropped_groups"] == len(line["dropped"])  # the ledger tells the same
+        assert len(line["trained"]) == 2
         assert {"reward/mean", "success/rate", "async/version_lag",
                 "async/worker_restarts", "async/regenerated_groups"} <= r.keys()
         assert 0 < r["staleness/ess"] <= 1 + 1e-6  # the adaptive bound read the update's ESS
@@ -441,8 +439,9 @@ def test_async_training_on_a_local_ray_cluster(ray_cluster, tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_its_work_reissued(ray_cluster, tmp_path):
+    from turnrl.distributed import LEDGER_FILE
+    from turnrl.launch import train_async
     from turnrl.metrics import read_metrics
-    from turnrl.trainer.async_ import LEDGER_FILE, train_async
 
     cfg = load_config(None, TINY + ["--run.steps", "4", "--eval.episodes", "0",
                                     "--run.checkpoint_every", "0",
@@ -576,7 +575,7 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
     import turnrl.rollout.vllm_engine as vllm_module
     from turnrl.distributed.workers import sampling_seed, vllm_engine
     from turnrl.models import load_model
-    from turnrl.trainer.sync import load_policy
+    from turnrl.policy import load_policy
 
     given = {}
 

@@ -68,7 +68,7 @@ def test_a_vllm_worker_samples_with_the_weights_it_was_sent(model_dir):
 
 
 def test_async_training_with_vllm_workers(model_dir, tmp_path):
-    from turnrl.trainer.async_ import train_async
+    from turnrl.launch import train_async
 
     cfg = _config(model_dir, "--run.mode", "async", "--run.steps", "3", "--eval.episodes", "4",
                   "--model.device", "cuda", "--run.out_dir", str(tmp_path))

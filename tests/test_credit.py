@@ -1,5 +1,5 @@
 """Turn-level credit: GiGPO, turn GAE and ArCHer against hand-computed values, the critic on a
-toy chain, and TurnCredit end to end on the tiny model."""
+toy chain, and the turn-level estimators end to end on the tiny model."""
 
 import io
 import math
@@ -30,7 +30,7 @@ from turnrl.algorithms.critic import (
     extract_turn_features,
     value_regression_step,
 )
-from turnrl.algorithms.turn_credit import TurnCredit, is_turn_level
+from turnrl.algorithms.estimators import ESTIMATORS, Outcome, make_estimator
 from turnrl.config import AlgoConfig
 from turnrl.types import Batch, Episode, Turn
 
@@ -217,11 +217,11 @@ def test_archer_critic_learns_chain_values_by_td(one_thread):
         close(estimate, CHAIN_VALUES, atol=0.02)
 
 
-def test_is_turn_level():
-    assert all(is_turn_level(n) for n in ("gigpo", "turn_gae", "archer"))
-    assert not any(is_turn_level(n) for n in ("grpo", "dr_grpo", "rloo", "reinforce_pp"))
-    with pytest.raises(ValueError, match="not a turn-level"):
-        TurnCredit(AlgoConfig(advantage="grpo"), hidden_size=8)
+def test_outcome_estimators_give_one_advantage_per_episode_from_rewards_and_groups():
+    eps = _batch_episodes()  # rewards 1, 0 (group 0) and 0, 0 (group 1)
+    adv = make_estimator(AlgoConfig(advantage="rloo"), hidden_size=8).advantages(eps, None, 0)
+    close(adv, [1.0, -1.0, 0.0, 0.0])  # RLOO: r - mean of the other group members
+    assert isinstance(make_estimator(AlgoConfig(advantage="grpo"), 8), Outcome)
 
 
 def _batch_episodes():
@@ -251,9 +251,9 @@ def test_extract_turn_features_match_unbatched_forward(tiny):
 def test_turn_credit_end_to_end(tiny, name):
     model, tok = tiny
     algo = AlgoConfig(advantage=name, critic_updates=3, replay_episodes=3)
-    credit = TurnCredit(algo, model.config.hidden_size, critic_width=32)
+    credit = ESTIMATORS[name](algo, model.config.hidden_size)
     eps = _batch_episodes()
-    adv = credit.advantages(model if name != "gigpo" else None, eps, tok.pad_token_id)
+    adv = credit.advantages(eps, model if name != "gigpo" else None, tok.pad_token_id)
     batch = Batch.from_episodes(eps, adv, tok.pad_token_id)
     assert adv.shape == batch.input_ids.shape
     assert torch.isfinite(adv).all() and adv.abs().sum() > 0
@@ -272,9 +272,9 @@ def test_turn_credit_end_to_end(tiny, name):
     buffer = io.BytesIO()
     torch.save(credit.state_dict(), buffer)
     buffer.seek(0)
-    restored = TurnCredit(algo, model.config.hidden_size, critic_width=32, seed=123)
+    restored = ESTIMATORS[name](algo, model.config.hidden_size, seed=123)
     restored.load_state_dict(torch.load(buffer, weights_only=True))
-    again = credit.advantages(model, eps, tok.pad_token_id)
-    close(restored.advantages(model, eps, tok.pad_token_id), again, atol=0)
+    again = credit.advantages(eps, model, tok.pad_token_id)
+    close(restored.advantages(eps, model, tok.pad_token_id), again, atol=0)
     if name == "archer":
         assert len(restored.replay) == len(credit.replay) == 5  # last 3 episodes: 2 + 1 + 2 turns

@@ -16,23 +16,50 @@ TINY_MAZE = ["--model.name", "tiny", "--env.name", "maze", "--env.options", "{si
              "--eval.episodes", "4", "--run.progress", "false", "--run.tensorboard", "false"]
 
 
-@pytest.mark.parametrize("method", ["gigpo", "turn_gae", "archer"])
-def test_turn_level_method_trains_and_logs_finite_losses(tmp_path, method):
-    cfg = load_config(None, TINY_MAZE + ["--algo.advantage", method, "--run.steps", "2",
-                                         "--run.checkpoint_every", "1",
-                                         "--run.out_dir", str(tmp_path)])
+TINY_TWO_TURNS = ["--model.name", "tiny", "--env.name", "say-digit", "--env.options",
+                  "{turns: 2}", "--rollout.max_new_tokens", "3", "--optim.lr", "2e-2",
+                  "--optim.micro_batch_size", "32", "--eval.episodes", "0",
+                  "--run.progress", "false", "--run.tensorboard", "false"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["gigpo", "turn_gae"])
+def test_turn_level_method_learns_a_two_turn_task_and_saves_its_state(tmp_path, method):
+    """Each turn is rewarded for starting with a digit: the method must lift the reward.
+
+    ArCHer is left out on purpose: with its defaults it does not learn this task in 24 steps
+    (training reward 0.03 -> 0.02; measured 2026-11-25), a finding for the credit-assignment
+    work, checked by the test below only for finite metrics and a saved critic.
+    """
+    cfg = load_config(None, TINY_TWO_TURNS + ["--algo.advantage", method, "--run.steps", "12",
+                                              "--run.checkpoint_every", "6",
+                                              "--run.out_dir", str(tmp_path)])
     train(cfg)
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    first = sum(r["reward/mean"] for r in records[:3]) / 3
+    last = sum(r["reward/mean"] for r in records[-3:]) / 3
+    assert last > first + 0.3, (method, [round(r["reward/mean"], 2) for r in records])
     for record in records:
-        assert math.isfinite(record["loss/policy"]) and math.isfinite(record["grad_norm"])
         credit = {k: v for k, v in record.items() if k.startswith("credit/")}
         assert credit and all(math.isfinite(v) for v in credit.values())
-    saved = load_component(latest_checkpoint(tmp_path), "credit")
+    saved = load_component(latest_checkpoint(tmp_path), "estimator")
     if method == "gigpo":
         assert not saved  # critic-free
     else:
         assert saved and any(isinstance(v, dict) for v in saved.values())
+
+
+def test_archer_trains_with_finite_critic_losses_and_saves_its_critic(tmp_path):
+    cfg = load_config(None, TINY_TWO_TURNS + ["--algo.advantage", "archer", "--run.steps", "2",
+                                              "--run.checkpoint_every", "1",
+                                              "--run.out_dir", str(tmp_path)])
+    train(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert all(math.isfinite(r["credit/q_loss"]) and r["credit/replay_transitions"] > 0
+               for r in records)
+    saved = load_component(latest_checkpoint(tmp_path), "estimator")
+    assert set(saved) >= {"critic", "optimizer", "replay", "generator"}
 
 
 def test_decoupled_on_policy_update_matches_plain_ppo(tiny):

@@ -12,7 +12,6 @@ import torch
 
 from turnrl import models
 from turnrl.models import (
-    BUILTIN_MODELS,
     SMOLLM2,
     ModelNotFoundError,
     default_cache_dir,
@@ -27,10 +26,6 @@ def _logits(model, tokenizer, text="hello\nworld"):
     ids = torch.tensor([tokenizer(text).input_ids])
     with torch.no_grad():
         return model(ids).logits
-
-
-def test_builtin_names():
-    assert BUILTIN_MODELS == ("smollm2-135m-instruct", "tiny")
 
 
 def test_tiny_model_is_small():

@@ -26,14 +26,12 @@ TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_to
 
 @pytest.mark.slow
 def test_tiny_model_learns_a_toy_task(tmp_path):
-    started = time.monotonic()
     cfg = load_config(None, TINY + ["--optim.lr", "2e-2", "--run.steps", "20",
                                     "--optim.micro_batch_size", "32",
                                     "--run.out_dir", str(tmp_path)])
     result = train(cfg)
     assert result.before.success_rate < 0.3
     assert result.after.success_rate > 0.9
-    assert time.monotonic() - started < 120
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 21))
     assert all(r["time/collect_s"] > 0 and r["time/update_s"] > 0 for r in records)

@@ -6,11 +6,7 @@ from functools import partial
 
 import pytest
 import torch
-
-from turnrl.envs import make_env
-from turnrl.models import load_model, tiny_model
-from turnrl.rollout import ChatFormat, Completion, run_episodes
-from turnrl.warmup import (
+from warmup import (
     MARKER,
     NOISE_KINDS,
     WarmupConfig,
@@ -20,6 +16,10 @@ from turnrl.warmup import (
     warm_start,
     warm_up,
 )
+
+from turnrl.envs import make_env
+from turnrl.models import load_model, tiny_model
+from turnrl.rollout import ChatFormat, Completion, run_episodes
 
 TASKS = [("guess-number", {"low": 1, "high": 30, "max_turns": 7}), ("maze", {"size": 3}),
          ("twenty-questions", {}), ("wordle", {})]

@@ -10,7 +10,6 @@ from turnrl.config import ConfigError, config_help, load_config
 
 USAGE = """turnrl train  [--config FILE.yaml] [--resume] [--mode sync|async] [--section.key VALUE ...]
 turnrl eval   [--config FILE.yaml] [--checkpoint DIR] [--section.key VALUE ...]
-turnrl bench  [--model NAME] [--groups 4 16] [--quick] ...   (turnrl bench --help)
 turnrl report RUN_DIR [--out FILE.png]
 turnrl envs
 
@@ -39,7 +38,7 @@ def _split(argv: Sequence[str], flags: dict[str, bool]) -> tuple[dict, list[str]
 
 
 def cmd_train(argv: Sequence[str]) -> int:
-    from turnrl.trainer.sync import train
+    from turnrl.launch import train
 
     own, overrides = _split(argv, {"--config": True, "--resume": False, "--mode": True})
     if "--mode" in own:  # shorthand for --run.mode
@@ -51,12 +50,7 @@ def cmd_train(argv: Sequence[str]) -> int:
         saved = Path(cfg.run.out_dir) / "config.yaml"
         if saved.exists():  # overrides apply on top of the saved config, and are checked
             cfg = load_config(str(saved), overrides)
-    if cfg.run.mode == "async":
-        from turnrl.trainer.async_ import train_async
-
-        train_async(cfg, resume=bool(own.get("--resume")))
-    else:
-        train(cfg, resume=bool(own.get("--resume")))
+    train(cfg, resume=bool(own.get("--resume")))
     return 0
 
 
@@ -67,7 +61,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
     from turnrl.evaluation import COLUMNS
     from turnrl.metrics import print_table
     from turnrl.models import configure_torch
-    from turnrl.trainer.sync import load_policy
+    from turnrl.policy import load_policy
 
     own, overrides = _split(argv, {"--config": True, "--checkpoint": True})
     config_path = own.get("--config")
@@ -109,14 +103,7 @@ def cmd_envs(argv: Sequence[str]) -> int:
     return 0
 
 
-def cmd_bench(argv: Sequence[str]) -> int:
-    from turnrl.bench import main as bench_main
-
-    return bench_main(list(argv)) or 0
-
-
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "report": cmd_report,
-            "envs": cmd_envs}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "report": cmd_report, "envs": cmd_envs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"turnrl: unknown command '{command}'; choose one of {', '.join(COMMANDS)}",
               file=sys.stderr)
         return 2
-    if ("-h" in rest or "--help" in rest) and command != "bench":  # bench has its own --help
+    if "-h" in rest or "--help" in rest:
         print(USAGE + "\n\nConfig options:\n" + config_help())
         return 0
     from transformers.utils import logging as hf_logging

@@ -21,6 +21,8 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from turnrl.registry import ESTIMATORS, UnknownName
+
 # Named because the literal is too long to sit beside its field.
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
@@ -113,9 +115,9 @@ class RolloutConfig(_Section):
 
 @dataclass(frozen=True)
 class AlgoConfig(_Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gigpo", "turn_gae",
-                       "archer"] = "grpo"
-    """advantage estimator; gigpo, turn_gae and archer assign credit per turn"""
+    advantage: str = "grpo"
+    """advantage estimator, a name in turnrl.registry.ESTIMATORS: grpo, dr_grpo, rloo,
+    reinforce_pp (per episode), gigpo, turn_gae, archer (per turn), or one you registered"""
     clip_low: float = 0.2
     """lower PPO clip: the ratio is kept above 1 - clip_low"""
     clip_high: float = 0.28
@@ -153,6 +155,10 @@ class AlgoConfig(_Section):
     """truncate behaviour importance weights at this value (0 = no truncation)"""
 
     def _check(self) -> None:
+        try:
+            ESTIMATORS.check(self.advantage)
+        except UnknownName as err:
+            raise ConfigError(f"algo.advantage: {err}") from None
         self._at_least(0, "clip_low", "clip_high", "loss_agg_constant", "kl_coef", "entropy_coef",
                        "critic_tau", "is_cap")
         self._at_least(1, "epochs", "critic_updates", "replay_episodes")

@@ -2,7 +2,6 @@
 
 from turnrl.algorithms.advantages import (
     ADVANTAGE_FNS,
-    compute_advantages,
     dr_grpo_advantages,
     group_mean,
     group_std,
@@ -10,6 +9,7 @@ from turnrl.algorithms.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from turnrl.algorithms.estimators import AdvantageEstimator, make_estimator
 from turnrl.algorithms.losses import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
@@ -21,16 +21,17 @@ from turnrl.algorithms.losses import (
 
 __all__ = [
     "ADVANTAGE_FNS",
+    "AdvantageEstimator",
     "LOSS_AGGREGATIONS",
     "aggregate_loss",
     "clipped_policy_loss",
-    "compute_advantages",
     "dr_grpo_advantages",
     "entropy_from_logits",
     "group_mean",
     "group_std",
     "grpo_advantages",
     "kl_penalty",
+    "make_estimator",
     "reinforce_pp_advantages",
     "rloo_advantages",
     "token_logprobs",

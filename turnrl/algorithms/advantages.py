@@ -101,10 +101,3 @@ ADVANTAGE_FNS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "rloo": rloo_advantages,
     "reinforce_pp": reinforce_pp_advantages,
 }
-
-
-def compute_advantages(name: str, rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """Advantages ``[N]`` by estimator name (a key of ``ADVANTAGE_FNS``)."""
-    if name not in ADVANTAGE_FNS:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGE_FNS)}")
-    return ADVANTAGE_FNS[name](rewards, group_ids)

@@ -3,7 +3,7 @@
 Each ``RolloutWorker`` is a process with its own copy of the policy model, its own engine and
 its own environments; it runs ``ContinuousRollout`` (turnrl/rollout/continuous.py) in a
 background thread with its own asyncio loop, so the actor's methods stay responsive while it
-generates. The learner (the driver process, turnrl/trainer/async_.py) talks to it through
+generates. The learner (the driver process, turnrl/trainer/async_.py, through turnrl/distributed/source.py) talks to it through
 four calls, all cheap:
 
 - ``set_weights(version, [state_dict_ref])``: the learner ``ray.put``s its state dict once per
@@ -60,6 +60,7 @@ import torch
 from turnrl.config import Config
 from turnrl.envs.base import ENVS, make_env
 from turnrl.models import configure_torch, model_directory
+from turnrl.policy import load_policy
 from turnrl.rollout.continuous import ContinuousRollout, Group
 from turnrl.rollout.engine import SamplingParams
 from turnrl.rollout.episode import run_sync
@@ -93,8 +94,6 @@ class RolloutWorker:
 
     def __init__(self, cfg: Config, index: int = 0, env_factory: Any = None,
                  pool_size: int | None = None, threads: int | None = None) -> None:
-        from turnrl.trainer.sync import load_policy  # the trainer package imports this one
-
         self.index = index
         self.incarnation = uuid.uuid4().hex
         # One thread per reserved CPU: torch's default (one per core of the machine) would

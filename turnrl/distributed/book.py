@@ -1,0 +1,103 @@
+"""The learner's books in async mode: which group (an assignment) is where, and how it ended.
+
+The learner hands out *assignments* (an id and the seed of one GRPO group) to rollout
+workers and accepts each delivered id once, so a worker restart (which re-issues what it
+held) never loses a group or trains one twice. A group is fresh enough while its *oldest*
+policy token is at most ``max_versions`` behind the learner (AReaL's bounded staleness:
+Fu et al. 2025, arXiv:2505.24298). Pure bookkeeping: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from turnrl.algorithms.offpolicy import staleness
+from turnrl.config import Config
+from turnrl.rollout.continuous import Group
+
+
+def in_flight_groups(cfg: Config) -> int:
+    """Groups the workers play at once: ``overprovision`` times a step's need."""
+    return math.ceil(cfg.staleness.overprovision * cfg.rollout.groups_per_step)
+
+
+def group_staleness(group: Group, learner_version: int) -> int:
+    """Versions the group's oldest policy token is behind the learner (0: no policy token)."""
+    return max((staleness(ep.versions, learner_version) for ep in group.episodes), default=0)
+
+
+def split_stale(groups: Sequence[Group], learner_version: int, max_versions: int
+                ) -> tuple[list[Group], list[Group]]:
+    """(fresh, stale): stale groups have a policy token more than ``max_versions`` behind."""
+    fresh, stale = [], []
+    for group in groups:
+        too_old = group_staleness(group, learner_version) > max_versions
+        (stale if too_old else fresh).append(group)
+    return fresh, stale
+
+
+@dataclass
+class Assignment:
+    id: int
+    seed: int
+    worker: int
+    seq: int
+    """Submission order of the call that sent it (see ``Fleet.seq``)."""
+    reissues: int = 0
+
+
+@dataclass
+class AssignmentBook:
+    """Every assignment the learner hands out: where it is and how it ended.
+
+    An assignment is outstanding from ``issue`` until its first delivery; any later delivery
+    of the same id (or one the book never issued) is a duplicate and is refused. Outcomes:
+    "trained", "dropped" (too stale), "regenerated" (too stale, seed re-issued under a new
+    id), "abandoned" (outstanding, or delivered and unused, when the run ended).
+    """
+
+    seed_of: Callable[[int], int]
+    next_index: int = 0
+    """Seed index of the next new group (regenerated groups reuse a seed instead)."""
+    next_id: int = 0
+    outstanding: dict[int, Assignment] = field(default_factory=dict)
+    seeds: dict[int, int] = field(default_factory=dict)
+    outcome: dict[int, str] = field(default_factory=dict)
+    duplicates: int = 0
+
+    def issue(self, worker: int, seq: int, seed: int | None = None) -> Assignment:
+        if seed is None:
+            seed = self.seed_of(self.next_index)
+            self.next_index += 1
+        assignment = Assignment(self.next_id, seed, worker, seq)
+        self.next_id += 1
+        self.outstanding[assignment.id] = assignment
+        self.seeds[assignment.id] = seed
+        return assignment
+
+    def deliver(self, group: Group) -> bool:
+        """Accept a delivered group once; False for a duplicate or unknown one."""
+        assignment = self.outstanding.get(group.assignment)
+        if assignment is None or assignment.seed != group.seed:
+            self.duplicates += 1
+            return False
+        del self.outstanding[group.assignment]
+        return True
+
+    def resolve(self, assignment: int, outcome: str) -> None:
+        if assignment in self.outcome:
+            raise RuntimeError(f"assignment {assignment} already {self.outcome[assignment]}")
+        self.outcome[assignment] = outcome
+
+    def at(self, worker: int) -> list[Assignment]:
+        return [a for a in self.outstanding.values() if a.worker == worker]
+
+    def lost(self, worker: int, known: set[int], before_seq: int) -> list[Assignment]:
+        """Outstanding at ``worker``, sent before ``before_seq``, and unknown to it."""
+        return [a for a in self.at(worker) if a.seq < before_seq and a.id not in known]
+
+    def move(self, assignment: Assignment, worker: int, seq: int) -> None:
+        assignment.worker, assignment.seq = worker, seq
+        assignment.reissues += 1

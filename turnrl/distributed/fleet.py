@@ -1,0 +1,208 @@
+"""The rollout workers seen from the learner: handles, in-flight polls, restarts, lost work.
+
+``Fleet`` owns every call to the Ray actors (turnrl/distributed/workers.py) and reconciles
+what each worker reports with the ``AssignmentBook``: a restarted worker (new incarnation)
+gets the newest weights again and the assignments it lost, with the same ids and seeds; a
+worker failing every call for ``WORKER_DOWN_AFTER_S`` is given up and its work moved.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+
+from turnrl.config import Config
+from turnrl.distributed.book import Assignment, AssignmentBook
+from turnrl.distributed.workers import without_tied_weights
+
+POLL_WAIT_S = 0.1
+"""How long a worker's ``take_groups`` waits for a group before answering empty."""
+WORKER_DOWN_AFTER_S = 120.0
+"""A worker failing every call for this long is given up; its work goes to the others."""
+
+
+class Fleet:
+    """The worker handles, their in-flight polls, and what the learner knows of each."""
+
+    def __init__(self, handles: list, book: AssignmentBook):
+        import ray
+
+        self.ray = ray
+        self.handles = handles
+        self.book = book
+        self.seq = 0
+        """Counts calls sent to workers. Ray runs one caller's calls to an actor in order, so
+        an assignment sent before a poll was sent is known to the worker when it answers."""
+        self.polls: dict[int, tuple[object, int]] = {}
+        self.incarnation: dict[int, str] = {}
+        self.version: dict[int, int] = {}
+        self.weights_seq: dict[int, int] = {}
+        self.down_since: dict[int, float] = {}
+        self.retry_at: dict[int, float] = {}
+        self.failures: dict[int, int] = {}
+        self.dead: set[int] = set()
+        self.weights: tuple[int, object] | None = None
+        self.fired: list = []
+        # Events since the learner last looked (it logs them per step).
+        self.restarts = 0
+        self.reissued: list[int] = []
+        self.stats: dict[int, dict] = {}
+
+    def _next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def _fire(self, ref) -> None:
+        """A call whose answer we never need; kept so a failure does not go unobserved."""
+        self.fired.append(ref)
+        if len(self.fired) > 64:
+            done, self.fired = self.ray.wait(self.fired, num_returns=len(self.fired),
+                                             timeout=0)
+            for ref in done:
+                try:
+                    self.ray.get(ref)
+                except self.ray.exceptions.RayActorError:
+                    pass  # the poll path notices dead workers
+
+    def up(self) -> list[int]:
+        return [w for w in range(len(self.handles))
+                if w not in self.dead and w not in self.down_since]
+
+    def alive(self) -> list[int]:
+        return [w for w in range(len(self.handles)) if w not in self.dead]
+
+    def wait_started(self, timeout_s: float) -> None:
+        """Block until every worker has built its model (a constructor error raises here)."""
+        refs = [h.ping.remote() for h in self.handles]
+        try:
+            incarnations = self.ray.get(refs, timeout=timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"the rollout workers did not start within {timeout_s:.0f} s; does the cluster "
+                "have the CPUs/GPUs they reserve (ray.worker_cpus, ray.worker_gpus) free? "
+                "see `ray status`") from None
+        for w, incarnation in enumerate(incarnations):
+            self.incarnation[w] = incarnation
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        # Tied tensors are found on the model's device (copies to the CPU no longer alias).
+        state = without_tied_weights({k: v.detach() for k, v in model.state_dict().items()})
+        state = {k: v.to("cpu") if torch.is_tensor(v) else v for k, v in state.items()}
+        self.weights = (version, self.ray.put(state))  # once per version, for all workers
+        for w in self.alive():
+            self.send_weights(w)
+
+    def send_weights(self, w: int) -> None:
+        version, ref = self.weights
+        self._fire(self.handles[w].set_weights.remote(version, [ref]))
+        self.weights_seq[w] = self._next_seq()
+
+    def assign(self, w: int, assignments: list[Assignment]) -> None:
+        self._fire(self.handles[w].assign.remote([(a.id, a.seed) for a in assignments]))
+
+    def poll(self, timeout_s: float) -> list[tuple[int, int, object]]:
+        """Reports that arrived within ``timeout_s``: ``(worker, poll seq, WorkerReport)``."""
+        now = time.monotonic()
+        for w in self.alive():
+            if w not in self.polls and now >= self.retry_at.get(w, 0.0):
+                ref = self.handles[w].take_groups.remote(None, POLL_WAIT_S)
+                self.polls[w] = (ref, self._next_seq())
+        if not self.polls:
+            time.sleep(timeout_s)
+            return []
+        refs = [ref for ref, _ in self.polls.values()]
+        ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout_s)
+        if ready:
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready = set(ready)
+        reports = []
+        for w, (ref, seq) in list(self.polls.items()):
+            if ref not in ready:
+                continue
+            del self.polls[w]
+            try:
+                reports.append((w, seq, self.ray.get(ref)))
+            except self.ray.exceptions.RayActorError as err:
+                self._failed(w, err)
+        return reports
+
+    def _failed(self, w: int, err: Exception) -> None:
+        now = time.monotonic()
+        self.failures[w] = self.failures.get(w, 0) + 1
+        since = self.down_since.setdefault(w, now)
+        self.retry_at[w] = now + min(2.0, 0.1 * 2 ** self.failures[w])
+        if now - since < WORKER_DOWN_AFTER_S:
+            return
+        self.dead.add(w)  # given up: its assignments go to the workers still alive
+        others = self.up() or self.alive()
+        if not others:
+            raise RuntimeError(f"every rollout worker is down (the last error: {err})") from err
+        for i, assignment in enumerate(self.book.at(w)):
+            target = others[i % len(others)]
+            self.book.move(assignment, target, self._next_seq())
+            self.assign(target, [assignment])
+            self.reissued.append(assignment.id)
+
+    def reconcile(self, w: int, seq: int, report) -> None:
+        """Bring a worker up to date after its report: restarts, lost weights, lost work."""
+        self.down_since.pop(w, None)
+        self.failures.pop(w, None)
+        if self.incarnation.get(w, report.incarnation) != report.incarnation:
+            self.restarts += 1
+        self.incarnation[w] = report.incarnation
+        self.version[w] = report.version
+        self.stats[w] = report.stats
+        if self.weights and report.weights_version < self.weights[0] \
+                and self.weights_seq.get(w, seq) < seq:
+            self.send_weights(w)  # sent before this poll, yet missing: lost in a restart
+        known = report.known | {g.assignment for g in report.groups}
+        lost = self.book.lost(w, known, seq)
+        if lost:  # re-issued with the same ids and seeds, after the weights
+            resend = self._next_seq()
+            for assignment in lost:
+                self.book.move(assignment, w, resend)
+                self.reissued.append(assignment.id)
+            self.assign(w, lost)
+
+    def shutdown(self) -> None:
+        for handle in self.handles:
+            try:
+                self.ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def connect(cfg: Config) -> bool:
+    """Join (``ray.address``) or start a local Ray cluster; True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, log_to_driver=False)
+    else:
+        # Workers' own CPUs are reserved logically; on a small machine they may oversubscribe.
+        cpus = max(os.cpu_count() or 1, math.ceil(cfg.ray.num_workers * cfg.ray.worker_cpus))
+        # log_to_driver=False: worker start-up chatter would break the progress bar; worker
+        # errors still reach the learner as exceptions from its calls.
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def learner_threads(cfg: Config) -> int:
+    """Torch threads of the learner process.
+
+    On a local cluster the learner and the workers share this machine's cores: each worker
+    runs ``int(worker_cpus)`` threads, the learner gets what is left. On a 2-core laptop
+    with one worker that is 1 thread each: 2 processes on 2 cores, where torch's default of
+    one thread per core in every process would put 4 busy threads on 2 cores and thrash.
+    """
+    threads = cfg.run.threads or (os.cpu_count() or 1)
+    if cfg.ray.address:  # the workers run elsewhere (or say so by their own reservations)
+        return threads
+    cores = os.cpu_count() or 1
+    workers = cfg.ray.num_workers * max(1, int(cfg.ray.worker_cpus))
+    return max(1, min(threads, cores - workers))

@@ -1,0 +1,227 @@
+"""Ray rollout workers as the async learner's rollout source.
+
+``RaySource`` implements ``turnrl.trainer.async_.RolloutSource`` over a ``Fleet`` of
+``RolloutWorker`` actors: it keeps about ``staleness.overprovision * groups_per_step``
+assignments in play (plus ``staleness.queued_groups`` per worker waiting to start the moment
+a pool has room: a group is only started whole, and one slow episode holds its group open),
+hands the learner the first fresh groups that finish (groups finished beyond a step's need
+wait in the buffer for the next step), drops or regenerates stale ones (``on_stale``), and
+writes ``assignments.jsonl``: per step, which (assignment, seed) pairs were trained on and
+which were dropped, regenerated or re-issued. With ``staleness.adaptive`` the staleness
+bound follows the effective sample size of the behaviour importance weights.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from functools import partial
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+import torch
+
+from turnrl.algorithms.offpolicy import AdaptiveStaleness, staleness
+from turnrl.config import Config
+from turnrl.distributed.book import (
+    Assignment,
+    AssignmentBook,
+    group_staleness,
+    in_flight_groups,
+    split_stale,
+)
+from turnrl.distributed.fleet import Fleet
+from turnrl.distributed.workers import spawn_workers, worker_pool_size
+from turnrl.envs import ENVS
+from turnrl.metrics import truncate_metrics
+from turnrl.policy import group_seed
+from turnrl.rollout.continuous import Group
+
+LEDGER_FILE = "assignments.jsonl"
+STALL_AFTER_S = 900.0
+"""No group at all for this long ends the run with an error instead of hanging."""
+
+
+class RaySource:
+    """Groups from Ray rollout workers for the async learner (see the module docstring)."""
+
+    def __init__(self, cfg: Config, fleet, book: AssignmentBook,
+                 adaptive: AdaptiveStaleness | None = None, ledger: TextIO | None = None,
+                 version: int = 0) -> None:
+        self.cfg, self.fleet, self.book, self.adaptive = cfg, fleet, book, adaptive
+        self.ledger = ledger if ledger is not None else io.StringIO()
+        # In flight (the workers' pools) plus queued behind them, buffered groups included.
+        self.target = in_flight_groups(cfg) + cfg.staleness.queued_groups * cfg.ray.num_workers
+        self.buffer: list[Group] = []
+        self.version = version
+        self.step_events: dict[str, list[int]] = {"dropped": [], "regenerated": []}
+        self.last_group_at = 0.0
+        self.waited = 0.0
+        self.trained: list[tuple[int, int]] = []
+        self.totals = {"reissued": [], "dropped": [], "regenerated": [], "restarts": 0,
+                       "duplicates": 0}
+        self.closed = False
+
+    @classmethod
+    def start(cls, cfg: Config, run_dir: Path, resume_state: dict, start_step: int
+              ) -> RaySource:
+        """Spawn the workers (they build their models while the learner evaluates) and open
+        the books where a resumed run left them (a ``SourceFactory``)."""
+        book = AssignmentBook(partial(group_seed, cfg))
+        # Work outstanding when the last run stopped is not re-played: its seeds are skipped.
+        book.next_index = resume_state.get("seed_index", 0)
+        book.next_id = resume_state.get("next_assignment", 0)
+        adaptive = (AdaptiveStaleness.from_config(cfg.staleness)
+                    if cfg.staleness.adaptive else None)
+        if adaptive is not None and "max_versions" in resume_state:
+            adaptive.max_versions = resume_state["max_versions"]
+        ledger_path = run_dir / LEDGER_FILE
+        if not resume_state:
+            ledger_path.unlink(missing_ok=True)
+        truncate_metrics(ledger_path, after_step=start_step)
+        handles = spawn_workers(
+            cfg, env_factory=ENVS.get(cfg.env.name),
+            pool_size=worker_pool_size(cfg, in_flight_groups(cfg)),
+            name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout")
+        return cls(cfg, Fleet(handles, book), book, adaptive, open(ledger_path, "a"),  # noqa: SIM115
+                   version=start_step)
+
+    @property
+    def max_versions(self) -> int:
+        return self.adaptive.max_versions if self.adaptive else self.cfg.staleness.max_versions
+
+    # ---- the RolloutSource interface ---------------------------------------------------------
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        self.version = version
+        self.fleet.publish(version, model)
+        self.top_up()  # the workers keep generating while the learner updates
+
+    def wait_ready(self) -> None:
+        self.fleet.wait_started(timeout_s=600)
+
+    def collect(self, need: int) -> list[Group]:
+        """The first ``need`` fresh groups (oldest arrivals first)."""
+        self.buffer, stale = split_stale(self.buffer, self.version, self.max_versions)
+        self._stale(stale)
+        self.waited = 0.0
+        self.last_group_at = time.monotonic()
+        while len(self.buffer) < need:
+            self.top_up()
+            started = time.perf_counter()
+            reports = self.fleet.poll(timeout_s=1.0)
+            self.waited += time.perf_counter() - started
+            for worker, seq, report in reports:
+                self.fleet.reconcile(worker, seq, report)
+                delivered = [g for g in report.groups if self.book.deliver(g)]
+                if delivered:
+                    self.last_group_at = time.monotonic()
+                fresh, stale = split_stale(delivered, self.version, self.max_versions)
+                self.buffer += fresh
+                self._stale(stale)
+            if time.monotonic() - self.last_group_at > STALL_AFTER_S:
+                raise RuntimeError(f"no rollout group arrived for {STALL_AFTER_S:.0f} s; "
+                                   "are the workers generating? (ray list actors)")
+        groups, self.buffer = self.buffer[:need], self.buffer[need:]
+        self.top_up()
+        return groups
+
+    def step_metrics(self, step: int, groups: list[Group],
+                     update_metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics of the groups trained at ``step`` (at learner version ``step``), the events
+        since the last step, the adaptive bound's decision; one ledger line."""
+        fleet, book, events = self.fleet, self.book, self.step_events
+        episodes = [ep for g in groups for ep in g.episodes]
+        worker_versions = [fleet.version[w] for w in fleet.alive()
+                           if fleet.version.get(w, -1) >= 0]
+        metrics = {
+            "async/staleness_mean": float(np.mean([staleness(ep.versions, step)
+                                                   for ep in episodes])),
+            "async/staleness_max": max(group_staleness(g, step) for g in groups),
+            # Start to delivery of a trained group: with the step rate, the staleness that
+            # throughput implies (Little's law, see README).
+            "async/group_lifetime_s": float(np.mean([g.finished_at - g.started_at
+                                                     for g in groups])),
+            "async/mixed_version_episodes": float(np.mean(
+                [len(set(ep.versions) - {-1}) > 1 for ep in episodes])),
+            "async/dropped_groups": len(events["dropped"]),
+            "async/regenerated_groups": len(events["regenerated"]),
+            "async/reissued_groups": len(fleet.reissued),
+            "async/duplicate_groups": book.duplicates,
+            "async/worker_restarts": fleet.restarts,
+            "async/version_lag": step - min(worker_versions) if worker_versions else 0,
+            "async/buffered_groups": len(self.buffer),
+            "async/max_versions": self.max_versions,
+            "time/wait_s": self.waited,
+        }
+        if self.adaptive is not None:  # the bound for the next step's groups
+            decision = self.adaptive.update(update_metrics.get("offpolicy/ess", float("nan")))
+            metrics.update(decision.metrics())
+        for g in groups:
+            book.resolve(g.assignment, "trained")
+            self.trained.append((g.assignment, g.seed))
+        self.ledger.write(json.dumps({
+            "step": step + 1, "trained": [[g.assignment, g.seed, g.worker] for g in groups],
+            **events, "reissued": fleet.reissued, "worker_restarts": fleet.restarts}) + "\n")
+        self.ledger.flush()
+        self.totals["reissued"] += fleet.reissued
+        self.totals["dropped"] += events["dropped"]
+        self.totals["regenerated"] += events["regenerated"]
+        self.totals["restarts"] += fleet.restarts
+        self.totals["duplicates"] += book.duplicates
+        fleet.reissued, fleet.restarts, book.duplicates = [], 0, 0
+        self.step_events = {"dropped": [], "regenerated": []}
+        return metrics
+
+    def state_dict(self) -> dict:
+        """Checkpoint extras: where the seed schedule and assignment ids continue."""
+        return {"seed_index": self.book.next_index, "next_assignment": self.book.next_id,
+                "max_versions": self.max_versions}
+
+    def close(self) -> dict:
+        """Stop the workers; the books' totals (``AsyncTrainResult`` fields)."""
+        if not self.closed:
+            self.closed = True
+            self.fleet.shutdown()
+            self.ledger.close()
+        abandoned = sorted(set(self.book.outstanding) | {g.assignment for g in self.buffer})
+        for assignment in abandoned:
+            if assignment not in self.book.outcome:
+                self.book.resolve(assignment, "abandoned")
+        return {"trained": self.trained, "dropped": self.totals["dropped"],
+                "regenerated": self.totals["regenerated"], "reissued": self.totals["reissued"],
+                "abandoned": abandoned, "duplicates": self.totals["duplicates"],
+                "worker_restarts": self.totals["restarts"], "issued": dict(self.book.seeds)}
+
+    # ---- keeping the workers busy ------------------------------------------------------------
+
+    def top_up(self) -> None:
+        """Keep ``target`` groups outstanding (at workers that answer) or buffered."""
+        up = self.fleet.up()
+        if not up:
+            return
+        in_flight = sum(a.worker in up for a in self.book.outstanding.values())
+        new: dict[int, list[Assignment]] = {}
+        for _ in range(self.target - in_flight - len(self.buffer)):
+            load = {w: sum(a.worker == w for a in self.book.outstanding.values()) for w in up}
+            worker = min(up, key=lambda w: load[w])
+            seq = self.fleet._next_seq()
+            new.setdefault(worker, []).append(self.book.issue(worker, seq))
+        for worker, assignments in new.items():
+            self.fleet.assign(worker, assignments)
+
+    def _stale(self, groups: list[Group]) -> None:
+        for group in groups:
+            if self.cfg.staleness.on_stale == "regenerate":
+                up = self.fleet.up() or self.fleet.alive()
+                worker = up[group.assignment % len(up)]
+                again = self.book.issue(worker, self.fleet._next_seq(), seed=group.seed)
+                self.fleet.assign(worker, [again])
+                self.book.resolve(group.assignment, "regenerated")
+                self.step_events["regenerated"].append(group.assignment)
+            else:
+                self.book.resolve(group.assignment, "dropped")
+                self.step_events["dropped"].append(group.assignment)

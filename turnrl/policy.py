@@ -1,0 +1,81 @@
+"""The policy and what plays it, as every mode builds it: model, chat format, engine, seeds.
+
+Trainer-free on purpose: the sync trainer, the async learner, the Ray rollout workers and
+``turnrl eval`` all load the policy here, so each of them checks the chat template and the
+environment the same way at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from turnrl.config import Config
+from turnrl.envs import Env, make_env
+from turnrl.evaluation import EvalResult, evaluate
+from turnrl.models import load_model, resolve_device
+from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+
+
+@dataclass
+class Policy:
+    """The model and everything that plays it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    chat: ChatFormat
+    engine: HFEngine
+    max_context: int | None
+    make_env: Callable[[], Env]
+    params: SamplingParams
+    """Training-time sampling (``rollout.*``)."""
+    run_eval: Callable[[], tuple[EvalResult, list]]
+    """Plays the held-out seeds ``eval.seed_offset ...`` once with the current weights."""
+
+
+def sampling_params(cfg: Config, chat: ChatFormat, temperature: float | None = None
+                    ) -> SamplingParams:
+    temperature = cfg.rollout.temperature if temperature is None else temperature
+    return SamplingParams(cfg.rollout.max_new_tokens, temperature, cfg.rollout.top_p,
+                          stop_token_ids=(chat.end_of_turn,))
+
+
+def load_policy(cfg: Config) -> Policy:
+    """Load the model on its device, check its chat template and the env, wire evaluation."""
+    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
+                                  cache_dir=cfg.model.cache_dir or None)
+    model.to(resolve_device(cfg.model.device))
+    chat = ChatFormat(tokenizer)
+    chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
+    make = partial(make_env, cfg.env.name, **cfg.env.options)
+    make()  # bad env name or options fail here with a one-line error
+    engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
+                      reuse_cache=cfg.rollout.reuse_cache)
+    eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
+    max_context = getattr(model.config, "max_position_embeddings", None)
+    run_eval = partial(evaluate, make, eval_seeds, engine, chat,
+                       sampling_params(cfg, chat, cfg.eval.temperature),
+                       env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
+                       env_timeout_s=cfg.rollout.env_timeout_s, max_context=max_context)
+    return Policy(model, tokenizer, chat, engine, max_context, make, sampling_params(cfg, chat),
+                  run_eval)
+
+
+def training_seeds(cfg: Config, step: int) -> list[tuple[int, int]]:
+    """(env seed, group id) per episode of ``step``: each group replays one seed.
+
+    Seeds stay below ``eval.seed_offset``, so training never sees a held-out task.
+    """
+    groups = cfg.rollout.groups_per_step
+    base = (cfg.run.seed * 7919 + step * groups) % cfg.eval.seed_offset
+    return [((base + g) % cfg.eval.seed_offset, g)
+            for g in range(groups) for _ in range(cfg.rollout.group_size)]
+
+
+def group_seed(cfg: Config, index: int) -> int:
+    """Seed of the ``index``-th group handed out in async mode: the seeds sync would play."""
+    step, group = divmod(index, cfg.rollout.groups_per_step)
+    return training_seeds(cfg, step)[group * cfg.rollout.group_size][0]

@@ -1,0 +1,36 @@
+"""One RL step on a batch of finished episodes: advantages -> batch -> update -> metrics.
+
+Every mode calls this one function: the sync trainer on the episodes it just collected, the
+async learner on the groups its rollout source delivered, the step-throughput benchmark on
+its fixed workload. Collecting episodes (the turn loop) and what follows a step (logging,
+evaluation, checkpoints: ``run.end_step``) stay outside, so the RL maths reads in one place:
+here, ``algorithms/estimators.py`` (advantages) and ``trainer/step.py`` (the update).
+"""
+
+from __future__ import annotations
+
+from turnrl.evaluation import EvalResult
+from turnrl.trainer.run import Learner, StageTimer, episode_metrics
+from turnrl.trainer.step import policy_update
+from turnrl.types import Batch, Episode
+
+
+def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
+            ) -> tuple[EvalResult, dict[str, float]]:
+    """Update ``learner.model`` on ``episodes``; return their summary and the step's metrics.
+
+    Stages (timed into ``timer``): ``advantages`` (the estimator; a turn-level critic also
+    trains here), ``update`` (``policy_update``: one optimiser step per ``algo.epochs``; with
+    decoupled PPO and several epochs it first scores the proximal policy), ``log``.
+    """
+    with timer("advantages"):
+        advantages = learner.estimator.advantages(episodes, learner.model, learner.pad_id)
+        batch = Batch.from_episodes(episodes, advantages, learner.pad_id)
+    with timer("update"):
+        update_metrics = policy_update(learner.model, learner.optimizer, batch,
+                                       learner.settings, learner.ref_model)
+    with timer("log"):
+        summary, metrics = episode_metrics(episodes)
+        metrics.update(update_metrics)
+        metrics.update(learner.estimator.metrics())
+    return summary, metrics

@@ -1,0 +1,309 @@
+"""Run set-up shared by the sync trainer and the async learner.
+
+A run directory holds the resolved config, metrics, sample episodes, before/after
+evaluations and atomic checkpoints. ``start_run`` creates or reopens it, seeds every random
+stream, loads the policy and builds the ``Learner`` (what ``rl_step`` needs), restoring a
+checkpoint when resuming; ``end_step`` does what follows every step in both modes (sample
+episodes, periodic evaluation, metrics, progress, checkpoint); ``end_run`` evaluates after.
+
+Exact resume: a checkpoint stores every random stream (python, numpy, torch, the engine's
+sampler), and the "before" evaluation stores the streams as it left them, so a run killed
+anywhere (before its first checkpoint too) continues on the draws an uninterrupted run makes.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from turnrl.algorithms.estimators import AdvantageEstimator, make_estimator
+from turnrl.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_component,
+    restore_rng,
+    rng_state,
+    save_checkpoint,
+)
+from turnrl.config import (
+    Config,
+    ConfigError,
+    changed_keys,
+    config_from_dict,
+    config_to_dict,
+    save_config,
+)
+from turnrl.evaluation import COLUMNS, EvalResult, summarize
+from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
+from turnrl.models import configure_torch
+from turnrl.policy import Policy, load_policy
+from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
+from turnrl.types import Episode, write_episodes
+
+RESUMABLE = ("run.steps", "run.progress")
+"""Config keys a resumed run may change; anything else would silently change the run."""
+_PER_RUN_FILES = ("metrics.jsonl", "eval_before.json", "eval_before.jsonl", "eval_before.rng",
+                  "eval_after.json", "eval_after.jsonl", "summary.txt")
+
+
+class StageTimer:
+    """``with timer("collect"): ...`` accumulates wall seconds per named stage."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """``time/<stage>_s`` per stage and ``time/step_s`` since the timer was made."""
+        return {**{f"time/{k}_s": v for k, v in self.seconds.items()},
+                "time/step_s": time.perf_counter() - self.started}
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    before: EvalResult | None
+    after: EvalResult | None
+    table: str
+
+
+@dataclass
+class Learner:
+    """What one RL step needs: the model it updates and how (see ``rl_step``)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    settings: UpdateSettings
+    estimator: AdvantageEstimator
+    pad_id: int
+    ref_model: torch.nn.Module | None = None
+
+
+@dataclass
+class Run:
+    cfg: Config
+    run_dir: Path
+    policy: Policy
+    learner: Learner
+    start_step: int
+    checkpoint_state: dict = field(default_factory=dict)
+    """``state.json`` of the checkpoint resumed from (mode-specific extras included)."""
+    resumed: bool = False
+
+
+def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
+    """Create or reopen the run directory; return the config to run and the checkpoint."""
+    if not cfg.run.out_dir:
+        if resume:
+            raise ConfigError("--resume needs --run.out_dir RUN_DIR, the run to continue")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        cfg = replace(cfg, run=replace(cfg.run, out_dir=f"runs/{cfg.env.name}-{stamp}"))
+    run_dir = Path(cfg.run.out_dir)
+    checkpoint = latest_checkpoint(run_dir)
+    saved = run_dir / "config.yaml"
+    if resume:
+        if not saved.exists():
+            raise ConfigError(f"nothing to resume in '{run_dir}' (no config.yaml); "
+                              "drop --resume to start a new run")
+        stored = config_from_dict(yaml.safe_load(saved.read_text()))
+        changed = [key for key in changed_keys(stored, cfg) if key not in RESUMABLE]
+        if changed:
+            raise ConfigError(f"cannot change {', '.join(changed)} when resuming '{run_dir}'; "
+                              f"only {', '.join(RESUMABLE)} may change: start a new run instead")
+    elif checkpoint is not None:
+        raise ConfigError(f"run directory '{run_dir}' already has checkpoints; pass --resume to "
+                          "continue it or choose another --run.out_dir")
+    else:  # a new run: what an attempt that never checkpointed left behind is stale
+        for name in _PER_RUN_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "episodes", ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, saved)
+    return cfg, checkpoint if resume else None
+
+
+def update_settings(cfg: Config, model: torch.nn.Module) -> UpdateSettings:
+    """The update's knobs from the config; the memory budget becomes a token budget."""
+    budget = cfg.optim.memory_budget_mb * 2**20
+    dtype_bytes = torch.finfo(next(model.parameters()).dtype).bits // 8
+    return UpdateSettings(
+        cfg.algo, cfg.optim, cfg.rollout.temperature,
+        agg_constant=cfg.algo.loss_agg_constant
+        or cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
+        token_budget=budget // activation_bytes_per_token(model.config, dtype_bytes))
+
+
+def build_learner(cfg: Config, policy: Policy, *, decoupled: bool = False) -> Learner:
+    model = policy.model
+    settings = update_settings(cfg, model)
+    if decoupled:  # off-policy data needs the decoupled objective
+        settings = replace(settings, algo=replace(settings.algo, decoupled=True))
+    return Learner(model, make_optimizer(model, cfg.optim), settings,
+                   make_estimator(cfg.algo, model.config.hidden_size, seed=cfg.run.seed),
+                   policy.tokenizer.pad_token_id,
+                   copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None)
+
+
+def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
+              decoupled: bool = False) -> Run:
+    """Open the run directory, seed, load the policy and learner, restore a checkpoint."""
+    cfg, checkpoint = prepare_run_dir(cfg, resume)
+    run_dir = Path(cfg.run.out_dir)
+    configure_torch(cfg.run.threads if threads is None else threads)
+    random.seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    policy = load_policy(cfg)
+    learner = build_learner(cfg, policy, decoupled=decoupled)
+    run = Run(cfg, run_dir, policy, learner, start_step=0, resumed=resume)
+    if checkpoint is not None:
+        state, rng = load_checkpoint(checkpoint, learner.model, learner.optimizer)
+        restore_rng(rng, policy.engine.generator)
+        run.start_step = policy.engine.version = state["step"]
+        run.checkpoint_state = state
+        saved = load_component(checkpoint, "estimator") or load_component(checkpoint, "credit")
+        if saved:  # "credit": checkpoints written before estimators had one interface
+            learner.estimator.load_state_dict(saved)
+        print(f"resuming {run_dir} from step {run.start_step}")
+    else:
+        print(f"run directory: {run_dir}")
+    # Steps logged after the checkpoint (or by a run that never checkpointed) are redone.
+    truncate_metrics(run_dir / "metrics.jsonl", after_step=run.start_step)
+    return run
+
+
+def evaluate_before(run: Run) -> EvalResult | None:
+    """The held-out evaluation before training, run once and kept.
+
+    Evaluating draws from the engine's sampler, so the streams it leaves behind are kept
+    with the result: a run resumed before its first checkpoint restores them and samples
+    step 1 exactly as the uninterrupted run did.
+    """
+    cfg, path = run.cfg, run.run_dir / "eval_before"
+    if cfg.eval.episodes == 0:
+        return None
+    rng_file, result_file = path.with_suffix(".rng"), path.with_suffix(".json")
+    if result_file.exists():
+        if run.start_step == 0 and rng_file.exists():  # a checkpoint's streams come later
+            restore_rng(torch.load(rng_file, weights_only=False), run.policy.engine.generator)
+        return _read_eval(result_file)
+    result, episodes = run.policy.run_eval()
+    write_episodes(path.with_suffix(".jsonl"), episodes)
+    _atomic_write(rng_file, lambda f: torch.save(rng_state(run.policy.engine.generator), f))
+    _atomic_write(result_file, lambda f: f.write(json.dumps(result.to_dict()).encode()))
+    return result
+
+
+def _read_eval(path: Path) -> EvalResult:
+    data = json.loads(path.read_text())
+    return EvalResult(**{k: data[k] for k in ("episodes", "successes", "mean_reward",
+                                              "mean_turns", "failed")})
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+    tmp.replace(path)
+
+
+@contextmanager
+def step_logging(run: Run, description: str) -> Iterator[tuple[MetricsLogger, TrainProgress]]:
+    """The metrics logger and the progress bar of the training loop."""
+    cfg = run.cfg
+    # run.tensorboard means "when installed": no warning on machines without it.
+    tensorboard = cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is not None
+    logger = MetricsLogger(run.run_dir, tensorboard=tensorboard, wandb=cfg.run.wandb,
+                           wandb_project=cfg.run.wandb_project, config=config_to_dict(cfg))
+    (run.run_dir / "episodes").mkdir(exist_ok=True)
+    with logger, TrainProgress(cfg.run.steps, start_step=run.start_step,
+                               enabled=cfg.run.progress, description=description,
+                               length_unit="turns") as progress:
+        yield logger, progress
+
+
+def episode_metrics(episodes: list[Episode]) -> tuple[EvalResult, dict[str, float]]:
+    """What a step's episodes say: reward, success, length."""
+    summary = summarize(episodes)
+    rewards = [ep.reward for ep in episodes]
+    return summary, {
+        "reward/mean": summary.mean_reward,
+        "reward/std": float(np.std(rewards, ddof=1)) if len(rewards) > 1 else 0.0,
+        "success/rate": summary.success_rate,
+        "episode/turns": summary.mean_turns,
+        "episode/tokens": float(np.mean([len(ep.token_ids) for ep in episodes])),
+        "episode/policy_tokens": float(np.mean([ep.num_policy_tokens for ep in episodes])),
+        "episode/failed": summary.failed,
+    }
+
+
+def periodic_eval(run: Run, step: int) -> dict[str, float]:
+    """Held-out metrics every ``eval.every`` steps (the last step gets the 'after' table)."""
+    cfg = run.cfg
+    if not cfg.eval.every or (step + 1) % cfg.eval.every or step + 1 >= cfg.run.steps:
+        return {}
+    result, _ = run.policy.run_eval()
+    lo, hi = result.interval
+    return {"eval/success": result.success_rate, "eval/success_lo": lo,
+            "eval/success_hi": hi, "eval/reward": result.mean_reward}
+
+
+def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult,
+             metrics: dict[str, float], timer: StageTimer, logger: MetricsLogger,
+             progress: TrainProgress, *, checkpoint_extra: dict | None = None,
+             **progress_fields) -> None:
+    """After a step's update, in both modes: samples, periodic eval, log, progress, checkpoint."""
+    cfg = run.cfg
+    if cfg.run.sample_episodes:
+        write_episodes(run.run_dir / "episodes" / f"step-{step + 1:06d}.jsonl",
+                       episodes[:cfg.run.sample_episodes])
+    metrics.update(periodic_eval(run, step))
+    metrics.update(timer.metrics())
+    logger.log(step + 1, metrics)
+    progress.update(step + 1, reward=summary.mean_reward, turns=summary.mean_turns,
+                    success=f"{summary.success_rate:.0%}", **progress_fields)
+    last = step + 1 == cfg.run.steps
+    if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
+        learner = run.learner
+        save_checkpoint(run.run_dir, step + 1, learner.model, learner.optimizer,
+                        rng=rng_state(run.policy.engine.generator),
+                        keep=cfg.run.keep_checkpoints, extra=checkpoint_extra,
+                        components={"estimator": learner.estimator.state_dict()})
+
+
+def end_run(run: Run, before: EvalResult | None) -> TrainResult:
+    """Evaluate after training and print (and save) the before/after table."""
+    cfg = run.cfg
+    after = None
+    if cfg.eval.episodes:
+        path = run.run_dir / "eval_after"
+        after, episodes = run.policy.run_eval()
+        write_episodes(path.with_suffix(".jsonl"), episodes)
+        _atomic_write(path.with_suffix(".json"),
+                      lambda f: f.write(json.dumps(after.to_dict()).encode()))
+    table = ""
+    if before and after:
+        title = f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes, before vs after"
+        table = print_table(title, COLUMNS,
+                            [before.row("before"), after.row(f"after {cfg.run.steps} steps")])
+        (run.run_dir / "summary.txt").write_text(table)
+    return TrainResult(run.run_dir, cfg.run.steps, before, after, table)
