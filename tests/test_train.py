@@ -158,6 +158,33 @@ def test_resume_after_sigkill_continues_from_the_checkpoint(tmp_path):
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
 
 
+def test_resume_before_the_first_checkpoint_samples_what_the_uninterrupted_run_sampled(
+        tmp_path, monkeypatch):
+    """A crash after the 'before' evaluation and before any checkpoint (here: the first
+    collection raises, leaving on disk what a kill at that moment leaves): the resumed run
+    must not draw step 1 from another random stream than the uninterrupted run did."""
+    import turnrl.trainer.sync as sync
+
+    run = TINY + ["--eval.episodes", "4", "--optim.lr", "1e-3", "--run.checkpoint_every", "0",
+                  "--run.steps", "3"]
+    straight = train(load_config(None, run + ["--run.out_dir", str(tmp_path / "straight")]))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+    cut = load_config(None, run + ["--run.out_dir", str(tmp_path / "cut")])
+    with monkeypatch.context() as patch:
+        patch.setattr(sync, "run_episodes", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(cut)
+    assert (tmp_path / "cut" / "eval_before.json").exists()
+    assert not (tmp_path / "cut" / "checkpoints").exists()
+    resumed = train(cut, resume=True)
+    assert resumed.before == straight.before  # read back, not re-measured
+    a = load_file(tmp_path / "straight" / "checkpoints" / "step-000003" / "model.safetensors")
+    b = load_file(tmp_path / "cut" / "checkpoints" / "step-000003" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_checkpoint_torn_by_a_crash_is_never_loaded(tmp_path, tiny):
     model, _ = tiny
     optimizer = torch.optim.AdamW(model.parameters())

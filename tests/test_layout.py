@@ -1,0 +1,98 @@
+"""The package's layering: every import in turnrl/ goes down (or sideways), never up, no cycles.
+
+Layers, lowest first (docs/architecture.md explains each). A module may import modules of its
+own layer or below. Deferred imports inside functions count: one used to dodge a cycle is
+still a cycle. A new top-level module or package must be given a layer here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
+LAYERS = [
+    {"registry", "types", "config", "stats"},
+    {"models", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
+     "evaluation"},
+    {"algorithms", "policy"},
+    {"trainer"},
+    {"distributed"},
+    {"launch", "cli", "report", "serve"},
+]
+LAYER = {name: depth for depth, names in enumerate(LAYERS) for name in names}
+MAX_LINES = 500
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every turnrl module ``path`` imports, at any depth of the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("turnrl")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                "turnrl") and node.level == 0:
+            found.add(node.module)
+            # `from turnrl.pkg import sub` imports the submodule when it is one
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                if _path_of(candidate) is not None:
+                    found.add(candidate)
+    return found
+
+
+def _path_of(module: str) -> Path | None:
+    base = PACKAGE.parent.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.exists():
+            return path
+    return None
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+def _top(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_every_import_goes_down_a_layer_or_stays():
+    graph = _graph()
+    unknown = sorted({_top(m) for m in graph if _top(m) and _top(m) not in LAYER})
+    assert not unknown, f"give these top-level modules a layer in tests/test_layout.py: {unknown}"
+    upward = [f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
+              if _top(src) and _top(dst) and LAYER[_top(dst)] > LAYER[_top(src)]]
+    assert not upward, "imports going up a layer:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycles_between_top_level_modules_and_packages():
+    """E.g. trainer -> distributed -> trainer, even through a deferred import."""
+    units: dict[str, set[str]] = {}
+    for src, dsts in _graph().items():
+        if _top(src):
+            units.setdefault(_top(src), set()).update(
+                _top(d) for d in dsts if _top(d) and _top(d) != _top(src))
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(units.get(node, ())):
+            if nxt in path:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            else:
+                visit(nxt, path + [nxt])
+
+    for unit in sorted(units):
+        visit(unit, [unit])
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+def test_no_library_file_is_over_the_size_limit():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these files (over {MAX_LINES} lines): {long}"
