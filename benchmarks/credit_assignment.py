@@ -130,7 +130,6 @@ def warm_dir(out: Path, name: str, task: Task, settings: Settings) -> Path:
 
 def run_warmup(out: str, name: str, task: Task, settings: Settings) -> dict:
     import torch
-
     from warmup import WarmupConfig, warm_start
 
     torch.set_num_threads(settings.threads)

@@ -284,8 +284,8 @@ def trl_prompts(wl: Workload, steps: int) -> list[dict[str, Any]]:
     TRL applies the same chat template to the same messages; ``answer`` feeds the reward.
     """
     from turnrl.envs import make_env
-    from turnrl.rollout import run_sync
     from turnrl.policy import training_seeds
+    from turnrl.rollout import run_sync
 
     cfg = turnrl_config(wl)
     rows = []

@@ -32,9 +32,9 @@ from functools import partial
 from turnrl.config import load_config
 from turnrl.envs import make_env
 from turnrl.models import configure_torch
+from turnrl.policy import load_policy
 from turnrl.rollout import SamplingParams, hf_engine
 from turnrl.rollout.continuous import ContinuousRollout
-from turnrl.policy import load_policy
 
 
 def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,
