@@ -7,7 +7,6 @@ them back with ``ast`` so ``--help`` never drifts from the code.
 from __future__ import annotations
 
 import ast
-import copy
 import dataclasses
 import difflib
 import functools
@@ -17,29 +16,29 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from turnrl.config_types import (  # noqa: F401 - ConfigError is part of this module's API
+    ConfigError,
+    convert_value,
+    did_you_mean,
+    parse_yaml_value,
+    type_hints,
+)
 from turnrl.registry import ESTIMATORS, UnknownName
 
 # Named because the literal is too long to sit beside its field.
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
 
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line naming the problem and the fix."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(str(message).split()))  # multi-line messages hide in logs
-
-
 class _Section:
     """Base of every section: converts fields to their annotated types, then checks ranges."""
 
     def __post_init__(self) -> None:
-        for name, tp in _hints(type(self)).items():
-            value = _convert(self._key(name), getattr(self, name), tp)
+        for name, tp in type_hints(type(self)).items():
+            value = convert_value(self._key(name), getattr(self, name), tp)
             object.__setattr__(self, name, value)  # frozen, so bypass __setattr__
         self._check()
 
@@ -316,84 +315,15 @@ class Config:
     """bounded staleness and partial rollouts (async mode)"""
 
 
-# ---- type conversion -------------------------------------------------------------------------
-
-_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """Field name -> resolved annotation, in declaration order."""
-    return get_type_hints(cls)
-
-
-def _to_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int | str) and str(value).strip().lower() in _BOOL_WORDS:
-        return _BOOL_WORDS[str(value).strip().lower()]
-    raise ValueError
-
-
-def _plain(value: Any, *types: type) -> Any:
-    """``value`` if it is one of ``types``; bool never passes (it is an int subclass)."""
-    if isinstance(value, bool) or not isinstance(value, types):
-        raise TypeError
-    return value
-
-
-def _to_dict(value: Any) -> dict:
-    if isinstance(value, str):
-        value = _parse_yaml_value(value)
-    if not isinstance(value, Mapping):
-        raise TypeError
-    return copy.deepcopy(dict(value))
-
-
-_SCALARS = {
-    bool: _to_bool,
-    int: lambda v: int(_plain(v, int, str)),  # a float like 1.5 must not silently truncate
-    float: lambda v: float(_plain(v, int, float, str)),  # also parses '1e-5', a YAML 1.1 string
-    str: lambda v: str(_plain(v, int, float, str)),  # YAML reads `out_dir: 2024` as an int
-    dict: _to_dict,
-}
-
-
-def _convert(key: str, value: Any, tp: Any) -> Any:
-    if get_origin(tp) is Literal:
-        choices = get_args(tp)
-        if value in choices:
-            return value
-        hint = _suggest(str(value), [str(c) for c in choices])
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}{hint}")
-    base = get_origin(tp) or tp
-    try:
-        return _SCALARS[base](value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: expected {base.__name__}, got {value!r}") from None
-
-
-def _parse_yaml_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"cannot parse {text!r} as YAML ({exc}); quote or fix it") from None
-
-
 # ---- keys, merging, loading -------------------------------------------------------------------
 
 
 def _sections() -> dict[str, type]:
-    return dict(_hints(Config))
+    return dict(type_hints(Config))
 
 
 def _all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _sections().items() for f in dataclasses.fields(cls)]
-
-
-def _suggest(word: str, candidates: Sequence[str], cutoff: float = 0.6) -> str:
-    match = difflib.get_close_matches(word, candidates, n=1, cutoff=cutoff)
-    return f"; did you mean '{match[0]}'?" if match else ""
 
 
 def _closest_key(key: str) -> str:
@@ -405,7 +335,7 @@ def _closest_key(key: str) -> str:
             return f"; did you mean '{section}.{match[0]}'?"
     moved = [k for k in _all_keys() if k.endswith(f".{name}")]
     # A high cutoff: the shared 'section.' prefix alone makes unrelated keys look similar.
-    return _suggest(key, moved, cutoff=0) or _suggest(key, _all_keys(), cutoff=0.8)
+    return did_you_mean(key, moved, cutoff=0) or did_you_mean(key, _all_keys(), cutoff=0.8)
 
 
 def _unknown_key(key: str) -> ConfigError:
@@ -424,12 +354,12 @@ def _apply(tree: dict, key: str, value: Any) -> None:
     section, _, rest = key.partition(".")
     name, _, sub = rest.partition(".")
     cls = _sections().get(section)
-    if cls is None or name not in _hints(cls):
+    if cls is None or name not in type_hints(cls):
         raise _unknown_key(key)
     if not sub:
         tree[section][name] = value
         return
-    if get_origin(_hints(cls)[name]) is not dict:
+    if get_origin(type_hints(cls)[name]) is not dict:
         raise _unknown_key(key)
     *parents, leaf = sub.split(".")
     target = tree[section][name]
@@ -448,7 +378,7 @@ def _merge(tree: dict, data: Any, origin: str) -> None:
         )
     for section, values in data.items():
         if section not in _sections():
-            hint = _suggest(str(section), list(_sections())) or (
+            hint = did_you_mean(str(section), list(_sections())) or (
                 f"; valid sections: {', '.join(_sections())}"
             )
             raise ConfigError(f"unknown config section '{section}'{hint}")
@@ -494,7 +424,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Confi
         _merge(tree, _read_yaml(path), f"config file '{path}'")
     for key, value in _parse_overrides(overrides):
         # Entries inside a dict field have no declared type, so let YAML type them (20 -> int).
-        _apply(tree, key, _parse_yaml_value(value) if key.count(".") >= 2 else value)
+        _apply(tree, key, parse_yaml_value(value) if key.count(".") >= 2 else value)
     return _build(tree)
 
 
@@ -558,7 +488,7 @@ def config_help() -> str:
     defaults, lines = config_to_dict(Config()), []
     for section, cls in _sections().items():
         docs = field_docs(cls)
-        for name, tp in _hints(cls).items():
+        for name, tp in type_hints(cls).items():
             default = defaults[section][name]
             shown = repr(default) if isinstance(default, str) else default
             lines.append(f"--{section}.{name} {_type_name(tp)} (default {shown})  {docs[name]}")
