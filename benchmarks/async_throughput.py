@@ -155,7 +155,8 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
     """
     import torch
 
-    import turnrl.trainer.async_ as async_mod
+    import turnrl.distributed.source as source_mod
+    import turnrl.trainer.run as run_mod
     import turnrl.trainer.sync as sync_mod
     from turnrl.config import load_config
     from turnrl.envs import make_env
@@ -181,20 +182,20 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
 
     HFEngine.generate = timed_generate
 
-    load_policy = sync_mod.load_policy
+    load_policy = run_mod.load_policy
 
     def keep_policy(cfg):
         captured["policy"] = load_policy(cfg)
         return captured["policy"]
 
-    sync_mod.load_policy = async_mod.load_policy = keep_policy
+    run_mod.load_policy = keep_policy
 
-    class KeptFleet(async_mod._Fleet):
+    class KeptFleet(source_mod.Fleet):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             captured["fleet"] = self
 
-    async_mod._Fleet = KeptFleet
+    source_mod.Fleet = KeptFleet
 
     class BudgetLogger(MetricsLogger):
         def __init__(self, *args, **kwargs):
@@ -221,7 +222,7 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
                 result["loadavg_at_end"] = os.getloadavg()[0]
                 raise BudgetReached
 
-    sync_mod.MetricsLogger = async_mod.MetricsLogger = BudgetLogger
+    run_mod.MetricsLogger = BudgetLogger
 
     ray = None
     if spec.mode == "async":
@@ -235,7 +236,9 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
         elif spec.mode in ("sync", "sync1"):
             sync_mod.train(cfg)
         else:
-            async_mod.train_async(cfg)
+            from turnrl.launch import train_async
+
+            train_async(cfg)
         if spec.mode != "before":
             result["error"] = "the run ended before its budget (run.steps too small)"
     except BudgetReached:
