@@ -573,9 +573,8 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
     import torch
 
     import turnrl.rollout.vllm_engine as vllm_module
-    from turnrl.distributed.workers import sampling_seed, vllm_engine
+    from turnrl.distributed.workers import load_player, sampling_seed, vllm_engine
     from turnrl.models import load_model
-    from turnrl.policy import load_policy
 
     given = {}
 
@@ -586,15 +585,17 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
     monkeypatch.setattr(vllm_module, "VLLMEngine", Recorder)
     cfg = load_config(None, TINY + ["--ray.engine", "vllm", "--ray.worker_gpus", "1",
                                     "--run.seed", "3"])
-    policy = load_policy(cfg)
+    policy = load_player(cfg)
     vllm_engine(cfg, policy, 1)
     saved_dir = given["path"]
-    assert given["seed"] == sampling_seed(3, 1) and given["dtype"] == "float32"
+    assert given["seed"] == sampling_seed(3, 1) and given["dtype"] == "bfloat16"
     saved, tokenizer = load_model(str(saved_dir))
     ids = torch.tensor([tokenizer("Say a digit.")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(saved(ids).logits, policy.model(ids).logits)
     local = load_config(None, TINY + ["--ray.engine", "vllm", "--ray.worker_gpus", "1",
                                       "--model.name", str(saved_dir)])
-    vllm_engine(local, policy, 0)
+    player = load_player(local)
+    assert player.model is None  # no CPU copy of the weights: vLLM loads its own
+    vllm_engine(local, player, 0)
     assert given["path"] == saved_dir  # a local directory is used as it is, not copied

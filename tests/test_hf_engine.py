@@ -268,3 +268,37 @@ def test_released_sequences_lose_their_kept_cache_and_others_keep_theirs(tiny):
     assert engine.kept_rows == 1
     engine.release([encode(tok, "never generated")])  # unknown sequences are ignored
     assert engine.kept_rows == 1
+
+
+def test_every_tensor_the_engine_makes_names_its_device(tiny):
+    """On CUDA a tensor made on the CPU by default, mixed with the model's, crashed the first
+    prefill (the causal mask's positions). With 'meta' as the default device (tensors with no
+    data), any tensor the engine makes without naming its device lands there and the call
+    fails: the class of bug shows on a CPU machine, and the samples must not change."""
+    model, tok = tiny
+    prompts = [tok("hello there")["input_ids"], tok("hi")["input_ids"]]
+    params = SamplingParams(4, 1.0, 1.0)
+
+    def two_turns(engine):
+        first = engine.generate(prompts, params)
+        longer = [p + c.token_ids + tok("ok")["input_ids"] for p, c in zip(prompts, first)]
+        return [c.token_ids for c in first + engine.generate(longer, params)]
+
+    expected = two_turns(HFEngine(model, tok.pad_token_id, seed=3))
+    with torch.device("meta"):
+        assert two_turns(HFEngine(model, tok.pad_token_id, seed=3)) == expected
+
+
+def test_generation_and_the_shared_prefix_update_use_the_current_cache_keyword(tiny, recwarn):
+    """transformers 5 renamed ``past_key_values`` to ``cache`` and warns on the old name: a
+    newcomer's first `make train` printed that warning. 4.x takes only the old name."""
+    from turnrl.models import cache_kwargs
+
+    model, tok = tiny
+    HFEngine(model, tok.pad_token_id, seed=0).generate([tok("hello")["input_ids"]] * 2,
+                                                        SamplingParams(3, 1.0, 1.0))
+    assert not [w for w in recwarn if "past_key_values" in str(w.message)]
+    import inspect
+
+    takes_cache = "cache" in inspect.signature(type(model).forward).parameters
+    assert list(cache_kwargs(model, None)) == ["cache" if takes_cache else "past_key_values"]

@@ -251,3 +251,22 @@ def test_eval_command_scores_a_checkpoint(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step-000001" in out and "episodes" in out
     assert main(["eval", *common, "--checkpoint", str(tmp_path / "nope")]) == 2
+
+
+def test_a_sampler_state_from_another_device_is_not_forced_into_the_generator():
+    """A CPU run's checkpoint resumed on a GPU: the CPU sampler state cannot go into a CUDA
+    generator (setting it raises); the resume warns and goes on."""
+    import types
+
+    from turnrl.checkpoint import engine_state_fits, restore_rng
+
+    cpu = torch.Generator().manual_seed(1)
+    state = rng_state(cpu)
+    assert state["engine_device"] == "cpu" and engine_state_fits(state, cpu)
+    cuda_like = types.SimpleNamespace(device=torch.device("cuda"), set_state=None)
+    assert not engine_state_fits(state, cuda_like)
+    assert not engine_state_fits({"engine": b""} | {"engine_device": "cuda"}, cpu)
+    with pytest.warns(UserWarning, match="sampler state is for a cpu generator"):
+        restore_rng(state, cuda_like)  # set_state=None: calling it would raise
+    old = {k: v for k, v in state.items() if k != "engine_device"}  # older checkpoints
+    assert engine_state_fits(old, cpu)

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -34,15 +35,30 @@ def rng_state(engine_generator: torch.Generator | None = None) -> dict:
              "torch": torch.get_rng_state()}
     if engine_generator is not None:
         state["engine"] = engine_generator.get_state()
+        state["engine_device"] = engine_generator.device.type
     return state
+
+
+def engine_state_fits(state: dict, engine_generator) -> bool:
+    """Whether the saved sampler state can go into ``engine_generator``: a CPU generator's
+    state (a Mersenne Twister) means nothing to a CUDA one (Philox), and setting it raises.
+    Checkpoints written before the device was recorded came from CPU generators."""
+    return state.get("engine_device", "cpu") == engine_generator.device.type
 
 
 def restore_rng(state: dict, engine_generator: torch.Generator | None = None) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if engine_generator is not None and "engine" in state:
+    if engine_generator is None or "engine" not in state:
+        return
+    if engine_state_fits(state, engine_generator):
         engine_generator.set_state(state["engine"])
+    else:  # e.g. a CPU run resumed on a GPU: the run goes on, on another sampling stream
+        warnings.warn(f"the checkpoint's sampler state is for a {state['engine_device']} "
+                      f"generator, this run samples on {engine_generator.device.type}: sampling "
+                      "continues from run.seed's stream, not where the saved run left off",
+                      stacklevel=2)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,

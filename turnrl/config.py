@@ -6,17 +6,13 @@ them back with ``ast`` so ``--help`` never drifts from the code.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import functools
-import inspect
 import os
-import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, get_origin
 
 import yaml
 
@@ -24,8 +20,10 @@ from turnrl.config_types import (  # noqa: F401 - ConfigError is part of this mo
     ConfigError,
     convert_value,
     did_you_mean,
+    field_docs,
     parse_yaml_value,
     type_hints,
+    type_name,
 )
 from turnrl.registry import ESTIMATORS, UnknownName
 
@@ -249,6 +247,8 @@ class RayConfig(_Section):
     """generation engine of the rollout workers; vllm needs a GPU and the vllm extra"""
     gpu_memory_utilization: float = 0.5
     """vllm: share of its GPU's memory a worker's vLLM engine may take (weights + KV cache)"""
+    engine_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """vllm: the rollout engine's weights; auto = bfloat16 (the learner keeps model.dtype)"""
 
     def _check(self) -> None:
         self._at_least(1, "num_workers")
@@ -313,6 +313,24 @@ class Config:
     """Ray cluster and rollout workers (async mode)"""
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     """bounded staleness and partial rollouts (async mode)"""
+
+    def __post_init__(self) -> None:
+        if self.ray.engine == "vllm":
+            check_vllm_temperature(self.rollout.temperature)
+
+
+VLLM_TEMPERATURES = (0.01, 2.0)
+"""vLLM raises a temperature in (0, 0.01) to 0.01 and rejects one above 2."""
+
+
+def check_vllm_temperature(temperature: float) -> None:
+    """The sampler and the learner must agree on the temperature: refuse what vLLM changes."""
+    low, high = VLLM_TEMPERATURES
+    if 0 < temperature < low or temperature > high:
+        raise ConfigError(f"rollout.temperature {temperature} with ray.engine vllm: vLLM "
+                          f"samples only at 0 (greedy) or in [{low}, {high}] (it would silently "
+                          "change the value, and the learner would score another policy); "
+                          "choose a temperature in that range")
 
 
 # ---- keys, merging, loading -------------------------------------------------------------------
@@ -460,29 +478,6 @@ def save_config(cfg: Config, path: str | Path) -> None:
 # ---- help ------------------------------------------------------------------------------------
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of ``cls``: the string literal right after each annotated field."""
-    return dict(_field_docs(cls))  # a copy, so callers cannot corrupt the cache
-
-
-@functools.cache
-def _field_docs(cls: type) -> dict[str, str]:
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        is_doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
-            if isinstance(nxt.value.value, str):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return "{" + ",".join(get_args(tp)) + "}"
-    return (get_origin(tp) or tp).__name__.upper()
-
-
 def config_help() -> str:
     """One line per dotted key: flag, type, default and docstring."""
     defaults, lines = config_to_dict(Config()), []
@@ -491,5 +486,5 @@ def config_help() -> str:
         for name, tp in type_hints(cls).items():
             default = defaults[section][name]
             shown = repr(default) if isinstance(default, str) else default
-            lines.append(f"--{section}.{name} {_type_name(tp)} (default {shown})  {docs[name]}")
+            lines.append(f"--{section}.{name} {type_name(tp)} (default {shown})  {docs[name]}")
     return "\n".join(lines)

@@ -5,9 +5,12 @@ Kept apart from the sections so ``config.py`` reads as the list of options it is
 
 from __future__ import annotations
 
+import ast
 import copy
 import difflib
 import functools
+import inspect
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -89,3 +92,24 @@ def parse_yaml_value(text: str) -> Any:
         raise ConfigError(f"cannot parse {text!r} as YAML ({exc}); quote or fix it") from None
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of ``cls``: the string literal right after each annotated field."""
+    return dict(_field_docs(cls))  # a copy, so callers cannot corrupt the cache
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        is_doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
+            if isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "{" + ",".join(get_args(tp)) + "}"
+    return (get_origin(tp) or tp).__name__.upper()

@@ -7,7 +7,9 @@ to float32 and caches a plain safetensors checkpoint; every later load reads tha
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -403,3 +405,15 @@ def configure_torch(threads: int | None = None) -> None:
     if threads:
         torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
+
+
+def cache_kwargs(module: torch.nn.Module, cache: object) -> dict[str, object]:
+    """``{name: cache}`` for ``module``'s forward: transformers 5.x names the key/value cache
+    ``cache`` (and warns on ``past_key_values``); the 4.x versions the pin allows take only
+    ``past_key_values``."""
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"

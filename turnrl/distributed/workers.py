@@ -61,6 +61,7 @@ from turnrl.config import Config
 from turnrl.envs.base import ENVS, make_env
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy
+from turnrl.rollout import ChatFormat
 from turnrl.rollout.continuous import ContinuousRollout, Group
 from turnrl.rollout.engine import SamplingParams
 from turnrl.rollout.episode import run_sync
@@ -101,12 +102,12 @@ class RolloutWorker:
         configure_torch(threads or max(1, int(cfg.ray.worker_cpus)))
         if env_factory is not None:
             ENVS[cfg.env.name] = env_factory
-        if cfg.ray.engine == "vllm":  # vLLM holds the weights on the GPU; keep a CPU copy only
-            cfg = replace(cfg, model=replace(cfg.model, device="cpu"))
-        policy = load_policy(cfg)  # the same model, chat template and env checks as the learner
         if cfg.ray.engine == "vllm":
+            # vLLM holds the weights on the GPU: no CPU copy of the model, only what plays it.
+            policy = load_player(cfg)
             self.model, self.engine = None, vllm_engine(cfg, policy, index)
         else:
+            policy = load_policy(cfg)  # the same model, chat and env checks as the learner
             self.model, self.engine = policy.model, policy.engine
             self.engine.reuse_cache = cfg.rollout.reuse_cache
             if pool_size is not None:
@@ -193,6 +194,41 @@ class RolloutWorker:
         self._thread.join(timeout=10)
 
 
+@dataclass
+class Player:
+    """What a vLLM worker needs besides vLLM: the chat format and the context length (and,
+    for the tiny model only, the model itself, to save it where vLLM can load it)."""
+
+    tokenizer: Any
+    chat: ChatFormat
+    max_context: int | None
+    model_dir: Path | None
+    model: Any = None
+
+
+def load_player(cfg: Config) -> Player:
+    """The chat side of the policy without its weights (vLLM loads its own copy on the GPU);
+    the same chat-template and environment checks as ``load_policy``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = model_directory(cfg.model.name, cfg.model.cache_dir or None)
+    if path is None:  # tiny: built in code, nothing to load it from
+        policy = load_policy(replace(cfg, model=replace(cfg.model, device="cpu")))
+        return Player(policy.tokenizer, policy.chat, policy.max_context, None, policy.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    chat = ChatFormat(tokenizer)
+    chat.check()
+    make_env(cfg.env.name, **cfg.env.options)
+    max_context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    return Player(tokenizer, chat, max_context, path)
+
+
+def engine_dtype(cfg: Config) -> str:
+    """The rollout engine's dtype: ``ray.engine_dtype``, where 'auto' is bfloat16 on GPUs
+    (FlashAttention needs 16-bit weights) whatever the learner trains in."""
+    return "bfloat16" if cfg.ray.engine_dtype == "auto" else cfg.ray.engine_dtype
+
+
 def sampling_seed(run_seed: int, worker: int) -> int:
     """Seed of a worker's sampling generator. Worker 0 draws the same random numbers as the
     sync trainer's engine (seeded with ``run.seed``), so sync and async runs of one seed
@@ -214,12 +250,12 @@ def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
     """
     from turnrl.rollout.vllm_engine import VLLMEngine
 
-    path = model_directory(cfg.model.name, cfg.model.cache_dir or None)
-    if path is None:
+    path = policy.model_dir
+    if path is None:  # the tiny model, built in code: saved for vLLM to load
         path = Path(tempfile.mkdtemp(prefix=f"turnrl-vllm-{index}-"))
         policy.model.save_pretrained(path)
         policy.tokenizer.save_pretrained(path)
-    return VLLMEngine(path, seed=sampling_seed(cfg.run.seed, index), dtype=cfg.model.dtype,
+    return VLLMEngine(path, seed=sampling_seed(cfg.run.seed, index), dtype=engine_dtype(cfg),
                       gpu_memory_utilization=cfg.ray.gpu_memory_utilization,
                       max_model_len=policy.max_context)
 

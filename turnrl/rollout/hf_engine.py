@@ -44,6 +44,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from turnrl.models import cache_kwargs
 from turnrl.rollout.engine import Completion, SamplingParams, sample_tokens
 
 
@@ -127,7 +128,7 @@ class _Batch:
         """Logits of the last input column; the inputs' keys/values land in the buffer."""
         cache = Cache(layers=[_InPlaceLayer(layer, self.length) for layer in self.kv])
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         self.length += input_ids.shape[1]
         return out.logits[:, -1]
 
@@ -139,9 +140,11 @@ class _Batch:
         position_ids = self.positions[:, None] + (new_mask.cumsum(dim=1) - 1).clamp(min=0)
         # A 4-D mask goes to the attention as is: real keys, causally. A padding query also sees
         # itself, so no row is fully masked (which can give NaN keys/values for later steps).
-        columns = torch.arange(start + width)
-        causal = columns[None, :] <= (start + torch.arange(width))[:, None]
-        own = columns[None, :] == (start + torch.arange(width))[:, None]
+        device = self.mask.device  # the model's: CPU-made positions would not mix on CUDA
+        columns = torch.arange(start + width, device=device)
+        rows = start + torch.arange(width, device=device)
+        causal = columns[None, :] <= rows[:, None]
+        own = columns[None, :] == rows[:, None]
         attention = (self.mask[:, None, :start + width] & causal) | own
         self.positions = self.positions + new_mask.sum(dim=1)
         return self._forward(model, input_ids, attention[:, None], position_ids)
@@ -184,12 +187,14 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
 
 
 def _left_padded(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input ids, mask of real tokens), both ``[rows, longest]``, padding on the left."""
+    """(input ids, mask of real tokens), both ``[rows, longest]``, padding on the left, built
+    on the host (the caller moves them to the model's device)."""
     width = max(len(tokens) for tokens in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(rows), width), dtype=torch.bool, device="cpu")
     for row, tokens in enumerate(rows):
-        input_ids[row, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
+        input_ids[row, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long,
+                                                            device="cpu")
         mask[row, width - len(tokens):] = True
     return input_ids, mask
 

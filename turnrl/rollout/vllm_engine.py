@@ -20,22 +20,26 @@ Choices (and where they depart from vLLM's defaults):
   ``HFEngine``; the stop token is part of the completion. Model-file sampling defaults
   (``generation_config.json``) are ignored (``generation_config="vllm"``).
 - Token ids only: ``skip_tokenizer_init=True`` and ``detokenize=False``.
-- Weight updates. ``update_weights`` runs the model's own ``load_weights`` (which maps Hugging
-  Face names onto vLLM's fused layers, e.g. q/k/v into qkv_proj) inside the worker through
-  ``LLM.apply_model``, then resets the prefix cache: cached KV blocks were computed by the old
-  weights, and a next-turn prompt that extends an earlier one would otherwise reuse them. The
-  parameters are copied in place, so CUDA graphs stay valid.
-- One GPU, in process. The constructor sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the
-  caller set it: the engine core then runs in this process and ``apply_model`` hands the
-  tensors over without serialising them. With multiprocessing forced on, vLLM needs
-  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to ship the loader function, and the tensors are
-  moved to CPU first. Tensor parallelism is not supported.
+- Weight updates. ``update_weights`` writes the learner's tensors to one safetensors file
+  (in ``/dev/shm`` where it exists: memory, not disk) and asks every vLLM worker, through
+  ``LLM.collective_rpc``, to run ``TurnRLWorkerExtension.turnrl_load_weights(path)``: the
+  model's own ``load_weights`` (which maps Hugging Face names onto vLLM's fused layers, e.g.
+  q/k/v into qkv_proj), in place, so CUDA graphs stay valid. Only a path crosses the process
+  boundary, so this works with vLLM's in-process engine and with its default multiprocess
+  engine alike, without insecure serialisation (a closure through ``apply_model`` would
+  not). Then the prefix cache is reset: cached KV blocks were computed by the old weights,
+  and a next-turn prompt that extends an earlier one would otherwise reuse them.
+- The log-probability mode is checked after the engine is built: a user's ``llm_kwargs``
+  that override it would silently train on the wrong probabilities, so that fails at once.
+- Precision: ``dtype`` defaults to ``bfloat16`` (FlashAttention needs 16-bit weights; the
+  learner may still train in float32: decoupled PPO's importance weights absorb the
+  rounding). Tensor parallelism is not supported.
 """
 
 from __future__ import annotations
 
-import functools
 import os
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -46,8 +50,7 @@ from turnrl.rollout.engine import Completion, SamplingParams
 MISSING_VLLM = ("VLLMEngine needs vLLM and a CUDA GPU; install it with "
                 "`pip install 'turnrl[vllm]'` on a GPU machine")
 LOGPROBS_MODE = "processed_logprobs"
-_IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
+EXTENSION = "turnrl.rollout.vllm_engine.TurnRLWorkerExtension"
 WeightsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
@@ -61,9 +64,32 @@ def named_tensors(weights: WeightsLike, to_cpu: bool = False) -> list[tuple[str,
     return out
 
 
-def _load_into_model(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside the vLLM worker; returns nothing so no result crosses back."""
-    model.load_weights(weights)
+class TurnRLWorkerExtension:
+    """Mixed into every vLLM worker (``worker_extension_cls``); called by ``collective_rpc``."""
+
+    def turnrl_load_weights(self, path: str) -> None:
+        """Load a safetensors file of Hugging Face-named tensors into the model, in place."""
+        from safetensors.torch import load_file
+
+        device = next(self.model_runner.model.parameters()).device
+        self.model_runner.model.load_weights(list(load_file(path, device=str(device)).items()))
+
+
+def _weights_file(pairs: list[tuple[str, torch.Tensor]]) -> str:
+    """The tensors as one safetensors file in shared memory (or the temp dir); its path."""
+    from safetensors.torch import save_file
+
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    handle, path = tempfile.mkstemp(prefix="turnrl-weights-", suffix=".safetensors", dir=folder)
+    os.close(handle)
+    # A tied matrix (lm_head = embed_tokens) goes once: safetensors refuses shared storage,
+    # and the model's load_weights ties it again.
+    first: dict[tuple[int, tuple[int, ...]], str] = {}
+    for name, tensor in pairs:
+        first.setdefault((tensor.data_ptr(), tuple(tensor.shape)), name)
+    keep = set(first.values())
+    save_file({name: t.contiguous() for name, t in pairs if name in keep}, path)
+    return path
 
 
 def to_completion(output: Any) -> Completion:
@@ -87,7 +113,7 @@ class VLLMEngine:
     ``vllm.LLM`` unchanged and override the defaults set here.
     """
 
-    def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, dtype: str = "auto",
+    def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, dtype: str = "bfloat16",
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  enforce_eager: bool = False, version: int = 0,
                  keep_cache_across_versions: bool = False, **llm_kwargs: Any):
@@ -96,8 +122,6 @@ class VLLMEngine:
             from vllm.inputs import TokensPrompt
         except ImportError as exc:
             raise ImportError(MISSING_VLLM) from exc
-        os.environ.setdefault(_IN_PROCESS_ENV, "0")
-        self._in_process = os.environ[_IN_PROCESS_ENV] == "0"
         self._sampling_params_cls = vllm.SamplingParams
         self._tokens_prompt = TokensPrompt
         self.version = version
@@ -113,6 +137,7 @@ class VLLMEngine:
             "skip_tokenizer_init": True,
             "generation_config": "vllm",
             "logprobs_mode": LOGPROBS_MODE,
+            "worker_extension_cls": EXTENSION,
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
@@ -126,6 +151,12 @@ class VLLMEngine:
                     f"log-probabilities (logprobs_mode={LOGPROBS_MODE!r}); install vllm>=0.10.2"
                 ) from exc
             raise
+        mode = getattr(getattr(self.llm.llm_engine, "model_config", None), "logprobs_mode",
+                       LOGPROBS_MODE)
+        if str(getattr(mode, "value", mode)) != LOGPROBS_MODE:
+            raise ValueError(f"vLLM was built with logprobs_mode={mode!r}; TurnRL needs "
+                             f"{LOGPROBS_MODE!r} (the sampled distribution's log-probabilities): "
+                             "drop logprobs_mode from the engine arguments")
 
     def _vllm_params(self, params: SamplingParams) -> Any:
         return self._sampling_params_cls(
@@ -153,14 +184,14 @@ class VLLMEngine:
         Face names) into the vLLM model in place, then adopt ``version``. The prefix cache
         (keys and values of the old weights) is dropped unless ``keep_cache_across_versions``
         (PipelineRL's in-flight update)."""
-        pairs = named_tensors(weights, to_cpu=not self._in_process)
+        pairs = named_tensors(weights, to_cpu=True)
         if not pairs:
             raise ValueError("update_weights got no tensors")
-        load = functools.partial(_load_into_model, weights=pairs)
-        if hasattr(self.llm, "apply_model"):
-            self.llm.apply_model(load)
-        else:  # older single-GPU engines expose the model directly
-            load(self.llm.llm_engine.model_executor.driver_worker.model_runner.model)
+        path = _weights_file(pairs)
+        try:
+            self.llm.collective_rpc("turnrl_load_weights", args=(path,))
+        finally:
+            os.unlink(path)
         stale = not self.keep_cache_across_versions and hasattr(self.llm, "reset_prefix_cache")
         if stale and self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM could not reset its prefix cache after the weight update")

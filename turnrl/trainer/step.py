@@ -17,6 +17,7 @@ from turnrl.algorithms.losses import (
 )
 from turnrl.algorithms.offpolicy import behaviour_weights, decoupled_policy_loss
 from turnrl.config import AlgoConfig, OptimConfig
+from turnrl.models import cache_kwargs
 from turnrl.types import Batch
 
 
@@ -162,7 +163,7 @@ def _shared_prefix_hidden(model: nn.Module, mb: Batch, split: PrefixSplit) -> to
         prefix_ids[u, :len(prefix)] = torch.tensor(prefix, device=device)
         prefix_mask[u, :len(prefix)] = 1
     cache = DynamicCache()
-    decoder(input_ids=prefix_ids, attention_mask=prefix_mask, past_key_values=cache,
+    decoder(input_ids=prefix_ids, attention_mask=prefix_mask, **cache_kwargs(decoder, cache),
             use_cache=True)
     owner = split.owner.to(device)
     cache.batch_select_indices(owner)
@@ -176,7 +177,7 @@ def _shared_prefix_hidden(model: nn.Module, mb: Batch, split: PrefixSplit) -> to
     suffix_ids = mb.input_ids.gather(1, columns).masked_fill(~in_row, int(mb.input_ids[0, 0]))
     attention_mask = torch.cat([prefix_mask[owner], in_row.long()], dim=1)
     hidden = decoder(input_ids=suffix_ids, attention_mask=attention_mask, position_ids=columns,
-                     past_key_values=cache, use_cache=True).last_hidden_state
+                     **cache_kwargs(decoder, cache), use_cache=True).last_hidden_state
     # Suffix position k holds token cut + k; it scores token cut + k + 1.
     scores_next = mb.loss_mask.gather(1, (columns + 1).clamp(max=mb.input_ids.shape[1] - 1))
     scores_next = scores_next.bool() & ((columns + 1) < lengths[:, None])

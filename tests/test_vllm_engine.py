@@ -1,0 +1,70 @@
+"""The vLLM path's CPU-checkable parts: config refusals, the engine dtype, the weight hand-off.
+
+vLLM itself needs a CUDA GPU and is not installed here; the GPU tests are
+tests/test_vllm_gpu.py and tests/test_async_vllm_gpu.py (never run: no GPU was lent).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+from turnrl.config import ConfigError, load_config
+
+VLLM = ["--ray.engine", "vllm", "--ray.worker_gpus", "1"]
+
+
+@pytest.mark.parametrize("temperature", ["0.005", "2.5"])
+def test_temperatures_vllm_would_change_are_refused_at_config_time(temperature):
+    with pytest.raises(ConfigError, match="vLLM samples only at 0"):
+        load_config(None, VLLM + ["--rollout.temperature", temperature])
+    load_config(None, ["--rollout.temperature", temperature])  # the HF engine samples it as is
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.01", "1.0", "2.0"])
+def test_temperatures_vllm_samples_as_asked_are_accepted(temperature):
+    assert load_config(None, VLLM + ["--rollout.temperature", temperature])
+
+
+def test_the_rollout_engine_defaults_to_bfloat16_whatever_the_learner_trains_in():
+    from turnrl.distributed.workers import engine_dtype
+
+    assert engine_dtype(load_config(None, VLLM)) == "bfloat16"
+    assert engine_dtype(load_config(None, VLLM + ["--ray.engine_dtype", "float32"])) == "float32"
+
+
+def test_weights_reach_the_worker_as_a_file_and_load_in_place(tiny):
+    """``update_weights`` sends vLLM's workers only a path (``collective_rpc``), which crosses
+    a process boundary without insecure serialisation; the worker-side method loads the file
+    with the model's own ``load_weights``. Here the model is the tiny HF model with a
+    ``load_weights`` that copies by name (vLLM's maps names onto fused layers)."""
+    from turnrl.rollout.vllm_engine import TurnRLWorkerExtension, VLLMEngine
+
+    model, _ = tiny
+    target = type(model)(model.config)
+
+    def load_weights(pairs):
+        target.load_state_dict(dict(pairs), strict=False)
+
+    target.load_weights = load_weights
+    worker = TurnRLWorkerExtension()
+    worker.model_runner = types.SimpleNamespace(model=target)
+    calls = []
+
+    def collective_rpc(method, args=()):
+        calls.append((method, args))
+        assert os.path.exists(args[0])  # the file exists while the workers read it
+        return [getattr(worker, method)(*args)]
+
+    engine = object.__new__(VLLMEngine)  # no vLLM here: a stand-in LLM with the two calls
+    engine.llm = types.SimpleNamespace(collective_rpc=collective_rpc,
+                                       reset_prefix_cache=lambda: True)
+    engine.keep_cache_across_versions = False
+    engine.update_weights(model.state_dict(), version=7)
+    assert engine.version == 7 and [m for m, _ in calls] == ["turnrl_load_weights"]
+    assert isinstance(calls[0][1][0], str) and not os.path.exists(calls[0][1][0])  # cleaned up
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name
