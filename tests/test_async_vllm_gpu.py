@@ -40,7 +40,8 @@ def _config(model_dir, *more):
         "--env.options.max_turns", "2", "--rollout.max_new_tokens", "4",
         "--rollout.group_size", "4", "--rollout.groups_per_step", "2",
         "--ray.engine", "vllm", "--ray.worker_gpus", "0.4", "--ray.gpu_memory_utilization",
-        "0.3", "--run.progress", "false", "--run.tensorboard", "false", *more])
+        "0.3", "--ray.engine_dtype", "float32",  # compared with a float32 forward below
+        "--run.progress", "false", "--run.tensorboard", "false", *more])
 
 
 def test_a_vllm_worker_samples_with_the_weights_it_was_sent(model_dir):
