@@ -281,7 +281,7 @@ def test_every_tensor_the_engine_makes_names_its_device(tiny):
 
     def two_turns(engine):
         first = engine.generate(prompts, params)
-        longer = [p + c.token_ids + tok("ok")["input_ids"] for p, c in zip(prompts, first)]
+        longer = [p + c.token_ids + tok("ok")["input_ids"] for p, c in zip(prompts, first, strict=True)]
         return [c.token_ids for c in first + engine.generate(longer, params)]
 
     expected = two_turns(HFEngine(model, tok.pad_token_id, seed=3))
