@@ -61,6 +61,19 @@ def restore_rng(state: dict, engine_generator: torch.Generator | None = None) ->
                       stacklevel=2)
 
 
+def _require_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A checkpoint is what a resume trusts: refuse to write NaN/inf weights or moments."""
+    named = [(f"model {name}", t) for name, t in model.state_dict().items()]
+    named += [(f"optimizer state {key}", t) for state in optimizer.state.values()
+              for key, t in state.items()]
+    for name, tensor in named:
+        if torch.is_tensor(tensor) and tensor.is_floating_point() \
+                and not bool(torch.isfinite(tensor).all()):
+            raise FloatingPointError(f"refusing to write a checkpoint: {name} has non-finite "
+                                     "values; resume from the previous checkpoint with a lower "
+                                     "optim.lr or a smaller optim.max_grad_norm")
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, *, rng: dict, extra: dict | None = None,
                     components: dict[str, dict] | None = None, keep: int = 2) -> Path:
@@ -69,6 +82,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     ``components`` are further state dicts a resume needs (a critic, a replay buffer),
     saved as ``<name>.pt`` and read back with ``load_component``.
     """
+    _require_finite(model, optimizer)
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"

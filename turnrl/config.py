@@ -119,14 +119,17 @@ class AlgoConfig(_Section):
     """lower PPO clip: the ratio is kept above 1 - clip_low"""
     clip_high: float = 0.28
     """upper clip: the ratio is kept below 1 + clip_high (clip-higher, DAPO)"""
+    dual_clip: float = 0.0
+    """dual-clip PPO (Ye et al. 2020): 0 = off, else c > 1 bounds a negative-advantage
+    token's loss by c * |A| (verl uses 3)"""
     loss_agg: LossAgg = "token_mean"
     """how per-token losses are reduced to one number"""
     loss_agg_constant: int = 0
     """divisor of seq_mean_token_sum_norm; 0 means max_new_tokens * max_turns"""
     kl_coef: float = 0.0
     """KL penalty towards the reference model; 0 skips the reference model entirely"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1/k2/k3)"""
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    """KL estimator (Schulman's k1/k2/k3, or |log ratio|)"""
     entropy_coef: float = 0.0
     """entropy bonus coefficient"""
     epochs: int = 1
@@ -159,6 +162,10 @@ class AlgoConfig(_Section):
         self._at_least(0, "clip_low", "clip_high", "loss_agg_constant", "kl_coef", "entropy_coef",
                        "critic_tau", "is_cap")
         self._at_least(1, "epochs", "critic_updates", "replay_episodes")
+        self._require("clip_low", self.clip_low < 1, "< 1 (the ratio's floor 1 - clip_low must "
+                      "stay above 0)")
+        self._require("dual_clip", self.dual_clip == 0 or self.dual_clip > 1,
+                      "0 (off) or > 1")
         self._require("gamma", 0 <= self.gamma <= 1, "in [0, 1]")
         self._require("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]")
         self._require("critic_lr", self.critic_lr > 0, "> 0")

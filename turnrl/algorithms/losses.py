@@ -5,8 +5,13 @@ Papers:
   (arXiv:1707.06347), eq. 7.
 - Clip-higher (separate low/high clip ranges) and token-level loss aggregation: Yu et al. 2025,
   "DAPO" (arXiv:2503.14476).
+- Dual-clip PPO: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
+  Reinforcement Learning" (arXiv:1912.09729), eq. 5: for a negative advantage the loss is
+  also bounded by ``c * |A|``, so a token the new policy made far likelier than the old one
+  (a huge ratio) cannot blow the update up.
 - KL estimators k1/k2/k3: Schulman 2020, "Approximating KL Divergence" (blog post); k3 is also
-  the GRPO penalty of Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300).
+  the GRPO penalty of Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300); ``abs`` is
+  ``|log pi - log ref|`` (as verl offers).
 - Constant-normalised sum: Liu et al. 2025, "Understanding R1-Zero-Like Training" (Dr. GRPO,
   arXiv:2503.20783).
 
@@ -54,6 +59,7 @@ def clipped_policy_loss(
     advantages: Tensor,
     clip_low: float,
     clip_high: float,
+    dual_clip: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate with DAPO clip-higher:
     ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, ``r = exp(logprobs - old_logprobs)``.
@@ -69,12 +75,26 @@ def clipped_policy_loss(
     clipped_obj = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     clipped = clipped_obj < unclipped
     # where() rather than minimum(): on ties the whole gradient goes through the unclipped branch.
-    return -torch.where(clipped, clipped_obj, unclipped), clipped
+    loss = -torch.where(clipped, clipped_obj, unclipped)
+    if dual_clip:
+        loss, bounded = dual_clip_bound(loss, advantages, dual_clip)
+        clipped = clipped | bounded
+    return loss, clipped
+
+
+def dual_clip_bound(loss: Tensor, advantages: Tensor, c: float) -> tuple[Tensor, Tensor]:
+    """Dual-clip (Ye et al. 2020): where ``A < 0`` the per-token loss is at most ``c * |A|``
+    (``c > 1``). ``[B,T], [B,T] or [B,1] -> [B,T], bool [B,T]`` (where the bound applied; its
+    gradient is zero there)."""
+    bound = -c * advantages
+    bounded = (advantages < 0) & (loss > bound)
+    return torch.where(bounded, bound.expand_as(loss), loss), bounded
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
     """Per-token KL(pi || ref) estimate (Schulman 2020). ``[B,T], [B,T] -> [B,T]``.
-    k1: ``lp - ref``; k2: ``(lp - ref)^2 / 2``; k3: ``exp(ref - lp) - (ref - lp) - 1`` (>= 0)."""
+    k1: ``lp - ref``; k2: ``(lp - ref)^2 / 2``; k3: ``exp(ref - lp) - (ref - lp) - 1`` (>= 0);
+    abs: ``|lp - ref|``."""
     d = logprobs - ref_logprobs
     if estimator == "k1":
         return d
@@ -82,7 +102,9 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor
         return 0.5 * d * d
     if estimator == "k3":
         return torch.expm1(-d) + d  # expm1 keeps precision when lp ~ ref
-    raise ValueError(f"unknown KL estimator {estimator!r}; valid: ['k1', 'k2', 'k3']")
+    if estimator == "abs":
+        return d.abs()
+    raise ValueError(f"unknown KL estimator {estimator!r}; valid: ['k1', 'k2', 'k3', 'abs']")
 
 
 def _token_mean(vm: Tensor, mask: Tensor, total_tokens, total_seqs, constant) -> Tensor:

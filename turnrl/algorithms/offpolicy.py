@@ -87,6 +87,7 @@ def decoupled_policy_loss(
     clip_high: float,
     is_cap: float = 0.0,
     over_cap: Literal["truncate", "drop"] = "truncate",
+    dual_clip: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025), with DAPO clip-higher:
     ``-w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``,
@@ -104,7 +105,7 @@ def decoupled_policy_loss(
     weights = behaviour_weights(prox_logprobs, behav_logprobs, is_cap, over_cap)
     # The proximal policy is a constant of the update: no gradient reaches it through r either.
     per_token, clipped = clipped_policy_loss(logprobs, prox_logprobs.detach(), advantages,
-                                             clip_low, clip_high)
+                                             clip_low, clip_high, dual_clip)
     return weights * per_token, clipped, weights
 
 

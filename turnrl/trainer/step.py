@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -195,7 +197,8 @@ def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
     stats = {}
     if not s.algo.decoupled:
         per_token, clipped = clipped_policy_loss(logprobs, mb.old_logprobs[:, 1:], advantages,
-                                                 s.algo.clip_low, s.algo.clip_high)
+                                                 s.algo.clip_low, s.algo.clip_high,
+                                                 s.algo.dual_clip)
     else:
         # No proximal log-probs given (one epoch): this forward pass, before the optimiser
         # step, is the proximal policy; detached, it is what a separate pass would compute
@@ -203,7 +206,7 @@ def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
         prox = logprobs.detach() if mb.prox_logprobs is None else mb.prox_logprobs[:, 1:]
         per_token, clipped, _ = decoupled_policy_loss(
             logprobs, prox, mb.old_logprobs[:, 1:], advantages,
-            s.algo.clip_low, s.algo.clip_high, s.algo.is_cap)
+            s.algo.clip_low, s.algo.clip_high, s.algo.is_cap, dual_clip=s.algo.dual_clip)
         # ESS is measured on the raw weights: the cap would hide the mismatch.
         raw = behaviour_weights(prox, mb.old_logprobs[:, 1:])
         stats["weight_sum"] = float((raw * mask).sum())
@@ -229,7 +232,16 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     """``algo.epochs`` optimiser steps over ``batch``, accumulating over micro-batches.
 
     Returns metrics averaged over policy tokens: loss, clip fraction, entropy, KL, grad norm.
+    Non-finite numbers never reach the weights: non-finite advantages skip the whole update,
+    and an epoch whose loss or gradient is non-finite skips its optimiser step (the Adam
+    moments stay as they were); ``update/skipped`` counts the skipped steps and a warning
+    says why.
     """
+    if not bool(torch.isfinite(batch.advantages).all()):
+        bad = int((~torch.isfinite(batch.advantages)).sum())
+        warnings.warn(f"update skipped: {bad} advantage values are not finite (a reward or a "
+                      "critic produced NaN/inf); the weights are unchanged", stacklevel=2)
+        return {"update/skipped": float(settings.algo.epochs)}
     if settings.algo.decoupled and batch.prox_logprobs is None and settings.algo.epochs > 1:
         # Later epochs need the weights from before the first step; with one epoch the
         # update's own forward pass gives them and the extra scoring pass is skipped.
@@ -239,7 +251,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
               "seqs": float(len(batch))}
     sums: dict[str, float] = {"loss": 0.0, "clipped": 0.0, "entropy": 0.0, "kl": 0.0,
                               "weight_sum": 0.0, "weight_sq_sum": 0.0}
-    grad_norms = []
+    grad_norms, skipped = [], 0
     for _ in range(settings.algo.epochs):
         optimizer.zero_grad(set_to_none=True)
         for mb in micro_batches(batch, settings.optim.micro_batch_size, settings.token_budget):
@@ -251,14 +263,22 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
                 sums[key] += value
         # max_grad_norm 0 disables clipping (an infinite bound still reports the norm).
         bound = settings.optim.max_grad_norm or float("inf")
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), bound)))
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), bound))
+        if not math.isfinite(norm):  # a NaN/inf loss or gradient: never step on it
+            skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            warnings.warn(f"optimiser step skipped: the gradient norm is {norm} (loss "
+                          f"{sums['loss']:.4g}); the weights are unchanged", stacklevel=2)
+            continue
+        grad_norms.append(norm)
         optimizer.step()
     passes = settings.algo.epochs
     metrics = {
         "loss/policy": sums["loss"] / passes,
         "clip_fraction": sums["clipped"] / totals["tokens"] / passes,
         "entropy": sums["entropy"] / totals["tokens"] / passes,
-        "grad_norm": sum(grad_norms) / passes,
+        "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+        "update/skipped": float(skipped),
     }
     if settings.algo.kl_coef > 0:
         metrics["kl"] = sums["kl"] / totals["tokens"] / passes
