@@ -5,7 +5,7 @@ mode) is fed each step by one of two data sources, both playing the sync trainer
 with the learner's current weights:
 
 - ``sync``: the sync trainer's lock-step turn loop on the learner's own engine;
-- ``worker``: the async rollout worker's continuous loop (``ContinuousRollout``) on a
+- ``worker``: the async rollout worker's continuous loop (``TurnLoop``) on a
   separate model copy that is sent the learner's state dict before every step, as a Ray
   worker is (tied weights shipped once).
 
@@ -34,8 +34,7 @@ from turnrl.distributed.workers import with_tied_weights, without_tied_weights
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy, training_seeds
 from turnrl.rollout import run_sync
-from turnrl.rollout.continuous import ContinuousRollout
-from turnrl.rollout.episode import run_episodes
+from turnrl.rollout.loop import TurnLoop, run_episodes
 from turnrl.trainer.rl_step import rl_step
 from turnrl.trainer.run import StageTimer, build_learner
 
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                           for k, v in model.state_dict().items()})
             worker.model.load_state_dict(with_tied_weights(state))
             worker.engine.version = step
-            loop = ContinuousRollout(make, worker.engine, chat, params, group_size=size,
+            loop = TurnLoop(make, worker.engine, chat, params, group_size=size,
                                      env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
                                      max_context=learner.max_context, partial_rollouts=False)
             for assignment, (seed, _) in enumerate(pairs[::size]):

@@ -1,6 +1,6 @@
 """What a rollout worker's generation costs per row, with and without weight updates. One process.
 
-The async trainer's rollout worker runs the continuous turn loop (``ContinuousRollout``) over
+The async trainer's rollout worker runs the continuous turn loop (``TurnLoop``) over
 a pool of live episodes whose tool calls take a log-normal latency. This runs that loop alone
 (no learner, no Ray) on the tiny model for a fixed time, three ways, side by side:
 
@@ -34,7 +34,7 @@ from turnrl.envs import make_env
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy
 from turnrl.rollout import SamplingParams, hf_engine
-from turnrl.rollout.continuous import ContinuousRollout
+from turnrl.rollout.loop import TurnLoop
 
 
 def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,
@@ -52,7 +52,7 @@ def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,
             engine.version += 1
 
     params = SamplingParams(8, 1.0, 1.0, stop_token_ids=(policy.chat.end_of_turn,))
-    loop = ContinuousRollout(partial(make_env, "slow", **env), engine, policy.chat, params,
+    loop = TurnLoop(partial(make_env, "slow", **env), engine, policy.chat, params,
                              group_size=8, pool_size=pool, env_name="slow", max_turns=8,
                              before_generate=maybe_swap)
     for group in range(3000):  # more than a run plays: the pool stays full

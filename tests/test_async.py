@@ -20,7 +20,7 @@ from turnrl.distributed.source import RaySource
 from turnrl.envs import StepResult
 from turnrl.policy import group_seed, training_seeds
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_sync
-from turnrl.rollout.continuous import ContinuousRollout, Group
+from turnrl.rollout.loop import Group, TurnLoop
 from turnrl.types import ENV_VERSION, Episode
 
 # ---- (a) the continuous loop, plain asyncio, tiny model ---------------------------------------
@@ -79,7 +79,7 @@ def _loop(tiny, make, *, group_size=2, **kwargs):
     chat = ChatFormat(tok)
     engine = RecordingEngine(HFEngine(model, tok.pad_token_id, seed=0))
     params = SamplingParams(3, 1.0, stop_token_ids=(chat.end_of_turn,))
-    return ContinuousRollout(make, engine, chat, params, group_size=group_size,
+    return TurnLoop(make, engine, chat, params, group_size=group_size,
                              env_name="latency", **kwargs), engine
 
 
@@ -541,7 +541,7 @@ def test_worker_zero_samples_what_the_sync_loop_samples_from_the_same_weights():
     from turnrl.distributed.workers import RolloutWorker, sampling_seed, without_tied_weights
     from turnrl.envs import make_env
     from turnrl.models import tiny_model
-    from turnrl.rollout.episode import run_episodes
+    from turnrl.rollout.loop import run_episodes
 
     cfg = load_config(None, TINY + ["--env.options.turns", "2", "--run.seed", "3"])
     model, tokenizer = tiny_model(seed=1)

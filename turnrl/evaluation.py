@@ -6,8 +6,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from turnrl.envs.base import Env
+from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Engine, SamplingParams
-from turnrl.rollout.episode import ChatFormat, run_episodes, run_sync
+from turnrl.rollout.loop import run_episodes, run_sync
 from turnrl.stats import format_rate, wilson_interval
 from turnrl.types import Episode
 

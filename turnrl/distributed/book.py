@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from turnrl.algorithms.offpolicy import staleness
 from turnrl.config import Config
-from turnrl.rollout.continuous import Group
+from turnrl.rollout.loop import Group
 
 
 def in_flight_groups(cfg: Config) -> int:

@@ -38,7 +38,7 @@ from turnrl.distributed.workers import spawn_workers, worker_pool_size
 from turnrl.envs import ENVS
 from turnrl.metrics import truncate_metrics
 from turnrl.policy import group_seed
-from turnrl.rollout.continuous import Group
+from turnrl.rollout.loop import Group
 
 LEDGER_FILE = "assignments.jsonl"
 STALL_AFTER_S = 900.0

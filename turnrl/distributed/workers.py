@@ -1,7 +1,7 @@
 """Rollout workers: thin Ray actors around the continuous turn loop.
 
 Each ``RolloutWorker`` is a process with its own copy of the policy model, its own engine and
-its own environments; it runs ``ContinuousRollout`` (turnrl/rollout/continuous.py) in a
+its own environments; it runs ``TurnLoop`` (turnrl/rollout/loop.py) in a
 background thread with its own asyncio loop, so the actor's methods stay responsive while it
 generates. The learner (the driver process, turnrl/trainer/async_.py, through turnrl/distributed/source.py) talks to it through
 four calls, all cheap:
@@ -62,9 +62,8 @@ from turnrl.envs.base import ENVS, make_env
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy
 from turnrl.rollout import ChatFormat
-from turnrl.rollout.continuous import ContinuousRollout, Group
 from turnrl.rollout.engine import SamplingParams
-from turnrl.rollout.episode import run_sync
+from turnrl.rollout.loop import Group, TurnLoop, run_sync
 
 
 @dataclass
@@ -123,7 +122,7 @@ class RolloutWorker:
         self._stopping = False
         params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                 cfg.rollout.top_p, stop_token_ids=(policy.chat.end_of_turn,))
-        self.rollout = ContinuousRollout(
+        self.rollout = TurnLoop(
             partial(make_env, cfg.env.name, **cfg.env.options), self.engine, policy.chat,
             params, group_size=cfg.rollout.group_size, pool_size=pool_size,
             env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,

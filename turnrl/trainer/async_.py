@@ -3,7 +3,7 @@
 Two loops run at once (the AReaL design: Fu et al. 2025, "AReaL: A Large-Scale Asynchronous
 Reinforcement Learning System for Language Reasoning", arXiv:2505.24298):
 
-- the **rollout loop**, in each worker (turnrl/rollout/continuous.py, run by
+- the **rollout loop**, in each worker (turnrl/rollout/loop.py, run by
   turnrl/distributed/workers.py): a pool of live episodes continued in batched generate
   calls, environment steps running concurrently, new groups started as old ones finish, and
   the newest weights swapped in between generate calls. With partial rollouts (APRIL: Zhou
@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 
 from turnrl.config import Config
-from turnrl.rollout.continuous import Group
+from turnrl.rollout.loop import Group
 from turnrl.trainer.rl_step import rl_step
 from turnrl.trainer.run import (
     StageTimer,

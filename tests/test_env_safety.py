@@ -1,0 +1,122 @@
+"""A misbehaving environment fails its own episode, with its reason, and never stalls the run.
+
+Each test plays real episodes with the tiny model through ``run_episodes`` (the turn loop the
+trainers use). On the code before environments got their own threads, the blocking and
+CPU-bound cases hung the whole batch (the timeout could not fire) and the malformed returns
+crashed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+
+from turnrl.envs import StepResult
+from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
+
+BAD_SEED = 1
+
+
+class Env:
+    """Seed ``BAD_SEED`` misbehaves in its first step as ``how`` says; the others are fine."""
+
+    def __init__(self, how: str):
+        self.how = how
+
+    async def reset(self, seed):
+        self.seed = seed
+        if seed == BAD_SEED and self.how == "blocking reset":
+            time.sleep(3)
+        if seed == BAD_SEED and self.how == "int observation on reset":
+            return 42
+        return "Say a digit."
+
+    async def step(self, action):
+        if self.seed == BAD_SEED:
+            how = self.how
+            if how == "blocking sleep":
+                time.sleep(3)  # a blocking call inside async def
+            elif how == "cpu-bound":
+                deadline = time.monotonic() + 3  # never yields; ends by itself after 3 s
+                while time.monotonic() < deadline:
+                    pass
+            elif how == "swallows cancellation":
+                while True:
+                    try:
+                        await asyncio.sleep(10)
+                    except asyncio.CancelledError:
+                        pass
+            elif how == "raises":
+                raise KeyError("no such tool")
+            elif how == "int observation":
+                return StepResult(7, 1.0, True, {})
+            elif how == "nan reward":
+                return StepResult("", math.nan, True, {})
+            elif how == "inf reward":
+                return StepResult("", math.inf, True, {})
+            elif how == "tuple":
+                return ("ok", 1.0, True)
+            elif how == "string done":
+                return StepResult("", 1.0, "yes", {})
+            elif how == "list info":
+                return StepResult("", 1.0, True, ["success"])
+        return StepResult("", 1.0, True, {"success": True})
+
+
+def _play(tiny, how, timeout_s=0.5):
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    params = SamplingParams(3, 1.0, 1.0, stop_token_ids=(chat.end_of_turn,))
+    started = time.monotonic()
+    episodes = run_sync(run_episodes(lambda: Env(how), [(0, 0), (BAD_SEED, 1), (2, 2)],
+                                     engine, chat, params, env_name="flaky",
+                                     env_timeout_s=timeout_s))
+    return episodes, time.monotonic() - started
+
+
+@pytest.mark.parametrize("how", ["blocking sleep", "cpu-bound", "swallows cancellation",
+                                 "blocking reset"])
+def test_a_call_past_the_timeout_fails_its_episode_whatever_it_does(tiny, how):
+    episodes, seconds = _play(tiny, how)
+    bad = episodes[1]
+    assert bad.status == "timeout" and "timed out" in bad.info["reason"]
+    assert [ep.status for ep in (episodes[0], episodes[2])] == ["done", "done"]
+    assert seconds < 2.5  # the timeout fired at 0.5 s; nobody waited for the 3 s call
+
+
+@pytest.mark.parametrize(("how", "reason"), [
+    ("raises", "env step raised KeyError"),
+    ("int observation", "env 'flaky' step returned observation of type int; return a str"),
+    ("int observation on reset", "env 'flaky' reset returned int, not str"),
+    ("nan reward", "env 'flaky' step returned reward nan; return a finite number"),
+    ("inf reward", "env 'flaky' step returned reward inf"),
+    ("tuple", "env 'flaky' step returned tuple; return StepResult"),
+    ("string done", "env 'flaky' step returned done of type str"),
+    ("list info", "env 'flaky' step returned info of type list"),
+])
+def test_a_malformed_return_fails_its_episode_with_a_reason_naming_the_field(tiny, how, reason):
+    episodes, _ = _play(tiny, how, timeout_s=5)
+    bad = episodes[1]
+    assert bad.status == "error" and reason in bad.info["reason"], bad.info
+    assert math.isfinite(bad.reward)  # a NaN reward never reaches the episode's total
+    assert [ep.status for ep in (episodes[0], episodes[2])] == ["done", "done"]
+
+
+def test_plain_def_environments_are_accepted(tiny):
+    class Plain:
+        def reset(self, seed):
+            return "Say a digit."
+
+        def step(self, action):
+            return StepResult("", 1.0, True, {"success": True})
+
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    episodes = run_sync(run_episodes(Plain, [(0, 0), (1, 1)], engine, chat,
+                                     SamplingParams(3, 1.0, 1.0), env_name="plain"))
+    assert [ep.status for ep in episodes] == ["done", "done"]

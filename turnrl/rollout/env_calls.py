@@ -1,0 +1,103 @@
+"""Calling environment code that may misbehave: each env runs on its own thread and event loop.
+
+An environment's ``reset`` and ``step`` are user code. Written as ``async def`` they can still
+block (``time.sleep``, a blocking HTTP call, a CPU-bound loop), and on the turn loop's own
+event loop a blocked call freezes every episode and no timeout can fire. So every env gets
+an ``EnvRunner``: a daemon thread running an event loop of its own, on which all of that
+env's calls run (an env that keeps loop-bound state, a lock or a session, keeps its loop).
+The turn loop awaits the call's future with the timeout, so a call that overruns fails its
+episode with status "timeout" whatever it does: blocks, spins, swallows cancellation or
+never returns. Plain ``def reset/step`` are accepted too (run on that thread).
+
+What cannot be done: Python cannot kill a thread. A call that never returns keeps its
+thread (and a core, if it spins) until the process exits; the thread is a daemon, so it
+never holds up the end of the run, and the episode was failed and left behind at the
+timeout. Environments that must be stopped hard belong in a subprocess (``turnrl.sandbox``
+for model-written code).
+
+Validation: ``reset`` must return a ``str``; ``step`` a ``StepResult`` with a ``str``
+observation, a finite number as reward (a NaN or infinite reward fails the episode here and
+never reaches the advantages), a ``bool`` done and a ``dict`` (or ``None``) info. Anything
+else fails the episode with a one-line reason naming the environment and the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from turnrl.envs.base import StepResult
+
+
+class EnvError(Exception):
+    """What an env returned or raised, as a one-line reason for the episode's ``info``."""
+
+
+class EnvRunner:
+    """One env's thread and event loop; ``call`` runs a method there, under a timeout."""
+
+    def __init__(self, env: Any, name: str = "env") -> None:
+        self.env, self.name = env, name
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, name=f"env-{name}", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def call(self, method: str, arg: Any, timeout_s: float) -> Any:
+        """``env.<method>(arg)`` on the env's thread; ``TimeoutError`` after ``timeout_s``
+        (the call is cancelled if it ever yields, and abandoned either way)."""
+        future = asyncio.run_coroutine_threadsafe(_invoke(getattr(self.env, method), arg),
+                                                  self.loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        """Stop the loop once its current call (if any) returns; never waits for it."""
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def _invoke(method: Callable[[Any], Any], arg: Any) -> Any:
+    result = method(arg)
+    return await result if inspect.isawaitable(result) else result
+
+
+def checked_observation(value: Any, env: str) -> str:
+    if not isinstance(value, str):
+        raise EnvError(f"env '{env}' reset returned {type(value).__name__}, not str; return the "
+                       "first observation as text")
+    return value
+
+
+def checked_step(value: Any, env: str) -> StepResult:
+    """``value`` if it is a well-formed ``StepResult``; else ``EnvError`` naming the field."""
+    if not isinstance(value, StepResult):
+        raise EnvError(f"env '{env}' step returned {type(value).__name__}; return "
+                       "StepResult(observation, reward, done, info)")
+    observation, reward, done, info = value
+    if not isinstance(observation, str):
+        raise EnvError(f"env '{env}' step returned observation of type "
+                       f"{type(observation).__name__}; return a str")
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) \
+            or not math.isfinite(reward):
+        raise EnvError(f"env '{env}' step returned reward {reward!r}; return a finite number")
+    if not isinstance(done, bool | np.bool_):
+        raise EnvError(f"env '{env}' step returned done of type {type(done).__name__}; "
+                       "return a bool")
+    if info is not None and not isinstance(info, dict):
+        raise EnvError(f"env '{env}' step returned info of type {type(info).__name__}; "
+                       "return a dict or None")
+    return value
