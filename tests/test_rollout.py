@@ -128,7 +128,7 @@ def test_template_that_rewrites_history_is_rejected(tiny):
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
                          "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    with pytest.raises(TemplateError, match="does not preserve the conversation prefix"):
+    with pytest.raises(TemplateError, match="contain surrounding whitespace"):
         ChatFormat(tok).check()
 
 
@@ -230,3 +230,36 @@ def test_smollm2_template_and_logprobs_hold_over_turns():
         mask = torch.tensor(episode.loss_mask[1:], dtype=torch.bool)
         recomputed = token_logprobs(logits, ids[:, 1:])[0][mask]
         assert torch.allclose(recomputed, torch.tensor(episode.logprobs[1:])[mask], atol=1e-3)
+
+
+# A template that drops reasoning from earlier assistant turns, as Qwen3's does.
+THINK_STRIPPING = (
+    "{% for m in messages %}{% set content = m['content'] %}"
+    "{% if m['role'] == 'assistant' and not loop.last and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_strips_reasoning_is_caught_at_start_up_and_named(tiny):
+    _, tok = tiny
+    tok.chat_template = THINK_STRIPPING
+    with pytest.raises(TemplateError, match="earlier assistant turns that contain a reasoning "
+                                            "block .*--model.chat_template"):
+        ChatFormat(tok).check()
+
+
+def test_a_prefix_preserving_template_file_fixes_it(tiny, tmp_path):
+    from turnrl.config import load_config
+    from turnrl.policy import use_chat_template
+
+    _, tok = tiny
+    kept = tok.chat_template
+    tok.chat_template = THINK_STRIPPING
+    template = tmp_path / "keep.jinja"
+    template.write_text(kept)
+    cfg = load_config(None, ["--model.chat_template", str(template)])
+    use_chat_template(tok, cfg.model.chat_template)
+    ChatFormat(tok).check()  # passes: earlier turns are rendered as they were
+    with pytest.raises(Exception, match="model.chat_template must be an existing file"):
+        load_config(None, ["--model.chat_template", str(tmp_path / "missing.jinja")])

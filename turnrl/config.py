@@ -18,6 +18,7 @@ import yaml
 
 from turnrl.config_types import (  # noqa: F401 - ConfigError is part of this module's API
     ConfigError,
+    check_vllm_temperature,
     convert_value,
     did_you_mean,
     field_docs,
@@ -66,11 +67,16 @@ class ModelConfig(_Section):
     """where the converted offline model is cached; '' means ~/.cache/turnrl"""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'"""
+    chat_template: str = ""
+    """a Jinja chat template file replacing the tokenizer's ('' keeps it): for models whose
+    own template rewrites earlier turns (start-up says so)"""
 
     def _check(self) -> None:
         self._require("name", bool(self.name), "a model name or path")
         self._require("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"),
                       "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        self._require("chat_template", not self.chat_template
+                      or Path(self.chat_template).expanduser().is_file(), "an existing file")
 
 
 @dataclass(frozen=True)
@@ -324,20 +330,6 @@ class Config:
     def __post_init__(self) -> None:
         if self.ray.engine == "vllm":
             check_vllm_temperature(self.rollout.temperature)
-
-
-VLLM_TEMPERATURES = (0.01, 2.0)
-"""vLLM raises a temperature in (0, 0.01) to 0.01 and rejects one above 2."""
-
-
-def check_vllm_temperature(temperature: float) -> None:
-    """The sampler and the learner must agree on the temperature: refuse what vLLM changes."""
-    low, high = VLLM_TEMPERATURES
-    if 0 < temperature < low or temperature > high:
-        raise ConfigError(f"rollout.temperature {temperature} with ray.engine vllm: vLLM "
-                          f"samples only at 0 (greedy) or in [{low}, {high}] (it would silently "
-                          "change the value, and the learner would score another policy); "
-                          "choose a temperature in that range")
 
 
 # ---- keys, merging, loading -------------------------------------------------------------------

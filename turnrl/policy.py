@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -48,6 +49,7 @@ def load_policy(cfg: Config) -> Policy:
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
                                   cache_dir=cfg.model.cache_dir or None)
     model.to(resolve_device(cfg.model.device))
+    use_chat_template(tokenizer, cfg.model.chat_template)
     chat = ChatFormat(tokenizer)
     chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
     make = partial(make_env, cfg.env.name, **cfg.env.options)
@@ -62,6 +64,12 @@ def load_policy(cfg: Config) -> Policy:
                        env_timeout_s=cfg.rollout.env_timeout_s, max_context=max_context)
     return Policy(model, tokenizer, chat, engine, max_context, make, sampling_params(cfg, chat),
                   run_eval)
+
+
+def use_chat_template(tokenizer, path: str) -> None:
+    """Replace the tokenizer's chat template with the file ``path`` ('' keeps it)."""
+    if path:
+        tokenizer.chat_template = Path(path).expanduser().read_text()
 
 
 def training_seeds(cfg: Config, step: int) -> list[tuple[int, int]]:

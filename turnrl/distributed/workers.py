@@ -60,7 +60,7 @@ import torch
 from turnrl.config import Config
 from turnrl.envs.base import ENVS, make_env
 from turnrl.models import configure_torch, model_directory
-from turnrl.policy import load_policy
+from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
 from turnrl.rollout.engine import SamplingParams
 from turnrl.rollout.loop import Group, TurnLoop, run_sync
@@ -215,6 +215,7 @@ def load_player(cfg: Config) -> Player:
         policy = load_policy(replace(cfg, model=replace(cfg.model, device="cpu")))
         return Player(policy.tokenizer, policy.chat, policy.max_context, None, policy.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    use_chat_template(tokenizer, cfg.model.chat_template)
     chat = ChatFormat(tokenizer)
     chat.check()
     make_env(cfg.env.name, **cfg.env.options)

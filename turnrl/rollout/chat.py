@@ -75,7 +75,30 @@ class ChatFormat:
         return full, self.encode(rest)
 
     def check(self) -> None:
-        """Verify on a scripted conversation that every turn extends the previous render."""
-        messages, rendered, _ = self.start("What is 2+2?")
-        for action, reply in [("4", "Correct. And 3+3?"), (" 6 ", "Yes!\nNext: 1+1")]:
-            rendered, _ = self.continue_after(messages, rendered, action, True, reply)
+        """Verify that every turn extends the previous render, for the content real policies
+        write (``PROBES``); name the content a template rewrites, and the fix."""
+        for kind, action, reply in PROBES:
+            messages, rendered, _ = self.start("What is 2+2?")
+            try:
+                rendered, _ = self.continue_after(messages, rendered, action, True, reply)
+                self.continue_after(messages, rendered, "4", True, "Thanks.")
+            except TemplateError as err:
+                raise TemplateError(
+                    f"the chat template rewrites earlier assistant turns that contain {kind} "
+                    f"({err.args[0].split('; ')[0].removeprefix('the chat template ')}); "
+                    "token-in-token-out training needs earlier turns rendered unchanged: pass a "
+                    "template that keeps them as --model.chat_template FILE.jinja (e.g. the "
+                    "model's own template without that rewriting)") from None
+
+
+PROBES = (
+    ("plain text", "4", "Correct. And 3+3?"),
+    ("surrounding whitespace", " 6 ", "Yes!\nNext: 1+1"),
+    ("a reasoning block", "<think>2 and 2 make 4.</think>The answer is 4.", "Right."),
+    ("a tool call", '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>',
+     '{"result": 4}'),
+    ("newlines and special characters", "Line one\n\n  na\u00efve \u2014 10% & <b>x</b> \U0001f642\n",
+     "Noted: \u2713"),
+)
+"""(what it is, a policy's reply, the env's answer): contents templates are known to rewrite
+in earlier turns (Qwen3's drops reasoning blocks; some trim whitespace)."""
