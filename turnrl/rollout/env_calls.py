@@ -65,9 +65,15 @@ class EnvRunner:
             raise
 
     def close(self) -> None:
-        """Stop the loop once its current call (if any) returns; never waits for it."""
+        """Cancel what still runs there and stop the loop; never waits for it (a call that
+        ignores cancellation keeps the thread until it returns, if ever)."""
         if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop.call_soon_threadsafe(self._shut_down)
+
+    def _shut_down(self) -> None:
+        for task in asyncio.all_tasks(self.loop):
+            task.cancel()
+        self.loop.call_soon(self.loop.stop)  # after the cancellations are delivered
 
 
 async def _invoke(method: Callable[[Any], Any], arg: Any) -> Any:

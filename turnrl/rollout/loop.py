@@ -12,17 +12,16 @@ samples the same tokens); the asynchronous trainer's rollout workers run it cont
   the per-step timeout;
 - episodes whose environment step is still running are not waited for: the next generate
   call takes whoever is ready (a slow tool call holds back its own episode, nobody else's);
-  generation itself runs in a thread, so environment steps keep running during it; when no
-  episode is waiting for the policy the loop sleeps until the first environment step ends;
+  generation runs in a thread, so environment steps keep running during it; when no episode
+  waits for the policy the loop sleeps until an environment step ends (``BATCH_WINDOW_S``);
 - before every generate call ``before_generate()`` lets the owner swap in newer weights and
   bump ``engine.version``; sampled tokens are tagged with the version that produced them, so
   with partial rollouts (APRIL: Zhou et al. 2025, arXiv:2509.18521) one episode can span
   several versions, and the learner's staleness filter looks at its *oldest* policy token;
 - new episodes are started from a seed feed (``submit(assignment, seed)``) whenever the pool
   has room for a whole group, so the pool stays at its target size;
-- finished episodes are handed out whole per GRPO *group* (the ``group_size`` episodes of one
-  seed): ``take_groups`` returns a ``Group`` only once all its episodes have ended, because the
-  group-relative advantage needs all of them.
+- finished episodes are handed out whole per GRPO *group* (``take_groups`` returns a
+  ``Group`` once all its episodes have ended: the group-relative advantage needs them all).
 
 This is the rollout half of AReaL's design (Fu et al. 2025, arXiv:2505.24298): generation
 never waits for training; the learner decides what is fresh enough to train on. Without
@@ -77,6 +76,13 @@ class Group:
         versions = self.policy_versions()
         return min(versions) if versions else None
 
+
+BATCH_WINDOW_S = 0.002
+"""When the pool is idle and one env step ends, how long the others may take to join the
+next generate call. Env calls hop threads (tens of microseconds), so steps that end
+together still batch together (one decode step costs about the same for 1 row as for 16),
+and a group played alone samples what the lock-step loop samples from the same seed
+(common random numbers between sync and async). The loop was idle anyway."""
 
 # Where a live episode stands.
 _RESET, _POLICY, _ENV = "reset", "policy", "env"
@@ -262,10 +268,14 @@ class TurnLoop:
                     if idle:
                         await self._wake.wait()
                     continue
-                # Nobody waits for the policy: sleep until an env step ends (or new work).
+                # Nobody waits for the policy: sleep until an env step ends (or new work),
+                # then give the steps still running a moment to join the same generate call.
                 waker = asyncio.ensure_future(self._wake.wait())
-                await asyncio.wait([*pending, waker], return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait([*pending, waker],
+                                             return_when=asyncio.FIRST_COMPLETED)
                 waker.cancel()
+                if not self.lockstep and waker not in done:
+                    await asyncio.wait(pending, timeout=BATCH_WINDOW_S)
         except BaseException as err:
             self.error = err
             raise
