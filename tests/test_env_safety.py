@@ -18,6 +18,10 @@ from turnrl.envs import StepResult
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
 
 BAD_SEED = 1
+SPIN_S = 3.0
+spin_until = [0.0]
+"""When the CPU-bound step stops spinning: its test waits that out, so the thread (which
+holds the GIL while it spins) does not slow the tests after it."""
 
 
 class Env:
@@ -40,8 +44,8 @@ class Env:
             if how == "blocking sleep":
                 time.sleep(3)  # a blocking call inside async def
             elif how == "cpu-bound":
-                deadline = time.monotonic() + 3  # never yields; ends by itself after 3 s
-                while time.monotonic() < deadline:
+                spin_until[0] = time.monotonic() + SPIN_S  # never yields; ends by itself
+                while time.monotonic() < spin_until[0]:
                     pass
             elif how == "swallows cancellation":
                 while True:
@@ -82,10 +86,12 @@ def _play(tiny, how, timeout_s=0.5):
                                  "blocking reset"])
 def test_a_call_past_the_timeout_fails_its_episode_whatever_it_does(tiny, how):
     episodes, seconds = _play(tiny, how)
+    time.sleep(max(0.0, spin_until[0] - time.monotonic()))
     bad = episodes[1]
-    assert bad.status == "timeout" and "timed out" in bad.info["reason"]
+    assert bad.status == "timeout" and "timed out" in bad.info["reason"], bad.info
     assert [ep.status for ep in (episodes[0], episodes[2])] == ["done", "done"]
-    assert seconds < 2.5  # the timeout fired at 0.5 s; nobody waited for the 3 s call
+    # The timeout fired at 0.5 s; nobody waited for the 3 s call (or forever).
+    assert seconds < 2.5, seconds
 
 
 @pytest.mark.parametrize(("how", "reason"), [
