@@ -67,11 +67,16 @@ def _require_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     named += [(f"optimizer state {key}", t) for state in optimizer.state.values()
               for key, t in state.items()]
     for name, tensor in named:
-        if torch.is_tensor(tensor) and tensor.is_floating_point() \
-                and not bool(torch.isfinite(tensor).all()):
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not _all_finite(tensor):
             raise FloatingPointError(f"refusing to write a checkpoint: {name} has non-finite "
                                      "values; resume from the previous checkpoint with a lower "
                                      "optim.lr or a smaller optim.max_grad_norm")
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """One reduction (no tensor-sized mask): a sum is finite unless an element is not, or it
+    overflows, which the exact check then rules out."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
