@@ -126,3 +126,26 @@ def test_plain_def_environments_are_accepted(tiny):
     episodes = run_sync(run_episodes(Plain, [(0, 0), (1, 1)], engine, chat,
                                      SamplingParams(3, 1.0, 1.0), env_name="plain"))
     assert [ep.status for ep in episodes] == ["done", "done"]
+
+
+def test_a_conversation_that_would_outgrow_the_context_ends_truncated_within_it(tiny):
+    """Model output that keeps a conversation going past the model's context: the episode
+    ends before an env reply or the next turn would overflow it, with the reason recorded
+    (before, the reply that overflowed was appended: an episode longer than the model's
+    positions, which the update cannot score)."""
+    from functools import partial
+
+    from turnrl.envs import make_env
+
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    params = SamplingParams(8, 1.0, 1.0, stop_token_ids=(chat.end_of_turn,))
+    env = make_env("guess-number")
+    first = len(chat.start(asyncio.run(env.reset(3)), env.system_prompt)[2])
+    make = partial(make_env, "guess-number", max_turns=10)
+    for limit, turns in ((first + 60, True), (first + 4, False)):  # a turn or two; none
+        [episode] = run_sync(run_episodes(make, [(3, 0)], engine, chat, params,
+                                          max_context=limit))
+        assert episode.status == "truncated" and episode.info["reason"] == "context length"
+        assert len(episode.token_ids) <= limit and bool(episode.turns) == turns

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs.base import StepResult
+from turnrl.types import Episode
 
 
 class EnvError(Exception):
@@ -107,3 +108,15 @@ def checked_step(value: Any, env: str) -> StepResult:
         raise EnvError(f"env '{env}' step returned info of type {type(info).__name__}; "
                        "return a dict or None")
     return value
+
+
+def fail_episode(episode: Episode, error: BaseException, where: str) -> None:
+    """End ``episode`` for an env call that timed out, raised or returned a malformed value."""
+    is_timeout = isinstance(error, TimeoutError)
+    episode.status = "timeout" if is_timeout else "error"
+    if is_timeout:
+        episode.info["reason"] = f"env {where} timed out"
+    elif isinstance(error, EnvError):  # a malformed return: the message names the field
+        episode.info["reason"] = str(error)
+    else:
+        episode.info["reason"] = f"env {where} raised {type(error).__name__}: {error}"
