@@ -33,3 +33,25 @@ def test_training_runs_on_gpu(tmp_path):
                              "--run.progress", "false"])
     result = train(cfg)
     assert result.after is not None and result.after.episodes == 8
+
+
+def test_engine_paths_all_run_on_gpu():
+    """Shared prompts, a second call continuing kept rows, and a long fresh prompt prefilled in
+    its own bucket and merged: every path that builds masks or indices runs on CUDA (the
+    causal mask was once made on the CPU and crashed the first CUDA prefill)."""
+    model, tok = tiny_model(seed=0)
+    model.to("cuda")
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    params = SamplingParams(max_new_tokens=4, temperature=0.7)
+    prompts = [tok("Say a digit.")["input_ids"]] * 2 + [tok("Hi")["input_ids"]]
+    first = engine.generate(prompts, params)
+    follow = [p + c.token_ids + tok(" ok?")["input_ids"]
+              for p, c in zip(prompts, first, strict=True)]
+    follow.append(tok("A much longer fresh prompt " * 30)["input_ids"])
+    second = engine.generate(follow, params)
+    for prompt, completion in zip(follow, second, strict=True):
+        ids = torch.tensor([prompt + completion.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, :-1]
+        expected = token_logprobs(logits, ids[:, 1:], 0.7)[0, len(prompt) - 1:].cpu()
+        assert torch.allclose(expected, torch.tensor(completion.logprobs), atol=1e-3)
