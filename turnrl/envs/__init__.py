@@ -6,6 +6,7 @@ from turnrl.envs import latency as _latency  # noqa: F401
 from turnrl.envs import maze as _maze  # noqa: F401
 from turnrl.envs import twenty_questions as _twenty_questions  # noqa: F401
 from turnrl.envs import wordle as _wordle  # noqa: F401
+from turnrl.envs import wrappers as _wrappers  # noqa: F401
 from turnrl.envs.base import ENVS, Env, StepResult, make_env, register_env
 
 __all__ = ["ENVS", "Env", "StepResult", "make_env", "register_env"]

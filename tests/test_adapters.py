@@ -1,0 +1,44 @@
+"""Environment wrappers and adapters, played through the Env API with scripted replies."""
+
+import asyncio
+
+import pytest
+
+from turnrl.envs import make_env
+from turnrl.envs.wrappers import attempt_reward
+
+
+def play(env, seed, replies):
+    async def run():
+        obs, results = await env.reset(seed), []
+        for reply in replies:
+            results.append(await env.step(reply))
+            if results[-1].done:
+                break
+        return obs, results
+    return asyncio.run(run())
+
+
+def test_try_again_pays_less_per_attempt_and_repeats_the_question():
+    env = make_env("try-again", inner="arithmetic", max_attempts=3, discount=0.5)
+    question, _ = play(env, 7, [])
+    a, b = map(int, question.split("Compute ")[1].split(".")[0].split("+"))
+    _, results = play(env, 7, ["0", "1", str(a + b)])
+    assert [r.observation for r in results[:2]] == ["Let's try again."] * 2
+    assert [r.done for r in results] == [False, False, True]
+    assert results[-1].reward == pytest.approx(0.25) and results[-1].info["success"]
+    assert attempt_reward(1.0, 1, 0.5) == 1.0
+
+
+def test_try_again_ends_after_max_attempts_without_reward():
+    env = make_env("try-again", inner="arithmetic", max_attempts=2)
+    _, results = play(env, 1, ["x", "y", "z"])
+    assert len(results) == 2 and results[-1].done and results[-1].reward == 0.0
+    assert not results[-1].info["success"]
+
+
+def test_try_again_bad_options_fail_in_one_line():
+    with pytest.raises(ValueError, match="max_attempts"):
+        make_env("try-again", max_attempts=0)
+    with pytest.raises(ValueError, match="unknown environment"):
+        make_env("try-again", inner="nope")
