@@ -42,3 +42,11 @@ def test_try_again_bad_options_fail_in_one_line():
         make_env("try-again", max_attempts=0)
     with pytest.raises(ValueError, match="unknown environment"):
         make_env("try-again", inner="nope")
+
+
+def test_gymnasium_frozenlake_scripted_episode_reaches_the_goal():
+    env = make_env("gymnasium", game="FrozenLake-v1", is_slippery=False)
+    obs, results = play(env, 0, ["go right", "hmm", "right", "down", "down", "down", "right"])
+    assert "S" in obs and env.state_key == "15"
+    assert results[1].observation.startswith("Reply with one of")
+    assert results[-1].done and results[-1].reward == 1.0 and results[-1].info["success"]

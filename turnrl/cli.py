@@ -106,6 +106,12 @@ def cmd_envs(argv: Sequence[str]) -> int:
     for name, factory in ENVS.items():
         doc = (factory.__doc__ or "").strip().splitlines()
         print(f"{name:16s} {doc[0] if doc else ''}")
+    # adapters whose library is missing still register; say what to install
+    import importlib.util
+
+    for name, module in {"gymnasium": "gymnasium"}.items():
+        if importlib.util.find_spec(module) is None:
+            print(f"{name:16s} needs: pip install 'turnrl[envs]' ({module} missing)")
     return 0
 
 

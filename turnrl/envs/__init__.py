@@ -1,6 +1,7 @@
 """Environments: the ``Env`` protocol, the registry and the built-in tasks."""
 
 # imported for their @register_env side effect
+from turnrl.envs import adapters as _adapters  # noqa: F401
 from turnrl.envs import builtin as _builtin  # noqa: F401
 from turnrl.envs import latency as _latency  # noqa: F401
 from turnrl.envs import maze as _maze  # noqa: F401

@@ -1,0 +1,3 @@
+"""Adapters to environment libraries people already use (each needs `pip install turnrl[envs]`)."""
+
+from turnrl.envs.adapters import gymnasium_env as _gymnasium_env  # noqa: F401
