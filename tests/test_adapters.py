@@ -1,11 +1,13 @@
 """Environment wrappers and adapters, played through the Env API with scripted replies."""
 
 import asyncio
+from functools import partial
 
 import pytest
 
 from turnrl.envs import make_env
 from turnrl.envs.wrappers import attempt_reward
+from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
 
 
 def play(env, seed, replies):
@@ -50,3 +52,18 @@ def test_gymnasium_frozenlake_scripted_episode_reaches_the_goal():
     assert "S" in obs and env.state_key == "15"
     assert results[1].observation.startswith("Reply with one of")
     assert results[-1].done and results[-1].reward == 1.0 and results[-1].info["success"]
+
+
+@pytest.mark.parametrize("name,options", [
+    ("gymnasium", {"game": "Taxi-v4", "max_turns": 3}),
+    ("try-again", {"inner": "arithmetic", "max_attempts": 2}),
+])
+def test_adapters_play_through_the_turn_loop_with_the_tiny_model(tiny, name, options):
+    model, tok = tiny
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    episodes = run_sync(run_episodes(partial(make_env, name, **options), [(0, 0), (1, 0)],
+                                     engine, ChatFormat(tok), SamplingParams(max_new_tokens=4)))
+    for episode in episodes:
+        assert episode.status in ("done", "truncated"), episode.info
+        assert 1 <= len(episode.turns) <= 3
+        assert len(episode.token_ids) == len(episode.loss_mask)

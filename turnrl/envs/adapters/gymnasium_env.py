@@ -17,7 +17,7 @@ from turnrl.envs.base import StepResult, register_env
 ACTIONS = {
     "FrozenLake-v1": ["left", "down", "right", "up"],
     "CliffWalking-v1": ["up", "right", "down", "left"],
-    "Taxi-v3": ["south", "north", "east", "west", "pickup", "dropoff"],
+    "Taxi-v4": ["south", "north", "east", "west", "pickup", "dropoff"],
     "Blackjack-v1": ["stick", "hit"],
 }
 """Game -> action names, in gymnasium's action-index order."""
@@ -41,7 +41,7 @@ def require_gymnasium() -> Any:
 
 @register_env("gymnasium")
 class GymnasiumText:
-    """Multi-turn: a gymnasium toy-text game (game=FrozenLake-v1|Taxi-v3|CliffWalking-v1|Blackjack-v1)."""
+    """Multi-turn: a gymnasium toy-text game (game=FrozenLake-v1|Taxi-v4|CliffWalking-v1|Blackjack-v1)."""
 
     def __init__(self, game: str = "FrozenLake-v1", max_turns: int = 30, **make_options: Any):
         if game not in ACTIONS:
