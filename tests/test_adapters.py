@@ -57,6 +57,8 @@ def test_gymnasium_frozenlake_scripted_episode_reaches_the_goal():
 @pytest.mark.parametrize("name,options", [
     ("gymnasium", {"game": "Taxi-v4", "max_turns": 3}),
     ("try-again", {"inner": "arithmetic", "max_attempts": 2}),
+    ("reasoning-gym", {"task": "leg_counting"}),
+    ("try-again", {"inner": "reasoning-gym", "task": "basic_arithmetic", "max_attempts": 2}),
 ])
 def test_adapters_play_through_the_turn_loop_with_the_tiny_model(tiny, name, options):
     model, tok = tiny
@@ -67,3 +69,11 @@ def test_adapters_play_through_the_turn_loop_with_the_tiny_model(tiny, name, opt
         assert episode.status in ("done", "truncated"), episode.info
         assert 1 <= len(episode.turns) <= 3
         assert len(episode.token_ids) == len(episode.loss_mask)
+
+
+def test_reasoning_gym_scores_with_its_own_score_answer():
+    env = make_env("reasoning-gym", task="basic_arithmetic")
+    _, [right] = play(env, 3, ["Let me think.\nAnswer: -61"])
+    _, [wrong] = play(env, 3, ["\\boxed{5}"])
+    assert right.reward == 1.0 and right.info["success"] and right.done
+    assert wrong.reward < 1.0 and not wrong.info["success"]
