@@ -58,6 +58,7 @@ def test_gymnasium_frozenlake_scripted_episode_reaches_the_goal():
     ("gymnasium", {"game": "Taxi-v4", "max_turns": 3}),
     ("try-again", {"inner": "arithmetic", "max_attempts": 2}),
     ("reasoning-gym", {"task": "leg_counting"}),
+    ("textarena", {"game": "GuessTheNumber-v0"}),
     ("try-again", {"inner": "reasoning-gym", "task": "basic_arithmetic", "max_attempts": 2}),
 ])
 def test_adapters_play_through_the_turn_loop_with_the_tiny_model(tiny, name, options):
@@ -77,3 +78,22 @@ def test_reasoning_gym_scores_with_its_own_score_answer():
     _, [wrong] = play(env, 3, ["\\boxed{5}"])
     assert right.reward == 1.0 and right.info["success"] and right.done
     assert wrong.reward < 1.0 and not wrong.info["success"]
+
+
+def test_textarena_guess_the_number_scripted_binary_search_wins():
+    env = make_env("textarena", game="GuessTheNumber-v0")
+
+    async def search():
+        await env.reset(0)
+        lo, hi = 1, 20
+        for _ in range(10):
+            guess = (lo + hi) // 2
+            result = await env.step(f"[{guess}]")
+            if result.done:
+                return result
+            assert result.reward == 0.0 and "target number is" in result.observation
+            lo, hi = (guess + 1, hi) if "higher" in result.observation else (lo, guess - 1)
+        return result
+
+    final = asyncio.run(search())
+    assert final.done and final.reward == 1.0 and final.info["success"]

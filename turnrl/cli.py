@@ -109,7 +109,8 @@ def cmd_envs(argv: Sequence[str]) -> int:
     # adapters whose library is missing still register; say what to install
     import importlib.util
 
-    for name, module in {"gymnasium": "gymnasium", "reasoning-gym": "reasoning_gym"}.items():
+    for name, module in {"gymnasium": "gymnasium", "reasoning-gym": "reasoning_gym",
+                         "textarena": "textarena"}.items():
         if importlib.util.find_spec(module) is None:
             print(f"{name:16s} needs: pip install 'turnrl[envs]' ({module} missing)")
     return 0
