@@ -1,6 +1,7 @@
 """Environment wrappers and adapters, played through the Env API with scripted replies."""
 
 import asyncio
+import sys
 from functools import partial
 
 import pytest
@@ -97,3 +98,12 @@ def test_textarena_guess_the_number_scripted_binary_search_wins():
 
     final = asyncio.run(search())
     assert final.done and final.reward == 1.0 and final.info["success"]
+
+
+@pytest.mark.parametrize("name,module", [("gymnasium", "gymnasium"),
+                                         ("reasoning-gym", "reasoning_gym"),
+                                         ("textarena", "textarena")])
+def test_a_missing_library_names_the_pip_install(monkeypatch, name, module):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install 'turnrl\[envs\]'"):
+        make_env(name)
