@@ -101,18 +101,17 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 
 def cmd_envs(argv: Sequence[str]) -> int:
-    from turnrl.envs import ENVS
-
-    for name, factory in ENVS.items():
-        doc = (factory.__doc__ or "").strip().splitlines()
-        print(f"{name:16s} {doc[0] if doc else ''}")
-    # adapters whose library is missing still register; say what to install
     import importlib.util
 
-    for name, module in {"gymnasium": "gymnasium", "reasoning-gym": "reasoning_gym",
-                         "textarena": "textarena"}.items():
-        if importlib.util.find_spec(module) is None:
-            print(f"{name:16s} needs: pip install 'turnrl[envs]' ({module} missing)")
+    from turnrl.envs import ENVS
+
+    # adapters register even when their library is missing; say what to install
+    needs = {"gymnasium": "gymnasium", "reasoning-gym": "reasoning_gym", "textarena": "textarena"}
+    for name, factory in ENVS.items():
+        doc = (factory.__doc__ or "").strip().splitlines()
+        missing = name in needs and importlib.util.find_spec(needs[name]) is None
+        hint = " (needs: pip install 'turnrl[envs]')" if missing else ""
+        print(f"{name:16s} {doc[0] if doc else ''}{hint}")
     return 0
 
 
