@@ -95,11 +95,17 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 
 def cmd_envs(argv: Sequence[str]) -> int:
+    import importlib.util
+
     from turnrl.envs import ENVS
 
+    # adapters register even when their library is missing; say what to install
+    needs = {"gymnasium": "gymnasium", "reasoning-gym": "reasoning_gym", "textarena": "textarena"}
     for name, factory in ENVS.items():
         doc = (factory.__doc__ or "").strip().splitlines()
-        print(f"{name:16s} {doc[0] if doc else ''}")
+        missing = name in needs and importlib.util.find_spec(needs[name]) is None
+        hint = " (needs: pip install 'turnrl[envs]')" if missing else ""
+        print(f"{name:16s} {doc[0] if doc else ''}{hint}")
     return 0
 
 

@@ -1,0 +1,84 @@
+"""Gymnasium toy-text tasks (FrozenLake, Taxi, CliffWalking, Blackjack) as multi-turn text games.
+
+The observation is the env's ANSI rendering (a sentence for Blackjack); the reply must name one
+legal action, listed in the system prompt. An unreadable reply is a wasted turn whose
+observation says what is legal. ``state_key`` is the discrete gymnasium observation, the anchor
+state GiGPO groups on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+from turnrl.envs.base import StepResult, register_env
+
+ACTIONS = {
+    "FrozenLake-v1": ["left", "down", "right", "up"],
+    "CliffWalking-v1": ["up", "right", "down", "left"],
+    "Taxi-v4": ["south", "north", "east", "west", "pickup", "dropoff"],
+    "Blackjack-v1": ["stick", "hit"],
+}
+"""Game -> action names, in gymnasium's action-index order."""
+
+
+def parse_action(text: str, names: list[str]) -> int | None:
+    """Index of the last legal action name in ``text``, else None."""
+    words = re.findall(r"[a-z]+", text.lower())
+    found = [w for w in words if w in names]
+    return names.index(found[-1]) if found else None
+
+
+def require_gymnasium() -> Any:
+    try:
+        import gymnasium
+    except ImportError:
+        raise ImportError("gymnasium is not installed; run: pip install 'turnrl[envs]' "
+                          "(or pip install gymnasium)") from None
+    return gymnasium
+
+
+@register_env("gymnasium")
+class GymnasiumText:
+    """Multi-turn: a gymnasium toy-text game (game=FrozenLake-v1|Taxi-v4|CliffWalking-v1|Blackjack-v1)."""
+
+    def __init__(self, game: str = "FrozenLake-v1", max_turns: int = 30, **make_options: Any):
+        if game not in ACTIONS:
+            raise ValueError(f"unknown gymnasium game '{game}'; choose one of: {', '.join(ACTIONS)}")
+        gym = require_gymnasium()
+        self.game, self.names, self.max_turns = game, ACTIONS[game], max_turns
+        render = {} if game == "Blackjack-v1" else {"render_mode": "ansi"}
+        self.env = gym.make(game, **render, **make_options)
+        self.system_prompt = (f"You are playing {game.split('-')[0]}. Reply with one action: "
+                              f"{'/'.join(self.names)}.")
+        self.obs: Any = None
+        self.turn = 0
+
+    @property
+    def state_key(self) -> str:
+        return str(self.obs)
+
+    def describe(self) -> str:
+        if self.game == "Blackjack-v1":
+            total, dealer, ace = self.obs
+            return (f"Your hand totals {total}{' with a usable ace' if ace else ''}; "
+                    f"the dealer shows {dealer}. Hit or stick?")
+        return str(self.env.render()).rstrip()
+
+    async def reset(self, seed: int) -> str:
+        self.obs, _ = await asyncio.to_thread(self.env.reset, seed=seed)
+        self.turn = 0
+        return self.describe()
+
+    async def step(self, action: str) -> StepResult:
+        self.turn += 1
+        index = parse_action(action, self.names)
+        out_of_turns = self.turn >= self.max_turns
+        if index is None:
+            return StepResult(f"Reply with one of: {', '.join(self.names)}.", 0.0, out_of_turns,
+                              {"success": False, "state_key": self.state_key})
+        self.obs, reward, terminated, truncated, _ = await asyncio.to_thread(self.env.step, index)
+        done = bool(terminated or truncated) or out_of_turns
+        info = {"success": bool(terminated) and reward > 0, "state_key": self.state_key}
+        return StepResult(self.describe(), float(reward), done, info)
