@@ -1,0 +1,317 @@
+"""Run untrusted Python (model-written code) under stated limits: ``Sandbox.run(code)``.
+
+One run = a private temporary directory (deleted afterwards), a supervisor started in a
+new session with a minimal environment, the code as ``python -I -u main.py`` under
+rlimits, its stdout/stderr read up to a cap. Everything the run ends with is a
+``SandboxResult``: it never raises for anything the code does.
+
+Backends (``backend=``): "bwrap" (bubblewrap namespaces: no network, only system and
+interpreter directories visible and read-only, private /tmp, own PID namespace) and
+"fallback" (rlimits, a subreaper supervisor, an empty network namespace where the OS allows
+it, and, when run as root, a user id of its own). "auto" takes bwrap when it works here.
+``Sandbox.guarantees`` lists what the chosen backend enforces on this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from turnrl.sandbox import backends
+
+STATUSES = ("ok", "error", "timeout", "memory", "processes", "output_limit", "sandbox_error")
+
+_MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one run may use. Small defaults: tool code should be quick."""
+
+    wall_s: float = 10.0
+    """wall-clock seconds before the run is killed"""
+    cpu_s: float = 5.0
+    """CPU seconds per process (RLIMIT_CPU, rounded up to whole seconds)"""
+    memory_mb: int = 1024
+    """address space per process (RLIMIT_AS); the interpreter itself takes ~30 MB"""
+    processes: int = 32
+    """processes (threads, on Linux) the code may have at once (RLIMIT_NPROC)"""
+    output_bytes: int = 64_000
+    """stdout + stderr kept; more stops the run with status "output_limit\""""
+    file_mb: int = 16
+    """largest file the code may write (RLIMIT_FSIZE)"""
+    open_files: int = 64
+    """open file descriptors per process (RLIMIT_NOFILE)"""
+
+    def __post_init__(self) -> None:
+        for name in ("wall_s", "cpu_s", "memory_mb", "processes", "output_bytes", "file_mb",
+                     "open_files"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"sandbox Limits.{name} must be > 0, got {getattr(self, name)}")
+
+    def rlimits(self) -> dict[str, list[int]]:
+        cpu = math.ceil(self.cpu_s)
+        return {"RLIMIT_CPU": [cpu, cpu + 1],  # SIGXCPU first, SIGKILL a second later
+                "RLIMIT_AS": [self.memory_mb << 20] * 2,
+                "RLIMIT_NPROC": [self.processes] * 2,
+                "RLIMIT_FSIZE": [self.file_mb << 20] * 2,
+                "RLIMIT_NOFILE": [self.open_files] * 2,
+                "RLIMIT_CORE": [0, 0]}
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    """the code's exit status; -N when signal N ended it; None when it never ran"""
+    status: str
+    """one of STATUSES: ok, error, timeout, memory, processes, output_limit, sandbox_error"""
+    reason: str
+    """one line saying why the status is not ok ("" when ok)"""
+    backend: str
+    wall_s: float
+    cpu_s: float = 0.0
+    details: dict = field(default_factory=dict)
+    """what the supervisor reported (network isolation, processes killed afterwards, ...)"""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class Sandbox:
+    """Runs code under ``limits`` with one backend; safe to share between concurrent runs."""
+
+    def __init__(self, backend: str = "auto", limits: Limits | None = None,
+                 python: str | None = None) -> None:
+        if backend not in ("auto", "bwrap", "fallback"):
+            raise ValueError(f"unknown sandbox backend '{backend}'; use auto, bwrap or fallback")
+        if backend == "auto":
+            backend = "fallback" if backends.bwrap_problem() else "bwrap"
+        elif backend == "bwrap" and (problem := backends.bwrap_problem()):
+            raise RuntimeError(f"sandbox backend 'bwrap' unavailable: {problem}; "
+                               f"use backend='fallback' (weaker: see docs/tools.md)")
+        self.backend = backend
+        self.limits = limits or Limits()
+        self.python = python or backends.default_python(backend)
+        if backend == "bwrap":
+            backends.interpreter_dirs(self.python)  # fail now, with its reason, if it won't run
+        elif backends.is_root() and not backends.reachable_by_others(self.python):
+            raise ValueError(f"the fallback sandbox runs code as an unprivileged user, who "
+                             f"cannot run {self.python}; pass a python readable by all users")
+        self.guarantees = backends.guarantees(backend)
+
+    def run_sync(self, code: str, **kwargs) -> SandboxResult:
+        """``run`` from synchronous code (not from inside a running event loop)."""
+        return asyncio.run(self.run(code, **kwargs))
+
+    async def run(self, code: str, *, stdin: str = "", files: dict[str, str] | None = None,
+                  limits: Limits | None = None) -> SandboxResult:
+        """Run ``code`` as ``main.py`` in a fresh directory holding ``files`` (relative path
+        -> text); ``stdin`` is its standard input."""
+        limits = limits or self.limits
+        run_id = backends.fresh_id() if backends.is_root() else None
+        workdir = tempfile.mkdtemp(prefix="turnrl-sandbox-")
+        try:
+            _write_files(Path(workdir), {"main.py": code, **(files or {})}, run_id)
+            return await self._run_in(workdir, stdin, limits, run_id)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            if run_id is not None and self.backend == "fallback":
+                _sweep_world_writable(run_id)
+
+    async def _run_in(self, workdir: str, stdin: str, limits: Limits,
+                      run_id: int | None) -> SandboxResult:
+        inside = backends.SANDBOX_DIR if self.backend == "bwrap" else workdir
+        env = {"PATH": _MINIMAL_PATH, "HOME": inside, "LANG": "C.UTF-8",
+               "TMPDIR": "/tmp" if self.backend == "bwrap" else inside}
+        status_read, status_write = os.pipe()
+        cfg = {"argv": [self.python, "-I", "-u", "-B", "main.py"], "env": env, "cwd": inside,
+               "rlimits": limits.rlimits(), "wall_s": limits.wall_s, "status_fd": status_write,
+               "uid": run_id, "gid": run_id,
+               "unshare_net": self.backend == "fallback",
+               "nproc_counts_user": self.backend == "fallback" and run_id is None}
+        if self.backend == "bwrap":
+            cmd = backends.bwrap_command(self.python, workdir, cfg)
+        else:
+            cmd = backends.fallback_command(self.python, cfg)
+        start = time.monotonic()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env={"PATH": _MINIMAL_PATH},
+                start_new_session=True, pass_fds=(status_write,))
+        except OSError as err:
+            os.close(status_read)
+            return SandboxResult("", "", None, "sandbox_error", f"could not start: {err}",
+                                 self.backend, 0.0)
+        finally:
+            os.close(status_write)
+        try:
+            out, err, stopped = await self._communicate(proc, stdin.encode(), limits, run_id)
+        finally:
+            report = _read_report(status_read)
+        wall = time.monotonic() - start
+        status, reason = _classify(proc.returncode, err, report, stopped, limits)
+        stdout, stderr = (b.decode(errors="replace") for b in (out, err))
+        return SandboxResult(stdout, stderr, report.get("exit_code", proc.returncode), status,
+                             reason, self.backend, wall, report.get("cpu_s", 0.0), report)
+
+    async def _communicate(self, proc, stdin: bytes, limits: Limits, run_id: int | None):
+        """Feed stdin, read both streams up to the cap, wait; stop the run at the cap or
+        when the supervisor itself overruns its wall-clock limit (by 2 s)."""
+        kept = {"out": bytearray(), "err": bytearray()}
+        over_cap = asyncio.Event()
+
+        async def read(stream, name):
+            while chunk := await stream.read(1 << 16):
+                room = limits.output_bytes - len(kept["out"]) - len(kept["err"])
+                kept[name] += chunk[:max(room, 0)]
+                if len(chunk) > room:
+                    over_cap.set()
+
+        async def feed():
+            try:
+                proc.stdin.write(stdin)
+                await proc.stdin.drain()
+                proc.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the code did not read its input
+
+        readers = asyncio.gather(read(proc.stdout, "out"), read(proc.stderr, "err"), feed())
+        finished = asyncio.ensure_future(proc.wait())
+        capped = asyncio.ensure_future(over_cap.wait())
+        stopped = None
+        try:
+            await asyncio.wait({finished, capped}, timeout=limits.wall_s + 2.0,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not finished.done():
+                stopped = "output" if over_cap.is_set() else "supervisor_overran"
+                await self._stop(proc, run_id)
+            await readers
+        finally:
+            capped.cancel()
+            if proc.returncode is None:  # cancelled: leave nothing running
+                await self._stop(proc, run_id)
+        if over_cap.is_set():
+            stopped = "output"
+        return bytes(kept["out"]), bytes(kept["err"]), stopped
+
+    async def _stop(self, proc, run_id: int | None) -> None:
+        """Stop a run: the fallback's supervisor gets SIGTERM and cleans up; bubblewrap (or a
+        supervisor that does not exit in 1 s) gets SIGKILL for its whole process group."""
+        if self.backend == "fallback":
+            _signal(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 1.0)
+                return
+            except TimeoutError:
+                pass
+        _signal(-proc.pid, signal.SIGKILL)  # bwrap's PID namespace dies with it
+        if run_id is not None and self.backend == "fallback":
+            _kill_all_of(run_id, self.python)
+        await proc.wait()
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig) if pid > 0 else os.killpg(-pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_all_of(uid: int, python: str) -> None:
+    """kill(-1) under the run's own id: every process with that id, wherever it went."""
+    subprocess.run([python, "-I", "-c", "import os; os.kill(-1, 9)"], user=uid, group=uid,
+                   extra_groups=[], env={}, timeout=10)
+
+
+def _write_files(root: Path, files: dict[str, str], owner: int | None) -> None:
+    os.chmod(root, 0o700)
+    for name, text in files.items():
+        rel = PurePosixPath(name)
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            raise ValueError(f"sandbox file name '{name}' must be a relative path inside the "
+                             f"run's directory (no '..', not absolute)")
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    if owner is not None:  # the code's own id must be able to write its directory
+        for path in [root, *root.rglob("*")]:
+            os.chown(path, owner, owner)
+
+
+def _sweep_world_writable(uid: int) -> None:
+    """Delete what the fallback's run id left in the world-writable directories."""
+    for top in ("/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            entries = list(os.scandir(top))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
+
+
+def _read_report(fd: int) -> dict:
+    try:
+        os.set_blocking(fd, False)
+        data = os.read(fd, 1 << 16)
+    except (BlockingIOError, OSError):
+        data = b""
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(data.decode().splitlines()[0]) if data else {}
+    except (ValueError, IndexError):
+        return {}
+
+
+def _last_line(text: bytes) -> str:
+    lines = [line for line in text.decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else ""
+
+
+def _classify(returncode: int | None, stderr: bytes, report: dict, stopped: str | None,
+              limits: Limits) -> tuple[str, str]:
+    """(status, reason) from what the supervisor saw; first match wins."""
+    last = _last_line(stderr)
+    if stopped == "output":
+        return "output_limit", f"output over {limits.output_bytes} bytes; the run was stopped"
+    if report.get("timed_out") or stopped == "supervisor_overran":
+        return "timeout", f"wall-clock limit of {limits.wall_s:g} s reached"
+    if not report:
+        detail = last or f"exit code {returncode}"
+        return "sandbox_error", f"the sandbox failed before reporting: {detail}"
+    code = report["exit_code"]
+    if code == 125 and last.startswith("turnrl-sandbox:"):
+        return "sandbox_error", last
+    if code in (-signal.SIGXCPU, -signal.SIGKILL) and report["cpu_s"] >= math.ceil(
+            limits.cpu_s) - 0.05:
+        return "timeout", f"CPU-time limit of {math.ceil(limits.cpu_s)} s reached"
+    if code == 0:
+        return "ok", ""
+    if "MemoryError" in last or "Cannot allocate memory" in last:
+        return "memory", f"memory cap of {limits.memory_mb} MB reached ({last})"
+    if "BlockingIOError" in last or "Resource temporarily unavailable" in last:
+        return "processes", f"process cap of {limits.processes} reached ({last})"
+    if code < 0:
+        return "error", f"killed by signal {signal.Signals(-code).name}"
+    return "error", f"exit code {code}: {last}" if last else f"exit code {code}"
