@@ -156,7 +156,8 @@ def bwrap_command(python: str, workdir: str, launcher_cfg: dict) -> list[str]:
         cmd += ["--ro-bind", d, d]
     cmd += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
             "--bind", workdir, SANDBOX_DIR, "--chdir", SANDBOX_DIR,
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--clearenv"]
+            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
+            "--clearenv"]
     return cmd + [python, "-I", "-c", LAUNCHER, json.dumps(launcher_cfg)]
 
 

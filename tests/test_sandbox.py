@@ -1,0 +1,296 @@
+"""The sandbox under attack: every attack runs real code in real processes, on both backends.
+
+An attack must be contained (checked from outside: files, processes, sockets) and scored as
+a failure with its reason. A backend is tested on a guarantee only where it claims it on
+this machine (``Sandbox.guarantees``); docs/tools.md lists the claims per backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from turnrl.sandbox import GUARANTEES, Limits, Sandbox
+from turnrl.sandbox.backends import bwrap_problem
+
+FAST = Limits(wall_s=2.0, cpu_s=1.0, memory_mb=512, processes=16, output_bytes=10_000,
+              file_mb=1)
+
+
+@pytest.fixture(params=["bwrap", "fallback"])
+def sandbox(request) -> Sandbox:
+    if request.param == "bwrap" and bwrap_problem():
+        pytest.skip(f"bwrap unusable here ({bwrap_problem()}); `make setup` installs it")
+    return Sandbox(request.param, FAST)
+
+
+def needs(sandbox: Sandbox, guarantee: str) -> None:
+    """Attack a guarantee only where the backend claims it (docs/tools.md says where not)."""
+    if guarantee not in sandbox.guarantees:
+        pytest.skip(f"{sandbox.backend} does not claim '{guarantee}' here: "
+                    f"{GUARANTEES[guarantee]}")
+
+
+def run(sandbox: Sandbox, code: str, **kwargs):
+    return sandbox.run_sync(textwrap.dedent(code), **kwargs)
+
+
+def processes_with(token: str) -> list[int]:
+    """Host pids whose command line contains ``token`` (like ``ps aux | grep``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if token.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_plain_code_runs_and_says_which_backend(sandbox):
+    result = run(sandbox, "import sys; print(sys.stdin.read().upper()); print(6 * 7)",
+                 stdin="hi", files={"data/x.txt": "unused"})
+    assert result.ok, result.reason
+    assert result.stdout.split() == ["HI", "42"]
+    assert result.backend == sandbox.backend and result.exit_code == 0 and result.reason == ""
+
+
+def test_an_exception_is_an_error_with_its_last_line(sandbox):
+    result = run(sandbox, "1 / 0")
+    assert result.status == "error" and result.exit_code == 1
+    assert "ZeroDivisionError: division by zero" in result.reason
+
+
+def test_infinite_loop_hits_the_cpu_limit(sandbox):
+    result = run(sandbox, "while True: pass")
+    assert result.status == "timeout" and "CPU-time limit of 1 s" in result.reason
+    assert result.wall_s < 3
+
+
+def test_sleeping_forever_hits_the_wall_clock_limit(sandbox):
+    started = time.monotonic()
+    result = run(sandbox, "import time; time.sleep(60)")
+    assert result.status == "timeout" and "wall-clock limit of 2 s" in result.reason
+    assert time.monotonic() - started < 4
+
+
+def test_ten_gigabytes_hit_the_memory_cap(sandbox):
+    result = run(sandbox, "block = bytearray(10 * 1024**3); print('allocated')")
+    assert result.status == "memory" and "memory cap of 512 MB" in result.reason
+    assert "allocated" not in result.stdout
+
+
+def test_fork_bomb_hits_the_process_cap_and_leaves_nothing(sandbox):
+    token = uuid.uuid4().hex
+    result = run(sandbox, f"""
+        import os  # {token}
+        while True:
+            os.fork()
+    """)
+    assert result.status == "processes" and "process cap of 16" in result.reason
+    assert processes_with(token) == []
+
+
+def test_fork_bomb_that_ignores_failures_is_stopped_and_cleaned_up(sandbox):
+    token = uuid.uuid4().hex
+    result = run(sandbox, f"""
+        import os  # {token}
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+    """)
+    assert result.status == "timeout"
+    assert processes_with(token) == []
+
+
+def test_printing_gigabytes_is_capped_quickly(sandbox):
+    started = time.monotonic()
+    result = run(sandbox, "chunk = 'x' * 2**20\nfor _ in range(4096): print(chunk)")
+    assert result.status == "output_limit" and "output over 10000 bytes" in result.reason
+    assert len(result.stdout) + len(result.stderr) == 10_000
+    assert time.monotonic() - started < 2
+
+
+def test_a_file_over_the_size_limit_cannot_be_written(sandbox):
+    result = run(sandbox, "open('big', 'wb').write(b'x' * 4 * 2**20)")
+    assert result.status == "error" and "File too large" in result.reason
+
+
+def test_double_forked_daemon_is_dead_when_run_returns(sandbox):
+    needs(sandbox, "cleanup")
+    token = uuid.uuid4().hex
+    result = run(sandbox, f"""
+        import os, sys, time
+        read, write = os.pipe()
+        if os.fork() == 0:
+            os.setsid()  # leave the session and the process group too
+            if os.fork() == 0:
+                os.execv(sys.executable, [sys.executable, "-c",
+                         "import time; time.sleep(60)  # {token}"])
+            os.write(write, str(os.getpid()).encode())
+            os._exit(0)
+        os.read(read, 32)
+        time.sleep(0.3)  # the grandchild has exec'd by now
+        print("alive" if any("{token}" in open(f"/proc/{{p}}/cmdline").read()
+                             for p in os.listdir("/proc") if p.isdigit()) else "dead")
+    """)
+    assert result.ok, result.reason
+    assert result.stdout.strip() == "alive"  # it really outlived its parent inside
+    assert processes_with(token) == []
+
+
+def test_fallback_pid_of_the_daemon_is_gone(tmp_path):
+    """The same with a host pid to probe (bwrap's pids are its namespace's)."""
+    sandbox = Sandbox("fallback", FAST)
+    if "cleanup" not in sandbox.guarantees:
+        pytest.skip(GUARANTEES["cleanup_unless_supervisor_killed"])
+    result = run(sandbox, """
+        import os, time
+        read, write = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.write(write, str(os.getpid()).encode())
+                time.sleep(60)
+            os._exit(0)
+        pid = int(os.read(read, 32))
+        os.kill(pid, 0)  # alive after its parent exited
+        print(pid)
+    """)
+    assert result.ok, result.reason
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(result.stdout), 0)
+
+
+def test_no_connection_to_the_hosts_loopback(sandbox):
+    needs(sandbox, "network")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        result = run(sandbox, f"""
+            import socket
+            try:
+                socket.create_connection(("127.0.0.1", {port}), timeout=1)
+                print("connected")
+            except OSError as err:
+                print("failed", type(err).__name__)
+                raise
+        """)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing ever reached the host's listener
+    assert result.status == "error" and result.stdout.startswith("failed")
+    # bwrap brings its own loopback up (refused: nobody listens there); the fallback's is down
+    assert "ConnectionRefusedError" in result.reason or "Network is unreachable" in result.reason
+
+
+def test_no_route_to_an_external_address(sandbox):
+    """Checks the routing table first, so a broken sandbox still sends nothing out."""
+    needs(sandbox, "network")
+    result = run(sandbox, """
+        import socket, sys
+        routes = open("/proc/net/route").read().splitlines()[1:]
+        devices = [line.split(":")[0].strip() for line in open("/proc/net/dev")][2:]
+        print("routes", len(routes), "devices", devices)
+        if routes or devices != ["lo"]:
+            sys.exit("a route out exists: not connecting")
+        socket.create_connection(("192.0.2.1", 80), timeout=1)  # TEST-NET-1
+    """)
+    assert result.stdout.strip() == "routes 0 devices ['lo']"
+    assert result.status == "error" and "Network is unreachable" in result.reason
+
+
+def test_no_write_outside_the_private_directory(sandbox, tmp_path):
+    needs(sandbox, "writes") if sandbox.backend == "bwrap" else needs(
+        sandbox, "writes_except_world_writable")
+    home = Path.home() / f"turnrl-sandbox-{uuid.uuid4().hex}"
+    targets = [tmp_path / "escaped.txt", home]
+    result = run(sandbox, f"""
+        import os
+        open("inside.txt", "w").write("fine")  # its own directory is writable
+        for path in {[str(t) for t in targets]!r}:
+            try:
+                open(path, "w").write("escaped")
+                print("wrote", path)
+            except OSError as err:
+                print("refused", type(err).__name__)
+        raise SystemExit(1)
+    """)
+    assert "wrote" not in result.stdout and result.stdout.count("refused") == 2
+    assert not any(t.exists() for t in targets)
+    assert result.status == "error"
+
+
+def test_world_writable_tmp_is_private_or_swept(sandbox):
+    name = f"/tmp/turnrl-sandbox-{uuid.uuid4().hex}"
+    result = run(sandbox, f"open('{name}', 'w').write('left behind'); print('written')")
+    assert result.ok and result.stdout.strip() == "written"  # a private /tmp (bwrap) or /tmp
+    assert not os.path.exists(name)  # never seen outside (bwrap), or deleted afterwards
+
+
+def test_only_system_and_interpreter_directories_are_visible(sandbox):
+    needs(sandbox, "reads")
+    this_file = Path(__file__).resolve()
+    result = run(sandbox, f"print(open('{this_file}').read()[:10])")
+    assert result.status == "error" and "FileNotFoundError" in result.reason
+
+
+def test_the_trainers_environment_variables_are_not_passed(sandbox, monkeypatch):
+    monkeypatch.setenv("TURNRL_TEST_SECRET", "hunter2")
+    result = run(sandbox, "import json, os; print(json.dumps(dict(os.environ)))")
+    assert result.ok, result.reason
+    seen = json.loads(result.stdout)
+    assert "TURNRL_TEST_SECRET" not in seen and "hunter2" not in result.stdout
+    assert set(seen) <= {"PATH", "HOME", "LANG", "LC_CTYPE", "TMPDIR"}
+
+
+def test_the_trainers_proc_environ_cannot_be_read(sandbox):
+    """A trainer *started* with a secret (so /proc/<pid>/environ holds it) runs the sandbox;
+    the code reads every /proc/*/environ it can."""
+    needs(sandbox, "trainer_environ")
+    secret = uuid.uuid4().hex
+    code = ("import os\nfor p in os.listdir('/proc'):\n    try: print(open(f'/proc/{p}/environ',"
+            " 'rb').read())\n    except OSError: pass\nprint('read', os.getppid())")
+    trainer = (f"from turnrl.sandbox import Sandbox; import sys\n"
+               f"r = Sandbox({sandbox.backend!r}).run_sync({code!r})\n"
+               f"print(r.status, r.stdout)")
+    env = {**os.environ, "TURNRL_TEST_SECRET": secret,
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-c", trainer], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.startswith("ok ") and "read" in done.stdout, done.stderr
+    assert secret not in done.stdout
+
+
+def test_concurrent_runs_overlap(sandbox):
+    async def four():
+        return await asyncio.gather(*(sandbox.run("import time; time.sleep(0.5)")
+                                      for _ in range(4)))
+
+    started = time.monotonic()
+    results = asyncio.run(four())
+    assert all(r.ok for r in results)
+    assert time.monotonic() - started < 4 * 0.5  # not one after the other
+
+
+def test_bad_arguments_fail_with_a_named_problem():
+    with pytest.raises(ValueError, match="unknown sandbox backend 'docker'"):
+        Sandbox("docker")
+    with pytest.raises(ValueError, match="Limits.wall_s must be > 0"):
+        Limits(wall_s=0)
+    with pytest.raises(ValueError, match="must be a relative path"):
+        Sandbox("fallback", FAST).run_sync("pass", files={"../x": ""})
