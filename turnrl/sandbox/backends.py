@@ -145,6 +145,9 @@ def bwrap_command(python: str, workdir: str, launcher_cfg: dict) -> list[str]:
             cmd += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             cmd += ["--ro-bind", d, d]
+    # The private /tmp first: an interpreter living under /tmp (a venv there) is then bound
+    # over it, not hidden by it.
+    cmd += ["--perms", "1777", "--tmpfs", "/tmp"]
     made = set()
     for d in interpreter_dirs(python):
         if any(d == s or d.startswith(s + "/") for s in SYSTEM_DIRS):
@@ -156,8 +159,7 @@ def bwrap_command(python: str, workdir: str, launcher_cfg: dict) -> list[str]:
         cmd += ["--ro-bind", d, d]
     cmd += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
             "--bind", workdir, SANDBOX_DIR, "--chdir", SANDBOX_DIR,
-            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
-            "--clearenv"]
+            "--proc", "/proc", "--dev", "/dev", "--clearenv"]
     return cmd + [python, "-I", "-c", LAUNCHER, json.dumps(launcher_cfg)]
 
 
