@@ -294,3 +294,17 @@ def test_bad_arguments_fail_with_a_named_problem():
         Limits(wall_s=0)
     with pytest.raises(ValueError, match="must be a relative path"):
         Sandbox("fallback", FAST).run_sync("pass", files={"../x": ""})
+
+
+def test_interleaved_tracebacks_of_many_processes_still_name_the_process_cap():
+    # A fork bomb's children print at once: the last line of stderr is often a fragment of
+    # someone's traceback (CI saw "os.fork()"), not the BlockingIOError line.
+    from turnrl.sandbox.core import Limits, _classify
+    stderr = (b"Traceback (most recent call last):\n    os.fork()\n"
+              b"BlockingIOError: [Errno 11] Resource temporarily unavailable\n"
+              b"Traceback (most recent call last):\n  File \"main.py\", line 3, in <module>\n")
+    report = {"exit_code": 1, "cpu_s": 0.1, "timed_out": False}
+    status, reason = _classify(1, stderr, report, None, Limits(processes=16))
+    assert status == "processes" and "BlockingIOError" in reason
+    status, _ = _classify(1, b"ValueError: bad\n", report, None, Limits())
+    assert status == "error"

@@ -289,6 +289,12 @@ def _last_line(text: bytes) -> str:
     return lines[-1].strip()[:300] if lines else ""
 
 
+def _last_mention(lines: list[str], *markers: str) -> str:
+    """The last line naming one of ``markers`` ("" when none does)."""
+    return next((line.strip()[:300] for line in reversed(lines)
+                 if any(m in line for m in markers)), "")
+
+
 def _classify(returncode: int | None, stderr: bytes, report: dict, stopped: str | None,
               limits: Limits) -> tuple[str, str]:
     """(status, reason) from what the supervisor saw; first match wins."""
@@ -308,10 +314,13 @@ def _classify(returncode: int | None, stderr: bytes, report: dict, stopped: str 
         return "timeout", f"CPU-time limit of {math.ceil(limits.cpu_s)} s reached"
     if code == 0:
         return "ok", ""
-    if "MemoryError" in last or "Cannot allocate memory" in last:
-        return "memory", f"memory cap of {limits.memory_mb} MB reached ({last})"
-    if "BlockingIOError" in last or "Resource temporarily unavailable" in last:
-        return "processes", f"process cap of {limits.processes} reached ({last})"
+    # Many processes may print at once (a fork bomb's children): their tracebacks interleave,
+    # so look for the cause in the whole tail of stderr, not only its last line.
+    tail = stderr[-8192:].decode(errors="replace").splitlines()
+    if said := _last_mention(tail, "MemoryError", "Cannot allocate memory"):
+        return "memory", f"memory cap of {limits.memory_mb} MB reached ({said})"
+    if said := _last_mention(tail, "BlockingIOError", "Resource temporarily unavailable"):
+        return "processes", f"process cap of {limits.processes} reached ({said})"
     if code < 0:
         return "error", f"killed by signal {signal.Signals(-code).name}"
     return "error", f"exit code {code}: {last}" if last else f"exit code {code}"
