@@ -158,8 +158,8 @@ def bwrap_command(python: str, workdir: str, launcher_cfg: dict) -> list[str]:
             "--bind", workdir, SANDBOX_DIR, "--chdir", SANDBOX_DIR,
             "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
             "--clearenv"]
-    return cmd + [python, "-I", "-c", LAUNCHER, json.dumps(launcher_cfg)]
+    return cmd + [python, "-I", "-S", "-c", LAUNCHER, json.dumps(launcher_cfg)]
 
 
 def fallback_command(python: str, launcher_cfg: dict) -> list[str]:
-    return [python, "-I", "-c", LAUNCHER, json.dumps(launcher_cfg)]
+    return [python, "-I", "-S", "-c", LAUNCHER, json.dumps(launcher_cfg)]
