@@ -67,9 +67,12 @@ async def main(calls: int, concurrency: int, rounds: int) -> None:
     backends = ["fallback"] + ([] if bwrap_problem() else ["bwrap"])
     if bwrap_problem():
         print(f"bwrap skipped: {bwrap_problem()}")
-    sandboxes = {b: Sandbox(b, Limits(wall_s=10.0, cpu_s=5.0)) for b in backends}
+    # one interpreter for all (the fallback's: as root it must be runnable by any user id)
+    python = Sandbox("fallback").python
+    sandboxes = {b: Sandbox(b, Limits(wall_s=10.0, cpu_s=5.0), python) for b in backends}
     tools = {b: python_tool(s) for b, s in sandboxes.items()}
-    pythons = {f"bare subprocess ({b} interpreter)": s.python for b, s in sandboxes.items()}
+    pythons = {"bare subprocess, no sandbox": python}
+    print(f"interpreter: {python}")
     for tool in tools.values():  # warm caches (interpreter probe, page cache)
         await _one(tool)
     latency = {name: [] for name in [*tools, *pythons]}
