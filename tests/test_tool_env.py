@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +143,28 @@ def test_tool_arithmetic_trains_two_steps_on_the_tiny_model(tmp_path):
     train(cfg)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
+
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "tool_task.py"
+
+
+def test_the_example_task_is_solved_by_a_scripted_tool_user():
+    env = runpy.run_path(str(EXAMPLE))["date_span"]()
+
+    def policy(observation):
+        if dates := re.findall(r"\d{4}-\d{2}-\d{2}", observation):
+            return call("days_between", start=dates[0], end=dates[1])
+        days = json.loads(observation.split("\n")[1])["content"]
+        return f"The span is \\boxed{{{days}}}"
+
+    results = asyncio.run(scripted_episode(env, 3, policy))
+    assert results[-1].info["success"] and results[-1].reward == pytest.approx(1.15)
+
+
+def test_the_example_trains_end_to_end(tmp_path):
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--run.out_dir", str(tmp_path),
+                          "--run.steps", "2", "--eval.episodes", "0", "--rollout.group_size",
+                          "2", "--run.progress", "false"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "step-000002").is_dir()
