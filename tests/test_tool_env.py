@@ -88,6 +88,7 @@ def test_malformed_calls_give_error_observations_and_are_recorded(reply, error):
     result = asyncio.run(one_step())
     assert not result.done and result.reward == 0.0
     assert error in json.loads(result.observation.split("\n")[1])["error"]
+    assert error in result.info["tool_results"][0]["error"]
     raised = "raised" in error  # a well-formed call whose tool failed is not malformed
     assert result.info["malformed_calls"] == (0 if raised else 1)
     assert result.info["well_formed_calls"] == raised

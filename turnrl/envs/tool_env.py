@@ -8,7 +8,9 @@ A reply without a call is the answer: the episode ends with ``reward(answer, ans
 **facts)`` (None counts as 0). Running out of turns ends it with 0.
 
 ``info``: ``success`` (reward >= ``success_at``), ``tool_calls``, ``malformed_calls``,
-``well_formed_calls`` (at least one call and none malformed), ``answered``.
+``well_formed_calls`` (at least one call and none malformed), ``answered``; after a turn
+of calls also ``tool_results`` ({"name", "content"} or {"name", "error"} per call), which a
+turn loop rendering native ``tool`` messages can use instead of the observation text.
 
 Built in: "tool-arithmetic", products of two 3-digit numbers with a calculator tool
 (SmolLM2-135M cannot multiply those in its head; with the tool it only has to copy).
@@ -56,6 +58,7 @@ class ToolEnv:
         self.tasks, self.tools, self.reward = tasks, as_tool_dict(tools), reward
         self.max_turns, self.call_timeout_s, self.fmt = max_turns, call_timeout_s, fmt
         self.success_at, self.tool_bonus = success_at, tool_bonus
+        self.instructions = instructions
         self.system_prompt = fallback_system_prompt(self.tools, instructions)
         self.task: Task | None = None
         self.turn = self.calls = self.malformed = 0
@@ -75,7 +78,10 @@ class ToolEnv:
             self.calls += len(calls)
             self.malformed += sum(bool(check_call(c, self.tools)) for c in calls)
             done = self.turn >= self.max_turns
-            return StepResult(format_tool_results(results), 0.0, done, self._info(False, 0.0))
+            info = self._info(False, 0.0)
+            info["tool_results"] = [{"name": r.name, "error": r.error} if r.error else
+                                    {"name": r.name, "content": r.content} for r in results]
+            return StepResult(format_tool_results(results), 0.0, done, info)
         value = self.reward(action, answer=self.task.answer, **self.task.facts)
         if inspect.isawaitable(value):
             value = await value
