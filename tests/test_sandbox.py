@@ -242,6 +242,14 @@ def test_world_writable_tmp_is_private_or_swept(sandbox):
     assert not os.path.exists(name)  # never seen outside (bwrap), or deleted afterwards
 
 
+def test_bwraps_private_tmp_is_size_capped():
+    if bwrap_problem():
+        pytest.skip(f"bwrap unusable here ({bwrap_problem()}); `make setup` installs it")
+    sandbox = Sandbox("bwrap", Limits(wall_s=2.0, cpu_s=1.0, file_mb=64, tmp_mb=8))
+    result = run(sandbox, "open('/tmp/fill', 'wb').write(b'x' * 16 * 2**20)")
+    assert result.status == "error" and "No space left on device" in result.reason
+
+
 def test_only_system_and_interpreter_directories_are_visible(sandbox):
     needs(sandbox, "reads")
     this_file = Path(__file__).resolve()

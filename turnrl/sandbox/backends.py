@@ -136,9 +136,10 @@ def _namespace_flags() -> list[str]:
     return flags + ["--unshare-user"]
 
 
-def bwrap_command(python: str, workdir: str, launcher_cfg: dict) -> list[str]:
-    """bwrap ... python -I -c LAUNCHER CONFIG: the system and interpreter read-only, the
-    private directory read-write at /sandbox, a private /tmp, /proc and /dev, no env."""
+def bwrap_command(python: str, workdir: str, launcher_cfg: dict, tmp_mb: int) -> list[str]:
+    """bwrap ... python -I -S -c LAUNCHER CONFIG: the system and interpreter read-only, the
+    private directory read-write at /sandbox, a private /tmp of ``tmp_mb`` MB (RAM), /proc
+    and /dev of its own, no environment."""
     cmd = [shutil.which("bwrap") or "bwrap", *_namespace_flags()]
     for d in SYSTEM_DIRS:
         if os.path.islink(d):  # merged /usr: /bin -> usr/bin
@@ -156,8 +157,8 @@ def bwrap_command(python: str, workdir: str, launcher_cfg: dict) -> list[str]:
         cmd += ["--ro-bind", d, d]
     cmd += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
             "--bind", workdir, SANDBOX_DIR, "--chdir", SANDBOX_DIR,
-            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
-            "--clearenv"]
+            "--proc", "/proc", "--dev", "/dev",
+            "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp", "--clearenv"]
     return cmd + [python, "-I", "-S", "-c", LAUNCHER, json.dumps(launcher_cfg)]
 
 

@@ -51,10 +51,12 @@ class Limits:
     """largest file the code may write (RLIMIT_FSIZE)"""
     open_files: int = 64
     """open file descriptors per process (RLIMIT_NOFILE)"""
+    tmp_mb: int = 64
+    """size of bwrap's private /tmp (in memory); the fallback's /tmp is the host's"""
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s", "memory_mb", "processes", "output_bytes", "file_mb",
-                     "open_files"):
+                     "open_files", "tmp_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sandbox Limits.{name} must be > 0, got {getattr(self, name)}")
 
@@ -142,7 +144,7 @@ class Sandbox:
                "unshare_net": self.backend == "fallback",
                "nproc_counts_user": self.backend == "fallback" and run_id is None}
         if self.backend == "bwrap":
-            cmd = backends.bwrap_command(self.python, workdir, cfg)
+            cmd = backends.bwrap_command(self.python, workdir, cfg, limits.tmp_mb)
         else:
             cmd = backends.fallback_command(self.python, cfg)
         start = time.monotonic()
