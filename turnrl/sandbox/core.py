@@ -305,8 +305,10 @@ def _classify(returncode: int | None, stderr: bytes, report: dict, stopped: str 
     code = report["exit_code"]
     if code == 125 and last.startswith("turnrl-sandbox:"):
         return "sandbox_error", last
-    if code in (-signal.SIGXCPU, -signal.SIGKILL) and report["cpu_s"] >= math.ceil(
-            limits.cpu_s) - 0.05:
+    # SIGXCPU comes from RLIMIT_CPU's soft limit, SIGKILL from its hard one (a second later);
+    # rusage may read a few ticks under the limit, hence the margin
+    if code == -signal.SIGXCPU or (code == -signal.SIGKILL and report["cpu_s"] >= math.ceil(
+            limits.cpu_s) - 0.2):
         return "timeout", f"CPU-time limit of {math.ceil(limits.cpu_s)} s reached"
     if code == 0:
         return "ok", ""
