@@ -169,3 +169,22 @@ def test_the_example_trains_end_to_end(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "checkpoints" / "step-000002").is_dir()
+
+
+def test_the_python_tool_runs_from_an_env_thread_as_the_turn_loop_calls_it():
+    """The turn loop runs each env on its own thread and event loop (EnvRunner)."""
+    from turnrl.rollout.env_calls import EnvRunner
+
+    box = Sandbox("fallback", Limits(wall_s=2.0, cpu_s=1.0))
+    env = ToolEnv(lambda seed: Task("Compute 2**20.", 2**20), [python_tool(box)],
+                  lambda reply, answer: integer_match(reply, answer))
+    runner = EnvRunner(env, "python-task")
+
+    async def episode():
+        await runner.call("reset", 0, 10.0)
+        tool_turn = await runner.call("step", call("python", code="print(2**20)"), 10.0)
+        return tool_turn, await runner.call("step", "1048576", 10.0)
+
+    tool_turn, answer = asyncio.run(episode())
+    assert '"content": "1048576\\n"' in tool_turn.observation
+    assert answer.reward == 1.0 and answer.info["success"]

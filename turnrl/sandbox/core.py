@@ -200,7 +200,12 @@ class Sandbox:
             if not finished.done():
                 stopped = "output" if over_cap.is_set() else "supervisor_overran"
                 await self._stop(proc, run_id)
-            await readers
+            await proc.wait()
+            try:  # EOF comes once every process holding the pipes is gone
+                await asyncio.wait_for(readers, 1.0)
+            except TimeoutError:  # a survivor holds them (the non-root fallback's gap)
+                stopped = stopped or "pipes_held"
+                proc._transport.close()  # stop reading; asyncio has no public close
         finally:
             capped.cancel()
             if proc.returncode is None:  # cancelled: leave nothing running
@@ -297,6 +302,8 @@ def _classify(returncode: int | None, stderr: bytes, report: dict, stopped: str 
     last = _last_line(stderr)
     if stopped == "output":
         return "output_limit", f"output over {limits.output_bytes} bytes; the run was stopped"
+    if stopped == "pipes_held":
+        return "error", "a process the code started outlived it and kept its output open"
     if report.get("timed_out") or stopped == "supervisor_overran":
         return "timeout", f"wall-clock limit of {limits.wall_s:g} s reached"
     if not report:
