@@ -94,6 +94,15 @@ def test_malformed_calls_give_error_observations_and_are_recorded(reply, error):
     assert result.info["well_formed_calls"] == raised
 
 
+def test_bad_construction_fails_with_the_fix():
+    with pytest.raises(ValueError, match="fmt 'xml' is unknown; use one of hermes"):
+        ToolEnv(lambda seed: Task("q", 1), [calculator], integer_match, fmt="xml")
+    with pytest.raises(TypeError, match="decorate the function with @tool"):
+        ToolEnv(lambda seed: Task("q", 1), [len], integer_match)
+    with pytest.raises(ValueError, match="bad env.options for 'tool-arithmetic'"):
+        make_env("tool-arithmetic", digits=3)
+
+
 def test_running_out_of_turns_ends_without_reward():
     env = make_env("tool-arithmetic", max_turns=2)
     results = asyncio.run(scripted_episode(env, 0, lambda obs: call("calculator",

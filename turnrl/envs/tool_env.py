@@ -29,6 +29,7 @@ from typing import Any
 from turnrl.envs.base import StepResult, register_env
 from turnrl.rewards import integer_match
 from turnrl.tools import (
+    FORMATS,
     Tool,
     fallback_system_prompt,
     format_tool_results,
@@ -55,6 +56,8 @@ class ToolEnv:
                  fmt: str = "hermes", success_at: float = 1.0, tool_bonus: float = 0.0):
         if max_turns < 1:
             raise ValueError(f"ToolEnv max_turns must be >= 1, got {max_turns}")
+        if fmt not in FORMATS:
+            raise ValueError(f"ToolEnv fmt '{fmt}' is unknown; use one of {', '.join(FORMATS)}")
         self.tasks, self.tools, self.reward = tasks, as_tool_dict(tools), reward
         self.max_turns, self.call_timeout_s, self.fmt = max_turns, call_timeout_s, fmt
         self.success_at, self.tool_bonus = success_at, tool_bonus
