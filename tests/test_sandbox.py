@@ -2,7 +2,7 @@
 
 An attack must be contained (checked from outside: files, processes, sockets) and scored as
 a failure with its reason. A backend is tested on a guarantee only where it claims it on
-this machine (``Sandbox.guarantees``); docs/tools.md lists the claims per backend.
+this machine (``Sandbox.guarantees``); docs/sandbox.md lists the claims per backend.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def sandbox(request) -> Sandbox:
 
 
 def needs(sandbox: Sandbox, guarantee: str) -> None:
-    """Attack a guarantee only where the backend claims it (docs/tools.md says where not)."""
+    """Attack a guarantee only where the backend claims it (docs/sandbox.md says where not)."""
     if guarantee not in sandbox.guarantees:
         pytest.skip(f"{sandbox.backend} does not claim '{guarantee}' here: "
                     f"{GUARANTEES[guarantee]}")

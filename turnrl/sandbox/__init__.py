@@ -1,4 +1,4 @@
-"""Run model-written Python under stated limits (docs/tools.md says what each backend does).
+"""Run model-written Python under stated limits (docs/sandbox.md says what each backend does).
 
     from turnrl.sandbox import Sandbox, Limits
     result = Sandbox(limits=Limits(wall_s=2)).run_sync("print(6 * 7)")

@@ -1,7 +1,7 @@
 """The two ways the sandbox starts code: bubblewrap, and a fallback of rlimits and a supervisor.
 
 Both run ``launcher.py`` first (limits, an unprivileged id, clean-up; see its docstring).
-What each enforces is listed in ``GUARANTEES`` and docs/tools.md; tests/test_sandbox.py
+What each enforces is listed in ``GUARANTEES`` and docs/sandbox.md; tests/test_sandbox.py
 attacks every entry.
 """
 
@@ -146,7 +146,10 @@ def bwrap_command(python: str, workdir: str, launcher_cfg: dict, tmp_mb: int) ->
             cmd += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             cmd += ["--ro-bind", d, d]
-    made = set()
+    # The private /tmp first: an interpreter living under /tmp (a venv there) is then bound
+    # over it, not hidden by it.
+    cmd += ["--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp"]
+    made = {"/tmp"}  # exists already, as the private tmpfs (mode 1777 kept)
     for d in interpreter_dirs(python):
         if any(d == s or d.startswith(s + "/") for s in SYSTEM_DIRS):
             continue
@@ -157,8 +160,7 @@ def bwrap_command(python: str, workdir: str, launcher_cfg: dict, tmp_mb: int) ->
         cmd += ["--ro-bind", d, d]
     cmd += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
             "--bind", workdir, SANDBOX_DIR, "--chdir", SANDBOX_DIR,
-            "--proc", "/proc", "--dev", "/dev",
-            "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp", "--clearenv"]
+            "--proc", "/proc", "--dev", "/dev", "--clearenv"]
     return cmd + [python, "-I", "-S", "-c", LAUNCHER, json.dumps(launcher_cfg)]
 
 

@@ -102,7 +102,7 @@ class Sandbox:
             backend = "fallback" if backends.bwrap_problem() else "bwrap"
         elif backend == "bwrap" and (problem := backends.bwrap_problem()):
             raise RuntimeError(f"sandbox backend 'bwrap' unavailable: {problem}; "
-                               f"use backend='fallback' (weaker: see docs/tools.md)")
+                               f"use backend='fallback' (weaker: see docs/sandbox.md)")
         self.backend = backend
         self.limits = limits or Limits()
         self.python = python or backends.default_python(backend)
