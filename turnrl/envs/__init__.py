@@ -5,6 +5,7 @@ from turnrl.envs import adapters as _adapters  # noqa: F401
 from turnrl.envs import builtin as _builtin  # noqa: F401
 from turnrl.envs import latency as _latency  # noqa: F401
 from turnrl.envs import maze as _maze  # noqa: F401
+from turnrl.envs import tool_env as _tool_env  # noqa: F401
 from turnrl.envs import twenty_questions as _twenty_questions  # noqa: F401
 from turnrl.envs import wordle as _wordle  # noqa: F401
 from turnrl.envs import wrappers as _wrappers  # noqa: F401

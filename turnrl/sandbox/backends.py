@@ -136,9 +136,10 @@ def _namespace_flags() -> list[str]:
     return flags + ["--unshare-user"]
 
 
-def bwrap_command(python: str, workdir: str, launcher_cfg: dict) -> list[str]:
-    """bwrap ... python -I -c LAUNCHER CONFIG: the system and interpreter read-only, the
-    private directory read-write at /sandbox, a private /tmp, /proc and /dev, no env."""
+def bwrap_command(python: str, workdir: str, launcher_cfg: dict, tmp_mb: int) -> list[str]:
+    """bwrap ... python -I -S -c LAUNCHER CONFIG: the system and interpreter read-only, the
+    private directory read-write at /sandbox, a private /tmp of ``tmp_mb`` MB (RAM), /proc
+    and /dev of its own, no environment."""
     cmd = [shutil.which("bwrap") or "bwrap", *_namespace_flags()]
     for d in SYSTEM_DIRS:
         if os.path.islink(d):  # merged /usr: /bin -> usr/bin
@@ -147,8 +148,8 @@ def bwrap_command(python: str, workdir: str, launcher_cfg: dict) -> list[str]:
             cmd += ["--ro-bind", d, d]
     # The private /tmp first: an interpreter living under /tmp (a venv there) is then bound
     # over it, not hidden by it.
-    cmd += ["--perms", "1777", "--tmpfs", "/tmp"]
-    made = set()
+    cmd += ["--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp"]
+    made = {"/tmp"}  # exists already, as the private tmpfs (mode 1777 kept)
     for d in interpreter_dirs(python):
         if any(d == s or d.startswith(s + "/") for s in SYSTEM_DIRS):
             continue
@@ -160,8 +161,8 @@ def bwrap_command(python: str, workdir: str, launcher_cfg: dict) -> list[str]:
     cmd += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
             "--bind", workdir, SANDBOX_DIR, "--chdir", SANDBOX_DIR,
             "--proc", "/proc", "--dev", "/dev", "--clearenv"]
-    return cmd + [python, "-I", "-c", LAUNCHER, json.dumps(launcher_cfg)]
+    return cmd + [python, "-I", "-S", "-c", LAUNCHER, json.dumps(launcher_cfg)]
 
 
 def fallback_command(python: str, launcher_cfg: dict) -> list[str]:
-    return [python, "-I", "-c", LAUNCHER, json.dumps(launcher_cfg)]
+    return [python, "-I", "-S", "-c", LAUNCHER, json.dumps(launcher_cfg)]

@@ -51,10 +51,12 @@ class Limits:
     """largest file the code may write (RLIMIT_FSIZE)"""
     open_files: int = 64
     """open file descriptors per process (RLIMIT_NOFILE)"""
+    tmp_mb: int = 64
+    """size of bwrap's private /tmp (in memory); the fallback's /tmp is the host's"""
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s", "memory_mb", "processes", "output_bytes", "file_mb",
-                     "open_files"):
+                     "open_files", "tmp_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sandbox Limits.{name} must be > 0, got {getattr(self, name)}")
 
@@ -142,7 +144,7 @@ class Sandbox:
                "unshare_net": self.backend == "fallback",
                "nproc_counts_user": self.backend == "fallback" and run_id is None}
         if self.backend == "bwrap":
-            cmd = backends.bwrap_command(self.python, workdir, cfg)
+            cmd = backends.bwrap_command(self.python, workdir, cfg, limits.tmp_mb)
         else:
             cmd = backends.fallback_command(self.python, cfg)
         start = time.monotonic()
@@ -198,7 +200,12 @@ class Sandbox:
             if not finished.done():
                 stopped = "output" if over_cap.is_set() else "supervisor_overran"
                 await self._stop(proc, run_id)
-            await readers
+            await proc.wait()
+            try:  # EOF comes once every process holding the pipes is gone
+                await asyncio.wait_for(readers, 1.0)
+            except TimeoutError:  # a survivor holds them (the non-root fallback's gap)
+                stopped = stopped or "pipes_held"
+                proc._transport.close()  # stop reading; asyncio has no public close
         finally:
             capped.cancel()
             if proc.returncode is None:  # cancelled: leave nothing running
@@ -301,6 +308,8 @@ def _classify(returncode: int | None, stderr: bytes, report: dict, stopped: str 
     last = _last_line(stderr)
     if stopped == "output":
         return "output_limit", f"output over {limits.output_bytes} bytes; the run was stopped"
+    if stopped == "pipes_held":
+        return "error", "a process the code started outlived it and kept its output open"
     if report.get("timed_out") or stopped == "supervisor_overran":
         return "timeout", f"wall-clock limit of {limits.wall_s:g} s reached"
     if not report:
@@ -309,8 +318,10 @@ def _classify(returncode: int | None, stderr: bytes, report: dict, stopped: str 
     code = report["exit_code"]
     if code == 125 and last.startswith("turnrl-sandbox:"):
         return "sandbox_error", last
-    if code in (-signal.SIGXCPU, -signal.SIGKILL) and report["cpu_s"] >= math.ceil(
-            limits.cpu_s) - 0.05:
+    # SIGXCPU comes from RLIMIT_CPU's soft limit, SIGKILL from its hard one (a second later);
+    # rusage may read a few ticks under the limit, hence the margin
+    if code == -signal.SIGXCPU or (code == -signal.SIGKILL and report["cpu_s"] >= math.ceil(
+            limits.cpu_s) - 0.2):
         return "timeout", f"CPU-time limit of {math.ceil(limits.cpu_s)} s reached"
     if code == 0:
         return "ok", ""
