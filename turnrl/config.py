@@ -16,6 +16,7 @@ from typing import Any, Literal, get_origin
 
 import yaml
 
+from turnrl.config_async import RayConfig, StalenessConfig
 from turnrl.config_types import (  # noqa: F401 - ConfigError is part of this module's API
     ConfigError,
     check_vllm_temperature,
@@ -26,35 +27,13 @@ from turnrl.config_types import (  # noqa: F401 - ConfigError is part of this mo
     type_hints,
     type_name,
 )
+from turnrl.config_types import (
+    Section as _Section,
+)
 from turnrl.registry import ESTIMATORS, UnknownName
 
 # Named because the literal is too long to sit beside its field.
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-
-
-class _Section:
-    """Base of every section: converts fields to their annotated types, then checks ranges."""
-
-    def __post_init__(self) -> None:
-        for name, tp in type_hints(type(self)).items():
-            value = convert_value(self._key(name), getattr(self, name), tp)
-            object.__setattr__(self, name, value)  # frozen, so bypass __setattr__
-        self._check()
-
-    def _check(self) -> None:
-        """Range checks; sections override this."""
-
-    def _key(self, name: str) -> str:
-        """Dotted key of field ``name``, e.g. 'algo.clip_high' (RolloutConfig -> 'rollout')."""
-        return f"{type(self).__name__.removesuffix('Config').lower()}.{name}"
-
-    def _require(self, name: str, ok: bool, rule: str) -> None:
-        if not ok:
-            raise ConfigError(f"{self._key(name)} must be {rule}, got {getattr(self, name)!r}")
-
-    def _at_least(self, low: float, *names: str) -> None:
-        for name in names:
-            self._require(name, getattr(self, name) >= low, f">= {low}")
 
 
 @dataclass(frozen=True)
@@ -244,66 +223,6 @@ class RunConfig(_Section):
     def _check(self) -> None:
         self._at_least(1, "steps", "keep_checkpoints")
         self._at_least(0, "seed", "checkpoint_every", "sample_episodes", "threads")
-
-
-@dataclass(frozen=True)
-class RayConfig(_Section):
-    address: str = ""
-    """'' starts a local Ray cluster; 'auto' or HOST:PORT joins an existing one"""
-    num_workers: int = 1
-    """rollout worker actors (async mode)"""
-    worker_cpus: float = 1.0
-    """CPUs reserved per rollout worker"""
-    worker_gpus: float = 0.0
-    """GPUs reserved per rollout worker (vLLM engines need 1)"""
-    engine: Literal["hf", "vllm"] = "hf"
-    """generation engine of the rollout workers; vllm needs a GPU and the vllm extra"""
-    gpu_memory_utilization: float = 0.5
-    """vllm: share of its GPU's memory a worker's vLLM engine may take (weights + KV cache)"""
-    engine_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """vllm: the rollout engine's weights; auto = bfloat16 (the learner keeps model.dtype)"""
-
-    def _check(self) -> None:
-        self._at_least(1, "num_workers")
-        self._at_least(0, "worker_cpus", "worker_gpus")
-        self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1,
-                      "in (0, 1]")
-        if self.engine == "vllm" and self.worker_gpus <= 0:
-            raise ConfigError("ray.engine vllm samples on a GPU: reserve one per worker with "
-                              "--ray.worker_gpus 1 (or a fraction to share it with the learner)")
-
-
-@dataclass(frozen=True)
-class StalenessConfig(_Section):
-    max_versions: int = 2
-    """async: train on an episode only if its oldest token is at most this many policy
-    versions behind the learner"""
-    on_stale: Literal["drop", "regenerate"] = "drop"
-    """what happens to a too-stale episode: dropped, or its seed played again"""
-    adaptive: bool = False
-    """shrink or grow max_versions from the effective sample size of the importance weights"""
-    ess_low: float = 0.6
-    """adaptive: shrink the bound when the normalised ESS falls below this"""
-    ess_high: float = 0.9
-    """adaptive: grow the bound when the normalised ESS stays above this"""
-    max_versions_limit: int = 8
-    """adaptive: never grow the bound past this"""
-    partial_rollouts: bool = True
-    """keep unfinished episodes across weight updates and continue them (APRIL)"""
-    overprovision: float = 1.5
-    """async: keep this many times a step's episodes in flight; train on the first finished"""
-    queued_groups: int = 0
-    """async: groups queued at each worker beyond its pool of live episodes, started the moment
-    the pool has room (a group held open by one slow episode then leaves no slots idle)"""
-    keep_kv_cache: bool = False
-    """async: workers keep live episodes' keys/values across a weight update instead of
-    re-reading them with the new weights (PipelineRL); faster, slightly more off-policy"""
-
-    def _check(self) -> None:
-        self._at_least(0, "max_versions", "queued_groups")
-        self._at_least(1, "max_versions_limit", "overprovision")
-        self._require("ess_low", 0 < self.ess_low <= self.ess_high <= 1,
-                      "in (0, ess_high] with ess_high <= 1")
 
 
 @dataclass(frozen=True)

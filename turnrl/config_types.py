@@ -127,3 +127,28 @@ def check_vllm_temperature(temperature: float) -> None:
                           f"samples only at 0 (greedy) or in [{low}, {high}] (it would silently "
                           "change the value, and the learner would score another policy); "
                           "choose a temperature in that range")
+
+
+class Section:
+    """Base of every section: converts fields to their annotated types, then checks ranges."""
+
+    def __post_init__(self) -> None:
+        for name, tp in type_hints(type(self)).items():
+            value = convert_value(self._key(name), getattr(self, name), tp)
+            object.__setattr__(self, name, value)  # frozen, so bypass __setattr__
+        self._check()
+
+    def _check(self) -> None:
+        """Range checks; sections override this."""
+
+    def _key(self, name: str) -> str:
+        """Dotted key of field ``name``, e.g. 'algo.clip_high' (RolloutConfig -> 'rollout')."""
+        return f"{type(self).__name__.removesuffix('Config').lower()}.{name}"
+
+    def _require(self, name: str, ok: bool, rule: str) -> None:
+        if not ok:
+            raise ConfigError(f"{self._key(name)} must be {rule}, got {getattr(self, name)!r}")
+
+    def _at_least(self, low: float, *names: str) -> None:
+        for name in names:
+            self._require(name, getattr(self, name) >= low, f">= {low}")

@@ -1,0 +1,73 @@
+"""Config sections of async mode: the Ray cluster and its workers, bounded staleness.
+
+Part of the one config (``turnrl.config.Config``); a module of its own so the async settings
+grow without crowding the core sections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from turnrl.config_types import ConfigError
+from turnrl.config_types import Section as _Section
+
+
+@dataclass(frozen=True)
+class RayConfig(_Section):
+    address: str = ""
+    """'' starts a local Ray cluster; 'auto' or HOST:PORT joins an existing one"""
+    num_workers: int = 1
+    """rollout worker actors (async mode)"""
+    worker_cpus: float = 1.0
+    """CPUs reserved per rollout worker"""
+    worker_gpus: float = 0.0
+    """GPUs reserved per rollout worker (vLLM engines need 1)"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """generation engine of the rollout workers; vllm needs a GPU and the vllm extra"""
+    gpu_memory_utilization: float = 0.5
+    """vllm: share of its GPU's memory a worker's vLLM engine may take (weights + KV cache)"""
+    engine_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """vllm: the rollout engine's weights; auto = bfloat16 (the learner keeps model.dtype)"""
+
+    def _check(self) -> None:
+        self._at_least(1, "num_workers")
+        self._at_least(0, "worker_cpus", "worker_gpus")
+        self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1,
+                      "in (0, 1]")
+        if self.engine == "vllm" and self.worker_gpus <= 0:
+            raise ConfigError("ray.engine vllm samples on a GPU: reserve one per worker with "
+                              "--ray.worker_gpus 1 (or a fraction to share it with the learner)")
+
+
+@dataclass(frozen=True)
+class StalenessConfig(_Section):
+    max_versions: int = 2
+    """async: train on an episode only if its oldest token is at most this many policy
+    versions behind the learner"""
+    on_stale: Literal["drop", "regenerate"] = "drop"
+    """what happens to a too-stale episode: dropped, or its seed played again"""
+    adaptive: bool = False
+    """shrink or grow max_versions from the effective sample size of the importance weights"""
+    ess_low: float = 0.6
+    """adaptive: shrink the bound when the normalised ESS falls below this"""
+    ess_high: float = 0.9
+    """adaptive: grow the bound when the normalised ESS stays above this"""
+    max_versions_limit: int = 8
+    """adaptive: never grow the bound past this"""
+    partial_rollouts: bool = True
+    """keep unfinished episodes across weight updates and continue them (APRIL)"""
+    overprovision: float = 1.5
+    """async: keep this many times a step's episodes in flight; train on the first finished"""
+    queued_groups: int = 0
+    """async: groups queued at each worker beyond its pool of live episodes, started the moment
+    the pool has room (a group held open by one slow episode then leaves no slots idle)"""
+    keep_kv_cache: bool = False
+    """async: workers keep live episodes' keys/values across a weight update instead of
+    re-reading them with the new weights (PipelineRL); faster, slightly more off-policy"""
+
+    def _check(self) -> None:
+        self._at_least(0, "max_versions", "queued_groups")
+        self._at_least(1, "max_versions_limit", "overprovision")
+        self._require("ess_low", 0 < self.ess_low <= self.ess_high <= 1,
+                      "in (0, ess_high] with ess_high <= 1")
