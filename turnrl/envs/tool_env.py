@@ -12,6 +12,11 @@ A reply without a call is the answer: the episode ends with ``reward(answer, ans
 of calls also ``tool_results`` ({"name", "content"} or {"name", "error"} per call), which a
 turn loop rendering native ``tool`` messages can use instead of the observation text.
 
+The prompt (``tool_prompt``): where the model's chat template renders tools itself (Qwen,
+Llama 3.1+), the tools go to the template and calls are parsed in its format, their results
+go back as ``tool`` messages (the turn loop renders ``tool_results``); otherwise (SmolLM2)
+the system prompt teaches the fallback format and results go back as a user message.
+
 Built in: "tool-arithmetic", products of two 3-digit numbers with a calculator tool
 (SmolLM2-135M cannot multiply those in its head; with the tool it only has to copy).
 """
@@ -53,7 +58,8 @@ class ToolEnv:
 
     def __init__(self, tasks: Callable[[int], Task], tools: list[Tool], reward: Callable,
                  *, instructions: str = "", max_turns: int = 4, call_timeout_s: float = 10.0,
-                 fmt: str = "hermes", success_at: float = 1.0, tool_bonus: float = 0.0):
+                 fmt: str = "hermes", success_at: float = 1.0, tool_bonus: float = 0.0,
+                 native_tools: bool = True):
         if max_turns < 1:
             raise ValueError(f"ToolEnv max_turns must be >= 1, got {max_turns}")
         if fmt not in FORMATS:
@@ -61,10 +67,20 @@ class ToolEnv:
         self.tasks, self.tools, self.reward = tasks, as_tool_dict(tools), reward
         self.max_turns, self.call_timeout_s, self.fmt = max_turns, call_timeout_s, fmt
         self.success_at, self.tool_bonus = success_at, tool_bonus
-        self.instructions = instructions
+        self.instructions, self.native_tools = instructions, native_tools
         self.system_prompt = fallback_system_prompt(self.tools, instructions)
         self.task: Task | None = None
         self.turn = self.calls = self.malformed = 0
+
+    def tool_prompt(self, native_format: str | None) -> tuple[str | None, list[dict] | None]:
+        """(system prompt, tool schemas) for a model whose template renders tools in
+        ``native_format`` (None: it has no tool support). With native support the template
+        shows the tools and calls are parsed in its format; without, the system prompt
+        teaches the fallback. The turn loop calls this after ``reset``."""
+        if native_format is None or not self.native_tools:
+            return self.system_prompt, None
+        self.fmt = native_format
+        return self.instructions or None, [t.schema() for t in self.tools.values()]
 
     async def reset(self, seed: int) -> str:
         self.task = self.tasks(seed)

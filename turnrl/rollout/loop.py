@@ -47,12 +47,7 @@ from dataclasses import asdict, dataclass, field
 from turnrl.envs.base import Env, StepResult
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, Engine, SamplingParams
-from turnrl.rollout.env_calls import (
-    EnvRunner,
-    checked_observation,
-    checked_step,
-    fail_episode,
-)
+from turnrl.rollout.env_calls import EnvRunner, checked_observation, checked_step, fail_episode
 from turnrl.types import ENV_VERSION, Episode, Turn
 
 
@@ -103,6 +98,8 @@ class _Slot:
     messages: list[dict] = field(default_factory=list)
     rendered: str = ""
     """The conversation so far, as the chat template renders it (the policy's reply aside)."""
+    tools: list[dict] | None = None
+    """Tool schemas the template renders (an env with tools, a template that has them)."""
     state: str = ""
     """Key of the state the next action is taken in (see ``Turn.state``)."""
 
@@ -380,8 +377,8 @@ class TurnLoop:
         if error is not None:
             fail_episode(slot.episode, error, "reset")
             return
-        slot.messages, slot.rendered, ids = self.chat.start(
-            first, getattr(slot.env, "system_prompt", None))
+        system_prompt, slot.tools = self.chat.env_prompt(slot.env)
+        slot.messages, slot.rendered, ids = self.chat.start(first, system_prompt, slot.tools)
         if self._overflows(slot.episode, ids):
             return
         slot.episode.append(ids, policy=False)
@@ -401,7 +398,7 @@ class TurnLoop:
         slot.state = next_state
         slot.rendered, ids = self.chat.continue_after(
             slot.messages, slot.rendered, text, completion.finish_reason == "stop",
-            result.observation)
+            result.observation, (result.info or {}).get("tool_results"), slot.tools)
         if self._overflows(episode, ids):
             return
         episode.append(ids, policy=False)
