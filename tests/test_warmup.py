@@ -122,3 +122,38 @@ def test_warm_up_lowers_the_imitation_loss_and_warm_start_round_trips(tmp_path):
     with torch.no_grad():
         assert torch.equal(imitation_loss(loaded, ids, mask, torch.ones_like(ids)),
                            imitation_loss(reference, ids, mask, torch.ones_like(ids)))
+
+
+def test_the_tool_task_format_warm_up_demonstrates_correct_calls_and_lowers_the_loss(tiny):
+    """benchmarks/tool_task.py: its demonstrations are correct episodes of a task other than
+    the measured one, and imitating them lowers the loss of the call tokens."""
+    import asyncio
+
+    from tool_task import (
+        called_correctly,
+        format_warm_up,
+        scripted_transcript,
+        sum_or_difference,
+    )
+
+    from turnrl.envs.tool_env import ToolEnv, calculator, multiplication_task
+    from turnrl.rewards import integer_match
+    from turnrl.tools import parse_tool_calls
+    from turnrl.types import Episode, Turn
+
+    env = ToolEnv(sum_or_difference, [calculator],
+                  lambda reply, answer, **_: integer_match(reply, answer, which="last"))
+    transcript = asyncio.run(scripted_transcript(env, 7))
+    (question, call), (response, answer) = transcript
+    assert "times" not in question and ("plus" in question or "minus" in question)
+    assert parse_tool_calls(call)[0].problem == "" and answer in response
+    model, tokenizer = tiny
+    losses = format_warm_up(model, tokenizer, demos=8, steps=8, lr=3e-3, batch=4)
+    assert sum(losses[-2:]) < sum(losses[:2])
+    # the measured share: a well-formed call whose result is the product asked for
+    product = str(multiplication_task(3).answer)
+    good = Episode("tool-arithmetic", 3, 0, info={"well_formed_calls": True},
+                   turns=[Turn(0, 1, "call", f"<tool_response>\n{product}\n</tool_response>", 0)])
+    wrong = Episode("tool-arithmetic", 3, 0, info={"well_formed_calls": True},
+                    turns=[Turn(0, 1, "call", "<tool_response>\n12\n</tool_response>", 0)])
+    assert called_correctly(good) and not called_correctly(wrong)
