@@ -50,9 +50,23 @@ def test_try_again_bad_options_fail_in_one_line():
 def test_gymnasium_frozenlake_scripted_episode_reaches_the_goal():
     env = make_env("gymnasium", game="FrozenLake-v1", is_slippery=False)
     obs, results = play(env, 0, ["go right", "hmm", "right", "down", "down", "down", "right"])
-    assert "S" in obs and env.state_key == "15"
+    assert obs.splitlines()[0] == "@FFF" and "\x1b" not in obs  # plain text, "@" is the agent
+    assert results[0].observation.splitlines()[-4] == "S@FF" and env.state_key == "15"
     assert results[1].observation.startswith("Reply with one of")
     assert results[-1].done and results[-1].reward == 1.0 and results[-1].info["success"]
+
+
+def test_gymnasium_renderings_are_plain_text_with_the_agent_marked():
+    taxi = make_env("gymnasium", game="Taxi-v4")
+    obs = asyncio.run(taxi.reset(3))
+    assert "\x1b" not in obs and obs.count("@") == 1
+    assert "The passenger is at R and wants to go to Y." in obs
+    blackjack = make_env("gymnasium", game="Blackjack-v1")
+    assert asyncio.run(blackjack.reset(0)).startswith("Your hand totals")
+    cliff = make_env("gymnasium", game="CliffWalking-v1")
+    assert asyncio.run(cliff.reset(0)).splitlines()[-1].startswith("x  C")
+    result = asyncio.run(cliff.step("right"))  # into the cliff: back to the start, -100
+    assert result.reward == -100.0 and result.observation.splitlines()[-1].startswith("x  C")
 
 
 @pytest.mark.parametrize("name,options", [

@@ -1,7 +1,9 @@
 """Gymnasium toy-text tasks (FrozenLake, Taxi, CliffWalking, Blackjack) as multi-turn text games.
 
-The observation is the env's ANSI rendering (a sentence for Blackjack); the reply must name one
-legal action, listed in the system prompt. An unreadable reply is a wasted turn whose
+The observation is the env's ANSI rendering made plain text for a language model: the
+highlighted cell (where the agent is) becomes ``@``, colour codes are dropped, Taxi adds where
+the passenger waits and where it goes (their colours told that), Blackjack is a sentence. The
+reply must name one legal action, listed in the system prompt with the legend. An unreadable reply is a wasted turn whose
 observation says what is legal. ``state_key`` is the discrete gymnasium observation, the anchor
 state GiGPO groups on.
 """
@@ -21,6 +23,21 @@ ACTIONS = {
     "Blackjack-v1": ["stick", "hit"],
 }
 """Game -> action names, in gymnasium's action-index order."""
+
+
+LEGENDS = {
+    "FrozenLake-v1": "@ is you, F frozen, H a hole, G the goal.",
+    "CliffWalking-v1": "x is you, C the cliff, T the target.",
+    "Taxi-v4": "@ is the taxi; R, G, Y, B are the stops.",
+    "Blackjack-v1": "",
+}
+_HIGHLIGHT = re.compile(r"\x1b\[4[0-7](?:;1)?m(.)\x1b\[0m")  # a background-coloured cell
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain_text(ansi: str) -> str:
+    """An ANSI rendering as plain text: the highlighted cell becomes ``@``, colours go."""
+    return _COLOUR.sub("", _HIGHLIGHT.sub("@", ansi)).rstrip()
 
 
 def parse_action(text: str, names: list[str]) -> int | None:
@@ -50,8 +67,8 @@ class GymnasiumText:
         self.game, self.names, self.max_turns = game, ACTIONS[game], max_turns
         render = {} if game == "Blackjack-v1" else {"render_mode": "ansi"}
         self.env = gym.make(game, **render, **make_options)
-        self.system_prompt = (f"You are playing {game.split('-')[0]}. Reply with one action: "
-                              f"{'/'.join(self.names)}.")
+        self.system_prompt = (f"You are playing {game.split('-')[0]}. {LEGENDS[game]} Reply with "
+                              f"one action: {'/'.join(self.names)}.").replace(".  ", ". ")
         self.obs: Any = None
         self.turn = 0
 
@@ -64,7 +81,12 @@ class GymnasiumText:
             total, dealer, ace = self.obs
             return (f"Your hand totals {total}{' with a usable ace' if ace else ''}; "
                     f"the dealer shows {dealer}. Hit or stick?")
-        return str(self.env.render()).rstrip()
+        text = plain_text(str(self.env.render())).lstrip("\n")
+        if self.game == "Taxi-v4":
+            _, _, passenger, destination = self.env.unwrapped.decode(self.obs)
+            where = "in the taxi" if passenger == 4 else f"at {'RGYB'[passenger]}"
+            text += f"\nThe passenger is {where} and wants to go to {'RGYB'[destination]}."
+        return text
 
     async def reset(self, seed: int) -> str:
         self.obs, _ = await asyncio.to_thread(self.env.reset, seed=seed)
