@@ -6,8 +6,8 @@ rewards) and ``train_agent``.
 
 from turnrl.serve.record import (
     Call,
-    Recorder,
     RecordedEpisode,
+    Recorder,
     Segment,
     extended_segment,
     merge_call,
