@@ -38,6 +38,8 @@ class Segment:
     """The rendered text of ``token_ids`` (how the next prompt is matched against it)."""
     spans: list[tuple[int, int]] = field(default_factory=list)
     """(start, end) of each call's sampled tokens."""
+    temperatures: list[float] = field(default_factory=list)
+    """The sampling temperatures its calls used (the update must score at the same one)."""
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Call:
     reply_text: str
     """The text of the sampled ids as they render in the conversation (end of turn included
     when the model sampled it)."""
+    temperature: float = 1.0
 
 
 def prompt_ids(segments: list[Segment], rendered: str, encode: Callable[[str], list[int]]
@@ -95,6 +98,8 @@ def merge_call(segments: list[Segment], call: Call) -> int:
     segment.versions += [call.version] * len(call.sampled_ids)
     segment.spans.append((start, len(segment.token_ids)))
     segment.text = call.prompt_text + call.reply_text
+    if call.temperature not in segment.temperatures:
+        segment.temperatures.append(call.temperature)
     return index
 
 

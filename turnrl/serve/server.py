@@ -110,7 +110,8 @@ class Server:
                 stopped = choice.visible < len(choice.token_ids)
                 reply = raw + (self.chat.end_of_turn_text if stopped else "")
                 self.recorder.record(request.episode, Call(ids, text, choice.token_ids,
-                                                           choice.logprobs, version, reply))
+                                                           choice.logprobs, version, reply,
+                                                           request.temperature))
         return choices, len(ids)
 
     def _choice(self, completion: Completion, request: ChatRequest, tools) -> Choice:
