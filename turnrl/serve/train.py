@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from turnrl.config import Config, ConfigError
+from turnrl.evaluation import COLUMNS, EvalResult
+from turnrl.metrics import print_table
 from turnrl.serve.app import RunningServer
 from turnrl.serve.protocol import EPISODE_HEADER
 from turnrl.serve.record import RecordedEpisode, training_episodes
@@ -49,6 +51,9 @@ class AgentTrainResult:
     """Mean reward of the trained episodes, per step."""
     left_out: list[dict] = field(default_factory=list)
     """Episodes not trained on: {"step", "episode_id", "reason"}."""
+    before: EvalResult | None = None
+    after: EvalResult | None = None
+    table: str = ""
 
 
 class PerEpisodeAdvantages:
@@ -112,6 +117,27 @@ async def _play(rollout: Rollout, base_url: str, api_key: str, task, episode_id:
     return ""
 
 
+async def evaluate_agent(rollout: Rollout, tasks: Sequence, base_url: str, api_key: str = "",
+                         success_at: float = 1.0) -> EvalResult:
+    """Play each task once, unrecorded (no episode id); success: reward >= ``success_at``.
+    A rollout that raises or returns None counts as a failed episode, not a dropped one."""
+    from openai import AsyncOpenAI
+
+    async def one(task) -> float | None:
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key or "unused",
+                               max_retries=0) as client:
+            try:
+                return await rollout(client, task)
+            except Exception:  # noqa: BLE001 - counted as failed below
+                return None
+
+    rewards = await asyncio.gather(*(one(task) for task in tasks))
+    scored = [r for r in rewards if r is not None]
+    return EvalResult(episodes=len(rewards), successes=sum(r >= success_at for r in scored),
+                      mean_reward=sum(scored) / max(len(rewards), 1), mean_turns=float("nan"),
+                      failed=len(rewards) - len(scored))
+
+
 async def collect(server: Server, base_url: str, rollout: Rollout, step_tasks: Sequence,
                   group_size: int, step: int, temperature: float
                   ) -> tuple[list[Episode], list[dict]]:
@@ -137,9 +163,12 @@ async def collect(server: Server, base_url: str, rollout: Rollout, step_tasks: S
     return episodes, left_out
 
 
-def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config) -> AgentTrainResult:
+def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
+                eval_tasks: Sequence = (), success_at: float = 1.0) -> AgentTrainResult:
     """Train the policy of ``cfg`` on ``rollout`` over ``tasks`` (``run.steps`` steps of
-    ``rollout.groups_per_step`` tasks, taken in turn, ``rollout.group_size`` runs each)."""
+    ``rollout.groups_per_step`` tasks, taken in turn, ``rollout.group_size`` runs each);
+    with ``eval_tasks``, play them before and after training (``evaluate_agent``).
+    Call it from synchronous code (it runs each step's rollouts with ``asyncio.run``)."""
     if not tasks:
         raise ConfigError("train_agent needs at least one task")
     run = start_run(cfg, resume=False)
@@ -151,6 +180,9 @@ def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config) -> AgentTrainRes
     with RunningServer(server, cfg.serve.host, cfg.serve.port) as running, \
             step_logging(run, "agent") as (logger, progress):
         print(f"serving the policy at {running.base_url} while training")
+        if eval_tasks:
+            result.before = asyncio.run(evaluate_agent(rollout, eval_tasks, running.base_url,
+                                                       cfg.serve.api_key, success_at))
         for step in range(cfg.run.steps):
             timer = StageTimer()
             step_tasks = [tasks[(step * groups + g) % len(tasks)] for g in range(groups)]
@@ -173,4 +205,12 @@ def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config) -> AgentTrainRes
             metrics["episode/segments"] = float(len(episodes))
             result.rewards.append(summary.mean_reward)
             end_step(run, step, episodes, summary, metrics, timer, logger, progress)
+        if eval_tasks:
+            result.after = asyncio.run(evaluate_agent(rollout, eval_tasks, running.base_url,
+                                                      cfg.serve.api_key, success_at))
+    if result.before and result.after:
+        result.table = print_table(
+            f"agent: {len(eval_tasks)} held-out tasks, before vs after", COLUMNS,
+            [result.before.row("before"), result.after.row(f"after {cfg.run.steps} steps")])
+        (run.run_dir / "summary.txt").write_text(result.table)
     return result
