@@ -3,6 +3,7 @@ rewards, and tool calls through the live endpoint (pure functions first)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -24,8 +25,10 @@ from turnrl.serve import (
 )
 from turnrl.serve.app import RunningServer
 from turnrl.serve.batcher import cut_to
+from turnrl.serve.judge import judge_messages, parse_scores
 from turnrl.serve.prompt import split_reply
 from turnrl.serve.server import cut_at_stop
+from turnrl.serve.train import collect, self_judge
 from turnrl.types import ENV_VERSION
 
 
@@ -152,3 +155,34 @@ def test_tool_calls_through_the_endpoint_and_back_in_one_sequence():
     assert call_text + "<|im_end|>" in text
     assert '<tool_response>\n{"name": "add", "content": "5"}\n</tool_response>' in text
     assert server.recorder.episodes["t"].reward == 1.0
+
+
+def test_parse_scores_takes_only_a_well_formed_answer():
+    assert parse_scores('Sure. {"scores": [3, 9.5]}', 2) == [0.3, 0.95]
+    assert parse_scores('{"scores": [3]}', 2) is None  # one score for two attempts
+    assert parse_scores('{"scores": [3, 11]}', 2) is None  # out of range
+    assert parse_scores("3 and 9", 2) is None
+    prompt = judge_messages("Add 2 and 3.", ["five", "5"])[1]["content"]
+    assert "<attempt 2>\n5\n</attempt 2>" in prompt and "Add 2 and 3." in prompt
+
+
+def test_a_judge_scores_a_group_relative_and_a_silent_judge_trains_nothing():
+    tokenizer = tiny_tokenizer()
+    engine = ScriptedEngine(tokenizer, ['{"scores": [2, 8]}'])
+    server = Server(torch.nn.Linear(1, 1), ChatFormat(tokenizer), engine, name="tiny",
+                    max_context=1024, cfg=ServeConfig(max_tokens=64))
+
+    async def rollout(client, task):  # no verifiable reward: None
+        await client.chat.completions.create(model="tiny", messages=[
+            {"role": "user", "content": task}])
+
+    with RunningServer(server) as running:
+        judge = self_judge(running.base_url, "tiny")
+        episodes, left_out = asyncio.run(collect(server, running.base_url, rollout, ["Q"], 2,
+                                                 0, 1.0, judge))
+        assert sorted(e.reward for e in episodes) == [0.2, 0.8] and not left_out
+        engine.replies = ["no idea"]
+        episodes, left_out = asyncio.run(collect(server, running.base_url, rollout, ["Q"], 2,
+                                                 1, 1.0, judge))
+        assert not episodes and {x["reason"] for x in left_out} == {"the judge gave no scores"}
+        assert not server.recorder.episodes  # taken, none left behind

@@ -34,6 +34,7 @@ from turnrl.config import Config, ConfigError
 from turnrl.evaluation import COLUMNS, EvalResult
 from turnrl.metrics import print_table
 from turnrl.serve.app import RunningServer
+from turnrl.serve.judge import judge_group
 from turnrl.serve.protocol import EPISODE_HEADER
 from turnrl.serve.record import RecordedEpisode, training_episodes
 from turnrl.serve.server import Server
@@ -97,26 +98,6 @@ def usable(recorded: RecordedEpisode, temperature: float) -> str:
     return ""
 
 
-async def _play(rollout: Rollout, base_url: str, api_key: str, task, episode_id: str,
-                server: Server) -> str:
-    """Run one rollout; set its reward. Returns "" or why the episode has no reward."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0,
-                         default_headers={EPISODE_HEADER: episode_id})
-    try:
-        reward = await rollout(client, task)
-    except Exception as err:  # noqa: BLE001 - a failing agent fails its own episode
-        return f"rollout raised {type(err).__name__}: {err}"
-    finally:
-        await client.close()
-    if reward is None:
-        return "rollout returned None"
-    if episode_id in server.recorder.episodes:
-        server.recorder.set_reward(episode_id, float(reward))
-    return ""
-
-
 async def evaluate_agent(rollout: Rollout, tasks: Sequence, base_url: str, api_key: str = "",
                          success_at: float = 1.0) -> EvalResult:
     """Play each task once, unrecorded (no episode id); success: reward >= ``success_at``.
@@ -138,24 +119,72 @@ async def evaluate_agent(rollout: Rollout, tasks: Sequence, base_url: str, api_k
                       failed=len(rewards) - len(scored))
 
 
+Judge = Callable[[object, list[str]], Awaitable[list[float] | None]]
+"""``(task, transcripts) -> scores in [0, 1] or None``: rewards for a group's episodes."""
+
+
+async def _play(rollout: Rollout, base_url: str, api_key: str, task, episode_id: str
+                ) -> tuple[float | None, str]:
+    """Run one rollout: (its reward, "") or (None, why it failed)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0,
+                         default_headers={EPISODE_HEADER: episode_id})
+    try:
+        reward = await rollout(client, task)
+    except Exception as err:  # noqa: BLE001 - a failing agent fails its own episode
+        return None, f"rollout raised {type(err).__name__}: {err}"
+    finally:
+        await client.close()
+    return (None, "") if reward is None else (float(reward), "")
+
+
+def self_judge(base_url: str, model: str, api_key: str = "") -> Judge:
+    """The served policy as the judge (``judge.judge_group``; its calls are not recorded)."""
+    async def judge(task, transcripts: list[str]) -> list[float] | None:
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key or "unused",
+                               max_retries=0) as client:
+            return await judge_group(client, model, str(task), transcripts)
+    return judge
+
+
 async def collect(server: Server, base_url: str, rollout: Rollout, step_tasks: Sequence,
-                  group_size: int, step: int, temperature: float
+                  group_size: int, step: int, temperature: float, judge: Judge | None = None
                   ) -> tuple[list[Episode], list[dict]]:
     """Play ``group_size`` rollouts of each task at once; the trainable episodes (grouped by
-    task) and the ones left out, with their reasons."""
+    task) and the ones left out, with their reasons. With ``judge``, the episodes of a group
+    whose rollout returned None are scored by it, relative to each other."""
     ids = [[f"step{step}-task{g}-{k}-{uuid.uuid4().hex[:8]}" for k in range(group_size)]
            for g in range(len(step_tasks))]
-    reasons = await asyncio.gather(*(
-        _play(rollout, base_url, server.cfg.api_key, task, episode_id, server)
-        for task, group in zip(step_tasks, ids, strict=True) for episode_id in group))
     flat = [e for group in ids for e in group]
-    failed = dict(zip(flat, reasons, strict=True))
-    recorded = {r.episode_id: r for r in server.recorder.take(flat)}
+    played = await asyncio.gather(*(
+        _play(rollout, base_url, server.cfg.api_key, task, episode_id)
+        for task, group in zip(step_tasks, ids, strict=True) for episode_id in group))
+    rewards = {e: r for e, (r, _) in zip(flat, played, strict=True)}
+    errors = {e: why for e, (_, why) in zip(flat, played, strict=True)}
+    recorder = server.recorder
+    for task, group in zip(step_tasks, ids, strict=True):
+        unscored = [e for e in group if rewards[e] is None and not errors[e]
+                    and e in recorder.episodes]
+        if judge is not None and unscored:
+            scores = await judge(task, [max((s.text for s in recorder.episodes[e].segments),
+                                            key=len) for e in unscored])
+            for e, score in zip(unscored, scores or [], strict=False):
+                rewards[e] = score
+            if scores is None:
+                errors.update({e: "the judge gave no scores" for e in unscored})
+        for e in group:
+            if rewards[e] is not None and e in recorder.episodes:
+                recorder.set_reward(e, rewards[e])
+    recorded = {r.episode_id: r for r in recorder.take(flat)}
     episodes, left_out = [], []
     for g, group in enumerate(ids):
         for e in group:
-            why = failed[e] or ("no calls to the model" if e not in recorded
-                                else usable(recorded[e], temperature))
+            why = (errors[e] or ("rollout returned None" if rewards[e] is None else "")
+                   or ("no calls to the model" if e not in recorded
+                       else usable(recorded[e], temperature)))
             if why:
                 left_out.append({"step": step, "episode_id": e, "reason": why})
             else:
@@ -164,10 +193,13 @@ async def collect(server: Server, base_url: str, rollout: Rollout, step_tasks: S
 
 
 def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
-                eval_tasks: Sequence = (), success_at: float = 1.0) -> AgentTrainResult:
+                eval_tasks: Sequence = (), success_at: float = 1.0,
+                judge: Judge | str | None = None) -> AgentTrainResult:
     """Train the policy of ``cfg`` on ``rollout`` over ``tasks`` (``run.steps`` steps of
     ``rollout.groups_per_step`` tasks, taken in turn, ``rollout.group_size`` runs each);
-    with ``eval_tasks``, play them before and after training (``evaluate_agent``).
+    with ``eval_tasks``, play them before and after training (``evaluate_agent``). ``judge``
+    ("self": the served policy, or a ``Judge``) scores the episodes whose rollout returns None
+    (docs/serving.md: weaker than a verifiable reward).
     Call it from synchronous code (it runs each step's rollouts with ``asyncio.run``)."""
     if not tasks:
         raise ConfigError("train_agent needs at least one task")
@@ -180,6 +212,8 @@ def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
     with RunningServer(server, cfg.serve.host, cfg.serve.port) as running, \
             step_logging(run, "agent") as (logger, progress):
         print(f"serving the policy at {running.base_url} while training")
+        if judge == "self":
+            judge = self_judge(running.base_url, server.name, cfg.serve.api_key)
         if eval_tasks:
             result.before = asyncio.run(evaluate_agent(rollout, eval_tasks, running.base_url,
                                                        cfg.serve.api_key, success_at))
@@ -189,7 +223,7 @@ def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
             with timer("collect"):
                 episodes, left_out = asyncio.run(collect(
                     server, running.base_url, rollout, step_tasks, cfg.rollout.group_size,
-                    step, cfg.rollout.temperature))
+                    step, cfg.rollout.temperature, judge))
             result.left_out += left_out
             if left_out:
                 reasons = sorted({x["reason"] for x in left_out})
