@@ -27,14 +27,15 @@ def task(seed: int) -> dict:
     return {"question": f"What is {a} times {b}?", "answer": a * b}
 
 
-async def rollout(client, task: dict, model: str = "", max_turns: int = 3) -> float:
+async def rollout(client, task: dict, model: str = "", max_turns: int = 3,
+                  max_tokens: int = 48) -> float:
     """Reason, act (call the tool), observe, until the model answers: 1 if right, else 0."""
     model = model or (await client.models.list()).data[0].id
     messages = [{"role": "system", "content": "Call the multiply tool, then give the number."},
                 {"role": "user", "content": task["question"]}]
     for _ in range(max_turns):
         reply = (await client.chat.completions.create(
-            model=model, messages=messages, tools=[MULTIPLY], max_tokens=48)).choices[0].message
+            model=model, messages=messages, tools=[MULTIPLY], max_tokens=max_tokens)).choices[0].message
         messages.append(reply.model_dump(exclude_none=True))
         if not reply.tool_calls:
             return float(str(task["answer"]) in (reply.content or ""))

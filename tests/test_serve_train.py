@@ -51,3 +51,33 @@ def test_a_short_run_through_the_client_trains_the_served_weights(tmp_path):
     after = load_file(str(checkpoint))
     changed = [k for k in after if k in before and not torch.equal(after[k], before[k])]
     assert changed, "no weight changed"
+
+
+def test_the_example_agent_uses_its_tool_and_scores_the_answer():
+    """examples/openai_agent.py's ReAct loop against a scripted model: call, result, answer."""
+    import asyncio
+    import runpy
+    from pathlib import Path
+
+    from openai import AsyncOpenAI
+    from test_serve_record import ScriptedEngine
+
+    from turnrl.config_serve import ServeConfig
+    from turnrl.rollout import ChatFormat
+    from turnrl.serve import Server
+    from turnrl.serve.app import RunningServer
+
+    example = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "openai_agent.py"))
+    task = example["task"](0)
+    a, b = [int(w) for w in task["question"].rstrip("?").split() if w.isdigit()]
+    call = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+    model, tokenizer = tiny_model(seed=0)
+    for replies, reward in (([call, f"It is {a * b}."], 1.0), ([f"It is {a * b + 1}."], 0.0)):
+        server = Server(model, ChatFormat(tokenizer), ScriptedEngine(tokenizer, replies),
+                        name="tiny", max_context=1024, cfg=ServeConfig(max_tokens=96))
+        with RunningServer(server) as running:
+            async def play():
+                async with AsyncOpenAI(base_url=running.base_url, api_key="x") as client:
+                    # one token a character: room for the call
+                    return await example["rollout"](client, task, max_tokens=96)
+            assert asyncio.run(play()) == reward
