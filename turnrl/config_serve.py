@@ -32,7 +32,8 @@ class ServeConfig(_Section):
     max_batch_rows: int = 64
     """most rows (choices) generated in one engine call; later requests wait for the next"""
     batch_window_s: float = 0.005
-    """an idle engine waits this long after a request arrives for others to join its batch"""
+    """an idle engine gathers a burst of requests in steps of this long while more keep
+    arriving (at most a quarter of its last call's time) before it generates"""
     record_dir: str = ""
     """write every recorded episode here as JSONL when it gets its reward ('' = keep in memory)"""
 
