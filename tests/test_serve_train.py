@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from turnrl.config import load_config
 from turnrl.models import tiny_model
+from turnrl.serve import load_server
 from turnrl.serve.train import train_agent
 
 
@@ -51,6 +52,11 @@ def test_a_short_run_through_the_client_trains_the_served_weights(tmp_path):
     after = load_file(str(checkpoint))
     changed = [k for k in after if k in before and not torch.equal(after[k], before[k])]
     assert changed, "no weight changed"
+    # `turnrl serve --serve.checkpoint DIR` serves the trained weights, tagged with their step.
+    served = load_server(load_config(None, ["--model.name", "tiny", "--serve.checkpoint",
+                                            str(checkpoint.parent)]))
+    assert served.engine.version == 2
+    assert torch.equal(served.model.state_dict()[changed[0]], after[changed[0]])
 
 
 def test_the_example_agent_uses_its_tool_and_scores_the_answer():
