@@ -68,8 +68,8 @@ def test_prompt_ids_append_only_the_new_text_to_the_sampled_ids():
     assert prompt_ids([seg, longer], "abcd", encode) == [7, ord("d")]
 
 
-def test_segments_share_the_reward_and_unrewarded_episodes_are_reported():
-    recorder = Recorder()
+def test_segments_share_the_reward_and_unrewarded_episodes_are_reported(tmp_path):
+    recorder = Recorder(str(tmp_path / "rec"))
     recorder.record("a", call([1, 2], [3]))
     recorder.record("a", call([5, 6], [7]))
     recorder.record("b", call([1], [2]))
@@ -80,6 +80,10 @@ def test_segments_share_the_reward_and_unrewarded_episodes_are_reported():
     with pytest.raises(KeyError, match="X-TurnRL-Episode"):
         recorder.set_reward("never", 1.0)
     assert recorder.unrewarded() == ["b"]
+    (line,) = (tmp_path / "rec" / "episodes.jsonl").read_text().splitlines()  # serve.record_dir
+    saved = json.loads(line)
+    assert saved["reward"] == 0.5 and [s["token_ids"] for s in saved["segments"]] == [
+        [1, 2, 3], [5, 6, 7]]
     episodes = training_episodes(recorder.episodes["a"], group=4)
     assert [(e.reward, e.group, e.token_ids) for e in episodes] == [(0.5, 4, [1, 2, 3]),
                                                                    (0.5, 4, [5, 6, 7])]
