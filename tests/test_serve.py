@@ -3,6 +3,7 @@ model: chat, streaming, n/max_tokens/stop, logprobs, errors, the API key and the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -159,3 +160,38 @@ def test_a_public_bind_without_a_key_refuses_to_start(capsys):
     assert cli.main(["serve", "--model.name", "tiny", "--serve.host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--serve.api_key" in err and "0.0.0.0" in err
+
+
+def test_concurrent_requests_share_engine_calls_and_a_slow_agent_blocks_nobody(live):
+    running, _ = live
+    batcher = running.server.batcher
+    calls, rows = batcher.calls, batcher.rows
+
+    async def agents() -> list[str]:
+        from openai import AsyncOpenAI
+
+        order = []
+        async with AsyncOpenAI(base_url=running.base_url, api_key="x", max_retries=0) as client:
+            async def ask():
+                return await client.chat.completions.create(model="tiny", messages=USER,
+                                                            max_tokens=4)
+
+            async def slow():  # one call, then a long "tool", then another call
+                await ask()
+                await asyncio.sleep(3.0)
+                order.append("slow")
+
+            async def quick():
+                for _ in range(3):
+                    await ask()
+                order.append("quick")
+
+            await asyncio.gather(*(ask() for _ in range(8)))
+            order.append(batcher.calls - calls)
+            await asyncio.gather(slow(), quick())
+        return order
+
+    calls_for_eight, *order = asyncio.run(agents())
+    assert batcher.rows - rows == 8 + 4
+    assert calls_for_eight < 8  # the 8 requests sent together shared engine calls
+    assert order == ["quick", "slow"]  # the quick agent finished while the slow one waited
