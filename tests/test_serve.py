@@ -176,7 +176,7 @@ def test_concurrent_requests_share_engine_calls_and_a_slow_agent_blocks_nobody(l
                 return await client.chat.completions.create(model="tiny", messages=USER,
                                                             max_tokens=4)
 
-            async def slow():  # one call, then a long "tool", then another call
+            async def slow():  # one call, then a long "tool" (3 s)
                 await ask()
                 await asyncio.sleep(3.0)
                 order.append("slow")
