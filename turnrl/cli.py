@@ -1,4 +1,4 @@
-"""``turnrl train | eval | report | envs``; the options are generated from the config."""
+"""``turnrl train | eval | serve | report | envs``; the options are generated from the config."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from turnrl.config import ConfigError, config_help, load_config
 
 USAGE = """turnrl train  [--config FILE.yaml] [--resume] [--mode sync|async] [--section.key VALUE ...]
 turnrl eval   [--config FILE.yaml] [--checkpoint DIR] [--section.key VALUE ...]
+turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.port P]
+              [--serve.api_key KEY] [--serve.checkpoint DIR] [--section.key VALUE ...]
 turnrl report RUN_DIR [--out FILE.png]
 turnrl envs
 
@@ -84,6 +86,15 @@ def cmd_eval(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_serve(argv: Sequence[str]) -> int:
+    from turnrl.serve.app import serve_forever
+    from turnrl.serve.server import load_server
+
+    own, overrides = _split(argv, {"--config": True})
+    serve_forever(load_server(load_config(own.get("--config"), overrides)))
+    return 0
+
+
 def cmd_report(argv: Sequence[str]) -> int:
     from turnrl.report import write_report
 
@@ -109,7 +120,7 @@ def cmd_envs(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "report": cmd_report, "envs": cmd_envs}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "serve": cmd_serve, "report": cmd_report, "envs": cmd_envs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

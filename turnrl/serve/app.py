@@ -1,0 +1,218 @@
+"""The HTTP face of ``Server``: FastAPI routes in OpenAI's shapes, auth, and how to run it.
+
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (JSON or server-sent events),
+and TurnRL's own ``POST /v1/turnrl/episodes/{id}/reward``, ``GET /v1/turnrl/episodes`` and
+``GET /v1/turnrl/episodes/{id}`` (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request  # the serve extra: pip install 'turnrl[serve]'
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from turnrl.serve.protocol import (
+    EPISODE_HEADER,
+    ApiError,
+    bad,
+    choice_message,
+    chunk_body,
+    completion_body,
+    logprobs_block,
+    new_id,
+    parse_chat_request,
+    usage,
+)
+from turnrl.serve.server import Choice, Server
+
+
+def make_app(server: Server) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(server.batcher.run())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="TurnRL", lifespan=lifespan)
+    key = server.cfg.api_key
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if key and request.url.path.startswith("/v1"):
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+                return JSONResponse(ApiError(401, "missing or wrong API key: send "
+                                             "'Authorization: Bearer KEY' (the client's "
+                                             "api_key)", code="invalid_api_key").body(), 401)
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError):
+        return JSONResponse(err.body(), err.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):
+        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), err.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, err: Exception):
+        return JSONResponse(ApiError(500, f"{type(err).__name__}: {err}",
+                                     kind="server_error").body(), 500)
+
+    def model_card() -> dict:
+        return {"id": server.name, "object": "model", "created": 0, "owned_by": "turnrl",
+                "policy_version": server.engine.version}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != server.name:
+            raise ApiError(404, f"the model '{name}' does not exist", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad("the request body is not valid JSON") from None
+        chat = parse_chat_request(body, request.headers.get(EPISODE_HEADER), server.cfg.max_n)
+        if chat.stream:
+            server.prompt(chat)  # bad input fails here, as JSON, before the stream starts
+            return StreamingResponse(_stream(server, chat), media_type="text/event-stream")
+        choices, prompt_tokens = await server.complete(chat)
+        return completion_body(new_id("chatcmpl"), server.name,
+                               [_choice_json(server, i, c, chat.logprobs)
+                                for i, c in enumerate(choices)],
+                               prompt_tokens, sum(len(c.token_ids) for c in choices))
+
+    @app.post("/v1/turnrl/episodes/{episode_id}/reward")
+    async def reward(episode_id: str, request: Request):
+        try:
+            value = (await request.json())["reward"]
+            value = float(value)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise bad("send {\"reward\": NUMBER}", "reward") from None
+        try:
+            server.recorder.set_reward(episode_id, value)
+        except KeyError as err:
+            raise ApiError(404, err.args[0], code="episode_not_found") from None
+        recorded = server.recorder.episodes[episode_id]
+        return {"episode_id": episode_id, "reward": value, "segments": len(recorded.segments)}
+
+    @app.get("/v1/turnrl/episodes")
+    async def episodes():
+        return {"data": [{"episode_id": e, "calls": r.calls, "segments": len(r.segments),
+                          "reward": r.reward} for e, r in server.recorder.episodes.items()],
+                "unrewarded": server.recorder.unrewarded()}
+
+    @app.get("/v1/turnrl/episodes/{episode_id}")
+    async def episode(episode_id: str):
+        if episode_id not in server.recorder.episodes:
+            raise ApiError(404, f"no episode '{episode_id}' was recorded",
+                           code="episode_not_found")
+        return server.recorder.episodes[episode_id].to_dict()
+
+    return app
+
+
+def _choice_json(server: Server, index: int, choice: Choice, logprobs: bool) -> dict:
+    out = {"index": index, "message": choice_message(choice.content, choice.tool_calls),
+           "finish_reason": choice.finish_reason, "logprobs": None}
+    if logprobs:
+        ids = choice.token_ids[:choice.visible]
+        out["logprobs"] = logprobs_block(server.token_texts(ids), choice.logprobs[:len(ids)])
+    return out
+
+
+def _sse(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+async def _stream(server: Server, chat):
+    """Server-sent events: the role at once, then the reply token by token once the batch
+    it is generated in ends (the engine decodes a batch together), then [DONE]."""
+    request_id, model = new_id("chatcmpl"), server.name
+    for i in range(chat.n):
+        yield _sse(chunk_body(request_id, model, i, {"role": "assistant", "content": ""}))
+    choices, prompt_tokens = await server.complete(chat)
+    for i, choice in enumerate(choices):
+        ids = choice.token_ids[:choice.visible]
+        if choice.tool_calls:
+            if choice.content:
+                yield _sse(chunk_body(request_id, model, i, {"content": choice.content}))
+            calls = [{"index": k, **call} for k, call in enumerate(choice.tool_calls)]
+            yield _sse(chunk_body(request_id, model, i, {"tool_calls": calls}))
+        else:
+            sent = 0
+            for k, (token, logprob) in enumerate(zip(server.token_texts(ids), choice.logprobs,
+                                                     strict=False)):
+                piece = token[:max(len(choice.content) - sent, 0)] if k == len(ids) - 1 \
+                    else token
+                sent += len(piece)
+                block = logprobs_block([token], [logprob]) if chat.logprobs else None
+                yield _sse(chunk_body(request_id, model, i, {"content": piece},
+                                      logprobs=block))
+        yield _sse(chunk_body(request_id, model, i, {}, choice.finish_reason))
+    if chat.include_usage:
+        yield _sse({"id": request_id, "object": "chat.completion.chunk",
+                    "created": int(time.time()), "model": model, "choices": [],
+                    "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices))})
+    yield _sse("[DONE]")
+
+
+class RunningServer:
+    """A server on a thread of this process (tests, ``train_agent``, benchmarks)."""
+
+    def __init__(self, server: Server, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.server = server
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        self.base_url = f"http://{host}:{self.port}/v1"
+        config = uvicorn.Config(make_app(server), log_level="warning", lifespan="on")
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run,
+                                       kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> RunningServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uvicorn.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start (see the log above)")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def serve_forever(server: Server) -> None:
+    """``turnrl serve``: listen on serve.host:serve.port until interrupted."""
+    import uvicorn
+
+    cfg = server.cfg
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))  # port 0: the port printed is the one taken
+    print(f"serving '{server.name}' at http://{cfg.host}:{sock.getsockname()[1]}/v1"
+          f"{' (API key required)' if cfg.api_key else ''}", flush=True)
+    config = uvicorn.Config(make_app(server), log_level="warning", lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,154 @@
+"""The served policy: one chat completion from checked request to choices, recorded.
+
+``Server`` holds the model, its chat format, the engine (shared with the trainer when
+training through the endpoint: the served weights *are* the trained ones), the batcher and
+the recorder. ``app.py`` puts it behind HTTP.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from turnrl.config import Config
+from turnrl.config_serve import ServeConfig
+from turnrl.policy import Policy, load_policy
+from turnrl.rollout import ChatFormat, Completion, SamplingParams
+from turnrl.serve.batcher import Batcher
+from turnrl.serve.prompt import ReplyMemory, call_format, render, split_reply
+from turnrl.serve.protocol import ApiError, ChatRequest, bad
+from turnrl.serve.record import Call, Recorder, prompt_ids
+
+
+@dataclass
+class Choice:
+    """One served choice: what the client sees and what was sampled for it."""
+
+    content: str | None
+    tool_calls: list[dict]
+    finish_reason: str
+    token_ids: list[int]
+    """Sampled ids kept (cut after a stop string), the end-of-turn token included if sampled."""
+    logprobs: list[float]
+    visible: int
+    """How many of ``token_ids`` the client sees (the end-of-turn token is not shown)."""
+
+
+def cut_at_stop(text_of, ids: list[int], stops: tuple[str, ...]) -> tuple[int, int] | None:
+    """(tokens to keep, characters of text to keep) when a stop string occurs in the text of
+    ``ids``: the text ends before it (OpenAI's rule) and the tokens at the one that completed
+    it. None when no stop string occurs. ``text_of(ids) -> str``."""
+    text = text_of(ids)
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if not hits:
+        return None
+    at = min(hits)
+    end = at + min(len(s) for s in stops if text.find(s) == at)
+    for k in range(1, len(ids) + 1):
+        if len(text_of(ids[:k])) >= end:
+            return k, at
+    return len(ids), at
+
+
+class Server:
+    def __init__(self, model: torch.nn.Module, chat: ChatFormat, engine, *, name: str,
+                 max_context: int | None, cfg: ServeConfig):
+        self.model, self.chat, self.engine = model, chat, engine
+        self.tokenizer = chat.tokenizer
+        self.name, self.max_context, self.cfg = name, max_context, cfg
+        self.weights_lock = threading.Lock()
+        self.batcher = Batcher(engine, self.weights_lock, cfg.max_batch_rows, cfg.batch_window_s)
+        self.recorder = Recorder(cfg.record_dir)
+        self.replies = ReplyMemory()
+        self.format = call_format(chat)
+
+    @classmethod
+    def from_policy(cls, policy: Policy, cfg: Config) -> Server:
+        return cls(policy.model, policy.chat, policy.engine,
+                   name=cfg.serve.model_name or cfg.model.name, max_context=policy.max_context,
+                   cfg=cfg.serve)
+
+    # ---- one chat completion ----------------------------------------------------------
+
+    def prompt(self, request: ChatRequest) -> tuple[str, list[int], SamplingParams]:
+        """The rendered prompt, its token ids and the sampling settings; 404/400 on bad input."""
+        if request.model != self.name:
+            raise ApiError(404, f"the model '{request.model}' does not exist; this server "
+                           f"serves '{self.name}'", param="model", code="model_not_found")
+        tools = request.tools if request.tool_choice != "none" else None
+        try:
+            text = render(self.chat, request.messages, self.replies, tools)
+        except Exception as err:  # noqa: BLE001 - a template refusing the messages is bad input
+            raise bad(f"the chat template cannot render these messages: {err}",
+                      "messages") from None
+        ids = prompt_ids(self.recorder.segments(request.episode), text, self.chat.encode)
+        max_new = request.max_tokens or self.cfg.max_tokens
+        if self.max_context:
+            room = self.max_context - len(ids)
+            if room < 1 or (request.max_tokens and request.max_tokens > room):
+                raise bad(f"this model's context is {self.max_context} tokens; the messages "
+                          f"take {len(ids)} and max_tokens asks for "
+                          f"{request.max_tokens or 'at least 1'} more: shorten the messages "
+                          "or lower max_tokens", "messages", "context_length_exceeded")
+            max_new = min(max_new, room)
+        params = SamplingParams(max_new, request.temperature, request.top_p,
+                                stop_token_ids=(self.chat.end_of_turn,))
+        return text, ids, params
+
+    async def complete(self, request: ChatRequest) -> tuple[list[Choice], int]:
+        """Generate, shape and record the choices; returns them and the prompt's length."""
+        text, ids, params = self.prompt(request)
+        completions, version = await self.batcher.generate(ids, params, request.n)
+        tools = request.tools if request.tool_choice != "none" else None
+        choices = [self._choice(c, request, tools) for c in completions]
+        for choice in choices:
+            raw = self.tokenizer.decode(choice.token_ids[:choice.visible])
+            self.replies.remember(choice.content, choice.tool_calls, raw)
+            if request.episode:
+                stopped = choice.visible < len(choice.token_ids)
+                reply = raw + (self.chat.end_of_turn_text if stopped else "")
+                self.recorder.record(request.episode, Call(ids, text, choice.token_ids,
+                                                           choice.logprobs, version, reply,
+                                                           request.temperature))
+        return choices, len(ids)
+
+    def _choice(self, completion: Completion, request: ChatRequest, tools) -> Choice:
+        token_ids, logprobs = completion.token_ids, completion.logprobs
+        stopped = completion.finish_reason == "stop"
+        visible = len(token_ids) - stopped
+        finish = "stop" if stopped else "length"
+        text = self.tokenizer.decode(token_ids[:visible])
+        if request.stop and (cut := cut_at_stop(self.tokenizer.decode, token_ids[:visible],
+                                                request.stop)):
+            keep, chars = cut
+            token_ids, logprobs, visible = token_ids[:keep], logprobs[:keep], keep
+            text, finish = text[:chars], "stop"
+        content, calls = split_reply(text, self.format) if tools else (text, [])
+        if calls:
+            finish = "tool_calls"
+        return Choice(content, calls, finish, list(token_ids), list(logprobs), visible)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([i]) for i in ids]
+
+
+def load_server(cfg: Config) -> Server:
+    """The model of ``cfg`` (and ``serve.checkpoint``'s weights), ready to serve."""
+    from pathlib import Path
+
+    from turnrl.checkpoint import load_checkpoint
+    from turnrl.models import configure_torch
+
+    configure_torch(cfg.run.threads)
+    policy = load_policy(cfg)
+    if cfg.serve.checkpoint:
+        checkpoint = Path(cfg.serve.checkpoint)
+        if not (checkpoint / "model.safetensors").is_file():
+            raise FileNotFoundError(f"no checkpoint at '{checkpoint}'; pass --serve.checkpoint "
+                                    "RUN_DIR/checkpoints/step-NNNNNN")
+        state, _ = load_checkpoint(checkpoint, policy.model,
+                                   torch.optim.AdamW(policy.model.parameters()))
+        policy.engine.version = state["step"]  # recorded tokens carry the checkpoint's step
+    return Server.from_policy(policy, cfg)
