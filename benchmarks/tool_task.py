@@ -136,15 +136,19 @@ def main() -> None:
     parser.add_argument("--warmup-demos", type=int, default=64)
     parser.add_argument("--warmup-lr", type=float, default=2e-5)
     parser.add_argument("--out", default="runs/tool-task")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (1 is faster on a machine shared with other jobs)")
     args = parser.parse_args()
     started = time.perf_counter()
     common = ["--env.name", ENV, "--rollout.max_new_tokens", "40", "--rollout.max_turns", "3",
               "--rollout.group_size", "8", "--rollout.groups_per_step", "4",
-              "--eval.episodes", str(args.episodes), "--run.steps", str(args.steps)]
+              "--eval.episodes", str(args.episodes), "--run.steps", str(args.steps),
+              "--run.threads", str(args.threads)]
     base_cfg = load_config(None, ["--model.name", args.model, *common])
     configure_torch(base_cfg.run.threads)
 
-    print(f"# machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"# machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
+          f"{args.threads} torch threads", flush=True)
     base = load_policy(base_cfg)
     base_result, base_episodes = base.run_eval()
     base_called, _ = called_share(base_episodes)
