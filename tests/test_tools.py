@@ -233,11 +233,13 @@ def test_native_tool_support_is_detected_from_the_template(template, fmt):
 
 
 def test_python_tool_runs_code_in_the_sandbox():
-    py = python_tool(Sandbox("fallback", Limits(wall_s=2.0, cpu_s=1.0)))
+    # a wall clock far above the CPU limit: on a loaded machine the loop gets a fraction of a
+    # core, and it is the CPU limit this test is about
+    py = python_tool(Sandbox("fallback", Limits(wall_s=40.0, cpu_s=1.0)))
     assert py.name == "python" and py.parameters["required"] == ["code"]
     text = "".join(f'<tool_call>{json.dumps({"name": "python", "arguments": {"code": c}})}'
                    f'</tool_call>' for c in ["print(123 * 456)", "1/0", "while True: pass", ""])
-    results = run(parse_tool_calls(text), [py])
+    results = run(parse_tool_calls(text), [py], timeout_s=60.0)
     assert results[0].content == "56088\n"
     assert "ZeroDivisionError" in results[1].content
     assert "[timeout] CPU-time limit of 1 s reached" in results[2].content
