@@ -17,6 +17,7 @@ from typing import Any, Literal, get_origin
 import yaml
 
 from turnrl.config_async import RayConfig, StalenessConfig
+from turnrl.config_explore import ExploreConfig
 from turnrl.config_types import (  # noqa: F401 - ConfigError is part of this module's API
     ConfigError,
     check_vllm_temperature,
@@ -245,6 +246,8 @@ class Config:
     """Ray cluster and rollout workers (async mode)"""
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     """bounded staleness and partial rollouts (async mode)"""
+    explore: ExploreConfig = field(default_factory=ExploreConfig)
+    """exploration and stability options (docs/exploration.md)"""
 
     def __post_init__(self) -> None:
         if self.ray.engine == "vllm":
