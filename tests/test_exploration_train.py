@@ -122,3 +122,19 @@ def test_every_option_at_once_trains_checkpoints_and_resumes(tmp_path):
                 "explore/trained_token_fraction", "warn/entropy_collapse"):
         assert all(key in r for r in records), key
     assert records[1]["explore/entropy_coef"] > 0  # entropy below 8 nats raised the bonus
+
+
+def test_exploration_benchmark_quick(tmp_path, capsys):
+    import json
+
+    import exploration
+
+    assert exploration.main(["--quick", "--out", str(tmp_path), "--jobs", "1",
+                             "--methods", "grpo,dapo"]) == 0
+    out = capsys.readouterr().out
+    assert "ratio: best option (dapo) / grpo pass@8 = " in out.splitlines()[-1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary) == {"grpo", "dapo"}
+    assert all(0 <= s["pass@1"] <= s["pass@8"] <= 1 for s in summary.values())
+    # Dynamic sampling collects at least the plain batch, more when groups were dropped.
+    assert summary["dapo"]["episodes"] >= summary["grpo"]["episodes"]
