@@ -51,5 +51,7 @@ def explore_settings(learner: Learner) -> UpdateSettings:
     algo = s.algo
     if explore.cfg.entropy_target:
         algo = replace(algo, entropy_coef=explore.entropy_coef)
-    return replace(s, algo=algo, temperature=explore.temperature(),
+    temperature = (explore.temperature() if explore.cfg.temperature_schedule != "constant"
+                   else s.temperature)
+    return replace(s, algo=algo, temperature=temperature,
                    top_entropy_fraction=explore.cfg.top_entropy_fraction)
