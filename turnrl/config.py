@@ -18,6 +18,7 @@ import yaml
 
 from turnrl.config_async import RayConfig, StalenessConfig
 from turnrl.config_serve import ServeConfig
+from turnrl.config_explore import ExploreConfig
 from turnrl.config_types import (  # noqa: F401 - ConfigError is part of this module's API
     ConfigError,
     check_vllm_temperature,
@@ -248,6 +249,8 @@ class Config:
     """bounded staleness and partial rollouts (async mode)"""
     serve: ServeConfig = field(default_factory=ServeConfig)
     """the OpenAI-compatible endpoint (turnrl serve)"""
+    explore: ExploreConfig = field(default_factory=ExploreConfig)
+    """exploration and stability options (docs/exploration.md)"""
 
     def __post_init__(self) -> None:
         if self.ray.engine == "vllm":

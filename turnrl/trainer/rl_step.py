@@ -9,9 +9,11 @@ here, ``algorithms/estimators.py`` (advantages) and ``trainer/step.py`` (the upd
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from turnrl.evaluation import EvalResult
 from turnrl.trainer.run import Learner, StageTimer, episode_metrics
-from turnrl.trainer.step import policy_update
+from turnrl.trainer.step import UpdateSettings, policy_update
 from turnrl.types import Batch, Episode
 
 
@@ -23,14 +25,33 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
     trains here), ``update`` (``policy_update``: one optimiser step per ``algo.epochs``; with
     decoupled PPO and several epochs it first scores the proximal policy), ``log``.
     """
+    explore = learner.explore
     with timer("advantages"):
-        advantages = learner.estimator.advantages(episodes, learner.model, learner.pad_id)
-        batch = Batch.from_episodes(episodes, advantages, learner.pad_id)
+        # The estimator sees shaped rewards (novelty, overlong); the logs the env's own.
+        scored = explore.shaped(episodes)
+        advantages = learner.estimator.advantages(scored, learner.model, learner.pad_id)
+        batch = Batch.from_episodes(episodes, explore.advantages(scored, advantages),
+                                    learner.pad_id)
+        batch = replace(batch, loss_mask=explore.loss_mask(episodes, batch.loss_mask))
     with timer("update"):
         update_metrics = policy_update(learner.model, learner.optimizer, batch,
-                                       learner.settings, learner.ref_model)
+                                       explore_settings(learner), learner.ref_model)
     with timer("log"):
         summary, metrics = episode_metrics(episodes)
         metrics.update(update_metrics)
         metrics.update(learner.estimator.metrics())
+        metrics.update(explore.end_step(update_metrics))
     return summary, metrics
+
+
+def explore_settings(learner: Learner) -> UpdateSettings:
+    """The step's update settings: the scheduled temperature (the one the episodes were
+    sampled at), the adaptive entropy coefficient, the top-entropy share (``explore``)."""
+    s, explore = learner.settings, learner.explore
+    algo = s.algo
+    if explore.cfg.entropy_target:
+        algo = replace(algo, entropy_coef=explore.entropy_coef)
+    temperature = (explore.temperature() if explore.cfg.temperature_schedule != "constant"
+                   else s.temperature)
+    return replace(s, algo=algo, temperature=temperature,
+                   top_entropy_fraction=explore.cfg.top_entropy_fraction)

@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from turnrl.algorithms.estimators import AdvantageEstimator, make_estimator
+from turnrl.algorithms.exploration import Exploration
 from turnrl.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -45,6 +46,7 @@ from turnrl.config import (
     config_to_dict,
     save_config,
 )
+from turnrl.config_explore import ExploreConfig
 from turnrl.evaluation import COLUMNS, EvalResult, summarize
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import configure_torch
@@ -96,6 +98,9 @@ class Learner:
     estimator: AdvantageEstimator
     pad_id: int
     ref_model: torch.nn.Module | None = None
+    explore: Exploration = field(default_factory=lambda: Exploration(
+        ExploreConfig(), steps=1, temperature=1.0, entropy_coef=0.0, max_policy_tokens=1))
+    """The ``explore`` options' stage (off by default)."""
 
 
 @dataclass
@@ -157,15 +162,34 @@ def build_learner(cfg: Config, policy: Policy, *, decoupled: bool = False) -> Le
     settings = update_settings(cfg, model)
     if decoupled:  # off-policy data needs the decoupled objective
         settings = replace(settings, algo=replace(settings.algo, decoupled=True))
+    explore = Exploration(cfg.explore, steps=cfg.run.steps, temperature=cfg.rollout.temperature,
+                          entropy_coef=cfg.algo.entropy_coef,
+                          max_policy_tokens=cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
     return Learner(model, make_optimizer(model, cfg.optim), settings,
                    make_estimator(cfg.algo, model.config.hidden_size, seed=cfg.run.seed),
                    policy.tokenizer.pad_token_id,
-                   copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None)
+                   copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None, explore)
+
+
+def check_explore(cfg: Config) -> None:
+    """Refuse ``explore`` options the run's mode or estimator cannot honour."""
+    e = cfg.explore
+    if cfg.run.mode == "async" and (e.dynamic_sampling or e.temperature_schedule != "constant"):
+        raise ConfigError("explore.dynamic_sampling and explore.temperature_schedule work in "
+                          "run.mode sync only (rollout workers sample on their own); turn them "
+                          "off or use sync mode")
+    if e.pass_k > cfg.rollout.group_size:
+        raise ConfigError(f"explore.pass_k {e.pass_k} exceeds rollout.group_size "
+                          f"{cfg.rollout.group_size}; lower it or raise the group size")
+    if e.pass_k and cfg.algo.advantage in ("gigpo", "turn_gae", "archer"):
+        raise ConfigError("explore.pass_k replaces outcome advantages: use algo.advantage "
+                          "grpo, dr_grpo, rloo or reinforce_pp with it")
 
 
 def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
               decoupled: bool = False) -> Run:
     """Open the run directory, seed, load the policy and learner, restore a checkpoint."""
+    check_explore(cfg)
     cfg, checkpoint = prepare_run_dir(cfg, resume)
     run_dir = Path(cfg.run.out_dir)
     configure_torch(cfg.run.threads if threads is None else threads)
@@ -183,6 +207,7 @@ def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
         saved = load_component(checkpoint, "estimator") or load_component(checkpoint, "credit")
         if saved:  # "credit": checkpoints written before estimators had one interface
             learner.estimator.load_state_dict(saved)
+        learner.explore.load_state_dict(load_component(checkpoint, "exploration") or {})
         print(f"resuming {run_dir} from step {run.start_step}")
     else:
         print(f"run directory: {run_dir}")
@@ -279,6 +304,10 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult,
     metrics.update(periodic_eval(run, step))
     metrics.update(timer.metrics())
     logger.log(step + 1, metrics)
+    warn = ",".join(k.removeprefix("warn/") for k, v in metrics.items()
+                    if k.startswith("warn/") and v)
+    # A stability guard's flag (algorithms/exploration.py) shows while it holds.
+    progress_fields["WARN"] = warn or None
     progress.update(step + 1, reward=summary.mean_reward, turns=summary.mean_turns,
                     success=f"{summary.success_rate:.0%}", **progress_fields)
     last = step + 1 == cfg.run.steps
@@ -287,7 +316,8 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult,
         save_checkpoint(run.run_dir, step + 1, learner.model, learner.optimizer,
                         rng=rng_state(run.policy.engine.generator),
                         keep=cfg.run.keep_checkpoints, extra=checkpoint_extra,
-                        components={"estimator": learner.estimator.state_dict()})
+                        components={"estimator": learner.estimator.state_dict(),
+                                    "exploration": learner.explore.state_dict()})
 
 
 def end_run(run: Run, before: EvalResult | None) -> TrainResult:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from turnrl.algorithms.exploration import entropy_threshold, high_entropy_mask
 from turnrl.algorithms.losses import (
     aggregate_loss,
     clipped_policy_loss,
@@ -33,6 +34,8 @@ class UpdateSettings:
     """Normaliser of ``seq_mean_token_sum_norm`` (max policy tokens per episode)."""
     token_budget: int = 0
     """Most padded tokens per micro-batch (0 = only ``optim.micro_batch_size`` rows)."""
+    top_entropy_fraction: float = 1.0
+    """Policy-gradient loss only on this top share of tokens by entropy (``explore``)."""
 
 
 def micro_batches(batch: Batch, size: int, token_budget: int = 0) -> list[Batch]:
@@ -211,6 +214,11 @@ def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
         raw = behaviour_weights(prox, mb.old_logprobs[:, 1:])
         stats["weight_sum"] = float((raw * mask).sum())
         stats["weight_sq_sum"] = float((raw * raw * mask).sum())
+    if s.top_entropy_fraction < 1:  # Wang et al. 2025: the normaliser keeps every token
+        keep = high_entropy_mask(entropy.detach(), mask, s.top_entropy_fraction,
+                                 totals.get("entropy_threshold"))
+        per_token = per_token * keep
+        stats["kept"] = float(keep.sum())
     stats.update({"clipped": float((clipped.float() * mask).sum()),
                   "entropy": float((entropy.detach() * mask).sum())})
     if s.algo.kl_coef > 0:
@@ -249,8 +257,13 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     model.train()
     totals = {"tokens": float(batch.loss_mask[:, 1:].sum().clamp(min=1)),
               "seqs": float(len(batch))}
+    if settings.top_entropy_fraction < 1 and len(micro_batches(
+            batch, settings.optim.micro_batch_size, settings.token_budget)) > 1:
+        # One threshold for the whole batch, from the weights before the update.
+        totals["entropy_threshold"] = batch_entropy_threshold(model, batch, settings)
+        model.train()
     sums: dict[str, float] = {"loss": 0.0, "clipped": 0.0, "entropy": 0.0, "kl": 0.0,
-                              "weight_sum": 0.0, "weight_sq_sum": 0.0}
+                              "weight_sum": 0.0, "weight_sq_sum": 0.0, "kept": 0.0}
     grad_norms, skipped = [], 0
     for _ in range(settings.algo.epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -282,6 +295,8 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     }
     if settings.algo.kl_coef > 0:
         metrics["kl"] = sums["kl"] / totals["tokens"] / passes
+    if settings.top_entropy_fraction < 1:
+        metrics["explore/trained_token_fraction"] = sums["kept"] / totals["tokens"] / passes
     if settings.algo.decoupled:
         # Normalised ESS (sum w)^2 / (n sum w^2) of the behaviour weights (first epoch's).
         n = totals["tokens"] * passes
@@ -300,6 +315,21 @@ def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimize
     except RuntimeError:  # a device or dtype without the fused kernel
         return torch.optim.AdamW(model.parameters(), lr=optim.lr,
                                  weight_decay=optim.weight_decay)
+
+
+@torch.no_grad()
+def batch_entropy_threshold(model: nn.Module, batch: Batch, settings: UpdateSettings) -> float:
+    """The entropy above which the batch's top ``top_entropy_fraction`` policy tokens lie."""
+    model.eval()
+    device = next(model.parameters()).device
+    values = []
+    for start in range(0, len(batch), settings.optim.micro_batch_size):
+        mb = batch.select(torch.arange(start, min(start + settings.optim.micro_batch_size,
+                                                  len(batch)))).to(device)
+        _, entropy = score_policy_tokens(model, mb, settings.temperature, entropy=True,
+                                         shared_prefix=settings.optim.shared_prefix)
+        values.append(entropy[mb.loss_mask[:, 1:].bool()].cpu())
+    return entropy_threshold(torch.cat(values), settings.top_entropy_fraction)
 
 
 @torch.no_grad()
