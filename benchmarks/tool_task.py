@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -154,6 +155,7 @@ def main() -> None:
     base_called, _ = called_share(base_episodes)
     print(f"base: {format_rate(base_result.successes, base_result.episodes)}, called the "
           f"tool correctly {base_called}/{len(base_episodes)}", flush=True)
+    del base, base_episodes  # one model in memory at a time (three copies went past 10 GB)
 
     model, tokenizer = load_model(args.model, dtype=base_cfg.model.dtype)
     warm_start = time.perf_counter()
@@ -164,6 +166,8 @@ def main() -> None:
     tokenizer.save_pretrained(warm_dir)
     print(f"format warm-up: {args.warmup_steps} steps, loss {losses[0]:.2f} -> "
           f"{losses[-1]:.2f}, {time.perf_counter() - warm_start:.0f} s", flush=True)
+    del model, tokenizer
+    gc.collect()
 
     rl_cfg = load_config(None, ["--model.name", str(warm_dir), *common, "--run.out_dir",
                                 args.out])
@@ -175,7 +179,7 @@ def main() -> None:
     rl_called, _ = called_share(after_episodes)
 
     rows = [["base model", format_rate(base_result.successes, base_result.episodes),
-             format_rate(base_called, len(base_episodes))],
+             format_rate(base_called, base_result.episodes)],
             ["format warm-up", format_rate(result.before.successes, result.before.episodes),
              format_rate(warm_called, n)],
             [f"+ RL {result.steps} steps", format_rate(result.after.successes,
