@@ -207,6 +207,19 @@ class Comparison:
                 "test": self.test, "p_value": self.p_value}
 
 
+def task_differences(a: SampledEval, b: SampledEval) -> list[float]:
+    """Per-task pass@1 of A minus B's, over the tasks both played."""
+    if a.seeds != b.seeds or a.samples != b.samples:
+        raise ValueError("compare needs both sides evaluated on the same tasks and samples")
+    return [(ca - cb) / a.samples for ca, cb in zip(a.successes, b.successes, strict=True)]
+
+
+def paired_difference(a: SampledEval, b: SampledEval) -> Estimate:
+    """pass@1 of A minus B with a percentile bootstrap over tasks of the paired differences."""
+    value, lo, hi = bootstrap_mean_interval(task_differences(a, b))
+    return Estimate(value, lo, hi, "paired percentile bootstrap over tasks")
+
+
 def compare(a: SampledEval, b: SampledEval) -> Comparison:
     """Paired comparison of pass@1 over the tasks both played.
 
@@ -216,11 +229,8 @@ def compare(a: SampledEval, b: SampledEval) -> Comparison:
     again when the rates are 0/1). The difference's interval is a percentile bootstrap
     over tasks of the per-task differences.
     """
-    if a.seeds != b.seeds or a.samples != b.samples:
-        raise ValueError("compare needs both sides evaluated on the same tasks and samples")
-    diffs = [(ca - cb) / a.samples for ca, cb in zip(a.successes, b.successes, strict=True)]
-    value, lo, hi = bootstrap_mean_interval(diffs)
-    difference = Estimate(value, lo, hi, "paired percentile bootstrap over tasks")
+    diffs = task_differences(a, b)
+    difference = paired_difference(a, b)
     if a.samples == 1:
         only_a = sum(d > 0 for d in diffs)
         only_b = sum(d < 0 for d in diffs)
