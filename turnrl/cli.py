@@ -96,12 +96,17 @@ def cmd_eval(argv: Sequence[str]) -> int:
 
 
 def cmd_report(argv: Sequence[str]) -> int:
-    from turnrl.report import write_report
+    from turnrl.report import write_html_report, write_report
 
-    own, rest = _split(argv, {"--out": True})
-    if len(rest) != 1:
-        raise ConfigError("usage: turnrl report RUN_DIR [--out FILE.png]")
-    print(write_report(rest[0], own.get("--out")))
+    own, rest = _split(argv, {"--out": True, "--html": True})
+    if not rest or any(r.startswith("-") for r in rest):
+        raise ConfigError("usage: turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] "
+                          "[--html FILE.html]")
+    if "--out" in own and len(rest) > 1:
+        raise ConfigError("--out names one PNG; with several runs each gets RUN_DIR/report.png")
+    for run_dir in rest:  # one PNG per run, as before
+        print(write_report(run_dir, own.get("--out")))
+    print(write_html_report(rest, own.get("--html")))  # every run on one page
     return 0
 
 
