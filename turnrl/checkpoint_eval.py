@@ -11,6 +11,7 @@ import copy
 import json
 from pathlib import Path
 
+from rich.console import Console
 from safetensors.torch import load_model
 
 from turnrl.checkpoint import latest_checkpoint
@@ -24,7 +25,7 @@ from turnrl.evaluation import (
     sampled_row,
     summarize_samples,
 )
-from turnrl.metrics import print_table
+from turnrl.metrics import print_table as _print_table
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy, sampling_params
 
@@ -91,6 +92,15 @@ class Evaluator:
         return play(self.policy, self.cfg, samples, name)
 
 
+def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """The results table; piped (not a terminal), at least 140 columns wide, so labels and
+    intervals are not cut to the 80-column default."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 140))
+    _print_table(title, columns, rows, console=console)
+
+
 def _label(checkpoint: Path) -> str:
     return f"{checkpoint.parent.parent.name}/{checkpoint.name}"
 
@@ -107,7 +117,7 @@ def eval_one(target: str | None, config_path: str | None, overrides: list[str],
              samples: int) -> dict:
     checkpoint = resolve_checkpoint(target) if target else None
     cfg = run_config(checkpoint, config_path, overrides)
-    label = _label(checkpoint) if checkpoint else cfg.model.name
+    label = checkpoint.name if checkpoint else cfg.model.name
     result = Evaluator(cfg).run(checkpoint, samples, label)
     print_table(f"{cfg.env.name}: {cfg.eval.episodes} held-out tasks x {samples} samples "
                 f"({result.episodes} episodes)",
