@@ -83,8 +83,10 @@ def cmd_eval(argv: Sequence[str]) -> int:
     config = own.get("--config")
     if pair:
         report = eval_compare(*pair, config, overrides, int(samples))
-    elif run_dirs:
+    elif len(run_dirs) > 1:
         report = eval_seeds(run_dirs, config, overrides, int(samples))
+    elif run_dirs:  # one run: its newest checkpoint
+        report = eval_one(run_dirs[0], config, overrides, int(samples))
     else:
         report = eval_one(own.get("--checkpoint"), config, overrides, int(samples))
     if "--out" in own:
