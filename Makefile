@@ -5,9 +5,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.turnrl-installed
 
-.PHONY: setup train test lint clean setup-gpu test-gpu train-gpu
+.PHONY: setup browser train test lint clean setup-gpu test-gpu train-gpu
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# chromium renders the HTML run report in tests/test_report_html.py; a Debian package.
+# Checked on every `make setup` (not only when the venv is built), so older checkouts get it.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && (apt-get install -y -qq chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)); } \
+	  || echo "note: install chromium (apt-get install chromium) for the HTML report's browser test"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

@@ -20,7 +20,7 @@ LAYERS = [
     {"algorithms", "policy"},
     {"trainer"},
     {"distributed"},
-    {"launch", "cli", "report", "serve"},
+    {"launch", "cli", "report", "serve", "checkpoint_eval"},
 ]
 LAYER = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 MAX_LINES = 500

@@ -9,10 +9,12 @@ from pathlib import Path
 from turnrl.config import ConfigError, config_help, load_config
 
 USAGE = """turnrl train  [--config FILE.yaml] [--resume] [--mode sync|async] [--section.key VALUE ...]
-turnrl eval   [--config FILE.yaml] [--checkpoint DIR] [--section.key VALUE ...]
+turnrl eval   [--config FILE.yaml] [--checkpoint DIR] [--samples N] [--out FILE.json] [--section.key VALUE ...]
+turnrl eval   --compare A B [--samples N] [--out FILE.json] ...    (A, B: checkpoint, run dir or base)
+turnrl eval   RUN_DIR [RUN_DIR ...] [--samples N] [--out FILE.json] ...  (seeds of one config)
 turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.port P]
               [--serve.api_key KEY] [--serve.checkpoint DIR] [--section.key VALUE ...]
-turnrl report RUN_DIR [--out FILE.png]
+turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] [--html FILE.html]
 turnrl envs
 
 Every config field is an option; `turnrl train --help` lists them with their docs."""
@@ -57,32 +59,43 @@ def cmd_train(argv: Sequence[str]) -> int:
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
-    import torch
+    import json
 
-    from turnrl.checkpoint import load_checkpoint
-    from turnrl.evaluation import COLUMNS
-    from turnrl.metrics import print_table
-    from turnrl.models import configure_torch
-    from turnrl.policy import load_policy
+    from turnrl.checkpoint_eval import eval_compare, eval_one, eval_seeds
 
-    own, overrides = _split(argv, {"--config": True, "--checkpoint": True})
-    config_path = own.get("--config")
-    run_config = Path(own.get("--checkpoint", ".")).parent.parent / "config.yaml"
-    if config_path is None and "--checkpoint" in own and run_config.exists():
-        config_path = str(run_config)  # evaluate on the run's own model, env and settings
-    cfg = load_config(config_path, overrides)
-    configure_torch(cfg.run.threads)
-    policy = load_policy(cfg)
-    label = cfg.model.name
-    if "--checkpoint" in own:
-        checkpoint = Path(own["--checkpoint"])
-        if not (checkpoint / "model.safetensors").is_file():
-            raise FileNotFoundError(f"no checkpoint at '{checkpoint}'; pass a "
-                                    "RUN_DIR/checkpoints/step-NNNNNN directory")
-        load_checkpoint(checkpoint, policy.model, torch.optim.AdamW(policy.model.parameters()))
-        label = checkpoint.name
-    result, _ = policy.run_eval()
-    print_table(f"{cfg.env.name}: {cfg.model.name}", COLUMNS, [result.row(label)])
+    args = list(argv)
+    run_dirs = []
+    while args and not args[0].startswith("-"):  # leading RUN_DIRs: seeds of one config
+        run_dirs.append(args.pop(0))
+    pair = None
+    if "--compare" in args:
+        i = args.index("--compare")
+        pair = args[i + 1:i + 3]
+        if len(pair) != 2 or any(p.startswith("--") for p in pair):
+            raise ConfigError("--compare needs two checkpoints: --compare A B "
+                              "(each a checkpoint dir, a run dir or 'base')")
+        del args[i:i + 3]
+    own, overrides = _split(args, {"--config": True, "--checkpoint": True, "--samples": True,
+                                   "--out": True})
+    samples = own.get("--samples", "1")
+    if not samples.isdigit() or int(samples) < 1:
+        raise ConfigError(f"--samples must be a whole number >= 1, got '{samples}'")
+    if sum(bool(x) for x in (run_dirs, pair, "--checkpoint" in own)) > 1:
+        raise ConfigError("give one of: RUN_DIR [RUN_DIR ...], --compare A B, --checkpoint DIR")
+    config = own.get("--config")
+    if pair:
+        report = eval_compare(*pair, config, overrides, int(samples))
+    elif len(run_dirs) > 1:
+        report = eval_seeds(run_dirs, config, overrides, int(samples))
+    elif run_dirs:  # one run: its newest checkpoint
+        report = eval_one(run_dirs[0], config, overrides, int(samples))
+    else:
+        report = eval_one(own.get("--checkpoint"), config, overrides, int(samples))
+    if "--out" in own:
+        out = Path(own["--out"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {out}")
     return 0
 
 
@@ -96,12 +109,17 @@ def cmd_serve(argv: Sequence[str]) -> int:
 
 
 def cmd_report(argv: Sequence[str]) -> int:
-    from turnrl.report import write_report
+    from turnrl.report import write_html_report, write_report
 
-    own, rest = _split(argv, {"--out": True})
-    if len(rest) != 1:
-        raise ConfigError("usage: turnrl report RUN_DIR [--out FILE.png]")
-    print(write_report(rest[0], own.get("--out")))
+    own, rest = _split(argv, {"--out": True, "--html": True})
+    if not rest or any(r.startswith("-") for r in rest):
+        raise ConfigError("usage: turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] "
+                          "[--html FILE.html]")
+    if "--out" in own and len(rest) > 1:
+        raise ConfigError("--out names one PNG; with several runs each gets RUN_DIR/report.png")
+    for run_dir in rest:  # one PNG per run, as before
+        print(write_report(run_dir, own.get("--out")))
+    print(write_html_report(rest, own.get("--html")))  # every run on one page
     return 0
 
 

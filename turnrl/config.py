@@ -17,8 +17,8 @@ from typing import Any, Literal, get_origin
 import yaml
 
 from turnrl.config_async import RayConfig, StalenessConfig
-from turnrl.config_serve import ServeConfig
 from turnrl.config_explore import ExploreConfig
+from turnrl.config_serve import ServeConfig
 from turnrl.config_types import (  # noqa: F401 - ConfigError is part of this module's API
     ConfigError,
     check_vllm_temperature,

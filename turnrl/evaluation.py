@@ -1,4 +1,10 @@
-"""Held-out evaluation: success rate with a Wilson 95% interval, failed episodes counted."""
+"""Held-out evaluation: success rates and pass@k with 95% intervals, failed episodes counted.
+
+``evaluate`` plays episodes; ``summarize`` gives the before/after table's row (one sample
+per task); ``summarize_samples`` groups several samples per task into pass@k with
+intervals; ``compare`` tests two policies on the same tasks; ``aggregate_seeds`` pools
+training seeds. docs/evaluation.md says which interval and test is used where, and why.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,15 @@ from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Engine, SamplingParams
 from turnrl.rollout.loop import run_episodes, run_sync
-from turnrl.stats import format_rate, wilson_interval
+from turnrl.stats import (
+    bootstrap_mean_interval,
+    format_rate,
+    mcnemar_exact,
+    pass_at_k,
+    sign_flip_test,
+    t_interval,
+    wilson_interval,
+)
 from turnrl.types import Episode
 
 COLUMNS = ["policy", "success [95% CI]", "mean reward", "mean turns", "episodes"]
@@ -66,3 +80,188 @@ def evaluate(make: Callable[[], Env], seeds: Sequence[int], engine: Engine, chat
                                              env_timeout_s=env_timeout_s,
                                              max_context=max_context))
     return summarize(episodes), episodes
+
+
+# --------------------------------------------------------------------------- pass@k over samples
+
+FAILURE_STATUSES = ("truncated", "timeout", "error")
+"""Episode endings other than ``done``: counted (as non-successes), never dropped."""
+
+
+@dataclass
+class Estimate:
+    """A point estimate with its 95% interval and how the interval was made."""
+
+    value: float
+    lo: float
+    hi: float
+    method: str
+
+    def text(self) -> str:
+        return f"{100 * self.value:.1f}% [{100 * self.lo:.1f}, {100 * self.hi:.1f}]"
+
+
+@dataclass
+class SampledEval:
+    """Held-out tasks (env seeds), each played ``samples`` times: pass@k and what failed."""
+
+    label: str
+    seeds: list[int]
+    successes: list[int]
+    """Correct samples per task, in the order of ``seeds``."""
+    samples: int
+    mean_turns: float
+    mean_tokens: float
+    mean_policy_tokens: float
+    mean_reward: float
+    statuses: dict[str, int]
+    """Episodes per ending: done, truncated (out of turns or context), timeout, error."""
+
+    @property
+    def episodes(self) -> int:
+        return len(self.seeds) * self.samples
+
+    @property
+    def failures(self) -> int:
+        return sum(self.statuses.get(s, 0) for s in FAILURE_STATUSES)
+
+    def ks(self) -> list[int]:
+        """1, 2, 4, ... up to the samples per task, and the samples themselves."""
+        ks = [k for k in (2**i for i in range(12)) if k < self.samples]
+        return ks + [self.samples]
+
+    def task_pass_at(self, k: int) -> list[float]:
+        return [pass_at_k(self.samples, c, k) for c in self.successes]
+
+    def pass_at(self, k: int) -> Estimate:
+        """pass@k, the mean over tasks of the unbiased estimator (Chen et al. 2021).
+
+        With one sample per task the episodes are independent Bernoulli draws, so pass@1
+        gets a Wilson interval; otherwise samples of a task are correlated and the
+        interval is a percentile bootstrap over tasks.
+        """
+        if self.samples == 1:
+            lo, hi = wilson_interval(sum(self.successes), len(self.successes))
+            return Estimate(sum(self.successes) / max(len(self.successes), 1), lo, hi,
+                            "Wilson score")
+        value, lo, hi = bootstrap_mean_interval(self.task_pass_at(k))
+        return Estimate(value, lo, hi, "percentile bootstrap over tasks")
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "tasks": len(self.seeds), "samples": self.samples,
+                "episodes": self.episodes,
+                "pass_at_k": {str(k): asdict(self.pass_at(k)) for k in self.ks()},
+                "mean_turns": self.mean_turns, "mean_tokens": self.mean_tokens,
+                "mean_policy_tokens": self.mean_policy_tokens, "mean_reward": self.mean_reward,
+                "failures": self.failures, "statuses": self.statuses,
+                "per_task": [{"seed": s, "successes": c}
+                             for s, c in zip(self.seeds, self.successes, strict=True)]}
+
+
+def summarize_samples(label: str, episodes: Sequence[Episode], samples: int) -> SampledEval:
+    """Group episodes by task seed (in first-seen order); every task needs ``samples``."""
+    counts: dict[int, list[bool]] = {}
+    for ep in episodes:
+        counts.setdefault(ep.seed, []).append(ep.success)
+    uneven = {s: len(v) for s, v in counts.items() if len(v) != samples}
+    if uneven:
+        raise ValueError(f"tasks with other than {samples} samples: {uneven}")
+    n = max(len(episodes), 1)
+    statuses: dict[str, int] = {}
+    for ep in episodes:
+        statuses[ep.status] = statuses.get(ep.status, 0) + 1
+    return SampledEval(
+        label, list(counts), [sum(v) for v in counts.values()], samples,
+        mean_turns=sum(len(ep.turns) for ep in episodes) / n,
+        mean_tokens=sum(len(ep.token_ids) for ep in episodes) / n,
+        mean_policy_tokens=sum(ep.num_policy_tokens for ep in episodes) / n,
+        mean_reward=sum(ep.reward for ep in episodes) / n, statuses=statuses)
+
+
+def sampled_columns(ks: Sequence[int]) -> list[str]:
+    return ["policy", *(f"pass@{k} [95% CI]" for k in ks), "mean turns", "mean tokens",
+            "failures (trunc/timeout/error)", "tasks x samples"]
+
+
+def sampled_row(result: SampledEval) -> list[str]:
+    s = result.statuses
+    fails = "/".join(str(s.get(k, 0)) for k in FAILURE_STATUSES)
+    return [result.label, *(result.pass_at(k).text() for k in result.ks()),
+            f"{result.mean_turns:.2f}", f"{result.mean_tokens:.1f}",
+            f"{result.failures} ({fails})", f"{len(result.seeds)} x {result.samples}"]
+
+
+@dataclass
+class Comparison:
+    """Whether A and B differ in pass@1 on the same tasks, by a named paired test."""
+
+    a: str
+    b: str
+    difference: Estimate
+    """pass@1 of A minus pass@1 of B."""
+    test: str
+    p_value: float
+
+    def to_dict(self) -> dict:
+        return {"a": self.a, "b": self.b, "difference": asdict(self.difference),
+                "test": self.test, "p_value": self.p_value}
+
+
+def task_differences(a: SampledEval, b: SampledEval) -> list[float]:
+    """Per-task pass@1 of A minus B's, over the tasks both played."""
+    if a.seeds != b.seeds or a.samples != b.samples:
+        raise ValueError("compare needs both sides evaluated on the same tasks and samples")
+    return [(ca - cb) / a.samples for ca, cb in zip(a.successes, b.successes, strict=True)]
+
+
+def paired_difference(a: SampledEval, b: SampledEval) -> Estimate:
+    """pass@1 of A minus B with a percentile bootstrap over tasks of the paired differences."""
+    value, lo, hi = bootstrap_mean_interval(task_differences(a, b))
+    return Estimate(value, lo, hi, "paired percentile bootstrap over tasks")
+
+
+def compare(a: SampledEval, b: SampledEval) -> Comparison:
+    """Paired comparison of pass@1 over the tasks both played.
+
+    One sample per task: McNemar's exact test on the discordant tasks (each task is one
+    pair of episodes, same seed, sampler reseeded alike). Several: the paired sign-flip
+    permutation test on per-task success-rate differences (which is McNemar's exact test
+    again when the rates are 0/1). The difference's interval is a percentile bootstrap
+    over tasks of the per-task differences.
+    """
+    diffs = task_differences(a, b)
+    difference = paired_difference(a, b)
+    if a.samples == 1:
+        only_a = sum(d > 0 for d in diffs)
+        only_b = sum(d < 0 for d in diffs)
+        return Comparison(a.label, b.label, difference, "McNemar exact (paired per task)",
+                          mcnemar_exact(only_a, only_b))
+    return Comparison(a.label, b.label, difference,
+                      "paired sign-flip permutation test on per-task pass@1",
+                      sign_flip_test(diffs))
+
+
+def aggregate_seeds(results: Sequence[SampledEval]) -> dict[str, Estimate]:
+    """pass@k over several training seeds of one config: Student t interval over the seed
+    means (each seed is one independent run; tasks and samples are nested within it)."""
+    ks = results[0].ks()
+    out = {}
+    for k in ks:
+        value, lo, hi = t_interval([r.pass_at(k).value for r in results])
+        out[str(k)] = Estimate(value, lo, hi, f"t-interval over {len(results)} seed means")
+    return out
+
+
+def episode_transcript(episode: Episode, decode: Callable[[list[int]], str]) -> dict:
+    """A small, readable JSON view of an episode: its token stream cut where the author
+    changes (policy-sampled tokens vs environment and template tokens), each part decoded."""
+    segments: list[dict] = []
+    start = 0
+    for i in range(1, len(episode.token_ids) + 1):
+        if i == len(episode.token_ids) or episode.loss_mask[i] != episode.loss_mask[start]:
+            role = "policy" if episode.loss_mask[start] else "env"
+            segments.append({"role": role, "text": decode(episode.token_ids[start:i])})
+            start = i
+    return {"env": episode.env, "seed": episode.seed, "reward": episode.reward,
+            "success": episode.success, "status": episode.status,
+            "turns": len(episode.turns), "segments": segments}

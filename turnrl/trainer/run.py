@@ -47,7 +47,7 @@ from turnrl.config import (
     save_config,
 )
 from turnrl.config_explore import ExploreConfig
-from turnrl.evaluation import COLUMNS, EvalResult, summarize
+from turnrl.evaluation import COLUMNS, EvalResult, episode_transcript, summarize
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy
@@ -141,6 +141,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
         for name in _PER_RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
         shutil.rmtree(run_dir / "episodes", ignore_errors=True)
+        shutil.rmtree(run_dir / "samples", ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, saved)
     return cfg, checkpoint if resume else None
@@ -301,6 +302,7 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult,
     if cfg.run.sample_episodes:
         write_episodes(run.run_dir / "episodes" / f"step-{step + 1:06d}.jsonl",
                        episodes[:cfg.run.sample_episodes])
+        write_transcripts(run, f"step-{step + 1:06d}", episodes[:cfg.run.sample_episodes])
     metrics.update(periodic_eval(run, step))
     metrics.update(timer.metrics())
     logger.log(step + 1, metrics)
@@ -320,6 +322,14 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult,
                                     "exploration": learner.explore.state_dict()})
 
 
+def write_transcripts(run: Run, name: str, episodes: list[Episode]) -> None:
+    """A few episodes as small readable JSON (decoded policy/env parts) for the HTML report."""
+    decode = lambda ids: run.policy.tokenizer.decode(ids)  # noqa: E731 - keeps special tokens
+    (run.run_dir / "samples").mkdir(exist_ok=True)
+    (run.run_dir / "samples" / f"{name}.json").write_text(
+        json.dumps([episode_transcript(ep, decode) for ep in episodes]))
+
+
 def end_run(run: Run, before: EvalResult | None) -> TrainResult:
     """Evaluate after training and print (and save) the before/after table."""
     cfg = run.cfg
@@ -330,6 +340,9 @@ def end_run(run: Run, before: EvalResult | None) -> TrainResult:
         write_episodes(path.with_suffix(".jsonl"), episodes)
         _atomic_write(path.with_suffix(".json"),
                       lambda f: f.write(json.dumps(after.to_dict()).encode()))
+        # the report shows a solved and an unsolved held-out episode when there are both
+        write_transcripts(run, "eval_after", [ep for ep in episodes if ep.success][:1]
+                          + [ep for ep in episodes if not ep.success][:1])
     table = ""
     if before and after:
         title = f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes, before vs after"

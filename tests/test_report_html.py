@@ -1,0 +1,144 @@
+"""The HTML run report, opened in a real headless Chromium (Debian's, from `make setup`)."""
+
+import json
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from turnrl.cli import main
+from turnrl.metrics import MetricsLogger
+from turnrl.report import write_html_report
+
+TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_tokens", "3",
+        "--run.progress", "false", "--run.tensorboard", "false"]
+HOSTILE = '</pre><script>document.title="pwned"</script><b>bold?</b> & <|im_end|>'
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        pytest.fail("chromium is not installed: run `make setup` (it installs Debian's "
+                    "chromium), or `apt-get install chromium`")
+    return found
+
+
+def _browser(*args: str) -> subprocess.CompletedProcess:
+    # --no-sandbox: Chromium's own sandbox refuses to start as root (CI containers).
+    return subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+                           "--window-size=1360,1500", *args], capture_output=True, text=True,
+                          timeout=180, check=True)
+
+
+class _Dom(HTMLParser):
+    """Elements (tag, attributes, text inside) of the DOM Chromium dumped."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.elements: list[dict] = []
+        self._open: list[dict] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        element = {"tag": tag, "attrs": dict(attrs), "text": ""}
+        self.elements.append(element)
+        if tag not in ("circle", "line", "rect", "path", "meta", "br"):
+            self._open.append(element)
+
+    def handle_endtag(self, tag):
+        while self._open and self._open.pop()["tag"] != tag:
+            pass
+
+    def handle_data(self, data):
+        for element in self._open:
+            element["text"] += data
+
+    def find(self, tag: str, cls: str | None = None) -> list[dict]:
+        return [e for e in self.elements if e["tag"] == tag
+                and (cls is None or cls in e["attrs"].get("class", "").split())]
+
+
+def _rendered(page: Path) -> _Dom:
+    """The DOM after the page's script ran, as Chromium holds it."""
+    return _Dom(_browser("--dump-dom", page.resolve().as_uri()).stdout)
+
+
+def _hand_made_run(run_dir: Path, steps: int = 12) -> None:
+    with MetricsLogger(run_dir) as logger:
+        for step in range(1, steps + 1):
+            logger.log(step, {"reward/mean": step / steps, "success/rate": step / (steps + 2),
+                              "entropy": 2.0 / step, "clip_fraction": 0.01 * (step % 3),
+                              **({"eval/success": 0.5, "eval/success_lo": 0.3,
+                                  "eval/success_hi": 0.7} if step == 6 else {})})
+    (run_dir / "config.yaml").write_text("env: {name: guess-number}\nrun: {steps: 12}\n")
+    for key, rate in (("before", 0.1), ("after", 0.8)):
+        (run_dir / f"eval_{key}.json").write_text(json.dumps(
+            {"episodes": 10, "successes": int(10 * rate), "mean_reward": rate,
+             "mean_turns": 3.0, "failed": 1, "success_rate": rate, "ci_lo": rate / 2,
+             "ci_hi": min(1.0, rate * 1.2)}))
+    (run_dir / "samples").mkdir()
+    (run_dir / "samples" / "step-000001.json").write_text(json.dumps([{
+        "seed": 3, "reward": 1.0, "success": True, "status": "done", "turns": 1,
+        "segments": [{"role": "env", "text": "Guess a number <1..10>."},
+                     {"role": "policy", "text": HOSTILE}]}]))
+
+
+def test_report_renders_curves_table_and_escaped_conversation_in_chromium(tmp_path):
+    a, b = tmp_path / "seed-a", tmp_path / "seed-b"
+    for run in (a, b):
+        run.mkdir()
+        _hand_made_run(run)
+    page = write_html_report([a, b])
+    assert page == a / "report.html"
+    dom = _rendered(page)
+
+    charts = dom.find("svg", "chart")
+    metrics = [c["attrs"]["data-metric"] for c in charts]
+    assert metrics[:4] == ["reward/mean", "success/rate (squares: held-out, 95% CI)",
+                           "entropy", "clip_fraction"]
+    # the page's script measured every chart's lines in the browser
+    assert all(float(c["attrs"]["data-drawn"]) > 100 for c in charts)
+    body = dom.find("body")[0]["attrs"]
+    assert body["data-charts-drawn"] == str(len(charts))
+    lines = dom.find("path", "line")
+    assert len(lines) == 2 * len(charts)  # one line per run in every chart
+    assert all(p["attrs"]["d"].count("L") == 11 for p in lines)  # 12 steps, 12 points
+    assert len(dom.find("g", "interval")) == 2 * 2  # step 6 and "after", for each run
+
+    rows = dom.find("table", "eval")[0]["text"]
+    assert "before training" in rows and "80.0% [40.0, 96.0]" in rows
+    assert body["data-eval-rows"] == "4"
+
+    # policy and environment turns told apart; the hostile text shown, not run
+    assert "Guess a number <1..10>." in dom.find("div", "env")[0]["text"]
+    assert HOSTILE in dom.find("div", "policy")[0]["text"]
+    assert len(dom.find("script")) == 1
+    assert "pwned" not in dom.find("title")[0]["text"]
+
+
+@pytest.mark.slow
+def test_report_of_a_real_run_in_chromium_and_its_screenshot(tmp_path):
+    """A real tiny-model run: the trainer's sample transcripts, metrics and evaluations
+    make a page Chromium draws (the screenshot has the curves' blue in it)."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--run.steps", "3", "--eval.episodes", "4",
+                 "--eval.every", "1", "--run.out_dir", str(run)]) == 0
+    transcripts = json.loads((run / "samples" / "step-000003.json").read_text())
+    assert {s["role"] for s in transcripts[0]["segments"]} == {"env", "policy"}
+    assert main(["report", str(run)]) == 0
+    dom = _rendered(run / "report.html")
+    charts = dom.find("svg", "chart")
+    assert len(charts) >= 4 and all(float(c["attrs"]["data-drawn"]) > 0 for c in charts)
+    assert len(dom.find("div", "policy")) >= 1 and len(dom.find("div", "env")) >= 1
+    assert "after 3 steps" in dom.find("table", "eval")[0]["text"]
+
+    shot = tmp_path / "shot.png"
+    _browser(f"--screenshot={shot}", (run / "report.html").resolve().as_uri())
+    pixels = imread(shot)[..., :3]
+    blue = np.all(np.abs(pixels - np.array([0x1F, 0x77, 0xB4]) / 255) < 0.05, axis=-1)
+    assert blue.sum() > 500  # the curves' colour, drawn
+    assert pixels.std() > 0.05  # not a blank page

@@ -1,0 +1,178 @@
+"""``turnrl eval``: play checkpoints (or the base model) on held-out tasks, several samples
+each; one policy, a paired comparison of two, or several training seeds of one config.
+
+The maths (pass@k, intervals, tests) is in ``turnrl.evaluation`` and ``turnrl.stats``; this
+module finds checkpoints and their run's config, loads weights and plays the episodes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from rich.console import Console
+from safetensors.torch import load_model
+
+from turnrl.checkpoint import latest_checkpoint
+from turnrl.config import Config, ConfigError, load_config
+from turnrl.evaluation import (
+    SampledEval,
+    aggregate_seeds,
+    compare,
+    evaluate,
+    sampled_columns,
+    sampled_row,
+    summarize_samples,
+)
+from turnrl.metrics import print_table as _print_table
+from turnrl.models import configure_torch
+from turnrl.policy import Policy, load_policy, sampling_params
+
+BASE = "base"
+"""Names the config's model as it loads, untrained, where a checkpoint is expected."""
+
+
+def resolve_checkpoint(target: str) -> Path | None:
+    """A checkpoint directory for ``target``: itself, a run directory's newest checkpoint,
+    or None for ``base``. Anything else is a one-line error."""
+    if target == BASE:
+        return None
+    path = Path(target)
+    if (path / "model.safetensors").is_file():
+        return path
+    if (path / "config.yaml").is_file():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"run directory '{path}' has no checkpoint yet")
+        return found
+    raise FileNotFoundError(f"no checkpoint at '{path}'; pass a RUN_DIR, a "
+                            "RUN_DIR/checkpoints/step-NNNNNN directory or 'base'")
+
+
+def run_config(checkpoint: Path | None, config_path: str | None, overrides: list[str]) -> Config:
+    """The config to evaluate under: ``--config`` if given, else the checkpoint's run's own
+    (its model, env and settings), else the defaults; overrides apply on top."""
+    if config_path is None and checkpoint is not None:
+        saved = checkpoint.parent.parent / "config.yaml"
+        config_path = str(saved) if saved.is_file() else None
+    return load_config(config_path, overrides)
+
+
+def play(policy: Policy, cfg: Config, samples: int, label: str) -> SampledEval:
+    """``eval.episodes`` held-out tasks x ``samples`` episodes each, the sampler reseeded
+    with ``run.seed`` first so two policies compared draw alike."""
+    policy.engine.generator.manual_seed(cfg.run.seed)
+    tasks = range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes)
+    seeds = [seed for seed in tasks for _ in range(samples)]
+    _, episodes = evaluate(policy.make_env, seeds, policy.engine, policy.chat,
+                           sampling_params(cfg, policy.chat, cfg.eval.temperature),
+                           env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
+                           env_timeout_s=cfg.rollout.env_timeout_s,
+                           max_context=policy.max_context)
+    return summarize_samples(label, episodes, samples)
+
+
+class Evaluator:
+    """One loaded policy whose weights are swapped between checkpoints of the same model."""
+
+    def __init__(self, cfg: Config):
+        configure_torch(cfg.run.threads)
+        self.cfg = cfg
+        self.policy = load_policy(cfg)
+        self.base = copy.deepcopy(self.policy.model.state_dict())
+
+    def run(self, checkpoint: Path | None, samples: int, label: str | None = None
+            ) -> SampledEval:
+        if checkpoint is None:
+            self.policy.model.load_state_dict(self.base)
+        else:
+            load_model(self.policy.model, str(checkpoint / "model.safetensors"))
+        name = label or (BASE if checkpoint is None else _label(checkpoint))
+        return play(self.policy, self.cfg, samples, name)
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """The results table; piped (not a terminal), at least 140 columns wide, so labels and
+    intervals are not cut to the 80-column default."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 140))
+    _print_table(title, columns, rows, console=console)
+
+
+def _label(checkpoint: Path) -> str:
+    return f"{checkpoint.parent.parent.name}/{checkpoint.name}"
+
+
+def _same_job(configs: list[Config], what: str) -> None:
+    """Paired or pooled results need the same model and task on every side."""
+    keys = {(c.model.name, c.env.name, json.dumps(c.env.options, sort_keys=True))
+            for c in configs}
+    if len(keys) > 1:
+        raise ConfigError(f"{what} need the same model and env; got {sorted(keys)}")
+
+
+def eval_one(target: str | None, config_path: str | None, overrides: list[str],
+             samples: int) -> dict:
+    checkpoint = resolve_checkpoint(target) if target else None
+    cfg = run_config(checkpoint, config_path, overrides)
+    label = checkpoint.name if checkpoint else cfg.model.name
+    result = Evaluator(cfg).run(checkpoint, samples, label)
+    print_table(f"{cfg.env.name}: {cfg.eval.episodes} held-out tasks x {samples} samples "
+                f"({result.episodes} episodes)",
+                sampled_columns(result.ks()), [sampled_row(result)])
+    return {"kind": "single", "env": cfg.env.name, "model": cfg.model.name,
+            "result": result.to_dict()}
+
+
+def eval_compare(a: str, b: str, config_path: str | None, overrides: list[str],
+                 samples: int) -> dict:
+    points = [resolve_checkpoint(a), resolve_checkpoint(b)]
+    if points == [None, None]:
+        raise ConfigError("--compare base base compares the base model with itself")
+    configs = [run_config(p, config_path, overrides) for p in points]
+    configs = [c if p else configs[1 - i]  # 'base' is the other side's untrained model
+               for i, (p, c) in enumerate(zip(points, configs, strict=True))]
+    _same_job(configs, "--compare A B")
+    evaluator = Evaluator(configs[0])
+    results = [evaluator.run(p, samples, None if p else BASE) for p in points]
+    if results[0].label == results[1].label:
+        raise ConfigError(f"--compare was given the same policy twice ({results[0].label})")
+    outcome = compare(*results)
+    print_table(f"{evaluator.cfg.env.name}: {evaluator.cfg.eval.episodes} held-out tasks x "
+                f"{samples} samples, same tasks and sampler seed",
+                sampled_columns(results[0].ks()), [sampled_row(r) for r in results])
+    d = outcome.difference
+    verdict = "differ" if outcome.p_value < 0.05 else "do not differ detectably"
+    print(f"pass@1 {outcome.a} - {outcome.b}: {100 * d.value:+.1f} points "
+          f"[{100 * d.lo:+.1f}, {100 * d.hi:+.1f}] ({d.method}); {outcome.test}: "
+          f"p = {outcome.p_value:.4g} -> they {verdict} at the 5% level")
+    return {"kind": "compare", "env": evaluator.cfg.env.name, "model": evaluator.cfg.model.name,
+            "results": [r.to_dict() for r in results], "comparison": outcome.to_dict()}
+
+
+def eval_seeds(run_dirs: list[str], config_path: str | None, overrides: list[str],
+               samples: int) -> dict:
+    """Each run's newest checkpoint, then pass@k pooled over the runs (training seeds)."""
+    points = [resolve_checkpoint(d) for d in run_dirs]
+    if any(p is None for p in points):
+        raise ConfigError("pooling over seeds takes run directories, not 'base'")
+    configs = [run_config(p, config_path, overrides) for p in points]
+    _same_job(configs, "runs pooled over seeds")
+    evaluator = Evaluator(configs[0])
+    results = []
+    for point, cfg in zip(points, configs, strict=True):
+        evaluator.cfg = cfg  # each run's own settings (same model and env, checked above)
+        results.append(evaluator.run(point, samples))
+    pooled = aggregate_seeds(results)
+    rows = [sampled_row(r) for r in results]
+    rows.append([f"mean of {len(results)} seeds", *(pooled[str(k)].text()
+                                                     for k in results[0].ks()), "", "", "", ""])
+    print_table(f"{configs[0].env.name}: {len(results)} training seeds, "
+                f"{configs[0].eval.episodes} tasks x {samples} samples each "
+                "(pooled row: t-interval over seed means)",
+                sampled_columns(results[0].ks()), rows)
+    return {"kind": "seeds", "env": configs[0].env.name, "model": configs[0].model.name,
+            "results": [r.to_dict() for r in results],
+            "pooled": {k: vars(e) for k, e in pooled.items()}}
