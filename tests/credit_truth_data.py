@@ -1,6 +1,5 @@
 """Fixed key-corridor episode sets from a scripted policy, tokenised as the rollout loop does,
-for checking the turn-level critics against the closed-form values (tests/test_credit_truth.py
-and the critic check of benchmarks/credit_assignment.py)."""
+for checking the turn-level critics against the closed-form values (tests/test_credit_truth.py)."""
 
 from __future__ import annotations
 
