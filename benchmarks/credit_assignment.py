@@ -210,6 +210,7 @@ def summarise(results: list[dict], tag: str = "") -> tuple[list[str], dict]:
             raw = [episodes_to(r, thr) for r in mruns]
             censored = [min(v, budget) for v in raw]
             mean, lo, hi = t_interval(censored)
+            lo, hi = max(lo, 0.0), min(hi, float(budget))  # episodes lie in [0, budget]
             after = (sum(r["after"]["successes"] for r in mruns),
                      sum(r["after"]["episodes"] for r in mruns))
             summary[horizon]["methods"][method] = {
