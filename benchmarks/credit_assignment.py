@@ -1,43 +1,36 @@
-"""Turn-level credit assignment vs outcome GRPO on long multi-turn tasks, on a CPU.
+"""Turn-level credit assignment vs outcome GRPO: a horizon sweep on a task built to need it.
 
-GRPO gives every turn of an episode the same advantage; GiGPO (anchor-state step groups),
-ArCHer (a TD-trained turn-level double-Q critic) and turn-level PPO (GAE over turns with a
-learned V) score each turn. This benchmark trains each method from the same starting policy
-on each task, with the same episode budget, learning rate and group size, over several seeds,
-and reports held-out success after the budget and how many training episodes each method
-needed to reach a success threshold.
+Task: ``key-corridor`` (``turnrl/envs/credit_tasks.py``): pick one of two keys at turn 0, walk
+filler turns where any reply is fine, and the door at the last turn opens only with the right
+key; reward 1 on success, else 0. Only the key turn matters, so with more turns outcome-level
+GRPO spreads the episode's one bit of credit over more turns that do not matter, while GiGPO
+(anchor-state step groups), ArCHer (a TD-trained turn-level double-Q critic) and turn-level
+PPO (GAE over turns with a learned V) can score the key turn alone. Horizons 4, 8 and 16.
 
-Starting policy. The tiny built-in model (``turnrl.models.tiny_model``, 154k parameters,
-character-level tokenizer, here with 2048 positions) is first trained by imitation of the
-task's scripted reference player (``turnrl.envs.reference``) on 512 noisy demonstrations for
-200 steps (``benchmarks/warmup.py``): 30% of the expert's moves are replaced by a wasted turn (a
-question already answered, the previous guess again), so the demonstrations are the expert's
-games with useless turns inserted. Sampled at temperature 1 the warmed-up model wastes and
-garbles turns and succeeds ~20-30% of the time (greedy, twenty-questions succeeds 100%). It is
-saved once per task as a local Hugging Face directory under ``--out``/warmup (model and
-tokenizer; the character-level tokenizer round-trips through ``save_pretrained``) and every
-run of every method and seed starts from it via ``--model.name DIR``.
+Starting policy: the tiny random model (``--model.name tiny``, 154k parameters, a fresh random
+model, the same for every run), whose replies pick a key by their first character's code
+(mod 2). The right key is the one this model picks less often, measured at run time from 256
+sampled first replies, so the start success is the lower of the two key rates.
 
-Fairness. Every method gets the same lr (1e-4), group size (8 episodes per seed), 8 groups
-per step, steps, evaluation episodes, and the per-method knobs at their defaults (gamma 0.95,
-GAE lambda 0.95, critic lr 1e-3, 8 critic updates a step, ArCHer tau 0.1, replay 256
-episodes, GiGPO step weight 1). The lr was tuned on GRPO alone (guess-number and the maze):
-1e-3 collapsed GRPO within a few steps; 3e-4 and 1e-4 with 32 episodes a step did not learn;
-with 64 a step 1e-4 learnt, 3e-4 was no better and 3e-5 slower.
+Threshold (from the optimum, not from the runs): halfway from the start success (pooled
+held-out evaluation before training, every run of that horizon) to the optimum, 100%. A run's
+"episodes to threshold" is the training episodes at its first periodic evaluation at or above
+it; a run that never gets there counts as the whole budget (a censored value, marked ">").
+Per method: the mean over seeds with a 95% t interval.
 
-Threshold. Per task: halfway between the warm-up policy's success (pooled held-out evaluation
-before training, over every run of the task) and the best method's pooled final success.
-A run reaches it at its first periodic evaluation at or above it; "episodes to threshold" is
-the median over seeds (a seed that never reaches it counts as never, so the median is "not
-reached" when most seeds never do).
+Fairness: every method gets the same lr, group size, groups per step, steps, evaluation; the
+per-method knobs are the frozen ``METHOD_SETTINGS``, chosen by ``--tune`` on tuning seeds
+(100) disjoint from the measurement seeds (0..4), with the same grid size per method
+(``TUNE_GRID``) at horizon 8; see docs/credit_assignment.md for the tuning run and its table.
 
 Usage::
 
-    python benchmarks/credit_assignment.py                      # 2 tasks x 4 methods x 3 seeds
-    python benchmarks/credit_assignment.py --quick --out /tmp/ca  # smoke test: a few steps, 1 seed
+    python benchmarks/credit_assignment.py --out DIR           # 3 horizons x 4 methods x 5 seeds
+    python benchmarks/credit_assignment.py --tune --out DIR     # the per-method tuning grid
+    python benchmarks/credit_assignment.py --quick --out DIR    # smoke test
 
-Raw per-run curves are written to ``--out``/results.json (``--report-only`` recomputes the
-table and the figure from it); finished runs found in ``--out`` are reused, not rerun.
+Raw per-run curves go to ``--out``/results.json (``--report-only`` recomputes the table and
+figure from it); finished runs found there with the same arguments are reused, not rerun.
 """
 
 from __future__ import annotations
@@ -51,175 +44,142 @@ import statistics
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 
 METHODS = ("grpo", "gigpo", "archer", "turn_gae")
 HIERARCHICAL = ("gigpo", "archer", "turn_gae")
 """The turn-level (hierarchical) credit methods; ``grpo`` is the outcome-level baseline."""
+HORIZONS = (4, 8, 16)
+KEYS = 2
 
-
-@dataclass(frozen=True)
-class Task:
-    env: str
-    options: dict
-    max_turns: int
-    """policy turns per episode (the environment's own limit)"""
-    max_new_tokens: int
-    """enough for the longest move plus the end-of-turn token"""
-    noise: float
-    """warm-up: probability that a demonstrated move is replaced by a noise move"""
-    noise_kind: str
-    """warm-up: "random" (a random legal move) or "wasted" (a move that changes nothing)"""
-    warmup_steps: int
-    """imitation steps of the warm-up (batch 16, lr 3e-3, 512 noisy demonstrations)"""
-    steps: int
-    """RL steps (the episode budget is steps x episodes per step)"""
-    eval_every: int
-    """evaluate on held-out seeds every this many steps"""
-    notes: str = ""
-
-
-TASKS: dict[str, Task] = {
-    # The expert asks the question that splits the remaining objects best; the warmed-up model
-    # plays it perfectly when greedy (100% success) but at temperature 1 wastes and garbles
-    # turns (~20-25%): RL has to sharpen every turn of a 7-turn game from the outcome alone.
-    "twenty-questions": Task("twenty-questions", {"num_objects": 8, "max_turns": 7},
-                             max_turns=7, max_new_tokens=13, noise=0.3, noise_kind="wasted",
-                             warmup_steps=200, steps=20, eval_every=4,
-                             notes="8 objects, yes/no attribute questions, 7 turns"),
-    # Repeated guesses as noise: the expert's bisection with wasted turns inserted.
-    "guess-number": Task("guess-number", {"low": 1, "high": 30, "max_turns": 7},
-                         max_turns=7, max_new_tokens=4, noise=0.3, noise_kind="wasted",
-                         warmup_steps=200, steps=40, eval_every=5,
-                         notes="hidden integer in 1..30, 7 guesses"),
-    # Not in the default set: the tiny model cannot imitate depth-first search (no memory of
-    # visited cells), ~20% success after the warm-up, and no method improved it within 1,920
-    # episodes (lr 1e-4 and 3e-4), while one maze run costs ~5 CPU minutes. Random open
-    # directions as noise: wall bumps as noise taught it to bump into walls (5% success).
-    "maze": Task("maze", {"size": 3}, max_turns=16, max_new_tokens=6, noise=0.2,
-                 noise_kind="random", warmup_steps=200, steps=30, eval_every=5,
-                 notes="3x3 partially observed maze, goal the farthest cell, 16 moves"),
+METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
+    # frozen from the --tune run at horizon 8 on seed 100 (docs/credit_assignment.md)
+    "grpo": (),
+    "gigpo": ("--algo.gigpo_step_weight", "3.0"),
+    "turn_gae": ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16"),
+    "archer": ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16"),
 }
-DEFAULT_TASKS = ("twenty-questions", "guess-number")
+TUNE_GRID: dict[str, list[tuple[str, ...]]] = {
+    # two settings per turn-level method; grpo has no knob of its own
+    "gigpo": [("--algo.gigpo_step_weight", "1.0"), ("--algo.gigpo_step_weight", "3.0")],
+    "turn_gae": [("--algo.critic_lr", "1e-3", "--algo.critic_updates", "8"),
+                 ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16")],
+    "archer": [("--algo.critic_lr", "1e-3", "--algo.critic_updates", "8"),
+               ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16")],
+}
+TUNE_SEEDS, TUNE_HORIZON = (100,), 8
 
 
 @dataclass(frozen=True)
 class Settings:
     """Shared by every method: the fairness knobs."""
 
-    lr: float = 1e-4
+    lr: float = 1e-2
     group_size: int = 8
-    groups_per_step: int = 8
-    eval_episodes: int = 64
+    groups_per_step: int = 4
+    steps: int = 32
+    eval_every: int = 4
+    eval_episodes: int = 32
     threads: int = 1
-    extra: tuple[str, ...] = field(default_factory=tuple)
-    """further ``--section.key value`` overrides applied to every run"""
+    right_key: int = 0
 
 
 def episodes_per_step(s: Settings) -> int:
     return s.group_size * s.groups_per_step
 
 
+def measure_right_key(samples: int = 256) -> tuple[int, list[float]]:
+    """The key the starting policy picks least often, and each key's measured rate."""
+    import torch
+
+    from turnrl.envs.credit_tasks import KeyCorridor, chosen_key
+    from turnrl.models import tiny_model
+    from turnrl.rollout import ChatFormat
+
+    model, tokenizer = tiny_model(0)
+    chat = ChatFormat(tokenizer)
+    env = KeyCorridor(horizon=2, keys=KEYS)
+    import asyncio
+    first = asyncio.run(env.reset(0))
+    _, _, ids = chat.start(first, env.system_prompt)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(logits.softmax(-1), samples, replacement=True, generator=generator)
+    counts = [0] * KEYS
+    for token in draws.tolist():
+        counts[chosen_key(tokenizer.decode([token]), KEYS)] += 1
+    rates = [c / samples for c in counts]
+    return min(range(KEYS), key=rates.__getitem__), rates
+
+
 # ---- one run (in a worker process) -------------------------------------------------------------
 
-def warm_dir(out: Path, name: str, task: Task, settings: Settings) -> Path:
-    return out / "warmup" / f"{name}-{task.noise_kind}{task.noise}-steps{task.warmup_steps}"
-
-
-def run_warmup(out: str, name: str, task: Task, settings: Settings) -> dict:
-    import torch
-    from warmup import WarmupConfig, warm_start
-
-    torch.set_num_threads(settings.threads)
-    start, cpu = time.perf_counter(), time.process_time()
-    wcfg = WarmupConfig(task.env, task.options, noise=task.noise, kind=task.noise_kind,
-                        steps=task.warmup_steps)
-    directory = warm_dir(Path(out), name, task, settings)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    log_path = directory.parent / f"{directory.name}.log"
-    with open(log_path, "a") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log):
-        directory, info = warm_start(directory, wcfg, log=print)
-    return {"task": name, "dir": str(directory), "wall_s": time.perf_counter() - start,
-            "cpu_s": time.process_time() - cpu,
-            "train_s": info["seconds"], "final_loss": info["final_loss"]}
-
-
-def run_config_args(name: str, task: Task, method: str, seed: int, steps: int,
-                    settings: Settings, model_dir: str, run_dir: str) -> list[str]:
-    options = json.dumps(task.options)
+def run_config_args(horizon: int, method: str, knobs: tuple[str, ...], seed: int,
+                    s: Settings, run_dir: str) -> list[str]:
+    options = json.dumps({"horizon": horizon, "keys": KEYS, "right_key": s.right_key})
     return [
-        "--model.name", model_dir, "--model.device", "cpu",
-        "--env.name", task.env, "--env.options", options,
-        "--rollout.group_size", str(settings.group_size),
-        "--rollout.groups_per_step", str(settings.groups_per_step),
-        "--rollout.max_turns", str(task.max_turns),
-        "--rollout.max_new_tokens", str(task.max_new_tokens),
-        "--algo.advantage", method,
-        "--optim.lr", str(settings.lr),
-        "--eval.episodes", str(settings.eval_episodes),
-        "--eval.every", str(task.eval_every),
-        # Held-out seeds differ per seed (disjoint from each other and from training seeds)
-        # and are the same for every method at that seed: a paired comparison.
+        "--model.name", "tiny", "--model.device", "cpu",
+        "--env.name", "key-corridor", "--env.options", options,
+        "--rollout.group_size", str(s.group_size),
+        "--rollout.groups_per_step", str(s.groups_per_step),
+        "--rollout.max_turns", str(horizon), "--rollout.max_new_tokens", "2",
+        "--algo.advantage", method, *knobs,
+        "--optim.lr", str(s.lr),
+        "--eval.episodes", str(s.eval_episodes), "--eval.every", str(s.eval_every),
         "--eval.seed_offset", str(1_000_000 + 100_000 * seed),
-        "--run.steps", str(steps), "--run.seed", str(seed), "--run.out_dir", run_dir,
-        "--run.threads", str(settings.threads), "--run.checkpoint_every", "0",
+        "--run.steps", str(s.steps), "--run.seed", str(seed), "--run.out_dir", run_dir,
+        "--run.threads", str(s.threads), "--run.checkpoint_every", "0",
         "--run.keep_checkpoints", "1", "--run.sample_episodes", "0",
         "--run.progress", "false", "--run.tensorboard", "false",
-        *settings.extra,
     ]
 
 
-def run_one(name: str, task: Task, method: str, seed: int, steps: int, settings: Settings,
-            model_dir: str, run_dir: str) -> dict:
-    """Train one (task, method, seed) and return its eval curve; output goes to train.log."""
+def run_one(key: tuple, args: list[str], s: Settings, run_dir: str) -> dict:
+    """Train one run and return its held-out success curve; output goes to train.log."""
     from turnrl.config import load_config
     from turnrl.metrics import read_metrics
     from turnrl.trainer import train
 
-    args = run_config_args(name, task, method, seed, steps, settings, model_dir, run_dir)
     cfg = load_config(None, args)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     start, cpu = time.perf_counter(), time.process_time()
     with open(Path(run_dir) / "train.log", "w") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
         result = train(cfg)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    per_step = episodes_per_step(settings)
+    per_step = episodes_per_step(s)
     records = read_metrics(Path(run_dir) / "metrics.jsonl")
     curve = [[0, result.before.successes, result.before.episodes]]
-    curve += [[r["step"] * per_step, round(r["eval/success"] * settings.eval_episodes),
-               settings.eval_episodes] for r in records if "eval/success" in r]
-    curve.append([steps * per_step, result.after.successes, result.after.episodes])
-    return {
-        "task": name, "method": method, "seed": seed, "steps": steps, "wall_s": wall,
-        "cpu_s": cpu,  # CPU seconds of this process: its wall time on an idle core
-        "curve": curve,
-        "before": result.before.to_dict(), "after": result.after.to_dict(),
-        "train_success": [r.get("success/rate") for r in records],
-        "train_turns": [r.get("episode/turns") for r in records],
-        "step_s": statistics.mean(r["time/step_s"] for r in records) if records else None,
-        "args": args,
-    }
+    curve += [[r["step"] * per_step, round(r["eval/success"] * s.eval_episodes),
+               s.eval_episodes] for r in records if "eval/success" in r]
+    if curve[-1][0] != s.steps * per_step:
+        curve.append([s.steps * per_step, result.after.successes, result.after.episodes])
+    return {"key": list(key), "horizon": key[0], "method": key[1], "tag": key[2],
+            "seed": key[3], "wall_s": time.perf_counter() - start,
+            "cpu_s": time.process_time() - cpu, "curve": curve,
+            "before": result.before.to_dict(), "after": result.after.to_dict(),
+            "budget": s.steps * per_step, "args": args}
 
 
 # ---- analysis --------------------------------------------------------------------------------
 
-def pooled(runs: list[dict], key: str) -> tuple[int, int]:
-    return (sum(r[key]["successes"] for r in runs), sum(r[key]["episodes"] for r in runs))
+T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
-def threshold_for(runs: list[dict]) -> tuple[float, float, float]:
-    """(threshold, pooled warm-up success, best pooled final success) over a task's runs."""
-    s, n = pooled(runs, "before")
-    start = s / n
-    by_method: dict[str, list[dict]] = {}
-    for r in runs:
-        by_method.setdefault(r["method"], []).append(r)
-    best = max(pooled(rs, "after")[0] / pooled(rs, "after")[1] for rs in by_method.values())
-    return start + 0.5 * max(best - start, 0.0), start, best
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """Mean and 95% Student-t interval (normal beyond 10 values)."""
+    from turnrl.stats import mean_interval
+
+    return mean_interval(values, z=T_975.get(len(values) - 1, 1.96))
+
+
+def threshold_for(runs: list[dict]) -> tuple[float, float]:
+    """(threshold, pooled start success): halfway from the start to the optimum (100%)."""
+    s = sum(r["before"]["successes"] for r in runs)
+    n = sum(r["before"]["episodes"] for r in runs)
+    return s / n + 0.5 * (1.0 - s / n), s / n
 
 
 def episodes_to(run: dict, threshold: float) -> float:
@@ -230,115 +190,89 @@ def episodes_to(run: dict, threshold: float) -> float:
     return math.inf
 
 
-def median_episodes(runs: list[dict], threshold: float) -> float:
-    return statistics.median(episodes_to(r, threshold) for r in runs)
-
-
-def fmt_episodes(value: float) -> str:
-    return "not reached" if math.isinf(value) else f"{value:.0f}"
-
-
-def analyse(results: list[dict], tasks: list[str], methods: list[str]) -> tuple[str, dict]:
-    from turnrl.stats import format_rate
-
+def summarise(results: list[dict], tag: str = "") -> tuple[list[str], dict]:
     lines, summary = [], {}
-    header = (f"{'task':<13} {'method':<9} {'start success [95% CI]':<24} "
-              f"{'final success [95% CI]':<24} {'episodes to threshold':<22} per seed")
-    for name in tasks:
-        runs = [r for r in results if r["task"] == name and r["method"] in methods]
+    for horizon in sorted({r["horizon"] for r in results}):
+        runs = [r for r in results if r["horizon"] == horizon and r["tag"] == tag]
         if not runs:
             continue
-        thr, start, best = threshold_for(runs)
-        budget = max(r["curve"][-1][0] for r in runs)
-        turns = statistics.mean(r["before"]["mean_turns"] for r in runs)
-        seeds = sorted({r["seed"] for r in runs})
-        how = (f"halfway from {start:.1%} to the best final {best:.1%}" if best > start else
-               f"no method ended above the warm-up's {start:.1%}: threshold = warm-up success")
-        lines.append(f"{name}: {TASKS[name].notes if name in TASKS else ''}; warm-up policy "
-                     f"{start:.1%} success, {turns:.1f} turns/episode; budget {budget} episodes "
-                     f"per run, seeds {seeds}; threshold {thr:.1%} ({how})")
-        lines.append(header)
-        summary[name] = {"threshold": thr, "start": start, "best_final": best, "budget": budget,
-                         "mean_turns": turns, "methods": {}}
-        for method in methods:
+        thr, start = threshold_for(runs)
+        budget = max(r["budget"] for r in runs)
+        lines.append(f"horizon {horizon}: start {start:.1%}, threshold {thr:.1%} (halfway to "
+                     f"100%), budget {budget} episodes per run")
+        lines.append(f"  {'method':<9} {'episodes to threshold: mean [95% CI]':<38} "
+                     f"{'final success (pooled)':<24} per seed")
+        summary[horizon] = {"threshold": thr, "start": start, "budget": budget, "methods": {}}
+        for method in METHODS:
             mruns = sorted((r for r in runs if r["method"] == method), key=lambda r: r["seed"])
             if not mruns:
                 continue
-            before, after = pooled(mruns, "before"), pooled(mruns, "after")
-            per_seed = [episodes_to(r, thr) for r in mruns]
-            med = statistics.median(per_seed)
-            summary[name]["methods"][method] = {
-                "final": after[0] / after[1], "episodes_to_threshold": med,
-                "per_seed": per_seed, "wall_s": sum(r["wall_s"] for r in mruns)}
-            lines.append(f"{name:<13} {method:<9} {format_rate(*before):<24} "
-                         f"{format_rate(*after):<24} {fmt_episodes(med):<22} "
-                         f"{', '.join(fmt_episodes(v) for v in per_seed)}")
+            raw = [episodes_to(r, thr) for r in mruns]
+            censored = [min(v, budget) for v in raw]
+            mean, lo, hi = t_interval(censored)
+            lo, hi = max(lo, 0.0), min(hi, float(budget))  # episodes lie in [0, budget]
+            after = (sum(r["after"]["successes"] for r in mruns),
+                     sum(r["after"]["episodes"] for r in mruns))
+            summary[horizon]["methods"][method] = {
+                "mean": mean, "lo": lo, "hi": hi, "per_seed": raw,
+                "final": after[0] / after[1], "cpu_s": sum(r["cpu_s"] for r in mruns)}
+            from turnrl.stats import format_rate
+            seeds = ", ".join(f">{budget}" if math.isinf(v) else f"{v:.0f}" for v in raw)
+            lines.append(f"  {method:<9} {f'{mean:.0f} [{lo:.0f}, {hi:.0f}]':<38} "
+                         f"{format_rate(*after):<24} {seeds}")
         lines.append("")
-    return "\n".join(lines), summary
+    return lines, summary
 
 
-def ratio_lines(summary: dict, methods: list[str]) -> list[str]:
-    """The closing ratio on the longest task (most turns per episode at the start)."""
-    if not summary:
-        return ["ratio: no results"]
-    longest = max(summary, key=lambda t: summary[t]["mean_turns"])
-    info = summary[longest]
-    ms, budget = info["methods"], info["budget"]
-    hier = {m: v["episodes_to_threshold"] for m, v in ms.items() if m in HIERARCHICAL}
-    if "grpo" not in ms or not hier:
-        return [f"ratio: needs grpo and a hierarchical method on {longest}"]
-    best_m = min(hier, key=hier.get)
-    best, grpo = hier[best_m], ms["grpo"]["episodes_to_threshold"]
-    notes = []
-    if math.isinf(grpo):
-        notes.append(f"grpo never reached the threshold on {longest}: counted as the budget "
-                     f"{budget}, so the true ratio is < the value below (grpo > {budget})")
-        grpo = budget
-    if math.isinf(best):
-        notes.append(f"no hierarchical method reached the threshold on {longest}: counted as "
-                     f"the budget {budget} (true count > {budget})")
-        best = budget
-    head = (f"longest task: {longest} ({info['mean_turns']:.1f} turns/episode); best "
-            f"hierarchical: {best_m} ({fmt_episodes(best)} episodes) vs grpo "
-            f"({fmt_episodes(grpo)} episodes) to {info['threshold']:.1%} success")
-    return [head, *notes,
-            f"ratio: best hierarchical / grpo episodes to threshold = {best / grpo:.2f}"]
+def ratio_lines(summary: dict) -> list[str]:
+    """Best hierarchical / GRPO mean episodes to threshold, at each horizon; the last line is
+    the longest horizon's."""
+    lines, last = [], None
+    for horizon, info in sorted(summary.items()):
+        ms = info["methods"]
+        hier = {m: v for m, v in ms.items() if m in HIERARCHICAL}
+        if "grpo" not in ms or not hier:
+            continue
+        best = min(hier, key=lambda m: hier[m]["mean"])
+        b, g = hier[best], ms["grpo"]
+        apart = "do not overlap" if b["hi"] < g["lo"] or g["hi"] < b["lo"] else "overlap"
+        last = b["mean"] / g["mean"]
+        lines.append(f"horizon {horizon}: best hierarchical {best} {b['mean']:.0f} "
+                     f"[{b['lo']:.0f}, {b['hi']:.0f}] vs grpo {g['mean']:.0f} "
+                     f"[{g['lo']:.0f}, {g['hi']:.0f}] episodes: ratio {last:.2f}, "
+                     f"intervals {apart}")
+    if last is None:
+        return ["ratio: needs grpo and a hierarchical method"]
+    return [*lines, f"ratio: best hierarchical / grpo episodes to threshold = {last:.2f}"]
 
 
-def plot(results: list[dict], tasks: list[str], methods: list[str], path: Path,
-         summary: dict) -> None:
+def plot(results: list[dict], summary: dict, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from turnrl.stats import wilson_interval
-
-    tasks = [t for t in tasks if any(r["task"] == t for r in results)]
-    fig = Figure(figsize=(5.5 * max(len(tasks), 1), 4.2))
+    horizons = sorted(summary)
+    fig = Figure(figsize=(5 * max(len(horizons), 1), 4))
     FigureCanvasAgg(fig)
-    for i, name in enumerate(tasks):
-        ax = fig.add_subplot(1, len(tasks), i + 1)
-        for method in methods:
-            runs = [r for r in results if r["task"] == name and r["method"] == method]
+    for i, horizon in enumerate(horizons):
+        ax = fig.add_subplot(1, len(horizons), i + 1)
+        for method in METHODS:
+            runs = [r for r in results if r["horizon"] == horizon and r["method"] == method
+                    and r["tag"] == ""]
             if not runs:
                 continue
-            points = sorted({p[0] for r in runs for p in r["curve"]})
-            xs, mean, lo, hi = [], [], [], []
-            for x in points:
-                at = [p for r in runs for p in r["curve"] if p[0] == x]
-                s, n = sum(p[1] for p in at), sum(p[2] for p in at)
-                a, b = wilson_interval(s, n)
-                xs.append(x)
-                mean.append(statistics.mean(p[1] / p[2] for p in at))
-                lo.append(a)
-                hi.append(b)
-            line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{method} ({len(runs)} seeds)")
-            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
-        if name in summary:
-            ax.axhline(summary[name]["threshold"], color="grey", ls="--", lw=1,
-                       label="threshold")
-        ax.set_title(f"{name}: held-out success")
+            xs = sorted({p[0] for r in runs for p in r["curve"]})
+            stats = [t_interval([p[1] / p[2] for r in runs for p in r["curve"] if p[0] == x])
+                     for x in xs]
+            line, = ax.plot(xs, [m for m, _, _ in stats], marker="o", ms=3,
+                            label=f"{method} ({len(runs)} seeds)")
+            ax.fill_between(xs, [max(lo, 0) for _, lo, _ in stats],
+                            [min(hi, 1) for _, _, hi in stats], color=line.get_color(),
+                            alpha=0.12)
+        ax.axhline(summary[horizon]["threshold"], color="grey", ls="--", lw=1,
+                   label="threshold")
+        ax.set_title(f"key-corridor, horizon {horizon}")
         ax.set_xlabel("training episodes")
-        ax.set_ylabel("held-out success (mean of seeds; band: pooled 95% CI)")
+        ax.set_ylabel("held-out success (mean of seeds, 95% t band)")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
@@ -346,127 +280,125 @@ def plot(results: list[dict], tasks: list[str], methods: list[str], path: Path,
     fig.savefig(path, dpi=110)
 
 
+def tune_lines(results: list[dict]) -> list[str]:
+    """Per method and setting: mean held-out success over the tuning runs' evaluations (the
+    area under the learning curve); the best setting per method is the one to freeze."""
+    lines = [f"tuning at horizon {TUNE_HORIZON}, seeds {list(TUNE_SEEDS)}: mean held-out "
+             "success over every evaluation (area under the curve)"]
+    for method, grid in TUNE_GRID.items():
+        scores = []
+        for i, knobs in enumerate(grid):
+            runs = [r for r in results if r["method"] == method and r["tag"] == f"tune{i}"]
+            if runs:
+                auc = statistics.mean(p[1] / p[2] for r in runs for p in r["curve"][1:])
+                scores.append((auc, knobs))
+                lines.append(f"  {method:<9} {' '.join(knobs):<52} {auc:.3f} ({len(runs)} runs)")
+        if scores:
+            lines.append(f"  {method:<9} best: {' '.join(max(scores)[1])}")
+    return lines
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
-                   help=f"comma list of {', '.join(TASKS)} (default: {', '.join(DEFAULT_TASKS)})")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma list of advantage "
-                   f"estimators ({', '.join(METHODS)})")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per method (0..N-1)")
-    p.add_argument("--steps", type=int, default=0,
-                   help="RL steps per run (0 = the task's default); the same for every method")
+    p.add_argument("--horizons", default=",".join(map(str, HORIZONS)))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--seeds", type=int, default=5, help="measurement seeds 0..N-1")
+    p.add_argument("--steps", type=int, default=Settings.steps, help="RL steps per run")
     p.add_argument("--out", default="runs/credit_assignment", help="output directory")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 4 steps, 1 seed, 16 eval episodes, a 20-step warm-up")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--tune", action="store_true", help="run the tuning grid instead")
+    p.add_argument("--quick", action="store_true", help="smoke test: 3 steps, 1 seed, h 4")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                   help="runs in parallel (processes); jobs x threads should fit the cores")
-    p.add_argument("--lr", type=float, default=Settings.lr, help="learning rate, every method")
+                   help="runs in parallel (processes, one torch thread each)")
     p.add_argument("--report-only", action="store_true",
                    help="recompute the table and figure from --out/results.json")
-    p.add_argument("overrides", nargs="*", help="extra --section.key=value for every run "
-                   "(after --)")
     return p.parse_args(argv)
+
+
+def plan(args: argparse.Namespace, s: Settings, out: Path) -> list[tuple[tuple, list[str]]]:
+    """(key, config args) of every run: key = (horizon, method, tag, seed)."""
+    runs = []
+    if args.tune:
+        for method, grid in TUNE_GRID.items():
+            for i, knobs in enumerate(grid):
+                for seed in TUNE_SEEDS:
+                    key = (TUNE_HORIZON, method, f"tune{i}", seed)
+                    runs.append((key, knobs))
+    else:
+        methods = [m for m in args.methods.split(",") if m]
+        for horizon in [int(h) for h in args.horizons.split(",") if h]:
+            for method in methods:
+                for seed in range(args.seeds):
+                    runs.append(((horizon, method, "", seed), METHOD_SETTINGS[method]))
+    return [(key, run_config_args(key[0], key[1], knobs, key[3], s,
+                                  str(out / "runs" / f"h{key[0]}-{key[1]}{key[2]}-s{key[3]}")))
+            for key, knobs in runs]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tasks = [t for t in args.tasks.split(",") if t]
-    methods = [m for m in args.methods.split(",") if m]
-    for t in tasks:
-        if t not in TASKS:
-            sys.exit(f"unknown task '{t}'; choose from {', '.join(TASKS)}")
-    for m in methods:
-        if m not in METHODS:
+    for m in args.methods.split(","):
+        if m and m not in METHODS:
             sys.exit(f"unknown method '{m}'; choose from {', '.join(METHODS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
-    settings = Settings(lr=args.lr, threads=args.threads, extra=tuple(args.overrides))
-    task_table = dict(TASKS)
-    seeds = args.seeds
-    if args.quick:
-        seeds = 1
-        settings = replace(settings, eval_episodes=16, group_size=4, groups_per_step=2)
-        task_table = {k: replace(v, warmup_steps=20, steps=4, eval_every=2)
-                      for k, v in TASKS.items()}
-    if args.steps:
-        task_table = {k: replace(v, steps=args.steps) for k, v in task_table.items()}
-
     previous = json.loads(results_path.read_text()) if results_path.exists() else {"runs": []}
     if args.report_only:
         results = previous["runs"]
     else:
-        results = execute(out, tasks, methods, seeds, task_table, settings, args.jobs, previous)
-    table, summary = analyse(results, tasks, methods)
+        right_key, rates = measure_right_key()
+        print(f"start policy key rates {[f'{r:.1%}' for r in rates]}: right key {right_key}; "
+              f"cpu_count {os.cpu_count()}, loadavg {os.getloadavg()}", flush=True)
+        s = Settings(steps=args.steps, right_key=right_key)
+        if args.quick:
+            s = replace(s, steps=3, eval_every=3, eval_episodes=8, groups_per_step=2)
+            args.seeds, args.horizons = 1, "4"
+        results = execute(out, plan(args, s, out), s, args.jobs, previous)
+        print(f"loadavg after {os.getloadavg()}", flush=True)
+    if args.tune:
+        print("\n".join(tune_lines(results)))
+        return 0
+    lines, summary = summarise(results)
+    if not summary:
+        print("ratio: no results")
+        return 0
     figure = out / "credit_assignment.png"
-    plot(results, tasks, methods, figure, summary)
+    plot(results, summary, figure)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    print()
-    print(table)
+    print("\n" + "\n".join(lines))
     print(f"curves: {figure}; raw per-run curves: {results_path}")
-    for line in ratio_lines(summary, methods):
-        print(line)
+    print("\n".join(ratio_lines(summary)))
     return 0
 
 
-def execute(out: Path, tasks: list[str], methods: list[str], seeds: int,
-            task_table: dict[str, Task], settings: Settings, jobs: int,
+def execute(out: Path, todo: list[tuple[tuple, list[str]]], s: Settings, jobs: int,
             previous: dict) -> list[dict]:
-    """Warm up each task once, then every (task, method, seed) run of it; a task's runs start
-    as soon as its warm-up is done. Runs already in ``previous`` with the same arguments are
-    reused."""
+    """Run every planned run not already in ``previous`` with the same arguments."""
     results_path = out / "results.json"
     start = time.perf_counter()
-    done = {(r["task"], r["method"], r["seed"]): r for r in previous.get("runs", [])}
+    done = {tuple(r["key"]): r for r in previous.get("runs", [])}
     results = list(previous.get("runs", []))
-    todo: dict[str, list[tuple[str, int, str]]] = {}
-    for name in tasks:
-        task = task_table[name]
-        model_dir = str(warm_dir(out, name, task, settings))
-        for method in methods:
-            for seed in range(seeds):
-                run_dir = str(out / "runs" / name / method / f"seed{seed}")
-                args = run_config_args(name, task, method, seed, task.steps, settings,
-                                       model_dir, run_dir)
-                old = done.get((name, method, seed))
-                if old is not None and old.get("args") == args:
-                    print(f"reuse {name:<13} {method:<9} seed {seed}", flush=True)
-                else:
-                    todo.setdefault(name, []).append((method, seed, run_dir))
-    total, finished = sum(len(v) for v in todo.values()), 0
+    fresh = [(k, a) for k, a in todo if done.get(k, {}).get("args") != a]
+    print(f"{len(todo) - len(fresh)} runs reused, {len(fresh)} to run", flush=True)
     ctx = get_context("spawn")  # fresh interpreters: no torch thread pools across a fork
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        pending = {pool.submit(run_warmup, str(out), name, task_table[name], settings)
-                   for name in todo}
+        pending = {pool.submit(run_one, key, a, s, a[a.index("--run.out_dir") + 1])
+                   for key, a in fresh}
+        finished = 0
         while pending:
             ready, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in ready:
                 r = future.result()
-                if "method" not in r:  # a warm-up: queue the task's runs
-                    print(f"warm-up {r['task']}: {r['dir']} (imitation loss "
-                          f"{r['final_loss']:.3f}, trained in {r['train_s']:.0f} s, wall "
-                          f"{r['wall_s']:.0f} s, cpu {r['cpu_s']:.0f} s); elapsed "
-                          f"{time.perf_counter() - start:.0f} s",
-                          flush=True)
-                    task = task_table[r["task"]]
-                    pending |= {pool.submit(run_one, r["task"], task, method, seed, task.steps,
-                                            settings, r["dir"], run_dir)
-                                for method, seed, run_dir in todo[r["task"]]}
-                    continue
                 finished += 1
-                results = [x for x in results
-                           if (x["task"], x["method"], x["seed"]) != (r["task"], r["method"],
-                                                                       r["seed"])] + [r]
+                results = [x for x in results if x["key"] != r["key"]] + [r]
                 results_path.write_text(json.dumps({"runs": results}, indent=1) + "\n")
                 b, a = r["before"], r["after"]
-                print(f"[{finished}/{total}] {r['task']:<13} {r['method']:<9} seed {r['seed']}: "
-                      f"success {b['success_rate']:.0%} -> {a['success_rate']:.0%}, wall "
-                      f"{r['wall_s']:.0f} s, cpu {r['cpu_s']:.0f} s ({r['step_s']:.1f} s/step); "
-                      f"elapsed "
+                print(f"[{finished}/{len(fresh)}] h{r['horizon']} {r['method']:<9}{r['tag']} "
+                      f"seed {r['seed']}: success {b['success_rate']:.0%} -> "
+                      f"{a['success_rate']:.0%}, cpu {r['cpu_s']:.0f} s; elapsed "
                       f"{time.perf_counter() - start:.0f} s", flush=True)
     print(f"total wall time {time.perf_counter() - start:.0f} s", flush=True)
     return results

@@ -3,6 +3,7 @@
 # imported for their @register_env side effect
 from turnrl.envs import adapters as _adapters  # noqa: F401
 from turnrl.envs import builtin as _builtin  # noqa: F401
+from turnrl.envs import credit_tasks as _credit_tasks  # noqa: F401
 from turnrl.envs import latency as _latency  # noqa: F401
 from turnrl.envs import maze as _maze  # noqa: F401
 from turnrl.envs import tool_env as _tool_env  # noqa: F401
