@@ -318,7 +318,7 @@ class FakeFleet:
 
 class _Report:
     def __init__(self, groups):
-        self.groups = groups
+        self.groups, self.stats, self.env_latencies = groups, {}, []
 
 
 def test_queued_groups_wait_at_the_worker_beyond_its_pool():

@@ -65,9 +65,16 @@ class StalenessConfig(_Section):
     keep_kv_cache: bool = False
     """async: workers keep live episodes' keys/values across a weight update instead of
     re-reading them with the new weights (PipelineRL); faster, slightly more off-policy"""
+    auto: bool = True
+    """async: size the pool (Little's law), the queue and the staleness bound (the throughput
+    it needs, capped by the ESS) from rates measured at run time; overprovision and
+    max_versions are then only where it starts. false pins them (adaptive: the ESS-only bound)"""
+    pool_memory_fraction: float = 0.25
+    """auto: live episodes' keys/values may take at most this share of the memory available"""
 
     def _check(self) -> None:
         self._at_least(0, "max_versions", "queued_groups")
         self._at_least(1, "max_versions_limit", "overprovision")
+        self._require("pool_memory_fraction", 0 < self.pool_memory_fraction <= 1, "in (0, 1]")
         self._require("ess_low", 0 < self.ess_low <= self.ess_high <= 1,
                       "in (0, ess_high] with ess_high <= 1")
