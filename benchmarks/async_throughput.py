@@ -353,6 +353,12 @@ def summarize_run(raw: dict[str, Any]) -> dict[str, Any]:
             "group_lifetime_s": statistics.fmean(
                 r["metrics"].get("async/group_lifetime_s", 0.0) for r in window),
         }
+        last_metrics = records[-1]["metrics"]
+        out["sizing"] = {k: last_metrics.get(k) for k in (
+            "sizing/pool", "sizing/queued_groups", "sizing/max_versions", "sizing/ess_ceiling",
+            "rates/env_latency_median_s", "rates/env_latency_p90_s", "rates/gen_rows_per_s",
+            "rates/gen_capacity_rows_per_s", "rates/learner_steps_per_s",
+            "rates/group_lifetime_s")}
         # Versions the learner advances while one group plays: the staleness this throughput
         # needs the bound to allow (groups past the bound are dropped).
         out["staleness"]["lifetime_versions"] = (out["staleness"]["group_lifetime_s"]
@@ -465,6 +471,21 @@ def run_spec(spec: RunSpec, workdir: Path) -> dict[str, Any]:
     raw["process_s"] = time.perf_counter() - started
     raw["log"] = str(log_path)
     return raw
+
+
+def _sizing_note(summary: dict[str, Any]) -> str:
+    """Where staleness.auto ended: pool, queue, bound, and the rates it read."""
+    sizing = summary.get("sizing") or {}
+    if sizing.get("sizing/pool") is None:
+        return ""
+    return (f"; auto: pool {sizing['sizing/pool']:.0f}, queue {sizing['sizing/queued_groups']:.0f}"
+            f"/worker, bound {sizing['sizing/max_versions']:.0f} (env median "
+            f"{_num(sizing['rates/env_latency_median_s'], 3)} s, p90 "
+            f"{_num(sizing['rates/env_latency_p90_s'], 3)} s; generation "
+            f"{_num(sizing['rates/gen_rows_per_s'], 0)} rows/s, capacity "
+            f"{_num(sizing['rates/gen_capacity_rows_per_s'], 0)}; learner "
+            f"{_num(sizing['rates/learner_steps_per_s'], 2)} steps/s; group lifetime "
+            f"{_num(sizing['rates/group_lifetime_s'], 1)} s)")
 
 
 def _pinned(value: str, kind: type) -> Any:
@@ -593,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{_num(summary.get('tokens_per_s'), 0)} tok/s, "
                       f"{_num(summary.get('episodes_per_s'), 2)} ep/s"
                       + (f", error: {summary['error']}" if summary.get("error") else "")
+                      + _sizing_note(summary)
                       + f" ({raw['process_s']:.0f} s in all; load average "
                       f"{_num(raw.get('loadavg_at_start'))} -> {_num(raw.get('loadavg_at_end'))})",
                       flush=True)
