@@ -253,3 +253,13 @@ def test_a_worker_slower_than_the_learner_gets_a_finite_pool_not_the_memory_cap(
     pool, _, rows_per_s = trace[-1]
     assert rows_per_s >= 0.85 * 200  # near what the worker can do
     assert pool <= 400 and len({p for p, _, _ in trace[-30:]}) == 1
+
+
+def test_auto_sizing_is_the_default_and_its_memory_share_is_checked():
+    from turnrl.config import ConfigError, load_config
+
+    cfg = load_config(None, [])
+    assert cfg.staleness.auto and cfg.staleness.keep_kv_cache
+    with pytest.raises(ConfigError, match="pool_memory_fraction"):
+        load_config(None, ["--staleness.pool_memory_fraction", "0"])
+    assert not load_config(None, ["--staleness.auto", "false"]).staleness.auto
