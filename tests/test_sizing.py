@@ -263,3 +263,28 @@ def test_auto_sizing_is_the_default_and_its_memory_share_is_checked():
     with pytest.raises(ConfigError, match="pool_memory_fraction"):
         load_config(None, ["--staleness.pool_memory_fraction", "0"])
     assert not load_config(None, ["--staleness.auto", "false"]).staleness.auto
+
+
+def test_only_a_busy_worker_caps_the_pool_at_its_capacity():
+    def rates_with(busy_fraction):
+        rates = MeasuredRates(alpha=1.0)
+        rates.observe_step(step_s=0.5, waited_s=0.0, ess=1.0)  # demand: 32 x 5 / 0.5 s
+        rates.observe_groups([4.0], [2], TURNS, 100.0)
+        rates.env_latency.add([0.8])
+        counters, now = {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}, 0.0
+        rates.observe_worker(0, dict(counters), now)
+        for i in range(10):  # batches 10..28 at a = 0.01 s, c = 0.01 s: capacity 100 rows/s
+            b = 10 + 2 * i
+            counters["generate_calls"] += 1
+            counters["generated_rows"] += b
+            counters["generate_s"] += 0.01 + 0.01 * b
+            now += (0.01 + 0.01 * b) / busy_fraction
+            rates.observe_worker(0, dict(counters), now)
+        return rates
+
+    busy, idle = rates_with(0.95), rates_with(0.5)
+    assert busy.capacity()[0] == pytest.approx(100)
+    _, busy_rate = _controller().pool_target(busy)
+    _, idle_rate = _controller().pool_target(idle)
+    assert busy_rate == pytest.approx(90)  # 0.9 of capacity
+    assert idle_rate == pytest.approx(1.25 * GROUPS * GROUP * TURNS / 0.5)  # the learner's need

@@ -129,9 +129,9 @@ class GenerationRate:
         if var_b < (0.1 * mean_b) ** 2:
             return None
         c = sum((b - mean_b) * (t - mean_t) for b, t in self.calls) / len(rows) / var_b
-        if c <= 0:
-            return None
-        return max(0.0, mean_t - c * mean_b), c
+        if c <= 0 or mean_t - c * mean_b < 0:
+            return None  # no per-call cost, or a negative one: noise, not a cost model
+        return mean_t - c * mean_b, c
 
 
 @dataclass

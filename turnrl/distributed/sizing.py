@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from turnrl.distributed.rates import MeasuredRates
 
 BUSY_WORKER = 0.8
-"""A worker generating this share of the time or more, its cost per row not yet known, grows
-its pool only step by step (x1.5 what it generates)."""
+"""A worker generating this share of the time or more is near capacity: the pool's rate is
+then capped by it (its cost model's, or x1.5 what it generates while that is unknown)."""
 CAPACITY_SHARE = 0.9
 """The pool is sized for at most this share of the rows a second the workers reach with
 large batches: the batch a rate ``x`` of capacity needs grows like ``x / (1 - x)``."""
@@ -163,16 +163,19 @@ class SizingController:
         rate = self.headroom * self.groups_per_step * self.group_size * turns / busy_s
         capacity, per_call = rates.capacity()
         call_s = rates.call_s() if math.isfinite(rates.call_s()) else 0.0
-        if math.isfinite(capacity):
-            # Never ask for more than most of what large batches reach: the batch (and with
-            # it the pool) needed for a rate near capacity grows without bound.
-            rate = min(rate, CAPACITY_SHARE * capacity)
-            call_s = per_call / (1 - rate / capacity)  # a call at that rate's batch: a + c b
-        else:
-            generated = rates.generation_rows_per_s()
-            busy = [w.busy.value for w in rates.workers.values() if math.isfinite(w.busy.value)]
-            if busy and min(busy) >= BUSY_WORKER and math.isfinite(generated):
-                rate = min(rate, 1.5 * generated)  # busy, cost unknown: grow by steps only
+        generated = rates.generation_rows_per_s()
+        busy = [w.busy.value for w in rates.workers.values() if math.isfinite(w.busy.value)]
+        # Only a busy worker is near its capacity; one that idles can take more episodes.
+        if busy and min(busy) >= BUSY_WORKER and math.isfinite(generated):
+            if math.isfinite(capacity):
+                # What it generates is a lower bound of what it can (a fit blurred by
+                # noise says less). Never ask for more than most of it: the batch (and the
+                # pool) a rate near capacity needs grows without bound.
+                capacity = max(capacity, generated)
+                rate = min(rate, CAPACITY_SHARE * capacity)
+                call_s = per_call / (1 - rate / capacity)  # a call at that rate: a + c b
+            else:
+                rate = min(rate, 1.5 * generated)  # cost unknown: grow by steps only
         latency = rates.env_latency.mean if len(rates.env_latency) else 0.0
         # A returning episode waits for the call in progress (half a call on average), then
         # its own; then the tool.
