@@ -285,6 +285,9 @@ def test_only_a_busy_worker_caps_the_pool_at_its_capacity():
     busy, idle = rates_with(0.95), rates_with(0.5)
     assert busy.capacity()[0] == pytest.approx(100)
     _, busy_rate = _controller().pool_target(busy)
-    _, idle_rate = _controller().pool_target(idle)
+    idle_pool, idle_rate = _controller().pool_target(idle)
+    # The call it sizes by is the one predicted at that rate (a / (1 - c x 0.9 capacity) =
+    # 0.1 s), not the long calls measured now: those would grow a too-big pool further.
+    assert idle_pool == pytest.approx(idle_rate * (0.8 + 1.5 * 0.1) + GROUP, rel=1e-6)
     assert busy_rate == pytest.approx(90)  # 0.9 of capacity
     assert idle_rate == pytest.approx(1.25 * GROUPS * GROUP * TURNS / 0.5)  # the learner's need

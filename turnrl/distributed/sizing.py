@@ -166,16 +166,20 @@ class SizingController:
         generated = rates.generation_rows_per_s()
         busy = [w.busy.value for w in rates.workers.values() if math.isfinite(w.busy.value)]
         # Only a busy worker is near its capacity; one that idles can take more episodes.
-        if busy and min(busy) >= BUSY_WORKER and math.isfinite(generated):
-            if math.isfinite(capacity):
-                # What it generates is a lower bound of what it can (a fit blurred by
-                # noise says less). Never ask for more than most of it: the batch (and the
-                # pool) a rate near capacity needs grows without bound.
-                capacity = max(capacity, generated)
+        at_capacity = bool(busy) and min(busy) >= BUSY_WORKER and math.isfinite(generated)
+        if math.isfinite(capacity):
+            # What it generates is a lower bound of what it can (a fit blurred by noise says
+            # less). Never ask a busy worker for more than most of it: the batch (and the
+            # pool) a rate near capacity needs grows without bound.
+            capacity = max(capacity, generated if math.isfinite(generated) else 0.0)
+            if at_capacity:
                 rate = min(rate, CAPACITY_SHARE * capacity)
-                call_s = per_call / (1 - rate / capacity)  # a call at that rate: a + c b
-            else:
-                rate = min(rate, 1.5 * generated)  # cost unknown: grow by steps only
+            # The call at that rate's batch b = rate x call: call = a + c b = a / (1 - c rate).
+            # Predicted, not the call measured now: a pool too big makes long calls, and
+            # sizing by them would grow it further.
+            call_s = per_call / (1 - min(rate, CAPACITY_SHARE * capacity) / capacity)
+        elif at_capacity:
+            rate = min(rate, 1.5 * generated)  # cost unknown: grow by steps only
         latency = rates.env_latency.mean if len(rates.env_latency) else 0.0
         # A returning episode waits for the call in progress (half a call on average), then
         # its own; then the tool.
