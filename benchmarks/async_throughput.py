@@ -31,16 +31,17 @@ Fairness: both modes get the same 2 cores (sync: one process, 2 threads; async: 
 threads, Ray's own processes on top, their cost counted against async). A small model may
 run faster on 1 thread than on 2 (and a loaded machine makes 2 threads much slower), so at
 0 ms the sync trainer also runs on 1 thread (``sync1``; ``--no-sync1`` skips it) and "best
-at 0 ms" is the best of all zero-latency runs. The async learner keeps ``overprovision x
-groups_per_step`` groups in flight, and a group is only delivered when its slowest episode
-ends: with tools that sometimes take seconds a small pool leaves the worker idle or feeding
-it tiny batches, so by default the pool grows with the latency as far as the model's
-generation speed needs (``--overprovision auto``, see ``AUTO_OVERPROVISION``: tiny 1.5 at
-0 ms, 3 at 100 ms, 10 at 500 ms; SmolLM2 1.5, 1.5, 2). Longer-lived groups span more learner
-versions, so the staleness bound grows too (``--max-versions auto``: 2, 4, then 32 for tiny and
-8 for SmolLM2 at 500 ms); groups too stale on
-arrival are dropped and counted (their generation was wasted), and "reward @same eps"
-checks that the extra staleness does not cost reward per trained episode. Runs are
+at 0 ms" is the best of all zero-latency runs. The async learner sizes itself by
+default (``staleness.auto``, turnrl/distributed/sizing.py): the pool of live episodes from
+Little's law (the rate the learner consumes x the measured tool latency and generate-call
+time), the staleness bound from the measured group lifetime x the learner's step rate,
+capped by the importance weights' ESS; nothing is tuned per model or machine here.
+``--overprovision`` / ``--max-versions`` / ``--queued-groups`` with a number pin them by hand
+(``staleness.auto false``). Groups too stale on arrival are dropped and counted (their
+generation was wasted), and "reward @same eps" checks that the extra staleness does not
+cost reward per trained episode. ``--compare-kv-cache`` adds an async run with the other
+``staleness.keep_kv_cache`` policy at every latency (mode ``async-keepkv`` or
+``async-dropkv``), side by side with the default one. Runs are
 interleaved (sync, async per latency) so drifting machine load hits both; each run is its
 own process.
 
@@ -66,26 +67,6 @@ from typing import Any
 
 DEFAULT_SECONDS = {"tiny": 90.0, "smollm2-135m-instruct": 300.0}
 DEFAULT_LR = {"tiny": 1e-3, "smollm2-135m-instruct": 4e-5}
-AUTO_OVERPROVISION = {"tiny": ((0, 1.5), (100, 3.0), (500, 10.0)),
-                      "smollm2-135m-instruct": ((0, 1.5), (100, 1.5), (500, 2.0))}
-"""Model -> ((median ms from which it applies, overprovision), ...) for ``--overprovision
-auto``. Little's law: the episodes inside tool calls at any time are the worker's generation
-rate times the mean latency (1.65 x the median at sigma 1). The tiny model generates ~300
-rows/s on one thread (with ``--keep-kv-cache``; ~110 when it re-reads every episode after
-each weight update), so at 500 ms ~250 episodes sit in tools and the pool must be ~10 x a
-step's 4 groups (320 episodes) for the worker to have anything to batch; SmolLM2 generates
-~1-5 rows/s, so a few episodes sit in tools and the default 1.5 nearly suffices, while a big pool only delays the first groups (every
-episode of the pool advances turn by turn together) and ages them. Other models: SmolLM2's."""
-AUTO_MAX_VERSIONS = {"tiny": ((0, 2), (100, 4), (500, 32)),
-                     "smollm2-135m-instruct": ((0, 2), (100, 4), (500, 8))}
-"""Model -> ((median ms from which it applies, staleness bound), ...) for ``--max-versions
-auto``. Little's law again: a group lives L seconds from its first token to delivery, and
-the learner makes S steps a second, so groups arrive about L x S versions old; a bound below
-that drops them. The tiny model's learner steps ~1.8 times a second and, at 500 ms, groups
-live 7-9 s (pool 320): 13-18 versions, hence 32 (measured: a bound of 16 dropped 21% of the
-groups, 32 dropped 3%). SmolLM2 steps every ~40 s: 8 is never reached."""
-
-
 @dataclass
 class RunSpec:
     """One training run: everything its child process needs."""
@@ -106,12 +87,18 @@ class RunSpec:
     lr: float = 4e-5
     seed: int = 0
     threads: int = 2
-    overprovision: float = 1.5
-    max_versions: int = 2
-    queued_groups: int = 0
-    keep_kv_cache: bool = False
+    overprovision: float | None = None
+    """None (with max_versions and queued_groups None): staleness.auto sizes them"""
+    max_versions: int | None = None
+    queued_groups: int | None = None
+    keep_kv_cache: bool | None = None
+    """None: the config's default policy"""
     eval_episodes: int = 64
     timeout_s: float = 1800.0
+
+    @property
+    def is_async(self) -> bool:
+        return self.mode.startswith("async")
 
     def overrides(self) -> list[str]:
         slow = {"env": self.env, "median_ms": self.median_ms, "sigma": self.sigma,
@@ -125,15 +112,20 @@ class RunSpec:
             "run.steps": 100_000,  # the wall-time budget ends the run, not the step count
             "run.checkpoint_every": 0, "run.sample_episodes": 0, "run.tensorboard": "false",
             "run.progress": "false", "eval.episodes": 0,  # evaluated here, after the budget
-            "run.mode": "async" if self.mode == "async" else "sync",
+            "run.mode": "async" if self.is_async else "sync",
             # sync: all the threads; async: one worker with 1 CPU, the learner the rest
-            "run.threads": {"async": self.threads - 1, "sync1": 1}.get(self.mode, self.threads),
+            "run.threads": self.threads - 1 if self.is_async
+            else {"sync1": 1}.get(self.mode, self.threads),
             "ray.num_workers": 1, "ray.worker_cpus": 1,
-            "staleness.overprovision": self.overprovision,
-            "staleness.max_versions": self.max_versions,
-            "staleness.queued_groups": self.queued_groups,
-            "staleness.keep_kv_cache": str(self.keep_kv_cache).lower(),
         }
+        pinned = {"staleness.overprovision": self.overprovision,
+                  "staleness.max_versions": self.max_versions,
+                  "staleness.queued_groups": self.queued_groups}
+        args.update({k: v for k, v in pinned.items() if v is not None})
+        if any(v is not None for v in pinned.values()):
+            args["staleness.auto"] = "false"  # a number given by hand is used as is
+        if self.keep_kv_cache is not None:
+            args["staleness.keep_kv_cache"] = str(self.keep_kv_cache).lower()
         return [f"--{k}={v}" for k, v in args.items()]
 
 
@@ -225,7 +217,7 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
     run_mod.MetricsLogger = BudgetLogger
 
     ray = None
-    if spec.mode == "async":
+    if spec.mode.startswith("async"):
         import ray
 
         # The same 2 CPUs as the sync run: one for the worker, one for the learner.
@@ -305,7 +297,7 @@ def summarize_run(raw: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_episode": sum(tokens) / (n * per_step),
     })
     # Where the steady-state wall time went (fractions of the window's span).
-    if spec["mode"] != "async":
+    if not spec["mode"].startswith("async"):
         gen = records[-1]["driver_gen_s"] - (records[0]["driver_gen_s"] if n >= 2 else 0.0)
         collect = _sum(window, "time/collect_s")
         rows = records[-1]["driver_gen_rows"] - (records[0]["driver_gen_rows"] if n >= 2 else 0)
@@ -361,6 +353,12 @@ def summarize_run(raw: dict[str, Any]) -> dict[str, Any]:
             "group_lifetime_s": statistics.fmean(
                 r["metrics"].get("async/group_lifetime_s", 0.0) for r in window),
         }
+        last_metrics = records[-1]["metrics"]
+        out["sizing"] = {k: last_metrics.get(k) for k in (
+            "sizing/pool", "sizing/queued_groups", "sizing/max_versions", "sizing/ess_ceiling",
+            "rates/env_latency_median_s", "rates/env_latency_p90_s", "rates/gen_rows_per_s",
+            "rates/gen_capacity_rows_per_s", "rates/learner_steps_per_s",
+            "rates/group_lifetime_s")}
         # Versions the learner advances while one group plays: the staleness this throughput
         # needs the bound to allow (groups past the bound are dropped).
         out["staleness"]["lifetime_versions"] = (out["staleness"]["group_lifetime_s"]
@@ -475,19 +473,24 @@ def run_spec(spec: RunSpec, workdir: Path) -> dict[str, Any]:
     return raw
 
 
-def _auto(value: str, table: tuple, median_ms: float) -> float:
-    if value != "auto":
-        return float(value)
-    return [v for start, v in table if median_ms >= start][-1]
+def _sizing_note(summary: dict[str, Any]) -> str:
+    """Where staleness.auto ended: pool, queue, bound, and the rates it read."""
+    sizing = summary.get("sizing") or {}
+    if sizing.get("sizing/pool") is None:
+        return ""
+    return (f"; auto: pool {sizing['sizing/pool']:.0f}, queue {sizing['sizing/queued_groups']:.0f}"
+            f"/worker, bound {sizing['sizing/max_versions']:.0f} (env median "
+            f"{_num(sizing['rates/env_latency_median_s'], 3)} s, p90 "
+            f"{_num(sizing['rates/env_latency_p90_s'], 3)} s; generation "
+            f"{_num(sizing['rates/gen_rows_per_s'], 0)} rows/s, capacity "
+            f"{_num(sizing['rates/gen_capacity_rows_per_s'], 0)}; learner "
+            f"{_num(sizing['rates/learner_steps_per_s'], 2)} steps/s; group lifetime "
+            f"{_num(sizing['rates/group_lifetime_s'], 1)} s)")
 
 
-def _queued(value: str, overprovision: float, groups_per_step: int, median_ms: float) -> int:
-    """``--queued-groups``: a number, or 'auto' (see its help)."""
-    if value != "auto":
-        return int(value)
-    if median_ms == 0:  # nothing waits on tools: a queue would only age the buffer
-        return 0
-    return math.ceil(overprovision * groups_per_step)
+def _pinned(value: str, kind: type) -> Any:
+    """A flag's number, or None for 'auto' (the run-time controller decides)."""
+    return None if value == "auto" else kind(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -512,21 +515,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2,
                         help="cores per run: sync threads; async 1 worker + the rest learner")
     parser.add_argument("--overprovision", default="auto",
-                        help="async groups in flight per step's need; 'auto' grows it with "
-                             "the latency, as the model needs (tiny: 1.5 at 0 ms, 3 at 100 ms, "
-                             "10 at 500 ms; smollm2: 1.5, 1.5, 2)")
+                        help="async groups in flight per step's need; 'auto' (default): sized "
+                             "at run time by staleness.auto; a number pins it")
     parser.add_argument("--max-versions", default="auto",
-                        help="async staleness bound (versions); 'auto' grows it with the "
-                             "latency (2 at 0 ms, 4 at 100 ms; at 500 ms 32 for tiny, 8 for "
-                             "smollm2)")
+                        help="async staleness bound (versions); 'auto' (default): sized at "
+                             "run time by staleness.auto; a number pins it")
     parser.add_argument("--queued-groups", default="auto",
-                        help="async groups queued at the worker beyond its pool, started as "
-                             "soon as the pool has room (staleness.queued_groups); 'auto': "
-                             "none at 0 ms, one pool's worth (overprovision x groups per "
-                             "step) with tool latency")
-    parser.add_argument("--keep-kv-cache", action="store_true",
-                        help="async workers keep their keys/values across weight updates "
-                             "(staleness.keep_kv_cache, PipelineRL's in-flight update)")
+                        help="async groups queued at the worker beyond its pool; 'auto' "
+                             "(default): sized at run time; a number pins it")
+    parser.add_argument("--keep-kv-cache", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="async workers keep (or, --no-keep-kv-cache, drop) their keys/"
+                             "values across weight updates (staleness.keep_kv_cache, "
+                             "PipelineRL's in-flight update); default: the config's")
+    parser.add_argument("--compare-kv-cache", action="store_true",
+                        help="also run async with the other keep_kv_cache policy at every "
+                             "latency, side by side (mode async-keepkv or async-dropkv)")
     parser.add_argument("--no-sync1", action="store_true",
                         help="skip the extra 1-thread sync run at 0 ms (by default it runs, "
                              "so 'best at 0 ms' is the best of sync on 1 and 2 threads and "
@@ -569,20 +573,19 @@ def main(argv: list[str] | None = None) -> int:
 
         def spec(mode: str, median_ms: float, model=model, seconds=seconds, lr=lr) -> RunSpec:
             tag = f"{model}-{mode}-{median_ms:g}ms"
-            overprovision = _auto(args.overprovision, AUTO_OVERPROVISION.get(
-                model, AUTO_OVERPROVISION["smollm2-135m-instruct"]), median_ms)
+            keep = args.keep_kv_cache
+            if mode in ("async-keepkv", "async-dropkv"):
+                keep = mode == "async-keepkv"
             return RunSpec(model=model, mode=mode, median_ms=median_ms, seconds=seconds,
                            out_dir=str(workdir / tag), env=args.env, env_options=env_options,
                            sigma=args.sigma, group_size=args.group_size,
                            groups_per_step=args.groups_per_step,
                            max_new_tokens=args.max_new_tokens, lr=lr, seed=args.seed,
                            threads=args.threads,
-                           overprovision=overprovision,
-                           max_versions=int(_auto(args.max_versions, AUTO_MAX_VERSIONS.get(
-                               model, AUTO_MAX_VERSIONS["smollm2-135m-instruct"]), median_ms)),
-                           queued_groups=_queued(args.queued_groups, overprovision,
-                                                 args.groups_per_step, median_ms),
-                           keep_kv_cache=args.keep_kv_cache,
+                           overprovision=_pinned(args.overprovision, float),
+                           max_versions=_pinned(args.max_versions, int),
+                           queued_groups=_pinned(args.queued_groups, int),
+                           keep_kv_cache=keep,
                            eval_episodes=args.eval_episodes,
                            timeout_s=max(600.0, 4 * seconds + 600))
 
@@ -596,6 +599,12 @@ def main(argv: list[str] | None = None) -> int:
             modes = list(args.modes)
             if median_ms == 0 and not args.no_sync1 and "sync1" not in modes:
                 modes.insert(1, "sync1")
+            if args.compare_kv_cache and "async" in modes:
+                from turnrl.config import load_config
+
+                default_keep = (load_config(None, []).staleness.keep_kv_cache
+                                if args.keep_kv_cache is None else args.keep_kv_cache)
+                modes.append("async-dropkv" if default_keep else "async-keepkv")
             for mode in modes:
                 raw = run_spec(spec(mode, median_ms), workdir)
                 summary = summarize_run(raw)
@@ -605,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{_num(summary.get('tokens_per_s'), 0)} tok/s, "
                       f"{_num(summary.get('episodes_per_s'), 2)} ep/s"
                       + (f", error: {summary['error']}" if summary.get("error") else "")
+                      + _sizing_note(summary)
                       + f" ({raw['process_s']:.0f} s in all; load average "
                       f"{_num(raw.get('loadavg_at_start'))} -> {_num(raw.get('loadavg_at_end'))})",
                       flush=True)

@@ -318,7 +318,7 @@ class FakeFleet:
 
 class _Report:
     def __init__(self, groups):
-        self.groups = groups
+        self.groups, self.stats, self.env_latencies = groups, {}, []
 
 
 def test_queued_groups_wait_at_the_worker_beyond_its_pool():
@@ -471,6 +471,12 @@ def test_a_killed_worker_is_restarted_and_its_work_reissued(ray_cluster, tmp_pat
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert sum(r["async/worker_restarts"] for r in records) == result.worker_restarts == 1
+    # staleness.auto (the default) measured and sized from step 1 on, through the restart.
+    for r in records:
+        assert r["rates/learner_steps_per_s"] > 0 and r["rates/turns_per_episode"] >= 1
+        assert r["sizing/pool"] >= 2 * 4 and r["sizing/max_versions"] >= 1
+        assert r["async/staleness_max"] <= r["async/max_versions"]
+    assert any(math.isfinite(r["rates/env_latency_median_s"]) for r in records)
     # The restarted worker got back the work it held: same ids, same seeds, each trained
     # (or left over at the end) once; 8 groups trained on, none twice, none lost.
     assert result.reissued
@@ -529,6 +535,42 @@ def test_a_worker_samples_with_the_weights_it_was_sent_last():
                            for m in (model, models[1 - version]))
             assert torch.allclose(sent, batch.old_logprobs[mask], atol=1e-4)
             assert not torch.allclose(other, batch.old_logprobs[mask], atol=1e-2)
+    finally:
+        worker.stop()
+
+
+def test_a_worker_reports_its_env_latencies_and_takes_a_new_pool_size():
+    """What ``staleness.auto`` reads and sets at a worker: every env call's wall time comes
+    back with the reports (each delayed step at least its delay, resets not delayed), and
+    ``resize`` changes how many episodes live at once."""
+    from turnrl.distributed.workers import RolloutWorker, without_tied_weights
+    from turnrl.models import tiny_model
+
+    slow = {"env": "say-digit", "median_ms": 40, "sigma": 0.0, "options": {"turns": 2}}
+    cfg = load_config(None, TINY + ["--env.name", "slow", "--env.options", json.dumps(slow)])
+    worker = RolloutWorker(cfg, pool_size=4)  # one group of 4 at a time
+
+    def play(assignments):
+        worker.assign(assignments)
+        groups, latencies, deadline = [], [], time.monotonic() + 60
+        while len(groups) < len(assignments) and time.monotonic() < deadline:
+            report = worker.take_groups(wait_s=1.0)
+            groups += report.groups
+            latencies += report.env_latencies
+        assert len(groups) == len(assignments)
+        return groups, latencies, report.stats
+
+    try:
+        state = {k: v.detach().clone() for k, v in tiny_model(seed=1)[0].state_dict().items()}
+        worker.set_weights(0, without_tied_weights(state))
+        groups, latencies, stats = play([(0, 1), (1, 2), (2, 3)])
+        turns = sum(len(ep.turns) for g in groups for ep in g.episodes)
+        assert sum(x >= 0.04 for x in latencies) == turns  # every delayed step, timed
+        assert sum(x < 0.04 for x in latencies) == 12  # the 12 resets, not delayed
+        assert stats["max_live"] == 4
+        worker.resize(12)
+        groups, _, stats = play([(3, 4), (4, 5), (5, 6)])
+        assert stats["max_live"] == 12 and worker.engine.max_kept_rows >= 12
     finally:
         worker.stop()
 

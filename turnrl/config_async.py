@@ -62,12 +62,20 @@ class StalenessConfig(_Section):
     queued_groups: int = 0
     """async: groups queued at each worker beyond its pool of live episodes, started the moment
     the pool has room (a group held open by one slow episode then leaves no slots idle)"""
-    keep_kv_cache: bool = False
+    keep_kv_cache: bool = True
     """async: workers keep live episodes' keys/values across a weight update instead of
-    re-reading them with the new weights (PipelineRL); faster, slightly more off-policy"""
+    re-reading them with the new weights (PipelineRL); faster, slightly more off-policy
+    (README: measured side by side with false)"""
+    auto: bool = True
+    """async: size the pool (Little's law), the queue and the staleness bound (the throughput
+    it needs, capped by the ESS) from rates measured at run time; overprovision and
+    max_versions are then only where it starts. false pins them (adaptive: the ESS-only bound)"""
+    pool_memory_fraction: float = 0.25
+    """auto: live episodes' keys/values may take at most this share of the memory available"""
 
     def _check(self) -> None:
         self._at_least(0, "max_versions", "queued_groups")
         self._at_least(1, "max_versions_limit", "overprovision")
+        self._require("pool_memory_fraction", 0 < self.pool_memory_fraction <= 1, "in (0, 1]")
         self._require("ess_low", 0 < self.ess_low <= self.ess_high <= 1,
                       "in (0, ess_high] with ess_high <= 1")

@@ -50,6 +50,8 @@ class Fleet:
         self.restarts = 0
         self.reissued: list[int] = []
         self.stats: dict[int, dict] = {}
+        self.pool_size: int | None = None
+        """Live episodes per worker set by ``resize`` (None: as spawned)."""
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -99,6 +101,12 @@ class Fleet:
         version, ref = self.weights
         self._fire(self.handles[w].set_weights.remote(version, [ref]))
         self.weights_seq[w] = self._next_seq()
+
+    def resize(self, pool_size: int) -> None:
+        """Every worker's pool to ``pool_size`` live episodes (a restarted one gets it too)."""
+        self.pool_size = pool_size
+        for w in self.alive():
+            self._fire(self.handles[w].resize.remote(pool_size))
 
     def assign(self, w: int, assignments: list[Assignment]) -> None:
         self._fire(self.handles[w].assign.remote([(a.id, a.seed) for a in assignments]))
@@ -152,6 +160,8 @@ class Fleet:
         self.failures.pop(w, None)
         if self.incarnation.get(w, report.incarnation) != report.incarnation:
             self.restarts += 1
+            if self.pool_size is not None:
+                self._fire(self.handles[w].resize.remote(self.pool_size))
         self.incarnation[w] = report.incarnation
         self.version[w] = report.version
         self.stats[w] = report.stats

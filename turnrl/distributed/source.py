@@ -8,13 +8,16 @@ hands the learner the first fresh groups that finish (groups finished beyond a s
 wait in the buffer for the next step), drops or regenerates stale ones (``on_stale``), and
 writes ``assignments.jsonl``: per step, which (assignment, seed) pairs were trained on and
 which were dropped, regenerated or re-issued. With ``staleness.adaptive`` the staleness
-bound follows the effective sample size of the behaviour importance weights.
+bound follows the effective sample size of the behaviour importance weights. With
+``staleness.auto`` (the default) a ``SizingController`` (sizing.py) resizes the pool, the queue
+and the bound every step from the rates measured here (rates.py), all logged as metrics.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import time
 from functools import partial
@@ -34,6 +37,13 @@ from turnrl.distributed.book import (
     split_stale,
 )
 from turnrl.distributed.fleet import Fleet
+from turnrl.distributed.rates import MeasuredRates
+from turnrl.distributed.sizing import (
+    SizingController,
+    available_memory_bytes,
+    kv_bytes_per_token,
+    pool_memory_cap,
+)
 from turnrl.distributed.workers import spawn_workers, worker_pool_size
 from turnrl.envs import ENVS
 from turnrl.metrics import truncate_metrics
@@ -55,6 +65,18 @@ class RaySource:
         self.ledger = ledger if ledger is not None else io.StringIO()
         # In flight (the workers' pools) plus queued behind them, buffered groups included.
         self.target = in_flight_groups(cfg) + cfg.staleness.queued_groups * cfg.ray.num_workers
+        self.rates = MeasuredRates()
+        self.sizing: SizingController | None = None
+        if cfg.staleness.auto:
+            self.sizing = SizingController.start(
+                group_size=cfg.rollout.group_size, groups_per_step=cfg.rollout.groups_per_step,
+                workers=cfg.ray.num_workers, bound=cfg.staleness.max_versions,
+                pool=worker_pool_size(cfg, in_flight_groups(cfg)) * cfg.ray.num_workers,
+                max_pool=1 << 20, ess_floor=cfg.staleness.ess_low,
+                ess_high=cfg.staleness.ess_high)
+        self.kv_bytes_per_token = 0.0
+        self.step_clock: float | None = None
+        self.arrived = 0
         self.buffer: list[Group] = []
         self.version = version
         self.step_events: dict[str, list[int]] = {"dropped": [], "regenerated": []}
@@ -91,11 +113,16 @@ class RaySource:
 
     @property
     def max_versions(self) -> int:
-        return self.adaptive.max_versions if self.adaptive else self.cfg.staleness.max_versions
+        if self.adaptive:
+            return self.adaptive.max_versions
+        return self.sizing.bound.value if self.sizing else self.cfg.staleness.max_versions
 
     # ---- the RolloutSource interface ---------------------------------------------------------
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
+        if not self.kv_bytes_per_token and hasattr(model, "config"):
+            element = next(model.parameters()).element_size()
+            self.kv_bytes_per_token = kv_bytes_per_token(model.config, element)
         self.version = version
         self.fleet.publish(version, model)
         self.top_up()  # the workers keep generating while the learner updates
@@ -109,6 +136,8 @@ class RaySource:
         self._stale(stale)
         self.waited = 0.0
         self.last_group_at = time.monotonic()
+        if self.step_clock is None:
+            self.step_clock = time.perf_counter()
         while len(self.buffer) < need:
             self.top_up()
             started = time.perf_counter()
@@ -116,9 +145,12 @@ class RaySource:
             self.waited += time.perf_counter() - started
             for worker, seq, report in reports:
                 self.fleet.reconcile(worker, seq, report)
+                self.rates.observe_worker(worker, report.stats, time.perf_counter(),
+                                          getattr(report, "env_latencies", ()))
                 delivered = [g for g in report.groups if self.book.deliver(g)]
                 if delivered:
                     self.last_group_at = time.monotonic()
+                    self._arrivals(delivered)
                 fresh, stale = split_stale(delivered, self.version, self.max_versions)
                 self.buffer += fresh
                 self._stale(stale)
@@ -160,6 +192,7 @@ class RaySource:
         if self.adaptive is not None:  # the bound for the next step's groups
             decision = self.adaptive.update(update_metrics.get("offpolicy/ess", float("nan")))
             metrics.update(decision.metrics())
+        metrics.update(self._resize(update_metrics))
         for g in groups:
             book.resolve(g.assignment, "trained")
             self.trained.append((g.assignment, g.seed))
@@ -195,6 +228,41 @@ class RaySource:
                 "regenerated": self.totals["regenerated"], "reissued": self.totals["reissued"],
                 "abandoned": abandoned, "duplicates": self.totals["duplicates"],
                 "worker_restarts": self.totals["restarts"], "issued": dict(self.book.seeds)}
+
+    # ---- sizing from measured rates ----------------------------------------------------------
+
+    def _arrivals(self, groups: list[Group]) -> None:
+        """What arriving groups say about lifetimes, staleness and episode length."""
+        episodes = [ep for g in groups for ep in g.episodes]
+        self.arrived += len(groups)
+        self.rates.observe_groups([g.finished_at - g.started_at for g in groups],
+                                  [group_staleness(g, self.version) for g in groups],
+                                  float(np.mean([len(ep.turns) for ep in episodes])),
+                                  float(np.mean([len(ep.token_ids) for ep in episodes])))
+
+    def _resize(self, update_metrics: dict[str, float]) -> dict[str, float]:
+        """After a step: the learner's rates, then (``staleness.auto``) the new pool, queue and
+        bound; the rates and the decision as metrics."""
+        now = time.perf_counter()
+        step_s = now - (self.step_clock or now)
+        self.step_clock = now
+        self.rates.observe_step(step_s, self.waited,
+                                update_metrics.get("offpolicy/ess", float("nan")))
+        metrics = self.rates.metrics()
+        if self.sizing is None:
+            return metrics
+        cap = pool_memory_cap(self.kv_bytes_per_token, self.rates.tokens.value,
+                              available_memory_bytes(), self.cfg.staleness.pool_memory_fraction)
+        before = self.sizing.pool.value
+        decision = self.sizing.update(self.rates, self.arrived,
+                                      len(self.step_events["dropped"])
+                                      + len(self.step_events["regenerated"]), max_pool=cap)
+        self.arrived = 0
+        groups = math.ceil(decision.pool / self.cfg.rollout.group_size)
+        self.target = groups + decision.queued_groups * self.cfg.ray.num_workers
+        if decision.pool != before:
+            self.fleet.resize(worker_pool_size(self.cfg, groups))
+        return {**metrics, **decision.metrics(), "sizing/memory_cap": float(cap)}
 
     # ---- keeping the workers busy ------------------------------------------------------------
 

@@ -81,6 +81,8 @@ class WorkerReport:
     weights_version: int
     """Newest version it has been sent (-1: none)."""
     stats: dict[str, float] = field(default_factory=dict)
+    env_latencies: list[float] = field(default_factory=list)
+    """Seconds of each env reset/step that ended since the last report."""
 
 
 class RolloutWorker:
@@ -183,9 +185,21 @@ class RolloutWorker:
         groups = self.rollout.take_groups(max_groups, wait_s)
         with self._weights_lock:
             sent = self._newest[0] if self._newest is not None else -1
+        latencies, pending = [], self.rollout.env_latencies
+        while pending:  # popleft is atomic: the loop's thread may append meanwhile
+            latencies.append(pending.popleft())
         return WorkerReport(self.index, self.incarnation, groups,
                             self.rollout.known_assignments(), self.engine.version, sent,
-                            self.rollout.stats.to_dict())
+                            self.rollout.stats.to_dict(), latencies)
+
+    def resize(self, pool_size: int) -> int:
+        """A new target of live episodes (``staleness.auto``); the loop admits or lets drain
+        from its next iteration, and the HF engine keeps that many episodes' caches."""
+        self.rollout.pool_size = max(1, pool_size)
+        if self.model is not None:
+            self.engine.max_kept_rows = max(self.engine.max_kept_rows, pool_size)
+        self.rollout._poke()  # room for queued groups now, not at the next env step
+        return pool_size
 
     def stop(self) -> None:
         self._stopping = True

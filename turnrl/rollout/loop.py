@@ -175,6 +175,7 @@ class TurnLoop:
         self.worker = worker
         self.lockstep = lockstep
         self.stats = LoopStats()
+        self.env_latencies: deque[float] = deque(maxlen=1024)  # seconds, newest last
         self.lock = threading.RLock()
         """Guards the feed, the groups and the finished queue (shared with other threads)."""
         self._ready = threading.Condition(self.lock)
@@ -312,8 +313,11 @@ class TurnLoop:
         check = checked_observation if method == "reset" else checked_step
 
         async def call():
-            return check(await slot.runner.call(method, arg, self.env_timeout_s),
-                         self.env_name)
+            started = time.perf_counter()
+            try:
+                return check(await slot.runner.call(method, arg, self.env_timeout_s), self.env_name)
+            finally:  # the env's latency, timed out or not (async mode sizes its pool by it)
+                self.env_latencies.append(time.perf_counter() - started)
         return asyncio.ensure_future(call())
 
     async def _generate(self, waiting: list[_Slot]) -> None:
@@ -458,7 +462,6 @@ def _record(episode: Episode, result: StepResult, start: int, end: int, text: st
     if "success" in info:
         episode.success = bool(info.pop("success"))
     episode.info.update(info)
-
 
 
 def run_sync(coro):

@@ -1,0 +1,293 @@
+"""Async sizing from measured rates: the estimators, the bounded-step hysteresis, and the
+controller on simulated rate traces (a steady system, a sudden 16x latency change, an ESS
+that collapses with staleness, noisy measurements)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from turnrl.distributed.rates import Ewma, GenerationRate, MeasuredRates, Window, quantile
+from turnrl.distributed.sizing import (
+    BoundedStep,
+    SizingController,
+    kv_bytes_per_token,
+    pool_memory_cap,
+)
+
+# ---- the estimators ---------------------------------------------------------------------------
+
+
+def test_ewma_window_and_quantiles_against_hand_values():
+    ewma = Ewma(alpha=0.5)
+    assert math.isnan(ewma.value)
+    assert ewma.update(4.0) == 4.0  # the first sample is the estimate
+    assert ewma.update(2.0) == 3.0
+    assert ewma.update(math.nan) == 3.0 and ewma.count == 2  # NaN is not a sample
+    assert quantile([3, 1, 2, 4], 0.5) == 2.5 and quantile([5], 0.9) == 5
+    assert math.isnan(quantile([], 0.5))
+    window = Window(size=3)
+    window.add([10, 1, 2, 3])  # the oldest falls out
+    assert list(window.samples) == [1, 2, 3] and window.mean == 2 and window.quantile(0.9) == 2.8
+
+
+def test_generation_rate_from_cumulative_counters_and_a_restart():
+    rate = GenerationRate(alpha=1.0)
+    rate.observe({"generate_calls": 10, "generated_rows": 100, "generate_s": 1.0}, now=0.0)
+    assert math.isnan(rate.rows_per_gen_s.value)  # a baseline only
+    rate.observe({"generate_calls": 20, "generated_rows": 300, "generate_s": 2.0}, now=2.0)
+    assert rate.rows_per_gen_s.value == 200 and rate.rows_per_call.value == 20
+    assert rate.call_s.value == pytest.approx(0.1) and rate.busy.value == pytest.approx(0.5)
+    # A restarted worker's counters start again from 0: a new baseline, no negative rate.
+    rate.observe({"generate_calls": 2, "generated_rows": 5, "generate_s": 0.1}, now=3.0)
+    assert rate.rows_per_gen_s.value == 200
+    rate.observe({"generate_calls": 4, "generated_rows": 45, "generate_s": 0.3}, now=4.0)
+    assert rate.rows_per_gen_s.value == pytest.approx(200) and rate.busy.value == pytest.approx(0.2)
+
+
+def test_measured_rates_metrics_name_every_estimate():
+    rates = MeasuredRates()
+    assert math.isnan(rates.metrics()["rates/env_latency_median_s"])
+    rates.observe_worker(0, {"generate_calls": 0, "generated_rows": 0, "generate_s": 0}, 0.0,
+                         [0.1, 0.2, 0.3, 0.4, 5.0])
+    rates.observe_worker(0, {"generate_calls": 5, "generated_rows": 50, "generate_s": 0.5}, 1.0)
+    rates.observe_step(step_s=2.0, waited_s=0.5, ess=0.95)
+    rates.observe_groups([1.0, 3.0], [2, 4], turns=5.0, tokens=120.0)
+    m = rates.metrics()
+    assert m["rates/env_latency_median_s"] == pytest.approx(0.3)
+    assert m["rates/env_latency_mean_s"] == pytest.approx(1.2)  # the heavy tail is in the mean
+    assert m["rates/env_latency_p90_s"] == pytest.approx(3.16)
+    assert m["rates/gen_rows_per_s"] == 100 and m["rates/gen_busy"] == pytest.approx(0.5)
+    assert m["rates/learner_steps_per_s"] == 0.5 and m["rates/learner_busy_s"] == 1.5
+    assert m["rates/group_lifetime_s"] == 2.0 and m["rates/turns_per_episode"] == 5.0
+
+
+# ---- bounded steps with hysteresis ------------------------------------------------------------
+
+
+def test_bounded_step_holds_in_its_band_and_moves_at_most_a_factor():
+    step = BoundedStep(value=10, low=1, high=300, band=0.25, max_factor=2.0, cooldown=0)
+    assert step.propose(12) == 10  # inside the dead band
+    assert step.propose(80) == 20  # at most x2 a change
+    assert step.propose(80) == 40 and step.propose(80) == 80 and step.propose(80) == 80
+    assert step.propose(1000) == 160 and step.propose(1000) == 300  # the cap (memory)
+    assert step.propose(1) == 150 and step.changes == 6
+
+
+def test_bounded_step_cannot_flip_forever():
+    step = BoundedStep(value=10, low=1, high=1000, band=0.25, max_factor=2.0, cooldown=1)
+    for i in range(1000):  # a target that flips between 5 and 20 every decision
+        step.propose(5 if i % 2 else 20)
+    # Each reversal doubles the dead band: after a few the flips are inside it.
+    assert step.changes <= 6 and step.reversals <= 5
+
+
+# ---- the controller on simulated traces -------------------------------------------------------
+
+GROUP, GROUPS, TURNS = 8, 4, 5.0
+
+
+class SimulatedSystem:
+    """A worker whose generate call of ``b`` rows takes ``a + c b`` seconds, called whenever an
+    episode waits (an episode back from its tool waits for the call in progress, then its
+    own), episodes spending the env latency between turns, a learner busy ``busy_s`` a step:
+    the steady state a pool of P episodes reaches, fed to the controller as it would measure
+    it (the batch varies from report to report; ``noise`` jitters every measurement)."""
+
+    def __init__(self, latency_s, a=0.01, c=0.0027, busy_s=0.5, ess_per_version=0.0,
+                 noise=0.0, seed=0):
+        self.latency_s, self.a, self.c, self.busy_s = latency_s, a, c, busy_s
+        self.ess_per_version, self.noise = ess_per_version, noise
+        self.random = random.Random(seed)
+        self.counters = {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}
+        self.now = 0.0
+
+    def steady(self, pool):
+        """(rows/s, seconds a call, rows a call): P = r (E + 1.5 call), call = a + c b with
+        b = r call the rows that arrive during one (at least 1), solved for r by bisection."""
+        def call_at(r):
+            return self.a / (1 - self.c * r) if r * self.a / (1 - self.c * r) >= 1 \
+                else self.a + self.c
+        low, high = 0.0, (1 - 1e-9) / self.c
+        for _ in range(100):
+            r = (low + high) / 2
+            low, high = (r, high) if r * (self.latency_s + 1.5 * call_at(r)) < pool \
+                else (low, r)
+        call = call_at(low)
+        return low, call, max(1.0, low * call)
+
+    def _jitter(self, x):
+        return x * (1 + self.noise * (2 * self.random.random() - 1))
+
+    def step(self, rates, pool, bound):
+        """Advance one learner step; feed ``rates``; (arrived, dropped) groups."""
+        rows_per_s, call, batch = self.steady(pool)
+        demand = GROUPS * GROUP * TURNS  # rows a step consumes
+        step_s = max(self.busy_s, demand / rows_per_s)
+        for _ in range(5):  # five worker reports a step, the batch varying between them
+            b = batch * (0.7 + 0.6 * self.random.random())
+            t = self.a + self.c * b
+            calls = rows_per_s * step_s / 5 / b
+            self.counters["generate_calls"] += calls
+            self.counters["generated_rows"] += calls * b
+            self.counters["generate_s"] += calls * self._jitter(t)
+            self.now += step_s / 5
+            rates.observe_worker(0, dict(self.counters), self.now,
+                                 [self._jitter(self.latency_s) for _ in range(4)])
+        lifetime = 1.5 * TURNS * (self.latency_s + 1.5 * call)  # a group's slowest episode
+        staleness = lifetime / step_s
+        arrived = GROUPS
+        rates.observe_groups([self._jitter(lifetime) for _ in range(arrived)],
+                             [round(self._jitter(staleness)) for _ in range(arrived)],
+                             TURNS, 150.0)
+        dropped = sum(round(self._jitter(staleness)) > bound for _ in range(arrived))
+        ess = 1.0 - self.ess_per_version * min(bound, staleness)
+        rates.observe_step(self._jitter(step_s), max(0.0, step_s - self.busy_s), ess)
+        return arrived, dropped, rows_per_s
+
+
+def _controller(pool=48, bound=2, max_pool=4096):
+    return SizingController.start(group_size=GROUP, groups_per_step=GROUPS, workers=1,
+                                  pool=pool, bound=bound, max_pool=max_pool)
+
+
+def _run(system, controller, rates, steps, trace):
+    for _ in range(steps):
+        arrived, dropped, rows_per_s = system.step(rates, controller.pool.value,
+                                                   controller.bound.value)
+        controller.update(rates, arrived, dropped)
+        trace.append((controller.pool.value, controller.bound.value, rows_per_s))
+    return trace
+
+
+def test_the_pool_grows_to_what_the_learner_consumes_and_the_bound_to_the_lifetime():
+    system, controller, rates = SimulatedSystem(latency_s=0.8), _controller(), MeasuredRates()
+    trace = _run(system, controller, rates, 60, [])
+    pool, bound, rows_per_s = trace[-1]
+    demand = GROUPS * GROUP * TURNS / system.busy_s  # 320 rows/s at full learner speed
+    assert rows_per_s >= demand  # the learner no longer waits
+    # Little's law: not far past what that rate needs (headroom 1.25, the dead band, a group).
+    needed = demand * (system.latency_s + system.steady(pool)[1])
+    assert needed <= pool <= 1.25 * 1.3 * needed + 2 * GROUP
+    lifetime_versions = 1.5 * TURNS * (system.latency_s + system.steady(pool)[1]) / 0.5
+    assert lifetime_versions <= bound <= 2 * lifetime_versions + 2
+    assert controller.pool.changes + controller.bound.changes <= 14
+    assert len({(p, b) for p, b, _ in trace[-20:]}) == 1  # settled: nothing moves
+
+
+def test_a_sudden_latency_change_mid_run_converges_without_oscillating():
+    system = SimulatedSystem(latency_s=0.05, noise=0.1, seed=1)
+    controller, rates = _controller(), MeasuredRates()
+    trace = _run(system, controller, rates, 80, [])
+    fast_pool, fast_bound, _ = trace[-1]
+    changes_before = controller.pool.changes + controller.bound.changes
+    system.latency_s = 0.8  # tools 16x slower from here on
+    _run(system, controller, rates, 120, trace)
+    slow_pool, slow_bound, rows_per_s = trace[-1]
+    assert slow_pool >= 4 * fast_pool and slow_bound > fast_bound
+    assert rows_per_s >= 0.95 * GROUPS * GROUP * TURNS / system.busy_s  # throughput is back
+    # It got there within 20 steps of the change, then stayed put (noise is in the band).
+    settled = [(p, b) for p, b, _ in trace[100:]]
+    assert len(set(settled[-60:])) <= 2
+    total = controller.pool.changes + controller.bound.changes
+    assert total - changes_before <= 12 and total <= 30
+    # Back to fast tools: the pool shrinks again (bounded steps), memory is given back.
+    system.latency_s = 0.05
+    _run(system, controller, rates, 80, trace)
+    assert trace[-1][0] <= slow_pool / 3
+
+
+def test_a_collapsing_ess_caps_the_bound_below_what_throughput_asks():
+    # ESS falls 0.04 per version of staleness: below the 0.6 floor past 10 versions, while the
+    # lifetime asks for ~17. The bound must stop near 10 and stay there.
+    system = SimulatedSystem(latency_s=0.8, ess_per_version=0.04, noise=0.05, seed=3)
+    controller, rates = _controller(), MeasuredRates()
+    trace = _run(system, controller, rates, 150, [])
+    bounds = [b for _, b, _ in trace[-50:]]
+    assert max(bounds) <= 11 and min(bounds) >= 5
+    assert controller.ess_ceiling is not None or controller.patience > 3
+    assert controller.bound.changes <= 20
+
+
+def test_dropped_groups_raise_the_bound_while_ess_allows():
+    controller, rates = _controller(bound=2), MeasuredRates()
+    rates.observe_step(step_s=0.5, waited_s=0.0, ess=0.97)
+    # Nothing about lifetimes yet: only the drops say the bound is too tight.
+    decisions = [controller.update(rates, arrived=4, dropped=3) for _ in range(4)]
+    assert math.isnan(decisions[0].bound_target)  # no lifetime, no arrival staleness yet
+    rates.observe_groups([4.0] * 4, [6] * 4, TURNS, 100.0)
+    decision = controller.update(rates, arrived=4, dropped=3)
+    assert decision.bound > 2
+    controller_low = _controller(bound=8)
+    rates_low = MeasuredRates()
+    rates_low.observe_groups([4.0] * 4, [6] * 4, TURNS, 100.0)
+    for _ in range(3):
+        rates_low.observe_step(step_s=0.5, waited_s=0.0, ess=0.3)  # too off-policy
+        controller_low.update(rates_low, arrived=4, dropped=3)
+    assert controller_low.bound.value < 8  # the ESS wins over the drops
+
+
+def test_memory_cap_from_the_model_shape():
+    class SmolLike:  # SmolLM2-135M: 30 layers, 3 key/value heads of 64
+        num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 30, 9, 3, 576
+
+    per_token = kv_bytes_per_token(SmolLike, element_size=4)
+    assert per_token == 2 * 30 * 3 * 64 * 4
+    cap = pool_memory_cap(per_token, tokens_per_episode=300, available_bytes=8 * 2**30,
+                          fraction=0.25)
+    assert cap == int(0.25 * 8 * 2**30 / (2 * per_token * 300))
+    controller = _controller(pool=48, max_pool=cap)
+    system, rates = SimulatedSystem(latency_s=3.0, c=0.02), MeasuredRates()
+    _run(system, controller, rates, 60, [])
+    assert controller.pool.value <= max(cap, GROUPS * GROUP)
+    assert pool_memory_cap(0, math.nan, 0, 0.25) > 10**5  # unknown: no cap from memory
+
+
+def test_a_worker_slower_than_the_learner_gets_a_finite_pool_not_the_memory_cap():
+    # 1/c = 200 rows/s at any batch, the learner would take 320: more episodes cannot help.
+    system = SimulatedSystem(latency_s=0.8, c=0.005, noise=0.05, seed=4)
+    controller, rates = _controller(max_pool=100_000), MeasuredRates()
+    trace = _run(system, controller, rates, 100, [])
+    pool, _, rows_per_s = trace[-1]
+    assert rows_per_s >= 0.85 * 200  # near what the worker can do
+    assert pool <= 400 and len({p for p, _, _ in trace[-30:]}) == 1
+
+
+def test_auto_sizing_is_the_default_and_its_memory_share_is_checked():
+    from turnrl.config import ConfigError, load_config
+
+    cfg = load_config(None, [])
+    assert cfg.staleness.auto and cfg.staleness.keep_kv_cache
+    with pytest.raises(ConfigError, match="pool_memory_fraction"):
+        load_config(None, ["--staleness.pool_memory_fraction", "0"])
+    assert not load_config(None, ["--staleness.auto", "false"]).staleness.auto
+
+
+def test_only_a_busy_worker_caps_the_pool_at_its_capacity():
+    def rates_with(busy_fraction):
+        rates = MeasuredRates(alpha=1.0)
+        rates.observe_step(step_s=0.5, waited_s=0.0, ess=1.0)  # demand: 32 x 5 / 0.5 s
+        rates.observe_groups([4.0], [2], TURNS, 100.0)
+        rates.env_latency.add([0.8])
+        counters, now = {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}, 0.0
+        rates.observe_worker(0, dict(counters), now)
+        for i in range(10):  # batches 10..28 at a = 0.01 s, c = 0.01 s: capacity 100 rows/s
+            b = 10 + 2 * i
+            counters["generate_calls"] += 1
+            counters["generated_rows"] += b
+            counters["generate_s"] += 0.01 + 0.01 * b
+            now += (0.01 + 0.01 * b) / busy_fraction
+            rates.observe_worker(0, dict(counters), now)
+        return rates
+
+    busy, idle = rates_with(0.95), rates_with(0.5)
+    assert busy.capacity()[0] == pytest.approx(100)
+    _, busy_rate = _controller().pool_target(busy)
+    idle_pool, idle_rate = _controller().pool_target(idle)
+    # The call it sizes by is the one predicted at that rate (a / (1 - c x 0.9 capacity) =
+    # 0.1 s), not the long calls measured now: those would grow a too-big pool further.
+    assert idle_pool == pytest.approx(idle_rate * (0.8 + 1.5 * 0.1) + GROUP, rel=1e-6)
+    assert busy_rate == pytest.approx(90)  # 0.9 of capacity
+    assert idle_rate == pytest.approx(1.25 * GROUPS * GROUP * TURNS / 0.5)  # the learner's need

@@ -1,0 +1,276 @@
+"""Async mode sizes itself: the rollout pool and the staleness bound from measured rates.
+
+Pure (no Ray, no torch): ``SizingController.update`` reads ``MeasuredRates``
+(turnrl/distributed/rates.py) once per learner step and returns the pool, the queue and the
+bound to use next. ``RaySource`` applies them (``staleness.auto``, on by default).
+
+**Pool: Little's law** (Little 1961, "A proof for the queuing formula L = lambda W",
+Operations Research 9(3)). Episodes in flight = the rate at which they must take turns x the
+time one turn takes. The rate is what the learner consumes at full speed, with headroom:
+``lambda = headroom x episodes per step x turns per episode / learner busy seconds per step``
+(its busy time, not its wall time: a learner that waits says nothing about how fast it could
+go), and no more than the workers can generate when they are already busy. A turn takes the
+environment's mean latency plus a generate call. So ``pool = lambda x (env latency + call) +
+one group per worker`` (a group is only started whole). The same law sizes the queue of
+groups waiting at each worker: groups finish at ``lambda / (turns x group size)`` a second
+and the learner tops the workers up only between its updates, so a queue of that rate x the
+learner's busy time keeps a pool full while the learner trains.
+
+**Staleness bound: the throughput it needs, capped by what the correction can absorb.**
+A group lives L seconds from its first token to delivery while the learner steps S times a
+second, so it arrives about L x S versions old (README, "Sync vs async under slow tools");
+a bound below that drops the groups the pool was sized to deliver. The target is the larger
+of ``p90(L) x S`` and the p90 of the staleness groups actually arrived with, plus one; groups
+dropped as too stale push it up. The importance weights' effective sample size (ESS) caps it:
+when the smoothed ESS falls below ``ess_floor`` the bound shrinks and a ceiling is set there,
+lifted only after the ESS has stayed above ``ess_high`` for a patience that doubles each time
+(so grow/shrink cycles die out).
+
+**It cannot oscillate forever.** Each quantity moves through a ``BoundedStep``: it holds
+while the target is within a relative dead band of the current value, moves at most a factor
+``max_factor`` per change, and waits ``cooldown`` decisions after a change (so the rates
+reflect the new size). Every reversal of direction widens the band by half (up to 2x) and
+doubles the wait: a target that keeps flipping makes changes ever further apart (k reversals,
+a wait of 2^k decisions, so O(log T) changes in T steps), while a real change of regime (tool
+latency 10x up) still moves it. The band and factors are fractions, not rates tuned to a
+machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from turnrl.distributed.rates import MeasuredRates
+
+BUSY_WORKER = 0.8
+"""A worker generating this share of the time or more is near capacity: the pool's rate is
+then capped by it (its cost model's, or x1.5 what it generates while that is unknown)."""
+CAPACITY_SHARE = 0.9
+"""The pool is sized for at most this share of the rows a second the workers reach with
+large batches: the batch a rate ``x`` of capacity needs grows like ``x / (1 - x)``."""
+
+
+MAX_BAND = 1.0
+"""The dead band never grows past this: a target twice the value (or half) always moves it."""
+
+
+@dataclass
+class BoundedStep:
+    """An integer moved towards a target in bounded steps with hysteresis (module docstring)."""
+
+    value: int
+    low: int
+    high: int
+    band: float = 0.25
+    max_factor: float = 2.0
+    cooldown: int = 1
+    changes: int = 0
+    reversals: int = 0
+    direction: int = 0
+    wait: int = 0
+
+    def propose(self, target: float) -> int:
+        if not math.isfinite(target):
+            return self.value
+        target = min(max(math.ceil(target), self.low), self.high)
+        if self.wait > 0:
+            self.wait -= 1
+            return self.value
+        band = min(MAX_BAND, self.band * 1.5 ** self.reversals)
+        if self.value / (1 + band) <= target <= self.value * (1 + band) + 0.5:
+            return self.value
+        direction = 1 if target > self.value else -1
+        if direction > 0:
+            new = min(target, math.ceil(self.value * self.max_factor), self.high)
+            new = max(new, self.value + 1)
+        else:
+            new = max(target, math.floor(self.value / self.max_factor), self.low)
+            new = min(new, self.value - 1)
+        if self.direction and direction != self.direction:
+            self.reversals += 1
+        self.direction, self.value = direction, new
+        self.changes += 1
+        self.wait = self.cooldown * 2 ** self.reversals
+        return new
+
+    def force(self, value: int) -> None:
+        """Set outright (the ESS cap), counted as a change."""
+        value = min(max(value, self.low), self.high)
+        if value != self.value:
+            self.value, self.changes, self.wait = value, self.changes + 1, self.cooldown
+
+
+@dataclass(frozen=True)
+class SizingDecision:
+    pool: int
+    """Live episodes, all workers together."""
+    queued_groups: int
+    """Groups waiting at each worker beyond its pool."""
+    bound: int
+    """Staleness bound (``max_versions``) for the next step's groups."""
+    pool_target: float
+    bound_target: float
+    ess_ceiling: int | None
+
+    def metrics(self) -> dict[str, float]:
+        return {"sizing/pool": float(self.pool), "sizing/queued_groups": float(self.queued_groups),
+                "sizing/max_versions": float(self.bound), "sizing/pool_target": self.pool_target,
+                "sizing/bound_target": self.bound_target,
+                "sizing/ess_ceiling": math.nan if self.ess_ceiling is None
+                else float(self.ess_ceiling)}
+
+
+@dataclass
+class SizingController:
+    """Pool, queue and staleness bound from measured rates (see the module docstring)."""
+
+    group_size: int
+    groups_per_step: int
+    workers: int
+    pool: BoundedStep
+    bound: BoundedStep
+    headroom: float = 1.25
+    ess_floor: float = 0.6
+    ess_high: float = 0.9
+    drop_fraction: float = 0.05
+    """Groups dropped as too stale beyond this share of arrivals push the bound up."""
+    patience: int = 3
+    queued: int = 0
+    ess_ceiling: int | None = None
+    high_streak: int = 0
+    history: list[SizingDecision] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def start(cls, *, group_size: int, groups_per_step: int, workers: int, pool: int,
+              bound: int, max_pool: int, max_bound: int = 256, ess_floor: float = 0.6,
+              ess_high: float = 0.9) -> SizingController:
+        """Start at ``pool`` episodes and ``bound`` versions (the config's values)."""
+        min_pool = groups_per_step * group_size  # a step's worth of groups in play
+        max_pool = max(max_pool, min_pool)
+        return cls(group_size, groups_per_step, workers,
+                   BoundedStep(min(max(pool, min_pool), max_pool), min_pool, max_pool),
+                   BoundedStep(min(max(bound, 1), max_bound), 1, max_bound, band=0.2),
+                   ess_floor=ess_floor, ess_high=ess_high)
+
+    def pool_target(self, rates: MeasuredRates) -> tuple[float, float]:
+        """(episodes in flight, turns a second they must take) by Little's law; NaN until the
+        learner and the groups have been measured."""
+        turns, busy_s = rates.turns.value, rates.busy_s.value
+        if not (math.isfinite(turns) and math.isfinite(busy_s)) or busy_s <= 0:
+            return math.nan, math.nan
+        rate = self.headroom * self.groups_per_step * self.group_size * turns / busy_s
+        capacity, per_call = rates.capacity()
+        call_s = rates.call_s() if math.isfinite(rates.call_s()) else 0.0
+        generated = rates.generation_rows_per_s()
+        busy = [w.busy.value for w in rates.workers.values() if math.isfinite(w.busy.value)]
+        # Only a busy worker is near its capacity; one that idles can take more episodes.
+        at_capacity = bool(busy) and min(busy) >= BUSY_WORKER and math.isfinite(generated)
+        if math.isfinite(capacity):
+            # What it generates is a lower bound of what it can (a fit blurred by noise says
+            # less). Never ask a busy worker for more than most of it: the batch (and the
+            # pool) a rate near capacity needs grows without bound.
+            capacity = max(capacity, generated if math.isfinite(generated) else 0.0)
+            if at_capacity:
+                rate = min(rate, CAPACITY_SHARE * capacity)
+            # The call at that rate's batch b = rate x call: call = a + c b = a / (1 - c rate).
+            # Predicted, not the call measured now: a pool too big makes long calls, and
+            # sizing by them would grow it further.
+            call_s = per_call / (1 - min(rate, CAPACITY_SHARE * capacity) / capacity)
+        elif at_capacity:
+            rate = min(rate, 1.5 * generated)  # cost unknown: grow by steps only
+        latency = rates.env_latency.mean if len(rates.env_latency) else 0.0
+        # A returning episode waits for the call in progress (half a call on average), then
+        # its own; then the tool.
+        return rate * (latency + 1.5 * call_s) + self.group_size * self.workers, rate
+
+    def bound_target(self, rates: MeasuredRates) -> float:
+        steps_per_s = 1 / rates.step_s.value if rates.step_s.count else math.nan
+        lifetime = rates.lifetime.quantile(0.9)
+        needed = lifetime * steps_per_s if len(rates.lifetime) else math.nan
+        seen = rates.arrival_staleness.quantile(0.9)
+        candidates = [x for x in (needed, seen) if math.isfinite(x)]
+        return max(candidates) + 1 if candidates else math.nan
+
+    def update(self, rates: MeasuredRates, arrived: int = 0, dropped: int = 0,
+               max_pool: int | None = None) -> SizingDecision:
+        """One decision per learner step: ``arrived`` groups since the last, ``dropped`` of
+        them as too stale; ``max_pool`` a new memory cap (episodes) when it was re-measured."""
+        if max_pool is not None:
+            self.pool.high = max(max_pool, self.pool.low)
+        pool_target, rate = self.pool_target(rates)
+        self.pool.propose(pool_target)
+        if math.isfinite(rate) and math.isfinite(rates.busy_s.value):
+            groups_per_s = rate / max(rates.turns.value, 1.0) / self.group_size
+            per_worker = groups_per_s * rates.busy_s.value / self.workers
+            self.queued = min(math.ceil(per_worker) + 1, self.pool.value // self.group_size)
+        bound_target = self.bound_target(rates)
+        if arrived and dropped > self.drop_fraction * arrived and math.isfinite(bound_target):
+            bound_target = max(bound_target, self.bound.value * 1.5)  # drops say: too tight
+        self._ess_cap(rates.ess.value)
+        if self.ess_ceiling is not None:
+            bound_target = min(bound_target, self.ess_ceiling)
+        self.bound.propose(bound_target)
+        if self.ess_ceiling is not None and self.bound.value > self.ess_ceiling:
+            self.bound.force(self.ess_ceiling)
+        decision = SizingDecision(self.pool.value, self.queued, self.bound.value, pool_target,
+                                  bound_target, self.ess_ceiling)
+        self.history.append(decision)
+        return decision
+
+    def _ess_cap(self, ess: float) -> None:
+        """Shrink and cap the bound while the smoothed ESS is below the floor; lift the cap
+        after ``patience`` steps above ``ess_high`` (the patience doubles each time)."""
+        if not math.isfinite(ess):
+            return
+        if ess < self.ess_floor:
+            self.high_streak = 0
+            if self.ess_ceiling is None or self.ess_ceiling >= self.bound.value:
+                shrunk = max(self.bound.low, math.floor(self.bound.value * 0.75))
+                shrunk = min(shrunk, max(self.bound.low, self.bound.value - 1))
+                self.ess_ceiling = shrunk
+                self.bound.force(shrunk)
+        elif ess > self.ess_high and self.ess_ceiling is not None:
+            self.high_streak += 1
+            if self.high_streak >= self.patience:
+                self.ess_ceiling = None
+                self.high_streak = 0
+                self.patience *= 2
+        else:
+            self.high_streak = 0
+
+
+def pool_memory_cap(kv_bytes_per_token: float, tokens_per_episode: float,
+                    available_bytes: float, fraction: float) -> int:
+    """Live episodes whose keys/values fit in ``fraction`` of ``available_bytes`` (x2 for
+    the activations of the call that extends them); a large number when nothing is known."""
+    per_episode = 2 * kv_bytes_per_token * tokens_per_episode
+    if not (per_episode > 0 and math.isfinite(per_episode)) or available_bytes <= 0:
+        return 1 << 20
+    return max(1, int(fraction * available_bytes / per_episode))
+
+
+def kv_bytes_per_token(model_config, element_size: int) -> int:
+    """Bytes of keys and values one token keeps in every layer of a decoder."""
+    layers = getattr(model_config, "num_hidden_layers", 0)
+    heads = getattr(model_config, "num_attention_heads", 1)
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or (
+        getattr(model_config, "hidden_size", 0) // max(heads, 1))
+    return 2 * layers * kv_heads * head_dim * element_size
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else free pages; 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
