@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from credit_assignment import Settings, Task, run_warmup  # noqa: E402
+from warm_tasks import Settings, Task, run_warmup  # noqa: E402
 
 TASK = Task("guess-number", {"low": 1, "high": 30, "max_turns": 5}, max_turns=5,
             max_new_tokens=4, noise=0.3, noise_kind="wasted", warmup_steps=200, steps=16,
