@@ -52,7 +52,7 @@ from turnrl.stats import format_rate
 from turnrl.types import Episode, read_episodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from warmup import encode_demonstration, imitation_loss  # noqa: E402
+from warmup import encode_demonstration, imitation_loss, pad_rows  # noqa: E402
 
 ENV = "tool-arithmetic"
 
@@ -100,14 +100,7 @@ def format_warm_up(model, tokenizer, *, demos: int, steps: int, lr: float, batch
     losses = []
     for _ in range(steps):
         rows = [encoded[i] for i in torch.randperm(len(encoded), generator=generator)[:batch]]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask, attention = torch.zeros_like(ids), torch.zeros_like(ids)
-        for r, (row_ids, row_mask) in enumerate(rows):
-            ids[r, :len(row_ids)] = torch.tensor(row_ids)
-            mask[r, :len(row_ids)] = torch.tensor(row_mask)
-            attention[r, :len(row_ids)] = 1
-        loss = imitation_loss(model, ids, mask, attention)
+        loss = imitation_loss(model, *pad_rows(rows, tokenizer.pad_token_id))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

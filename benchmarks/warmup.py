@@ -205,6 +205,19 @@ def imitation_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
     return nn.functional.cross_entropy(logits[targets], ids[:, 1:][targets])
 
 
+def pad_rows(rows: Sequence[tuple[list[int], list[int]]], pad: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, target mask) rows padded on the right: ``[B, T]`` ids, mask and attention."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask, attention = torch.zeros_like(ids), torch.zeros_like(ids)
+    for r, (row_ids, row_mask) in enumerate(rows):
+        ids[r, :len(row_ids)] = torch.tensor(row_ids)
+        mask[r, :len(row_ids)] = torch.tensor(row_mask)
+        attention[r, :len(row_ids)] = 1
+    return ids, mask, attention
+
+
 @dataclass(frozen=True)
 class WarmupConfig:
     """Everything that decides a warmed-up model (and so names its cache entry)."""
@@ -255,15 +268,8 @@ def warm_up(model: nn.Module, tokenizer, wcfg: WarmupConfig, *,
         if len(order) < wcfg.batch_size:
             order += torch.randperm(len(encoded), generator=generator).tolist()
         rows, order = [encoded[i] for i in order[:wcfg.batch_size]], order[wcfg.batch_size:]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        attention = torch.zeros_like(ids)
-        for r, (row_ids, row_mask) in enumerate(rows):
-            ids[r, :len(row_ids)] = torch.tensor(row_ids)
-            mask[r, :len(row_ids)] = torch.tensor(row_mask)
-            attention[r, :len(row_ids)] = 1
-        loss = imitation_loss(model, ids.to(device), mask.to(device), attention.to(device))
+        ids, mask, attention = (t.to(device) for t in pad_rows(rows, pad))
+        loss = imitation_loss(model, ids, mask, attention)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from test_train import _batch  # a batch with a padded row, old logprobs of the tiny model
 
 from turnrl.algorithms.exploration import entropy_threshold
 from turnrl.checkpoint import latest_checkpoint, load_component
@@ -14,20 +15,6 @@ from turnrl.types import Batch
 
 TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_tokens", "3",
         "--run.tensorboard", "false", "--eval.episodes", "0", "--optim.micro_batch_size", "32"]
-
-
-def _batch(tiny, rows=6):
-    model, tok = tiny
-    torch.manual_seed(0)
-    ids = torch.randint(3, len(tok), (rows, 12))
-    mask = torch.zeros_like(ids, dtype=torch.float32)
-    mask[:, 6:] = 1
-    attention = torch.ones_like(ids)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
-    old = torch.zeros_like(mask)
-    old[:, 1:] = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
-    return Batch(ids, attention, mask, old, torch.linspace(-1, 1, rows))
 
 
 def _grad(model, batch, settings):

@@ -62,15 +62,19 @@ def mean_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, floa
     ``s`` is the sample (n-1) standard deviation. One value gives a zero-width interval
     because its spread cannot be estimated; an empty sequence is an error.
     """
+    mean, sem = _mean_and_standard_error(values, "mean_interval")
+    return mean, mean - z * sem, mean + z * sem
+
+
+def _mean_and_standard_error(values: Sequence[float], caller: str) -> tuple[float, float]:
+    """(mean, s / sqrt(n)) with the sample (n-1) deviation; 0 for one value."""
     n = len(values)
     if n == 0:
-        raise ValueError("mean_interval needs at least one value")
+        raise ValueError(f"{caller} needs at least one value")
     mean = math.fsum(values) / n
     if n == 1:
-        return mean, mean, mean
-    var = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
-    half = z * math.sqrt(var / n)
-    return mean, mean - half, mean + half
+        return mean, 0.0
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
 def format_rate(successes: int, n: int) -> str:
@@ -140,14 +144,10 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, flo
     the normal quantile 1.96 would be far too narrow (t_{0.975, 2} = 4.30 for 3 seeds).
     One value gives a zero-width interval: its spread cannot be estimated.
     """
-    n = len(values)
-    if n == 0:
-        raise ValueError("t_interval needs at least one value")
-    mean = math.fsum(values) / n
-    if n == 1:
+    mean, sem = _mean_and_standard_error(values, "t_interval")
+    if len(values) == 1:
         return mean, mean, mean
-    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-    half = student_t_quantile(0.5 + level / 2.0, n - 1) * sd / math.sqrt(n)
+    half = student_t_quantile(0.5 + level / 2.0, len(values) - 1) * sem
     return mean, mean - half, mean + half
 
 
