@@ -553,11 +553,19 @@ def test_a_worker_reports_its_env_latencies_and_takes_a_new_pool_size():
     def play(assignments):
         worker.assign(assignments)
         groups, latencies, deadline = [], [], time.monotonic() + 60
+        rows_before = worker.rollout.stats.generated_rows
+        calls = []
         while len(groups) < len(assignments) and time.monotonic() < deadline:
             report = worker.take_groups(wait_s=1.0)
             groups += report.groups
             latencies += report.env_latencies
+            calls += report.call_costs
         assert len(groups) == len(assignments)
+        # Every generate call's own size and time came back (what the cost model fits).
+        calls += worker.take_groups().call_costs
+        assert sum(rows for rows, _ in calls) == report.stats["generated_rows"] - rows_before
+        assert all(seconds > 0 for _, seconds in calls)
+        assert report.stats["open_groups_at_calls"] > 0
         return groups, latencies, report.stats
 
     try:

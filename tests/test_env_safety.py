@@ -149,3 +149,34 @@ def test_a_conversation_that_would_outgrow_the_context_ends_truncated_within_it(
                                           max_context=limit))
         assert episode.status == "truncated" and episode.info["reason"] == "context length"
         assert len(episode.token_ids) <= limit and bool(episode.turns) == turns
+
+
+def test_an_env_call_is_timed_on_its_own_thread_not_by_when_the_loop_noticed():
+    """Async mode sizes its pool by env latency. Timed from the turn loop, a 50 ms tool looks
+    as slow as the generate call the loop was busy with (a bigger pool, longer calls, a
+    bigger pool...); timed on the env's thread it is 50 ms. A call past its timeout counts
+    as the timeout."""
+    from turnrl.rollout.env_calls import EnvRunner
+
+    class Tool:
+        async def step(self, seconds):
+            await asyncio.sleep(seconds)
+            return StepResult("done", 0.0, True)
+
+    runner, seconds = EnvRunner(Tool(), "tool"), []
+
+    async def busy_caller():
+        call = asyncio.ensure_future(runner.call("step", 0.05, 5.0, seconds))
+        await asyncio.sleep(0.01)  # the call is on the env's thread now
+        time.sleep(1.0)  # this loop is busy (a long generate call) while the tool answers
+        await call
+        with pytest.raises(TimeoutError):
+            await runner.call("step", 2.0, 0.2, seconds)
+
+    try:
+        run_sync(busy_caller())
+        time.sleep(0.1)  # a cancelled call must not add a sample of its own
+    finally:
+        runner.close()
+    assert 0.05 <= seconds[0] < 0.8  # timed from this loop it would be >= 1.0
+    assert seconds[1:] == [0.2]

@@ -265,7 +265,7 @@ def test_auto_sizing_is_the_default_and_its_memory_share_is_checked():
     assert not load_config(None, ["--staleness.auto", "false"]).staleness.auto
 
 
-def test_only_a_busy_worker_caps_the_pool_at_its_capacity():
+def test_the_pool_never_asks_the_workers_for_more_than_most_of_their_capacity():
     def rates_with(busy_fraction):
         rates = MeasuredRates(alpha=1.0)
         rates.observe_step(step_s=0.5, waited_s=0.0, ess=1.0)  # demand: 32 x 5 / 0.5 s
@@ -286,8 +286,53 @@ def test_only_a_busy_worker_caps_the_pool_at_its_capacity():
     assert busy.capacity()[0] == pytest.approx(100)
     _, busy_rate = _controller().pool_target(busy)
     idle_pool, idle_rate = _controller().pool_target(idle)
+    # The learner would take 1.25 x 32 x 5 / 0.5 = 400 rows/s; the worker reaches 100. Asking
+    # for 400 sized pools for a rate no worker delivers (at 0 ms tools, 10x the pool needed).
+    assert busy_rate == pytest.approx(90) and idle_rate == pytest.approx(90)  # 0.9 of capacity
     # The call it sizes by is the one predicted at that rate (a / (1 - c x 0.9 capacity) =
     # 0.1 s), not the long calls measured now: those would grow a too-big pool further.
     assert idle_pool == pytest.approx(idle_rate * (0.8 + 1.5 * 0.1) + GROUP, rel=1e-6)
-    assert busy_rate == pytest.approx(90)  # 0.9 of capacity
-    assert idle_rate == pytest.approx(1.25 * GROUPS * GROUP * TURNS / 0.5)  # the learner's need
+
+
+# ---- what the first idle-machine runs showed (issue 19) -----------------------------------------
+
+
+def test_the_first_move_replaces_the_start_guess_then_moves_are_bounded_again():
+    step = BoundedStep(96, 32, 4096, jump_first=True)
+    assert step.propose(344) == 344  # the start value was a guess: straight to the measurement
+    step.wait = 0
+    assert step.propose(2000) == 688  # from then on at most a factor 2 a change
+    assert BoundedStep(96, 32, 4096).propose(344) == 192  # without it, the old ramp
+
+
+def test_per_call_costs_give_a_cost_model_where_report_means_cannot():
+    """Reports whose mean batch never changes say nothing about a call's fixed cost; the calls
+    inside them vary (8 to 60 rows) and do."""
+    a, c = 0.014, 0.0016
+    calls = [(b, a + c * b) for b in (8, 20, 60, 12, 45, 30)]
+    by_means, by_calls = GenerationRate(alpha=1.0), GenerationRate(alpha=1.0)
+    counters = {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}
+    for report in range(12):
+        counters = {"generate_calls": counters["generate_calls"] + len(calls),
+                    "generated_rows": counters["generated_rows"] + sum(b for b, _ in calls),
+                    "generate_s": counters["generate_s"] + sum(t for _, t in calls)}
+        by_means.observe(dict(counters), now=float(report))
+        by_calls.observe(dict(counters), now=float(report), call_costs=calls)
+    assert by_means.cost_model() is None  # every interval has the same mean batch
+    fitted_a, fitted_c = by_calls.cost_model()
+    assert fitted_a == pytest.approx(a) and fitted_c == pytest.approx(c)
+
+
+def test_groups_in_play_hold_fewer_live_episodes_than_their_size_and_more_are_issued():
+    from turnrl.distributed.source import open_groups
+
+    rate = GenerationRate(alpha=1.0)
+    rate.observe({"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0,
+                  "live_at_calls": 0, "open_groups_at_calls": 0}, now=0.0)
+    # 10 calls, each with 40 groups in play holding 160 live episodes (4 of 8 each).
+    rate.observe({"generate_calls": 10, "generated_rows": 100, "generate_s": 1.0,
+                  "live_at_calls": 1600, "open_groups_at_calls": 400}, now=2.0)
+    assert rate.live_per_group.value == 4.0
+    assert open_groups(320, 8, rate.live_per_group.value) == 80  # not 320 / 8 = 40
+    assert open_groups(320, 8, math.nan) == 40  # unknown: whole groups
+    assert open_groups(320, 8, 0.2) == 320 and open_groups(320, 8, 9.0) == 40  # clamped

@@ -86,18 +86,27 @@ class GenerationRate:
     call_s: Ewma = field(default_factory=Ewma)
     busy: Ewma = field(default_factory=Ewma)
     """Fraction of wall time spent in generate calls."""
-    calls: deque = field(default_factory=lambda: deque(maxlen=128))
-    """(rows per call, seconds per call) of recent report intervals, for ``cost_model``."""
+    live_per_group: Ewma = field(default_factory=Ewma)
+    """Live episodes per group in play: below the group size while ended episodes wait for
+    their group's slowest one (heavy-tailed tools make long waits)."""
+    calls: deque = field(default_factory=lambda: deque(maxlen=256))
+    """(rows, seconds) of recent generate calls for ``cost_model``: each call's own where the
+    worker reports them (their sizes vary, so the fit is there), else each report
+    interval's means."""
     last: dict | None = None
     last_at: float = math.nan
 
     def __post_init__(self) -> None:
-        for ewma in (self.rows_per_gen_s, self.rows_per_call, self.call_s, self.busy):
+        for ewma in (self.rows_per_gen_s, self.rows_per_call, self.call_s, self.busy,
+                     self.live_per_group):
             ewma.alpha = self.alpha
 
-    def observe(self, stats: Mapping[str, float], now: float) -> None:
-        """Counters as of ``now``; a counter that went backwards (a restarted worker) starts
-        a new baseline."""
+    def observe(self, stats: Mapping[str, float], now: float,
+                call_costs: Iterable[tuple[int, float]] = ()) -> None:
+        """Counters as of ``now`` and the (rows, seconds) of each call since the last report;
+        a counter that went backwards (a restarted worker) starts a new baseline."""
+        call_costs = [(b, t) for b, t in call_costs if b > 0 and t > 0]
+        self.calls.extend(call_costs)
         last, self.last, last_at, self.last_at = self.last, dict(stats), self.last_at, now
         if not last:
             return
@@ -108,7 +117,12 @@ class GenerationRate:
             if calls == 0 and now > last_at:
                 self.busy.update(0.0)
             return
-        self.calls.append((rows / calls, seconds / calls))
+        if not call_costs:
+            self.calls.append((rows / calls, seconds / calls))
+        groups = stats.get("open_groups_at_calls", 0) - last.get("open_groups_at_calls", 0)
+        if groups > 0:
+            self.live_per_group.update(
+                (stats.get("live_at_calls", 0) - last.get("live_at_calls", 0)) / groups)
         self.rows_per_gen_s.update(rows / seconds)
         self.rows_per_call.update(rows / calls)
         self.call_s.update(seconds / calls)
@@ -159,8 +173,10 @@ class MeasuredRates:
             ewma.alpha = self.alpha
 
     def observe_worker(self, worker: int, stats: Mapping[str, float], now: float,
-                       env_latencies: Iterable[float] = ()) -> None:
-        self.workers.setdefault(worker, GenerationRate(self.alpha)).observe(stats, now)
+                       env_latencies: Iterable[float] = (),
+                       call_costs: Iterable[tuple[int, float]] = ()) -> None:
+        self.workers.setdefault(worker, GenerationRate(self.alpha)).observe(stats, now,
+                                                                            call_costs)
         self.env_latency.add(env_latencies)
 
     def observe_groups(self, lifetimes: Iterable[float], staleness: Iterable[int],
@@ -192,6 +208,12 @@ class MeasuredRates:
             return math.nan, math.nan
         return sum(1 / c for _, c in models), sum(a for a, _ in models) / len(models)
 
+    def live_per_group(self) -> float:
+        """Live episodes per group in play, all workers (NaN until measured)."""
+        values = [w.live_per_group.value for w in self.workers.values()
+                  if math.isfinite(w.live_per_group.value)]
+        return sum(values) / len(values) if values else math.nan
+
     def call_s(self) -> float:
         values = [w.call_s.value for w in self.workers.values() if math.isfinite(w.call_s.value)]
         return sum(values) / len(values) if values else math.nan
@@ -210,6 +232,7 @@ class MeasuredRates:
             "rates/gen_rows_per_call": mean_of("rows_per_call"),
             "rates/gen_call_s": self.call_s(),
             "rates/gen_busy": mean_of("busy"),
+            "rates/live_per_group": self.live_per_group(),
             "rates/gen_capacity_rows_per_s": self.capacity()[0],
             "rates/env_latency_mean_s": self.env_latency.mean,
             "rates/env_latency_median_s": self.env_latency.quantile(0.5),

@@ -32,7 +32,8 @@ while the target is within a relative dead band of the current value, moves at m
 reflect the new size). Every reversal of direction widens the band by half (up to 2x) and
 doubles the wait: a target that keeps flipping makes changes ever further apart (k reversals,
 a wait of 2^k decisions, so O(log T) changes in T steps), while a real change of regime (tool
-latency 10x up) still moves it. The band and factors are fractions, not rates tuned to a
+latency 10x up) still moves it. Only the first move is not bounded: it replaces the start value,
+a guess made before anything was measured, with the first measurement. The band and factors are fractions, not rates tuned to a
 machine.
 """
 
@@ -45,8 +46,8 @@ from dataclasses import dataclass, field
 from turnrl.distributed.rates import MeasuredRates
 
 BUSY_WORKER = 0.8
-"""A worker generating this share of the time or more is near capacity: the pool's rate is
-then capped by it (its cost model's, or x1.5 what it generates while that is unknown)."""
+"""A worker generating this share of the time or more is near capacity: while its cost model
+is unknown, the pool's rate is capped at x1.5 what it generates."""
 CAPACITY_SHARE = 0.9
 """The pool is sized for at most this share of the rows a second the workers reach with
 large batches: the batch a rate ``x`` of capacity needs grows like ``x / (1 - x)``."""
@@ -70,6 +71,9 @@ class BoundedStep:
     reversals: int = 0
     direction: int = 0
     wait: int = 0
+    jump_first: bool = False
+    """The first move goes straight to the target: the start value is a guess made before
+    anything was measured, the first target is the first measurement (one change more)."""
 
     def propose(self, target: float) -> int:
         if not math.isfinite(target):
@@ -82,7 +86,9 @@ class BoundedStep:
         if self.value / (1 + band) <= target <= self.value * (1 + band) + 0.5:
             return self.value
         direction = 1 if target > self.value else -1
-        if direction > 0:
+        if self.jump_first and not self.changes:
+            new = target
+        elif direction > 0:
             new = min(target, math.ceil(self.value * self.max_factor), self.high)
             new = max(new, self.value + 1)
         else:
@@ -150,8 +156,10 @@ class SizingController:
         min_pool = groups_per_step * group_size  # a step's worth of groups in play
         max_pool = max(max_pool, min_pool)
         return cls(group_size, groups_per_step, workers,
-                   BoundedStep(min(max(pool, min_pool), max_pool), min_pool, max_pool),
-                   BoundedStep(min(max(bound, 1), max_bound), 1, max_bound, band=0.2),
+                   BoundedStep(min(max(pool, min_pool), max_pool), min_pool, max_pool,
+                               jump_first=True),
+                   BoundedStep(min(max(bound, 1), max_bound), 1, max_bound, band=0.2,
+                               jump_first=True),
                    ess_floor=ess_floor, ess_high=ess_high)
 
     def pool_target(self, rates: MeasuredRates) -> tuple[float, float]:
@@ -169,11 +177,11 @@ class SizingController:
         at_capacity = bool(busy) and min(busy) >= BUSY_WORKER and math.isfinite(generated)
         if math.isfinite(capacity):
             # What it generates is a lower bound of what it can (a fit blurred by noise says
-            # less). Never ask a busy worker for more than most of it: the batch (and the
-            # pool) a rate near capacity needs grows without bound.
+            # less). Never ask the workers for more than most of it, busy or not: the batch
+            # (and the pool) a rate near capacity needs grows without bound, and a rate past
+            # it (a fast learner's demand) sized pools 10x what a 0 ms tool needs.
             capacity = max(capacity, generated if math.isfinite(generated) else 0.0)
-            if at_capacity:
-                rate = min(rate, CAPACITY_SHARE * capacity)
+            rate = min(rate, CAPACITY_SHARE * capacity)
             # The call at that rate's batch b = rate x call: call = a + c b = a / (1 - c rate).
             # Predicted, not the call measured now: a pool too big makes long calls, and
             # sizing by them would grow it further.

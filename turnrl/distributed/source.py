@@ -146,7 +146,8 @@ class RaySource:
             for worker, seq, report in reports:
                 self.fleet.reconcile(worker, seq, report)
                 self.rates.observe_worker(worker, report.stats, time.perf_counter(),
-                                          getattr(report, "env_latencies", ()))
+                                          getattr(report, "env_latencies", ()),
+                                          getattr(report, "call_costs", ()))
                 delivered = [g for g in report.groups if self.book.deliver(g)]
                 if delivered:
                     self.last_group_at = time.monotonic()
@@ -259,7 +260,9 @@ class RaySource:
                                       + len(self.step_events["regenerated"]), max_pool=cap)
         self.arrived = 0
         groups = math.ceil(decision.pool / self.cfg.rollout.group_size)
-        self.target = groups + decision.queued_groups * self.cfg.ray.num_workers
+        self.target = (open_groups(decision.pool, self.cfg.rollout.group_size,
+                                   self.rates.live_per_group())
+                       + decision.queued_groups * self.cfg.ray.num_workers)
         if decision.pool != before:
             self.fleet.resize(worker_pool_size(self.cfg, groups))
         return {**metrics, **decision.metrics(), "sizing/memory_cap": float(cap)}
@@ -293,3 +296,13 @@ class RaySource:
             else:
                 self.book.resolve(group.assignment, "dropped")
                 self.step_events["dropped"].append(group.assignment)
+
+
+def open_groups(pool: int, group_size: int, live_per_group: float) -> int:
+    """Groups to keep in play for ``pool`` live episodes. A group's ended episodes wait for
+    its slowest one (heavy-tailed tools: the group lives ~2x its mean episode), so a group in
+    play holds ``live_per_group`` live episodes, measured, not ``group_size``; issuing only
+    ``pool / group_size`` groups would leave the workers' pools part empty."""
+    if not math.isfinite(live_per_group):
+        live_per_group = group_size
+    return math.ceil(pool / min(max(live_per_group, 1.0), group_size))

@@ -50,6 +50,7 @@ import math
 import tempfile
 import threading
 import uuid
+from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -83,6 +84,8 @@ class WorkerReport:
     stats: dict[str, float] = field(default_factory=dict)
     env_latencies: list[float] = field(default_factory=list)
     """Seconds of each env reset/step that ended since the last report."""
+    call_costs: list[tuple[int, float]] = field(default_factory=list)
+    """(rows, seconds) of each generate call since the last report."""
 
 
 class RolloutWorker:
@@ -185,12 +188,10 @@ class RolloutWorker:
         groups = self.rollout.take_groups(max_groups, wait_s)
         with self._weights_lock:
             sent = self._newest[0] if self._newest is not None else -1
-        latencies, pending = [], self.rollout.env_latencies
-        while pending:  # popleft is atomic: the loop's thread may append meanwhile
-            latencies.append(pending.popleft())
         return WorkerReport(self.index, self.incarnation, groups,
                             self.rollout.known_assignments(), self.engine.version, sent,
-                            self.rollout.stats.to_dict(), latencies)
+                            self.rollout.stats.to_dict(), _drained(self.rollout.env_latencies),
+                            _drained(self.rollout.call_costs))
 
     def resize(self, pool_size: int) -> int:
         """A new target of live episodes (``staleness.auto``); the loop admits or lets drain
@@ -205,6 +206,15 @@ class RolloutWorker:
         self._stopping = True
         self.rollout.stop()
         self._thread.join(timeout=10)
+
+
+def _drained(pending: deque) -> list:
+    """Everything in ``pending``, emptied; popleft is atomic, so the loop's thread may append
+    meanwhile."""
+    taken = []
+    while pending:
+        taken.append(pending.popleft())
+    return taken
 
 
 @dataclass

@@ -28,6 +28,7 @@ import inspect
 import math
 import numbers
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,15 +55,22 @@ class EnvRunner:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    async def call(self, method: str, arg: Any, timeout_s: float) -> Any:
+    async def call(self, method: str, arg: Any, timeout_s: float,
+                   seconds: Any = None) -> Any:
         """``env.<method>(arg)`` on the env's thread; ``TimeoutError`` after ``timeout_s``
-        (the call is cancelled if it ever yields, and abandoned either way)."""
-        future = asyncio.run_coroutine_threadsafe(_invoke(getattr(self.env, method), arg),
-                                                  self.loop)
+        (the call is cancelled if it ever yields, and abandoned either way).
+
+        ``seconds`` gets the time the env itself took, timed on its thread (the timeout when
+        it overran): not the wait for this loop to notice, which grows with the pool and
+        would make a pool sized by it grow further."""
+        future = asyncio.run_coroutine_threadsafe(
+            _timed(_invoke(getattr(self.env, method), arg), seconds), self.loop)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except TimeoutError:
             future.cancel()
+            if seconds is not None:
+                seconds.append(timeout_s)
             raise
 
     def close(self) -> None:
@@ -75,6 +83,23 @@ class EnvRunner:
         for task in asyncio.all_tasks(self.loop):
             task.cancel()
         self.loop.call_soon(self.loop.stop)  # after the cancellations are delivered
+
+
+async def _timed(call: Any, seconds: Any) -> Any:
+    """Await ``call``, appending its seconds to ``seconds``; a cancelled call (timed out) is
+    left to the caller, which counts it as the timeout."""
+    started = time.perf_counter()
+    try:
+        result = await call
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
+        if seconds is not None:
+            seconds.append(time.perf_counter() - started)
+        raise
+    if seconds is not None:
+        seconds.append(time.perf_counter() - started)
+    return result
 
 
 async def _invoke(method: Callable[[Any], Any], arg: Any) -> Any:

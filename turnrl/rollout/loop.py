@@ -126,6 +126,9 @@ class LoopStats:
     max_live: int = 0
     live_at_calls: int = 0
     """Sum over generate calls of the live episodes at the call (/ calls: the mean pool)."""
+    open_groups_at_calls: int = 0
+    """Sum over generate calls of the groups in play at the call: with ``live_at_calls``, the
+    live episodes an open group holds (its ended episodes wait for its slowest one)."""
     version_swaps: int = 0
     generate_s: float = 0.0
 
@@ -176,6 +179,9 @@ class TurnLoop:
         self.lockstep = lockstep
         self.stats = LoopStats()
         self.env_latencies: deque[float] = deque(maxlen=1024)  # seconds, newest last
+        self.call_costs: deque[tuple[int, float]] = deque(maxlen=256)
+        """(rows, seconds) of recent generate calls: their spread of sizes is what lets async
+        mode fit what a call costs (``rates.GenerationRate.cost_model``)."""
         self.lock = threading.RLock()
         """Guards the feed, the groups and the finished queue (shared with other threads)."""
         self._ready = threading.Condition(self.lock)
@@ -313,11 +319,9 @@ class TurnLoop:
         check = checked_observation if method == "reset" else checked_step
 
         async def call():
-            started = time.perf_counter()
-            try:
-                return check(await slot.runner.call(method, arg, self.env_timeout_s), self.env_name)
-            finally:  # the env's latency, timed out or not (async mode sizes its pool by it)
-                self.env_latencies.append(time.perf_counter() - started)
+            # The env's own latency, timed out or not (async mode sizes its pool by it).
+            return check(await slot.runner.call(method, arg, self.env_timeout_s,
+                                                self.env_latencies), self.env_name)
         return asyncio.ensure_future(call())
 
     async def _generate(self, waiting: list[_Slot]) -> None:
@@ -332,10 +336,13 @@ class TurnLoop:
         completions, version = await asyncio.to_thread(self._generate_batch, prompts, may_swap)
         if self._stopping:
             return  # stopped while generating (maybe before any weights came): drop it
-        self.stats.generate_s += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.stats.generate_s += seconds
+        self.call_costs.append((len(waiting), seconds))
         self.stats.generate_calls += 1
         self.stats.generated_rows += len(waiting)
         self.stats.live_at_calls += len(self._slots)
+        self.stats.open_groups_at_calls += len(self._groups)
         self.stats.overlapped_calls += env_running
         for slot, completion in zip(waiting, completions, strict=True):
             text = self.chat.tokenizer.decode(completion.token_ids[:-1]
