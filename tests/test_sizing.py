@@ -336,3 +336,23 @@ def test_groups_in_play_hold_fewer_live_episodes_than_their_size_and_more_are_is
     assert open_groups(320, 8, rate.live_per_group.value) == 80  # not 320 / 8 = 40
     assert open_groups(320, 8, math.nan) == 40  # unknown: whole groups
     assert open_groups(320, 8, 0.2) == 320 and open_groups(320, 8, 9.0) == 40  # clamped
+
+
+def test_before_the_first_step_the_pool_is_sized_for_what_the_workers_generate():
+    """The first step waits a group's whole lifetime; sizing only after it made the next
+    steps wait another lifetime for the groups the new pool started (idle-machine run: 1, 4,
+    10 steps in the first three 10 s of 500 ms tools, then 16-21)."""
+    rates = MeasuredRates(alpha=1.0)
+    counters, now = {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}, 0.0
+    rates.observe_worker(0, dict(counters), now)
+    calls = [(b, 0.01 + 0.01 * b) for b in (4, 9, 16, 25, 2, 12, 30, 7)]  # capacity 100 rows/s
+    counters = {"generate_calls": 8, "generated_rows": sum(b for b, _ in calls),
+                "generate_s": sum(t for _, t in calls)}
+    rates.observe_worker(0, counters, 3.0, [0.8] * 8, calls)
+    controller = _controller(pool=48)
+    assert controller.presize(rates) is None  # 8 tool latencies: too few to size by
+    rates.env_latency.add([0.8] * 8)
+    pool = controller.presize(rates)
+    # 0.9 x 100 rows/s x (0.8 s tool + 1.5 x the 0.1 s call predicted at that rate) + a group
+    assert pool == math.ceil(90 * (0.8 + 1.5 * 0.1) + GROUP)
+    assert controller.presize(rates) is None  # once: the steps after it take over

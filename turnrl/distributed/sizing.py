@@ -163,12 +163,14 @@ class SizingController:
                    ess_floor=ess_floor, ess_high=ess_high)
 
     def pool_target(self, rates: MeasuredRates) -> tuple[float, float]:
-        """(episodes in flight, turns a second they must take) by Little's law; NaN until the
-        learner and the groups have been measured."""
+        """(episodes in flight, turns a second they must take) by Little's law. Before the
+        learner has been measured the rate is what the workers can generate (``presize``);
+        NaN while that is not known either."""
         turns, busy_s = rates.turns.value, rates.busy_s.value
-        if not (math.isfinite(turns) and math.isfinite(busy_s)) or busy_s <= 0:
-            return math.nan, math.nan
-        rate = self.headroom * self.groups_per_step * self.group_size * turns / busy_s
+        if math.isfinite(turns) and math.isfinite(busy_s) and busy_s > 0:
+            rate = self.headroom * self.groups_per_step * self.group_size * turns / busy_s
+        else:
+            rate = math.inf  # no step yet: as fast as the workers go, capped below
         capacity, per_call = rates.capacity()
         call_s = rates.call_s() if math.isfinite(rates.call_s()) else 0.0
         generated = rates.generation_rows_per_s()
@@ -188,10 +190,24 @@ class SizingController:
             call_s = per_call / (1 - min(rate, CAPACITY_SHARE * capacity) / capacity)
         elif at_capacity:
             rate = min(rate, 1.5 * generated)  # cost unknown: grow by steps only
+        if not math.isfinite(rate):
+            return math.nan, math.nan
         latency = rates.env_latency.mean if len(rates.env_latency) else 0.0
         # A returning episode waits for the call in progress (half a call on average), then
         # its own; then the tool.
         return rate * (latency + 1.5 * call_s) + self.group_size * self.workers, rate
+
+    def presize(self, rates: MeasuredRates, min_latencies: int = 16) -> int | None:
+        """The pool before the first learner step: for the rate the workers can generate.
+
+        The first step waits for a whole group's lifetime (seconds with slow tools); sizing
+        only after it would make every later step wait a lifetime more for the groups the
+        new pool starts. Used once, while no change was made; the steps after it correct it
+        (the jump to it is the pool's first move). None: not enough measured yet."""
+        if self.pool.changes or len(rates.env_latency) < min_latencies:
+            return None
+        target, _ = self.pool_target(rates)
+        return self.pool.propose(target) if math.isfinite(target) else None
 
     def bound_target(self, rates: MeasuredRates) -> float:
         steps_per_s = 1 / rates.step_s.value if rates.step_s.count else math.nan

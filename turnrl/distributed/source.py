@@ -155,6 +155,8 @@ class RaySource:
                 fresh, stale = split_stale(delivered, self.version, self.max_versions)
                 self.buffer += fresh
                 self._stale(stale)
+            if self.sizing is not None and not self.rates.step_s.count:
+                self._presize()
             if time.monotonic() - self.last_group_at > STALL_AFTER_S:
                 raise RuntimeError(f"no rollout group arrived for {STALL_AFTER_S:.0f} s; "
                                    "are the workers generating? (ray list actors)")
@@ -254,18 +256,30 @@ class RaySource:
             return metrics
         cap = pool_memory_cap(self.kv_bytes_per_token, self.rates.tokens.value,
                               available_memory_bytes(), self.cfg.staleness.pool_memory_fraction)
-        before = self.sizing.pool.value
         decision = self.sizing.update(self.rates, self.arrived,
                                       len(self.step_events["dropped"])
                                       + len(self.step_events["regenerated"]), max_pool=cap)
         self.arrived = 0
-        groups = math.ceil(decision.pool / self.cfg.rollout.group_size)
-        self.target = (open_groups(decision.pool, self.cfg.rollout.group_size,
-                                   self.rates.live_per_group())
-                       + decision.queued_groups * self.cfg.ray.num_workers)
-        if decision.pool != before:
-            self.fleet.resize(worker_pool_size(self.cfg, groups))
+        self._apply_pool(decision.pool, decision.queued_groups)
         return {**metrics, **decision.metrics(), "sizing/memory_cap": float(cap)}
+
+    def _presize(self) -> None:
+        """Before the first step: the pool for what the workers can generate (``presize``)."""
+        before = self.sizing.pool.value
+        pool = self.sizing.presize(self.rates)
+        if pool is None or pool == before:
+            return
+        self._apply_pool(pool, self.sizing.queued or self.cfg.staleness.queued_groups)
+        self.top_up()
+
+    def _apply_pool(self, pool: int, queued_groups: int) -> None:
+        groups = math.ceil(pool / self.cfg.rollout.group_size)
+        self.target = (open_groups(pool, self.cfg.rollout.group_size,
+                                   self.rates.live_per_group())
+                       + queued_groups * self.cfg.ray.num_workers)
+        size = worker_pool_size(self.cfg, groups)
+        if size != self.fleet.pool_size:
+            self.fleet.resize(size)
 
     # ---- keeping the workers busy ------------------------------------------------------------
 
