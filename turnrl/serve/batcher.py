@@ -10,14 +10,21 @@ request's limit (same distribution, the surplus tokens are discarded).
 
 ``weights_lock`` is held for each engine call: a trainer that takes it swaps weights between
 calls, never during one, and every completion carries the version it was sampled with.
+
+Live tokens: an engine whose ``generate`` takes ``on_step`` (``HFEngine``) reports each decode
+step's tokens from its thread; they are handed to the event loop (``call_soon_threadsafe``,
+once per step) and routed to each request's own queue as they are sampled. A request is
+answered as soon as all its rows are done (end of turn, or its own ``max_tokens``), not when
+the batch's longest request is: a short reply in a batch with a long one does not wait for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from turnrl.rollout import Completion, SamplingParams
 
@@ -28,6 +35,10 @@ class _Pending:
     params: SamplingParams
     n: int
     future: asyncio.Future
+    stream: asyncio.Queue | None = None
+    """Gets ``(choice, token id, logprob)`` as tokens are sampled, then None when done."""
+    rows: list[Completion] = field(default_factory=list)
+    """Each choice's tokens so far, cut to the request's own ``max_new_tokens``."""
 
     @property
     def key(self) -> tuple:
@@ -46,6 +57,8 @@ class Batcher:
     def __init__(self, engine, weights_lock: threading.Lock, max_rows: int = 64,
                  window_s: float = 0.005):
         self.engine, self.weights_lock = engine, weights_lock
+        self.live_tokens = "on_step" in inspect.signature(engine.generate).parameters
+        """Whether the engine reports tokens as it samples them (else all come at the end)."""
         self.max_rows, self.window_s = max_rows, window_s
         self._pending: list[_Pending] = []
         self._wake: asyncio.Event | None = None
@@ -54,11 +67,13 @@ class Batcher:
         self.last_call_s = 0.0
         """Wall time of the latest engine call (bounds how long a burst is gathered)."""
 
-    async def generate(self, prompt: list[int], params: SamplingParams, n: int = 1
-                       ) -> tuple[list[Completion], int]:
-        """``n`` completions of ``prompt`` and the policy version that sampled them."""
+    async def generate(self, prompt: list[int], params: SamplingParams, n: int = 1,
+                       stream: asyncio.Queue | None = None) -> tuple[list[Completion], int]:
+        """``n`` completions of ``prompt`` and the policy version that sampled them.
+        ``stream`` gets ``(choice, token id, logprob)`` as each token is sampled (all at the
+        end for an engine without live tokens), then None once the completions are final."""
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(prompt, params, n, future))
+        self._pending.append(_Pending(prompt, params, n, future, stream))
         if self._wake is not None:
             self._wake.set()
         return await future
@@ -100,26 +115,75 @@ class Batcher:
             prompts = [p.prompt for p in batch for _ in range(p.n)]
             params = replace(batch[0].params,
                              max_new_tokens=max(p.params.max_new_tokens for p in batch))
+            owners = [(p, j) for p in batch for j in range(p.n)]  # each engine row's request
+            for p in batch:
+                p.rows = [Completion() for _ in range(p.n)]
             try:
-                completions, version = await asyncio.to_thread(self._generate, prompts, params)
+                completions, version = await asyncio.to_thread(
+                    self._generate, prompts, params, owners, asyncio.get_running_loop())
             except Exception as err:  # noqa: BLE001 - each waiting request gets the error
                 for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(err)
+                    _finish(p, err)
                 continue
-            at = 0
-            for p in batch:
-                mine = [cut_to(c, p.params.max_new_tokens) for c in completions[at:at + p.n]]
-                at += p.n
-                if not p.future.done():
-                    p.future.set_result((mine, version))
+            for row, ((p, j), completion) in enumerate(zip(owners, completions, strict=True)):
+                have = len(p.rows[j].token_ids)  # all of it where the engine has live tokens
+                rest = zip(completion.token_ids[have:], completion.logprobs[have:], strict=True)
+                self._deliver(version, [(row, t, lp) for t, lp in rest], owners)
+            for p in batch:  # anything still open ended with the batch
+                _finish(p, (p.rows, version))
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams
+    def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                  owners: list[tuple[_Pending, int]], loop: asyncio.AbstractEventLoop
                   ) -> tuple[list[Completion], int]:
         with self.weights_lock:
             self.calls += 1
             self.rows += len(prompts)
+            version = self.engine.version
             started = time.perf_counter()
-            completions = self.engine.generate(prompts, params)
+            if self.live_tokens:
+                def on_step(tokens: list[tuple[int, int, float]]) -> None:
+                    loop.call_soon_threadsafe(self._deliver, version, tokens, owners)
+
+                completions = self.engine.generate(prompts, params, on_step=on_step)
+            else:
+                completions = self.engine.generate(prompts, params)
             self.last_call_s = time.perf_counter() - started
-            return completions, self.engine.version
+            return completions, version
+
+    @staticmethod
+    def _deliver(version: int, tokens: list[tuple[int, int, float]],
+                 owners: list[tuple[_Pending, int]]) -> None:
+        """On the event loop: route one step's tokens to their requests; answer each request
+        whose rows are all done (its end of turn, or its own ``max_new_tokens``)."""
+        touched = {}
+        for row, token, logprob in tokens:
+            p, j = owners[row]
+            mine = p.rows[j]
+            if p.future.done() or _row_done(mine, p.params):
+                continue
+            mine.token_ids.append(token)
+            mine.logprobs.append(logprob)
+            if token in p.params.stop_token_ids:
+                mine.finish_reason = "stop"
+            if p.stream is not None:
+                p.stream.put_nowait((j, token, logprob))
+            touched[id(p)] = p
+        for p in touched.values():
+            if all(_row_done(c, p.params) for c in p.rows):
+                _finish(p, (p.rows, version))
+
+
+def _row_done(row: Completion, params: SamplingParams) -> bool:
+    return row.finish_reason == "stop" or len(row.token_ids) >= params.max_new_tokens
+
+
+def _finish(p: _Pending, outcome: tuple[list[Completion], int] | Exception) -> None:
+    """Answer ``p`` once (a result or an error) and close its token stream."""
+    if p.future.done():
+        return
+    if isinstance(outcome, Exception):
+        p.future.set_exception(outcome)
+    else:
+        p.future.set_result(outcome)
+    if p.stream is not None:
+        p.stream.put_nowait(None)

@@ -139,16 +139,34 @@ def check_tools(tools) -> list[dict] | None:
     return tools or None
 
 
+def check_tool_choice(tool_choice, tools: list[dict] | None) -> str | dict:
+    """"none", "auto", "required" or ``{"type": "function", "function": {"name": N}}``
+    naming one of ``tools``; the last two need tools (the server forces a call)."""
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not (tool_choice in TOOL_CHOICES or isinstance(fn, dict)
+            and tool_choice.get("type") == "function" and isinstance(fn.get("name"), str)):
+        raise bad(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
+                  "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    if tool_choice in ("none", "auto"):
+        return tool_choice
+    if not tools:
+        raise bad("'tool_choice' forces a tool call but no 'tools' were given: pass the tools "
+                  "or drop tool_choice", "tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    if fn is not None and fn["name"] not in names:
+        raise bad(f"tool_choice names the function '{fn['name']}', which is not among the "
+                  f"tools ({', '.join(names)}): name one of them", "tool_choice")
+    return tool_choice
+
+
 def parse_chat_request(body, episode_header: str | None, max_n: int) -> ChatRequest:
     """Check a /v1/chat/completions body; raise ``ApiError`` (400) naming what is wrong."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     if not isinstance(body.get("model"), str):
         raise bad("'model' is required (see GET /v1/models)", "model")
-    tool_choice = body.get("tool_choice") or "auto"
-    if not (tool_choice in TOOL_CHOICES or isinstance(tool_choice, dict)):
-        raise bad(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
-                  "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    tools = check_tools(body.get("tools"))
+    tool_choice = check_tool_choice(body.get("tool_choice") or "auto", tools)
     stop = body.get("stop")
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
@@ -163,7 +181,7 @@ def parse_chat_request(body, episode_header: str | None, max_n: int) -> ChatRequ
     options = body.get("stream_options") or {}
     request = ChatRequest(
         model=body["model"], messages=check_messages(body.get("messages")),
-        tools=check_tools(body.get("tools")), tool_choice=tool_choice,
+        tools=tools, tool_choice=tool_choice,
         n=int(_number(body, "n", 1, 1, max_n, True)),
         temperature=float(_number(body, "temperature", 1.0, 0, 2)),
         top_p=float(_number(body, "top_p", 1.0, 1e-9, 1)),
