@@ -47,8 +47,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 from turnrl.models import cache_kwargs
 from turnrl.rollout.engine import Completion, SamplingParams, sample_tokens
 
-StepHook = Callable[[list[tuple[int, int, float]]], None]
-"""Called after each decode step with ``(prompt index, token id, logprob)`` of each live row."""
+StepHook = Callable[[list[tuple[int, int, float]]], bool | None]
+"""Called after each decode step with ``(prompt index, token id, logprob)`` of each live row;
+True ends the call after this step."""
 
 
 @dataclass
@@ -310,7 +311,10 @@ class HFEngine:
                  on_step: StepHook | None = None) -> list[Completion]:
         """``on_step`` (optional) is called after every decode step with the tokens just
         sampled, ``[(prompt index, token id, logprob), ...]`` for the rows still going, on
-        this thread (a server streams them to its clients as they come)."""
+        this thread (a server streams them to its clients as they come). When it returns
+        True the call ends after that step: unfinished rows come back cut short (finish
+        reason "length"), with their keys and values kept, so a later call that continues
+        them (prompt + tokens so far) prefills one token each."""
         if not prompts:
             return []
         was_training = self.model.training
@@ -396,9 +400,10 @@ class HFEngine:
                     completions[row].logprobs.append(logprob)
                 if stops:
                     completions[row].finish_reason = "stop"
-            if on_step is not None:
-                on_step([(row, completions[row].token_ids[-1], completions[row].logprobs[-1])
-                         for row, done in zip(live, was_done, strict=True) if not done])
+            if on_step is not None and on_step(
+                    [(row, completions[row].token_ids[-1], completions[row].logprobs[-1])
+                     for row, done in zip(live, was_done, strict=True) if not done]):
+                break  # the caller continues the rows later (their keys/values are kept)
             finished |= newly_stopped
             if finished.all() or step == params.max_new_tokens - 1:
                 break

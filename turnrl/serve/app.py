@@ -182,10 +182,10 @@ async def _stream(server: Server, chat, prepared: tuple):
         return
     for i, (choice, stream) in enumerate(zip(choices, streams, strict=True)):
         rest = stream.rest(choice.content or "")
-        ids = choice.token_ids[stream.sent_tokens:choice.visible]
+        sent = min(stream.sent_tokens, choice.visible)
+        ids = choice.token_ids[sent:choice.visible]
         if rest or (chat.logprobs and ids):
-            yield chunk(i, {"content": rest}, None, ids,
-                        choice.logprobs[stream.sent_tokens:choice.visible])
+            yield chunk(i, {"content": rest}, None, ids, choice.logprobs[sent:choice.visible])
         if choice.tool_calls:
             calls = [{"index": k, **call} for k, call in enumerate(choice.tool_calls)]
             yield chunk(i, {"tool_calls": calls})

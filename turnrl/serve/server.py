@@ -21,7 +21,7 @@ from turnrl.serve.batcher import Batcher
 from turnrl.serve.prompt import ReplyMemory, call_format, forced_call, render, split_reply
 from turnrl.serve.protocol import ApiError, ChatRequest, bad
 from turnrl.serve.record import Call, Recorder, prompt_ids
-from turnrl.serve.stream import CALL_TAG, ReplyStream
+from turnrl.serve.stream import CALL_TAG, ReplyStream, byte_token_ids
 
 
 @dataclass
@@ -65,6 +65,7 @@ class Server:
         self.recorder = Recorder(cfg.record_dir)
         self.replies = ReplyMemory()
         self.format = call_format(chat)
+        self.byte_tokens = byte_token_ids(self.tokenizer)
 
     @classmethod
     def from_policy(cls, policy: Policy, cfg: Config) -> Server:
@@ -119,7 +120,7 @@ class Server:
             # What the model "wrote" includes the forced opening: the agent's next call
             # renders it so, and extends this prompt token for token.
             self.replies.remember(choice.content, choice.tool_calls, forced + raw)
-            if request.episode:
+            if request.episode and version is not None:  # None: two policies sampled it
                 stopped = choice.visible < len(choice.token_ids)
                 reply = raw + (self.chat.end_of_turn_text if stopped else "")
                 self.recorder.record(request.episode, Call(ids, text, choice.token_ids,
@@ -151,7 +152,8 @@ class Server:
         tools = bool(request.tools) and request.tool_choice != "none"
         return ReplyStream(self.tokenizer.decode, request.stop, (CALL_TAG,) if tools else (),
                            (self.chat.end_of_turn,),
-                           buffered=bool(forced) or (tools and self.format != "hermes"))
+                           buffered=bool(forced) or (tools and self.format != "hermes"),
+                           byte_tokens=self.byte_tokens)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([i]) for i in ids]

@@ -5,7 +5,10 @@ final content (what the same call returns without ``stream``), so some text is h
 until later tokens settle it (``safe_text``):
 
 - an incomplete UTF-8 character (a multi-byte character split across tokens decodes as
-  U+FFFD until its last byte arrives);
+  U+FFFD until its last byte arrives), and a trailing run of byte-fallback tokens
+  (``<0xNN>``, SentencePiece tokenizers): their decoder turns the whole run into U+FFFD if a
+  later byte makes it invalid UTF-8, so the text of a run is settled only once a token
+  that is not a byte ends it;
 - a possible start of a ``stop`` string at the end (the content ends before a stop string,
   which is never sent), and everything from a complete one on;
 - with tools: a possible start of the ``<tool_call>`` tag, everything from a complete one on
@@ -17,9 +20,18 @@ The rest of the content, the calls and the finish reason follow when the choice 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 CALL_TAG = "<tool_call>"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def byte_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokenizer's byte-fallback tokens (``<0x00>`` to ``<0xFF>``); none for
+    byte-level BPE (GPT-2 style), whose decoding only ever adds to a prefix's text."""
+    return frozenset(i for token, i in tokenizer.get_vocab().items()
+                     if len(token) == 6 and _BYTE_TOKEN.fullmatch(token))
 
 
 def held_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -50,13 +62,15 @@ class ReplyStream:
     """One choice's sampled tokens as they come, and what of them can be sent.
 
     ``decode(ids) -> str``; ``hidden`` token ids (the end of turn) are never shown;
-    ``buffered`` sends nothing before the end (a forced tool call, a bare-JSON call format).
+    ``byte_tokens``: the tokenizer's byte-fallback ids; ``buffered`` sends nothing before the
+    end (a forced tool call, a bare-JSON call format).
     """
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...],
-                 tags: tuple[str, ...], hidden: tuple[int, ...], buffered: bool = False):
+                 tags: tuple[str, ...], hidden: tuple[int, ...], buffered: bool = False,
+                 byte_tokens: frozenset[int] = frozenset()):
         self.decode, self.stops, self.tags, self.hidden = decode, stops, tags, hidden
-        self.buffered = buffered
+        self.buffered, self.byte_tokens = buffered, byte_tokens
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.ends: list[int] = []
@@ -71,16 +85,19 @@ class ReplyStream:
 
     def take(self) -> tuple[str, list[int], list[float]]:
         """New text that can be sent, and the tokens (ids, logprobs) it completes."""
-        if self.buffered or len(self.ends) == len(self.ids):
+        settled = len(self.ids)
+        while settled and self.ids[settled - 1] in self.byte_tokens:
+            settled -= 1
+        if self.buffered or len(self.ends) == settled:
             return "", [], []
-        text = self.decode(self.ids)
-        self.ends += [len(text.rstrip("\ufffd"))] * (len(self.ids) - len(self.ends))
+        text = self.decode(self.ids[:settled])
+        self.ends += [len(text.rstrip("\ufffd"))] * (settled - len(self.ends))
         safe = safe_text(text, self.stops, self.tags, hold_space=bool(self.tags))
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return "", [], []
         new, self.sent = safe[len(self.sent):], safe
         start = self.sent_tokens
-        while self.sent_tokens < len(self.ids) and self.ends[self.sent_tokens] <= len(safe):
+        while self.sent_tokens < settled and self.ends[self.sent_tokens] <= len(safe):
             self.sent_tokens += 1
         return (new, self.ids[start:self.sent_tokens],
                 self.logprobs[start:self.sent_tokens])
