@@ -361,3 +361,26 @@ def test_a_run_of_byte_tokens_is_sent_only_once_settled():
         sent += stream.take()[0]
         assert tokenizer.decode(ids).startswith(sent)
     assert sent == "A\ufffd\ufffd\ufffdb" and stream.sent_tokens == len(ids)
+
+
+def test_top_logprobs_rank_the_alternatives_of_each_token(twins):
+    (client, twin), _ = twins
+    reply = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8,
+                                           temperature=0, logprobs=True, top_logprobs=3)
+    twin.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens - (reply.choices[0].finish_reason
+                                                            == "stop")
+    for entry in entries:
+        top = entry.top_logprobs
+        assert len(top) == 3 and top[0].logprob >= top[1].logprob >= top[2].logprob
+        # Greedy: the served token is the likeliest, with its log-probability.
+        assert top[0].token == entry.token
+        assert top[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    for extra, says in [(dict(top_logprobs=21), "top_logprobs"),
+                        (dict(top_logprobs=2, logprobs=False), "logprobs=true"),
+                        (dict(top_logprobs=2, stream=True), "stream")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**{"model": "tiny", "messages": USER,
+                                              "logprobs": True, **extra})
+        assert says in err.value.body["message"]

@@ -133,7 +133,8 @@ def _choice_json(server: Server, index: int, choice: Choice, logprobs: bool) -> 
            "finish_reason": choice.finish_reason, "logprobs": None}
     if logprobs:
         ids = choice.token_ids[:choice.visible]
-        out["logprobs"] = logprobs_block(server.token_texts(ids), choice.logprobs[:len(ids)])
+        out["logprobs"] = logprobs_block(server.token_texts(ids), choice.logprobs[:len(ids)],
+                                         choice.top_logprobs)
     return out
 
 

@@ -36,6 +36,8 @@ class Choice:
     logprobs: list[float]
     visible: int
     """How many of ``token_ids`` the client sees (the end-of-turn token is not shown)."""
+    top_logprobs: list[list[tuple[str, float]]] | None = None
+    """With ``top_logprobs``: the likeliest (token, logprob) at each shown position."""
 
 
 def cut_at_stop(text_of, ids: list[int], stops: tuple[str, ...]) -> tuple[int, int] | None:
@@ -115,6 +117,8 @@ class Server:
         completions, version = await self.batcher.generate(ids, params, request.n, stream)
         tools = request.tools if request.tool_choice != "none" else None
         choices = [self._choice(c, request, tools, forced) for c in completions]
+        if request.top_logprobs and version is not None:
+            await asyncio.to_thread(self._score_top, ids, choices, request, version)
         for choice in choices:
             raw = self.tokenizer.decode(choice.token_ids[:choice.visible])
             # What the model "wrote" includes the forced opening: the agent's next call
@@ -144,6 +148,30 @@ class Server:
         if calls:
             finish = "tool_calls"
         return Choice(content, calls, finish, list(token_ids), list(logprobs), visible)
+
+    def _score_top(self, prompt: list[int], choices: list[Choice], request: ChatRequest,
+                   version: int) -> None:
+        """Each choice's ``top_logprobs``: one forward pass over prompt and reply, under the
+        weights lock and only while the weights that sampled it are served, at the
+        request's temperature (greedy: 1, as the sampled tokens' log-probabilities)."""
+        with self.weights_lock, torch.no_grad():
+            if self.engine.version != version:
+                return  # updated meanwhile: no alternatives rather than other weights' ones
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                device = next(self.model.parameters()).device
+                for choice in choices:
+                    reply = choice.token_ids[:choice.visible]
+                    ids = torch.tensor([prompt + reply], device=device)
+                    logits = self.model(ids).logits[0, len(prompt) - 1:-1].float()
+                    logprobs = torch.log_softmax(logits / (request.temperature or 1.0), -1)
+                    values, tokens = logprobs.topk(request.top_logprobs, dim=-1)
+                    choice.top_logprobs = [
+                        list(zip(self.token_texts(row), lps, strict=True))
+                        for row, lps in zip(tokens.tolist(), values.tolist(), strict=True)]
+            finally:
+                self.model.train(was_training)
 
     def reply_stream(self, request: ChatRequest, forced: str) -> ReplyStream:
         """What of a choice can be streamed while it is generated: with tools, content up to
