@@ -87,6 +87,8 @@ class Batcher:
         self.rows = 0
         self.joins = 0
         """Engine calls stopped early so that waiting requests join the batch."""
+        self.continued = 0
+        """Rows fed again after such a stop (``rows`` counts them once more each time)."""
         self.last_call_s = 0.0
         """Wall time of the latest engine call (bounds how long a burst is gathered)."""
         self.last_call_end = 0.0
@@ -144,6 +146,7 @@ class Batcher:
             params = replace(batch[0].params, max_new_tokens=max(
                 p.params.max_new_tokens - len(p.rows[j].token_ids) for p, j in owners))
             before = [len(p.rows[j].token_ids) for p, j in owners]
+            self.continued += sum(1 for n in before if n)
             try:
                 completions, version, stopped_early = await asyncio.to_thread(
                     self._generate, prompts, params, owners, asyncio.get_running_loop())
