@@ -85,6 +85,8 @@ class Batcher:
         self._wake: asyncio.Event | None = None
         self.calls = 0
         self.rows = 0
+        self.join_running = True
+        """Let a waiting request stop a running call to join it (off: it waits its end)."""
         self.joins = 0
         """Engine calls stopped early so that waiting requests join the batch."""
         self.continued = 0
@@ -194,7 +196,7 @@ class Batcher:
     def _someone_waits(self, key: tuple, live_rows: int) -> bool:
         """(On the engine's thread.) Whether a waiting request could share the batch: then
         the engine stops after this step and the next call takes it in."""
-        return live_rows > 0 and any(p.key == key and live_rows + p.n <= self.max_rows
+        return self.join_running and live_rows > 0 and any(p.key == key and live_rows + p.n <= self.max_rows
                                      and not p.future.done() for p in list(self._pending))
 
     @staticmethod
