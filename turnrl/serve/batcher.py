@@ -18,7 +18,8 @@ Live tokens, with an engine whose ``generate`` takes ``on_step`` (``HFEngine``):
   streaming request's queue gets them at once, and a request is answered as soon as its own
   rows are done (end of turn or its ``max_tokens``), not when the batch's longest one is.
 - A request that arrives while a batch decodes joins at the next step: the engine stops
-  after the step (the hook returns True when a request that could share the batch waits),
+  after the step (the hook returns True when the oldest waiting request could share the
+  batch: same settings, room within ``max_rows``),
   and the next call continues every unfinished row together with the newcomers. The
   engine's kept keys and values make the continuation cheap (one new token to prefill per
   row), so a long request delays others' first tokens by about a step, not by its length.
@@ -194,10 +195,12 @@ class Batcher:
             return completions, version, stopped_early
 
     def _someone_waits(self, key: tuple, live_rows: int) -> bool:
-        """(On the engine's thread.) Whether a waiting request could share the batch: then
-        the engine stops after this step and the next call takes it in."""
-        return self.join_running and live_rows > 0 and any(p.key == key and live_rows + p.n <= self.max_rows
-                                     and not p.future.done() for p in list(self._pending))
+        """(On the engine's thread.) Whether the oldest waiting request could share the
+        batch: then the engine stops after this step and the next call takes it in. (Not
+        any waiting one: a request with other settings, waiting first, goes next.)"""
+        waiting = [p for p in list(self._pending) if not p.future.done()]
+        return (self.join_running and live_rows > 0 and bool(waiting)
+                and waiting[0].key == key and live_rows + waiting[0].n <= self.max_rows)
 
     @staticmethod
     def _deliver(version: int, tokens: list[tuple[int, int, float]],
