@@ -204,8 +204,9 @@ def test_a_request_joins_a_running_batch_instead_of_waiting_for_it(twins):
 
     async def race() -> tuple[float, float, int]:
         async with AsyncOpenAI(base_url=running.base_url, api_key="x", max_retries=0) as c:
+            # Greedy: the tiny model's reply to USER never ends before max_tokens.
             long = await c.chat.completions.create(model="tiny", messages=USER, stream=True,
-                                                   max_tokens=400, temperature=1.0)
+                                                   max_tokens=400, temperature=0)
             first = asyncio.Event()
 
             async def read_long() -> tuple[float, int]:
@@ -219,7 +220,7 @@ def test_a_request_joins_a_running_batch_instead_of_waiting_for_it(twins):
             reader = asyncio.create_task(read_long())
             await first.wait()
             await c.chat.completions.create(model="tiny", messages=USER, max_tokens=3,
-                                            temperature=1.0)
+                                            temperature=0)
             short_done = time.perf_counter()
             long_done, count = await reader
             return short_done, long_done, count
