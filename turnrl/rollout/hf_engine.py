@@ -37,7 +37,7 @@ calling ``torch.multinomial`` (same distribution, other random draws than before
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +46,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from turnrl.models import cache_kwargs
 from turnrl.rollout.engine import Completion, SamplingParams, sample_tokens
+
+StepHook = Callable[[list[tuple[int, int, float]]], bool | None]
+"""Called after each decode step with ``(prompt index, token id, logprob)`` of each live row;
+True ends the call after this step."""
 
 
 @dataclass
@@ -303,17 +307,25 @@ class HFEngine:
         return len(self._kept.rows)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_step: StepHook | None = None) -> list[Completion]:
+        """``on_step`` (optional) is called after every decode step with the tokens just
+        sampled, ``[(prompt index, token id, logprob), ...]`` for the rows still going, on
+        this thread (a server streams them to its clients as they come). When it returns
+        True the call ends after that step: unfinished rows come back cut short (finish
+        reason "length"), with their keys and values kept, so a later call that continues
+        them (prompt + tokens so far) prefills one token each."""
         if not prompts:
             return []
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(prompts, params)
+            return self._generate(prompts, params, on_step)
         finally:
             self.model.train(was_training)
 
-    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  on_step: StepHook | None = None) -> list[Completion]:
         if self._kept.version != self._version or not self.reuse_cache:
             self._kept = _KeptRows(self._version)
         if self.share_prompts:
@@ -338,7 +350,7 @@ class HFEngine:
             index_t = torch.tensor(index, device=batch.kv.device)
             batch.select(index_t)
             logits = logits[index_t]
-        completions, kvs = self._decode(batch, logits, len(prompts), params)
+        completions, kvs = self._decode(batch, logits, len(prompts), params, on_step)
         if self.reuse_cache:
             new = [_Kept(tuple(prompt) + tuple(c.token_ids[:-1]), kv)
                    for prompt, c, kv in zip(prompts, completions, kvs, strict=True)]
@@ -366,8 +378,8 @@ class HFEngine:
         positions = torch.tensor(past_lengths, dtype=torch.long, device=kv.device)
         return _Batch(kv, mask, width, positions)
 
-    def _decode(self, batch: _Batch, logits: torch.Tensor, rows: int, params: SamplingParams
-                ) -> tuple[list[Completion], list[torch.Tensor]]:
+    def _decode(self, batch: _Batch, logits: torch.Tensor, rows: int, params: SamplingParams,
+                on_step: StepHook | None = None) -> tuple[list[Completion], list[torch.Tensor]]:
         """Sample up to ``max_new_tokens`` per row; returns the completions and, if the cache
         is reused, each row's keys/values (prompt and reply, less the last sampled token)."""
         completions = [Completion() for _ in range(rows)]
@@ -379,14 +391,19 @@ class HFEngine:
             tokens, logprobs = _sample(logits, params, self.generator)
             newly_stopped = torch.isin(tokens, stop) & ~finished
             # One device-to-host copy per decode step, not one per row.
-            for row, token, logprob, was_done, stops in zip(
-                    live, tokens.tolist(), logprobs.tolist(), finished.tolist(),
+            was_done = finished.tolist()
+            for row, token, logprob, done, stops in zip(
+                    live, tokens.tolist(), logprobs.tolist(), was_done,
                     newly_stopped.tolist(), strict=True):
-                if not was_done:
+                if not done:
                     completions[row].token_ids.append(token)
                     completions[row].logprobs.append(logprob)
                 if stops:
                     completions[row].finish_reason = "stop"
+            if on_step is not None and on_step(
+                    [(row, completions[row].token_ids[-1], completions[row].logprobs[-1])
+                     for row, done in zip(live, was_done, strict=True) if not done]):
+                break  # the caller continues the rows later (their keys/values are kept)
             finished |= newly_stopped
             if finished.all() or step == params.max_new_tokens - 1:
                 break

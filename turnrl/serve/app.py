@@ -89,8 +89,9 @@ def make_app(server: Server) -> FastAPI:
             raise bad("the request body is not valid JSON") from None
         chat = parse_chat_request(body, request.headers.get(EPISODE_HEADER), server.cfg.max_n)
         if chat.stream:
-            server.prompt(chat)  # bad input fails here, as JSON, before the stream starts
-            return StreamingResponse(_stream(server, chat), media_type="text/event-stream")
+            prepared = server.prompt(chat)  # bad input fails here, as JSON, before the stream
+            return StreamingResponse(_stream(server, chat, prepared),
+                                     media_type="text/event-stream")
         choices, prompt_tokens = await server.complete(chat)
         return completion_body(new_id("chatcmpl"), server.name,
                                [_choice_json(server, i, c, chat.logprobs)
@@ -132,7 +133,8 @@ def _choice_json(server: Server, index: int, choice: Choice, logprobs: bool) -> 
            "finish_reason": choice.finish_reason, "logprobs": None}
     if logprobs:
         ids = choice.token_ids[:choice.visible]
-        out["logprobs"] = logprobs_block(server.token_texts(ids), choice.logprobs[:len(ids)])
+        out["logprobs"] = logprobs_block(server.token_texts(ids), choice.logprobs[:len(ids)],
+                                         choice.top_logprobs)
     return out
 
 
@@ -140,31 +142,55 @@ def _sse(body: dict | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
-async def _stream(server: Server, chat):
-    """Server-sent events: the role at once, then the reply token by token once the batch
-    it is generated in ends (the engine decodes a batch together), then [DONE]."""
+_replies: set[asyncio.Task] = set()
+"""Replies whose client went away: still generated and recorded, held here until done."""
+
+
+async def _stream(server: Server, chat, prepared: tuple):
+    """Server-sent events: the role at once, then the content as it is generated (what of it
+    ``ReplyStream`` can already send; the engine's batch goes on for every request in it),
+    then the rest, the tool calls, the finish reason, the usage if asked, and [DONE]."""
     request_id, model = new_id("chatcmpl"), server.name
+
+    def chunk(index: int, delta: dict, finish: str | None = None, ids=(), logprobs=()) -> str:
+        block = logprobs_block(server.token_texts(list(ids)), list(logprobs)) \
+            if chat.logprobs and ids else None
+        return _sse(chunk_body(request_id, model, index, delta, finish, logprobs=block))
+
     for i in range(chat.n):
-        yield _sse(chunk_body(request_id, model, i, {"role": "assistant", "content": ""}))
-    choices, prompt_tokens = await server.complete(chat)
-    for i, choice in enumerate(choices):
-        ids = choice.token_ids[:choice.visible]
+        yield chunk(i, {"role": "assistant", "content": ""})
+    tokens: asyncio.Queue = asyncio.Queue()
+    reply = asyncio.create_task(server.complete(chat, tokens, prepared))
+    _replies.add(reply)
+    reply.add_done_callback(_replies.discard)
+    streams = [server.reply_stream(chat, prepared[3]) for _ in range(chat.n)]
+    done = False
+    while not done:
+        events = [await tokens.get()]
+        while not tokens.empty():  # everything sampled meanwhile: one chunk per choice
+            events.append(tokens.get_nowait())
+        done = events[-1] is None
+        for index, token, logprob in filter(None, events):
+            streams[index].add(token, logprob)
+        for i, stream in enumerate(streams):
+            text, ids, logprobs = stream.take()
+            if text:
+                yield chunk(i, {"content": text}, None, ids, logprobs)
+    try:
+        choices, prompt_tokens = await reply
+    except Exception as err:  # noqa: BLE001 - the stream has started: the error goes in it
+        yield _sse(ApiError(500, f"{type(err).__name__}: {err}", kind="server_error").body())
+        return
+    for i, (choice, stream) in enumerate(zip(choices, streams, strict=True)):
+        rest = stream.rest(choice.content or "")
+        sent = min(stream.sent_tokens, choice.visible)
+        ids = choice.token_ids[sent:choice.visible]
+        if rest or (chat.logprobs and ids):
+            yield chunk(i, {"content": rest}, None, ids, choice.logprobs[sent:choice.visible])
         if choice.tool_calls:
-            if choice.content:
-                yield _sse(chunk_body(request_id, model, i, {"content": choice.content}))
             calls = [{"index": k, **call} for k, call in enumerate(choice.tool_calls)]
-            yield _sse(chunk_body(request_id, model, i, {"tool_calls": calls}))
-        else:
-            sent = 0
-            for k, (token, logprob) in enumerate(zip(server.token_texts(ids), choice.logprobs,
-                                                     strict=False)):
-                piece = token[:max(len(choice.content) - sent, 0)] if k == len(ids) - 1 \
-                    else token
-                sent += len(piece)
-                block = logprobs_block([token], [logprob]) if chat.logprobs else None
-                yield _sse(chunk_body(request_id, model, i, {"content": piece},
-                                      logprobs=block))
-        yield _sse(chunk_body(request_id, model, i, {}, choice.finish_reason))
+            yield chunk(i, {"tool_calls": calls})
+        yield chunk(i, {}, choice.finish_reason)
     if chat.include_usage:
         yield _sse({"id": request_id, "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": model, "choices": [],

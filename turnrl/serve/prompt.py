@@ -135,8 +135,21 @@ def split_reply(text: str, fmt: str) -> tuple[str | None, list[dict]]:
     tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
                   for c in calls]
-    if fmt == "hermes":
-        content = _CALL_BLOCK.sub("", text).strip()
+    if fmt == "hermes":  # trailing space only: a stream has sent the content before a call
+        content = _CALL_BLOCK.sub("", text).rstrip()
     else:  # a bare-JSON format: the calls are the reply
         content = ""
     return content or None, tool_calls
+
+
+def forced_call(fmt: str, tool_choice: str | dict) -> str:
+    """The opening of a tool call that ``tool_choice`` forces, written after the generation
+    prompt: ``<tool_call>\n{"name": "`` for "required" (the model picks the tool), up to
+    the arguments for a named function; "" for "auto" and "none"."""
+    if not (tool_choice == "required" or isinstance(tool_choice, dict)):
+        return ""
+    opening = '{"name": ' if fmt == "llama3-json" else '<tool_call>\n{"name": '
+    if tool_choice == "required":
+        return opening + '"'
+    arguments = "parameters" if fmt == "llama3-json" else "arguments"
+    return f'{opening}{json.dumps(tool_choice["function"]["name"])}, "{arguments}": '

@@ -50,6 +50,7 @@ class ChatRequest:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0
     stream: bool = False
     include_usage: bool = False
     episode: str | None = None
@@ -139,23 +140,44 @@ def check_tools(tools) -> list[dict] | None:
     return tools or None
 
 
+def check_tool_choice(tool_choice, tools: list[dict] | None) -> str | dict:
+    """"none", "auto", "required" or ``{"type": "function", "function": {"name": N}}``
+    naming one of ``tools``; the last two need tools (the server forces a call)."""
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not (tool_choice in TOOL_CHOICES or isinstance(fn, dict)
+            and tool_choice.get("type") == "function" and isinstance(fn.get("name"), str)):
+        raise bad(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
+                  "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    if tool_choice in ("none", "auto"):
+        return tool_choice
+    if not tools:
+        raise bad("'tool_choice' forces a tool call but no 'tools' were given: pass the tools "
+                  "or drop tool_choice", "tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    if fn is not None and fn["name"] not in names:
+        raise bad(f"tool_choice names the function '{fn['name']}', which is not among the "
+                  f"tools ({', '.join(names)}): name one of them", "tool_choice")
+    return tool_choice
+
+
 def parse_chat_request(body, episode_header: str | None, max_n: int) -> ChatRequest:
     """Check a /v1/chat/completions body; raise ``ApiError`` (400) naming what is wrong."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     if not isinstance(body.get("model"), str):
         raise bad("'model' is required (see GET /v1/models)", "model")
-    tool_choice = body.get("tool_choice") or "auto"
-    if not (tool_choice in TOOL_CHOICES or isinstance(tool_choice, dict)):
-        raise bad(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
-                  "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    tools = check_tools(body.get("tools"))
+    tool_choice = check_tool_choice(body.get("tool_choice") or "auto", tools)
     stop = body.get("stop")
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise bad("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
-    if body.get("top_logprobs"):
-        raise bad("'top_logprobs' is not supported (the engine keeps only the sampled token's "
-                  "log-probability); pass logprobs=true alone", "top_logprobs")
+    top_logprobs = int(_number(body, "top_logprobs", 0, 0, 20, True))
+    if top_logprobs and not body.get("logprobs"):
+        raise bad("'top_logprobs' needs logprobs=true", "top_logprobs")
+    if top_logprobs and body.get("stream"):
+        raise bad("'top_logprobs' cannot be streamed (they are scored once the reply is "
+                  "complete): drop stream or top_logprobs", "top_logprobs")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         max_tokens = int(_number({"max_tokens": max_tokens}, "max_tokens", 1, 1, 1 << 20, True))
@@ -163,11 +185,12 @@ def parse_chat_request(body, episode_header: str | None, max_n: int) -> ChatRequ
     options = body.get("stream_options") or {}
     request = ChatRequest(
         model=body["model"], messages=check_messages(body.get("messages")),
-        tools=check_tools(body.get("tools")), tool_choice=tool_choice,
+        tools=tools, tool_choice=tool_choice,
         n=int(_number(body, "n", 1, 1, max_n, True)),
         temperature=float(_number(body, "temperature", 1.0, 0, 2)),
         top_p=float(_number(body, "top_p", 1.0, 1e-9, 1)),
         max_tokens=max_tokens, stop=stop, logprobs=bool(body.get("logprobs")),
+        top_logprobs=top_logprobs,
         stream=bool(body.get("stream")), include_usage=bool(options.get("include_usage")),
         episode=str(episode) if episode else None)
     if request.episode and request.n > 1:
@@ -184,9 +207,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def logprobs_block(tokens: list[str], logprobs: list[float]) -> dict:
+def logprobs_block(tokens: list[str], logprobs: list[float],
+                   top: list[list[tuple[str, float]]] | None = None) -> dict:
+    """OpenAI's ``logprobs`` of a choice; ``top``: the likeliest (token, logprob) at each."""
+    top = top or [[] for _ in tokens]
     return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                         "top_logprobs": []} for t, lp in zip(tokens, logprobs, strict=True)]}
+                         "top_logprobs": [{"token": a, "logprob": b, "bytes": list(a.encode())}
+                                          for a, b in alternatives]}
+                        for t, lp, alternatives in zip(tokens, logprobs, top, strict=True)]}
 
 
 def choice_message(content: str | None, tool_calls: list[dict]) -> dict:

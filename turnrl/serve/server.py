@@ -7,6 +7,7 @@ the recorder. ``app.py`` puts it behind HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass
 
@@ -17,9 +18,10 @@ from turnrl.config_serve import ServeConfig
 from turnrl.policy import Policy, load_policy
 from turnrl.rollout import ChatFormat, Completion, SamplingParams
 from turnrl.serve.batcher import Batcher
-from turnrl.serve.prompt import ReplyMemory, call_format, render, split_reply
+from turnrl.serve.prompt import ReplyMemory, call_format, forced_call, render, split_reply
 from turnrl.serve.protocol import ApiError, ChatRequest, bad
 from turnrl.serve.record import Call, Recorder, prompt_ids
+from turnrl.serve.stream import CALL_TAG, ReplyStream, byte_token_ids
 
 
 @dataclass
@@ -34,6 +36,8 @@ class Choice:
     logprobs: list[float]
     visible: int
     """How many of ``token_ids`` the client sees (the end-of-turn token is not shown)."""
+    top_logprobs: list[list[tuple[str, float]]] | None = None
+    """With ``top_logprobs``: the likeliest (token, logprob) at each shown position."""
 
 
 def cut_at_stop(text_of, ids: list[int], stops: tuple[str, ...]) -> tuple[int, int] | None:
@@ -63,6 +67,7 @@ class Server:
         self.recorder = Recorder(cfg.record_dir)
         self.replies = ReplyMemory()
         self.format = call_format(chat)
+        self.byte_tokens = byte_token_ids(self.tokenizer)
 
     @classmethod
     def from_policy(cls, policy: Policy, cfg: Config) -> Server:
@@ -72,8 +77,10 @@ class Server:
 
     # ---- one chat completion ----------------------------------------------------------
 
-    def prompt(self, request: ChatRequest) -> tuple[str, list[int], SamplingParams]:
-        """The rendered prompt, its token ids and the sampling settings; 404/400 on bad input."""
+    def prompt(self, request: ChatRequest) -> tuple[str, list[int], SamplingParams, str]:
+        """The rendered prompt, its token ids, the sampling settings and the forced start of
+        a tool call (part of the prompt: "" unless tool_choice forces one); 404/400 on bad
+        input."""
         if request.model != self.name:
             raise ApiError(404, f"the model '{request.model}' does not exist; this server "
                            f"serves '{self.name}'", param="model", code="model_not_found")
@@ -83,6 +90,10 @@ class Server:
         except Exception as err:  # noqa: BLE001 - a template refusing the messages is bad input
             raise bad(f"the chat template cannot render these messages: {err}",
                       "messages") from None
+        # "required" or a named function: the call's opening is written for the model, as
+        # prompt text, so it can only go on with a call (and its tokens get no loss).
+        forced = forced_call(self.format, request.tool_choice) if tools else ""
+        text += forced
         ids = prompt_ids(self.recorder.segments(request.episode), text, self.chat.encode)
         max_new = request.max_tokens or self.cfg.max_tokens
         if self.max_context:
@@ -95,18 +106,25 @@ class Server:
             max_new = min(max_new, room)
         params = SamplingParams(max_new, request.temperature, request.top_p,
                                 stop_token_ids=(self.chat.end_of_turn,))
-        return text, ids, params
+        return text, ids, params, forced
 
-    async def complete(self, request: ChatRequest) -> tuple[list[Choice], int]:
-        """Generate, shape and record the choices; returns them and the prompt's length."""
-        text, ids, params = self.prompt(request)
-        completions, version = await self.batcher.generate(ids, params, request.n)
+    async def complete(self, request: ChatRequest, stream: asyncio.Queue | None = None,
+                       prepared: tuple | None = None) -> tuple[list[Choice], int]:
+        """Generate, shape and record the choices; returns them and the prompt's length.
+        ``stream`` gets each choice's tokens as they are sampled (``Batcher.generate``);
+        ``prepared``: what ``prompt(request)`` returned, if it was called already."""
+        text, ids, params, forced = prepared or self.prompt(request)
+        completions, version = await self.batcher.generate(ids, params, request.n, stream)
         tools = request.tools if request.tool_choice != "none" else None
-        choices = [self._choice(c, request, tools) for c in completions]
+        choices = [self._choice(c, request, tools, forced) for c in completions]
+        if request.top_logprobs and version is not None:
+            await asyncio.to_thread(self._score_top, ids, choices, request, version)
         for choice in choices:
             raw = self.tokenizer.decode(choice.token_ids[:choice.visible])
-            self.replies.remember(choice.content, choice.tool_calls, raw)
-            if request.episode:
+            # What the model "wrote" includes the forced opening: the agent's next call
+            # renders it so, and extends this prompt token for token.
+            self.replies.remember(choice.content, choice.tool_calls, forced + raw)
+            if request.episode and version is not None:  # None: two policies sampled it
                 stopped = choice.visible < len(choice.token_ids)
                 reply = raw + (self.chat.end_of_turn_text if stopped else "")
                 self.recorder.record(request.episode, Call(ids, text, choice.token_ids,
@@ -114,7 +132,8 @@ class Server:
                                                            request.temperature))
         return choices, len(ids)
 
-    def _choice(self, completion: Completion, request: ChatRequest, tools) -> Choice:
+    def _choice(self, completion: Completion, request: ChatRequest, tools, forced: str = ""
+                ) -> Choice:
         token_ids, logprobs = completion.token_ids, completion.logprobs
         stopped = completion.finish_reason == "stop"
         visible = len(token_ids) - stopped
@@ -125,10 +144,44 @@ class Server:
             keep, chars = cut
             token_ids, logprobs, visible = token_ids[:keep], logprobs[:keep], keep
             text, finish = text[:chars], "stop"
-        content, calls = split_reply(text, self.format) if tools else (text, [])
+        content, calls = split_reply(forced + text, self.format) if tools else (text, [])
         if calls:
             finish = "tool_calls"
         return Choice(content, calls, finish, list(token_ids), list(logprobs), visible)
+
+    def _score_top(self, prompt: list[int], choices: list[Choice], request: ChatRequest,
+                   version: int) -> None:
+        """Each choice's ``top_logprobs``: one forward pass over prompt and reply, under the
+        weights lock and only while the weights that sampled it are served, at the
+        request's temperature (greedy: 1, as the sampled tokens' log-probabilities)."""
+        with self.weights_lock, torch.no_grad():
+            if self.engine.version != version:
+                return  # updated meanwhile: no alternatives rather than other weights' ones
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                device = next(self.model.parameters()).device
+                for choice in choices:
+                    reply = choice.token_ids[:choice.visible]
+                    ids = torch.tensor([prompt + reply], device=device)
+                    logits = self.model(ids).logits[0, len(prompt) - 1:-1].float()
+                    logprobs = torch.log_softmax(logits / (request.temperature or 1.0), -1)
+                    values, tokens = logprobs.topk(request.top_logprobs, dim=-1)
+                    choice.top_logprobs = [
+                        list(zip(self.token_texts(row), lps, strict=True))
+                        for row, lps in zip(tokens.tolist(), values.tolist(), strict=True)]
+            finally:
+                self.model.train(was_training)
+
+    def reply_stream(self, request: ChatRequest, forced: str) -> ReplyStream:
+        """What of a choice can be streamed while it is generated: with tools, content up to
+        a call's tag (the call follows as ``tool_calls``); nothing early when the call is
+        forced or the format is bare JSON (any text may turn out to be a call)."""
+        tools = bool(request.tools) and request.tool_choice != "none"
+        return ReplyStream(self.tokenizer.decode, request.stop, (CALL_TAG,) if tools else (),
+                           (self.chat.end_of_turn,),
+                           buffered=bool(forced) or (tools and self.format != "hermes"),
+                           byte_tokens=self.byte_tokens)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([i]) for i in ids]
