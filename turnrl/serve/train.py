@@ -194,16 +194,17 @@ async def collect(server: Server, base_url: str, rollout: Rollout, step_tasks: S
 
 def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
                 eval_tasks: Sequence = (), success_at: float = 1.0,
-                judge: Judge | str | None = None) -> AgentTrainResult:
+                judge: Judge | str | None = None, resume: bool = False) -> AgentTrainResult:
     """Train the policy of ``cfg`` on ``rollout`` over ``tasks`` (``run.steps`` steps of
     ``rollout.groups_per_step`` tasks, taken in turn, ``rollout.group_size`` runs each);
     with ``eval_tasks``, play them before and after training (``evaluate_agent``). ``judge``
     ("self": the served policy, or a ``Judge``) scores the episodes whose rollout returns None
-    (docs/serving.md: weaker than a verifiable reward).
+    (docs/serving.md: weaker than a verifiable reward). ``resume`` continues the run in
+    ``run.out_dir`` from its last checkpoint (as ``turnrl train --resume``).
     Call it from synchronous code (it runs each step's rollouts with ``asyncio.run``)."""
     if not tasks:
         raise ConfigError("train_agent needs at least one task")
-    run = start_run(cfg, resume=False)
+    run = start_run(cfg, resume=resume)
     cfg = run.cfg
     server = Server.from_policy(run.policy, cfg)
     learner = replace(run.learner, estimator=PerEpisodeAdvantages(run.learner.estimator))
@@ -217,7 +218,7 @@ def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
         if eval_tasks:
             result.before = asyncio.run(evaluate_agent(rollout, eval_tasks, running.base_url,
                                                        cfg.serve.api_key, success_at))
-        for step in range(cfg.run.steps):
+        for step in range(run.start_step, cfg.run.steps):
             timer = StageTimer()
             step_tasks = [tasks[(step * groups + g) % len(tasks)] for g in range(groups)]
             with timer("collect"):
