@@ -16,7 +16,8 @@ from turnrl.serve.train import train_agent
 
 async def rollout(client, task) -> float:
     """Two calls (the second extends the first), a pause between them so that agents are
-    still playing while the learner trains; reward: the reply has a digit."""
+    still playing while the learner trains; reward: the replies' mean character code over
+    128 (continuous: a group's rewards differ, so every update has a gradient)."""
     messages = [{"role": "user", "content": task}]
     first = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
     await asyncio.sleep(0.05)
@@ -24,7 +25,7 @@ async def rollout(client, task) -> float:
                  {"role": "user", "content": "Once more."}]
     second = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
     text = (first.choices[0].message.content or "") + (second.choices[0].message.content or "")
-    return float(any(c.isdigit() for c in text))
+    return sum(map(ord, text)) / max(len(text), 1) / 128
 
 
 def test_async_training_through_the_client_bounds_staleness_and_counts_drops(tmp_path):
@@ -54,7 +55,10 @@ def test_async_training_through_the_client_bounds_staleness_and_counts_drops(tmp
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     assert all(x["async/staleness_max"] <= bound for x in lines)
     assert sum(x["async/dropped_groups"] for x in lines) == len(result.dropped)
-    assert "offpolicy/ess" in lines[-1]  # the update weighed the recorded behaviour log-probs
+    assert all(x["grad_norm"] > 0 for x in lines)
+    # Step 2 trains a group sampled by version 0 with the learner at version 1: the update
+    # weighs it by proximal / recorded behaviour probabilities, which now differ.
+    assert lines[1]["async/staleness_max"] == 1 and lines[1]["offpolicy/ess"] < 1 - 1e-6
     assert result.before is not None and result.after is not None and result.table
     checkpoint = tmp_path / "run" / "checkpoints" / "step-000004" / "model.safetensors"
     from safetensors.torch import load_file
