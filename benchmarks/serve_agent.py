@@ -15,10 +15,14 @@ tasks (seeds from 1_000_000), every episode played by the agent through the offi
    agent's own code against a server whose engine replies with the scripted text), so the
    warm-up trains on exactly the token ids, loss mask and tool format the served path uses;
 3. **+ GRPO**: ``train_agent`` (turnrl/serve/train.py) runs the agent G times per task on
-   the 3-digit products and trains on the recorded calls.
+   the 3-digit products and trains on the recorded calls. ``--mode async`` trains with
+   ``serve.train_mode async`` instead (agents keep playing while the learner trains, groups
+   at most ``--max-versions`` behind; turnrl/serve/async_train.py), in its own directory,
+   from the same warm-up, so the two modes compare side by side.
 
 Every stage is kept in ``--out`` (base.json, warm/, warm.json, rl/ checkpoints, after.json):
-run the same command again after a kill and it continues where it stopped.
+run the same command again after a kill and it continues where it stopped (an async run that
+was killed starts its training stage again).
 
     python benchmarks/serve_agent.py --threads 1              # SmolLM2
     python benchmarks/serve_agent.py --model tiny --steps 1 --tasks 4 --group-size 2 --groups 2
@@ -32,6 +36,7 @@ import json
 import os
 import random
 import runpy
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -162,6 +167,12 @@ def main() -> None:
     parser.add_argument("--warmup-lr", type=float, default=2e-5)
     parser.add_argument("--out", default="runs/serve-agent")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--mode", choices=["sync", "async"], default="sync",
+                        help="train_agent mode (serve.train_mode)")
+    parser.add_argument("--max-versions", type=int, default=1,
+                        help="async: staleness bound (staleness.max_versions)")
+    parser.add_argument("--in-flight", type=int, default=0,
+                        help="async: task groups played at once (0: 2 x --groups)")
     args = parser.parse_args()
     started = time.perf_counter()
     configure_torch(args.threads)
@@ -190,10 +201,15 @@ def main() -> None:
         del model
     warm = evaluate(["--model.name", str(warm_dir), *threads], held_out, out / "warm.json")
 
-    rl_dir = out / "rl"
+    rl_dir = out / ("rl" if args.mode == "sync" else "rl-async")
     final = rl_dir / "checkpoints" / f"step-{args.steps:06d}"
     if not final.exists():
-        cfg = load_config(None, [
+        mode = ["--serve.train_mode", args.mode]
+        if args.mode == "async":  # no resume: a killed async run trains again from the warm-up
+            shutil.rmtree(rl_dir, ignore_errors=True)
+            mode += ["--staleness.max_versions", str(args.max_versions),
+                     "--serve.groups_in_flight", str(args.in_flight)]
+        cfg = load_config(None, [*mode, 
             "--model.name", str(warm_dir), *threads, "--run.out_dir", str(rl_dir),
             "--run.steps", str(args.steps), "--rollout.group_size", str(args.group_size),
             "--rollout.groups_per_step", str(args.groups), "--optim.lr", str(args.lr),
@@ -201,16 +217,21 @@ def main() -> None:
             "--run.progress", "false"])
         began = time.perf_counter()
         result = train_agent(AGENT["rollout"], [AGENT["task"](i) for i in range(10_000)], cfg,
-                             resume=(rl_dir / "config.yaml").exists())
-        print(f"GRPO: {len(result.rewards)} steps this session, training reward "
+                             resume=args.mode == "sync" and (rl_dir / "config.yaml").exists())
+        print(f"GRPO ({args.mode}): {len(result.rewards)} steps this session, training reward "
               f"{[round(r, 2) for r in result.rewards]}, {time.perf_counter() - began:.0f} s",
               flush=True)
+        if args.mode == "async":
+            print(f"async: trained groups' staleness {result.staleness}, "
+                  f"{len(result.dropped)} groups dropped", flush=True)
+    after_file = out / ("after.json" if args.mode == "sync" else "after-async.json")
     after = evaluate(["--model.name", str(warm_dir), *threads, "--serve.checkpoint", str(final)],
-                     held_out, out / "after.json")
+                     held_out, after_file)
 
     rows = [[name, format_rate(r.successes, r.episodes)] for name, r in
             (("SmolLM2 as shipped" if "smollm2" in args.model else args.model, base),
-             ("+ format warm-up (word problems)", warm), (f"+ GRPO, {args.steps} steps", after))]
+             ("+ format warm-up (word problems)", warm),
+             (f"+ GRPO ({args.mode}), {args.steps} steps", after))]
     print_table(f"examples/openai_agent.py: {args.tasks} held-out 3-digit products",
                 ["policy", "success [95% CI]"], rows)
     print(f"whole run (this session) {(time.perf_counter() - started) / 60:.1f} min, load "
