@@ -76,7 +76,6 @@ class ServedSource:
         self.trained_staleness: list[int] = []
         """Versions behind the learner of each trained group, when it was trained."""
         self.dropped: list[int] = []
-        self.dropped_staleness: list[int] = []
         self.step_dropped = 0
         self.left_out: list[dict] = []
         self.waited = 0.0
@@ -109,9 +108,7 @@ class ServedSource:
                 self.buffer.append(self.arrivals.get_nowait())
                 last_arrival = time.monotonic()
             self.buffer, stale = split_stale(self.buffer, self.version, self.max_versions)
-            for group in stale:
-                self.dropped.append(group.assignment)
-                self.dropped_staleness.append(group_staleness(group, self.version))
+            self.dropped += [group.assignment for group in stale]
             self.step_dropped += len(stale)
             if len(self.buffer) >= need:
                 groups, self.buffer = self.buffer[:need], self.buffer[need:]
