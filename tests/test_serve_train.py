@@ -87,3 +87,22 @@ def test_the_example_agent_uses_its_tool_and_scores_the_answer():
                     # one token a character: room for the call
                     return await example["rollout"](client, task, max_tokens=96)
             assert asyncio.run(play()) == reward
+
+
+def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path):
+    """train_agent(resume=True) continues at the checkpoint's step with its weights served."""
+    args = ["--model.name", "tiny", "--run.out_dir", str(tmp_path / "run"),
+            "--rollout.group_size", "2", "--rollout.groups_per_step", "1", "--serve.port", "0",
+            "--run.progress", "false", "--optim.lr", "1e-2", "--run.tensorboard", "false"]
+    train_agent(rollout, ["Say a digit."], load_config(None, [*args, "--run.steps", "1"]))
+    versions = set()
+
+    async def watched(client, task):
+        versions.add((await client.models.list()).data[0].policy_version)
+        return await rollout(client, task)
+
+    result = train_agent(watched, ["Say a digit."], load_config(None, [*args, "--run.steps", "2"]),
+                         resume=True)
+    assert len(result.rewards) == 1 and versions == {1}  # step 2 only, by step 1's weights
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]

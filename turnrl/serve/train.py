@@ -55,6 +55,10 @@ class AgentTrainResult:
     before: EvalResult | None = None
     after: EvalResult | None = None
     table: str = ""
+    staleness: list[int] = field(default_factory=list)
+    """Async mode: how many versions behind the learner each trained group was."""
+    dropped: list[int] = field(default_factory=list)
+    """Async mode: the groups dropped as older than ``staleness.max_versions``."""
 
 
 class PerEpisodeAdvantages:
@@ -151,11 +155,12 @@ def self_judge(base_url: str, model: str, api_key: str = "") -> Judge:
 
 
 async def collect(server: Server, base_url: str, rollout: Rollout, step_tasks: Sequence,
-                  group_size: int, step: int, temperature: float, judge: Judge | None = None
-                  ) -> tuple[list[Episode], list[dict]]:
+                  group_size: int, step: int, temperature: float, judge: Judge | None = None,
+                  first_group: int = 0) -> tuple[list[Episode], list[dict]]:
     """Play ``group_size`` rollouts of each task at once; the trainable episodes (grouped by
-    task) and the ones left out, with their reasons. With ``judge``, the episodes of a group
-    whose rollout returned None are scored by it, relative to each other."""
+    task: ``Episode.group`` is ``first_group`` + the task's index) and the ones left out, with
+    their reasons. With ``judge``, the episodes of a group whose rollout returned None are
+    scored by it, relative to each other."""
     ids = [[f"step{step}-task{g}-{k}-{uuid.uuid4().hex[:8]}" for k in range(group_size)]
            for g in range(len(step_tasks))]
     flat = [e for group in ids for e in group]
@@ -188,22 +193,31 @@ async def collect(server: Server, base_url: str, rollout: Rollout, step_tasks: S
             if why:
                 left_out.append({"step": step, "episode_id": e, "reason": why})
             else:
-                episodes += training_episodes(recorded[e], group=g)
+                episodes += training_episodes(recorded[e], group=first_group + g)
     return episodes, left_out
 
 
 def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
                 eval_tasks: Sequence = (), success_at: float = 1.0,
-                judge: Judge | str | None = None) -> AgentTrainResult:
+                judge: Judge | str | None = None, resume: bool = False) -> AgentTrainResult:
     """Train the policy of ``cfg`` on ``rollout`` over ``tasks`` (``run.steps`` steps of
     ``rollout.groups_per_step`` tasks, taken in turn, ``rollout.group_size`` runs each);
     with ``eval_tasks``, play them before and after training (``evaluate_agent``). ``judge``
     ("self": the served policy, or a ``Judge``) scores the episodes whose rollout returns None
-    (docs/serving.md: weaker than a verifiable reward).
+    (docs/serving.md: weaker than a verifiable reward). ``resume`` continues the run in
+    ``run.out_dir`` from its last checkpoint (as ``turnrl train --resume``).
     Call it from synchronous code (it runs each step's rollouts with ``asyncio.run``)."""
     if not tasks:
         raise ConfigError("train_agent needs at least one task")
-    run = start_run(cfg, resume=False)
+    if cfg.serve.train_mode == "async":
+        from turnrl.serve.async_train import train_agent_async
+
+        if resume:
+            raise ConfigError("train_agent resume is for serve.train_mode sync; an async run "
+                              "starts afresh")
+        return train_agent_async(rollout, tasks, cfg, eval_tasks=eval_tasks,
+                                 success_at=success_at, judge=judge)
+    run = start_run(cfg, resume=resume)
     cfg = run.cfg
     server = Server.from_policy(run.policy, cfg)
     learner = replace(run.learner, estimator=PerEpisodeAdvantages(run.learner.estimator))
@@ -217,7 +231,7 @@ def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
         if eval_tasks:
             result.before = asyncio.run(evaluate_agent(rollout, eval_tasks, running.base_url,
                                                        cfg.serve.api_key, success_at))
-        for step in range(cfg.run.steps):
+        for step in range(run.start_step, cfg.run.steps):
             timer = StageTimer()
             step_tasks = [tasks[(step * groups + g) % len(tasks)] for g in range(groups)]
             with timer("collect"):
@@ -242,9 +256,15 @@ def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
         if eval_tasks:
             result.after = asyncio.run(evaluate_agent(rollout, eval_tasks, running.base_url,
                                                       cfg.serve.api_key, success_at))
+    return summarize_agent(result, eval_tasks, cfg.run.steps)
+
+
+def summarize_agent(result: AgentTrainResult, eval_tasks: Sequence, steps: int
+                    ) -> AgentTrainResult:
+    """Print and save the before/after table when both evaluations ran."""
     if result.before and result.after:
         result.table = print_table(
             f"agent: {len(eval_tasks)} held-out tasks, before vs after", COLUMNS,
-            [result.before.row("before"), result.after.row(f"after {cfg.run.steps} steps")])
-        (run.run_dir / "summary.txt").write_text(result.table)
+            [result.before.row("before"), result.after.row(f"after {steps} steps")])
+        (result.run_dir / "summary.txt").write_text(result.table)
     return result

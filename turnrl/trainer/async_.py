@@ -40,6 +40,7 @@ from turnrl.config import Config
 from turnrl.rollout.loop import Group
 from turnrl.trainer.rl_step import rl_step
 from turnrl.trainer.run import (
+    Learner,
     StageTimer,
     TrainResult,
     end_run,
@@ -96,9 +97,14 @@ class AsyncTrainResult(TrainResult):
 
 
 def learn(cfg: Config, make_source: SourceFactory, *, resume: bool = False,
-          threads: int | None = None) -> AsyncTrainResult:
-    """The learner loop over groups from ``make_source`` (same run directory as ``train``)."""
+          threads: int | None = None,
+          adapt_learner: Callable[[Learner], Learner] | None = None) -> AsyncTrainResult:
+    """The learner loop over groups from ``make_source`` (same run directory as ``train``).
+    ``adapt_learner`` may wrap the learner built from ``cfg`` (``train_agent`` shares an
+    episode's advantage between its segments)."""
     run = start_run(cfg, resume, threads=threads, decoupled=True)
+    if adapt_learner is not None:
+        run.learner = adapt_learner(run.learner)
     cfg, policy, model = run.cfg, run.policy, run.learner.model
     source = make_source(cfg, run.run_dir, run.checkpoint_state, run.start_step)
     try:
