@@ -41,8 +41,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from turnrl.config import load_config
 from turnrl.config_serve import ServeConfig
 from turnrl.evaluation import EvalResult
@@ -55,7 +53,7 @@ from turnrl.serve.train import evaluate_agent, train_agent
 from turnrl.stats import format_rate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from warmup import imitation_loss, pad_rows  # noqa: E402
+from warmup import imitation_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT = runpy.run_path(str(ROOT / "examples" / "openai_agent.py"))
@@ -122,20 +120,7 @@ def record_demonstrations(model, tokenizer, name: str, count: int
 def warm_up(model, rows, *, steps: int, lr: float, pad: int, batch: int = 8,
             seed: int = 0) -> list[float]:
     """Supervised steps on the recorded demonstrations; returns the losses."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
-    model.train()
-    losses = []
-    for _ in range(steps):
-        picked = [rows[i] for i in torch.randperm(len(rows), generator=generator)[:batch]]
-        loss = imitation_loss(model, *pad_rows(picked, pad))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    return losses
+    return imitation_steps(model, rows, pad, steps=steps, lr=lr, batch=batch, seed=seed)
 
 
 def evaluate(cfg_args: list[str], tasks: list[dict], path: Path) -> EvalResult:

@@ -32,8 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from turnrl.config import load_config
 from turnrl.envs.tool_env import (
     Task,
@@ -52,7 +50,7 @@ from turnrl.stats import format_rate
 from turnrl.types import Episode, read_episodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from warmup import encode_demonstration, imitation_loss, pad_rows  # noqa: E402
+from warmup import encode_demonstration, imitation_steps  # noqa: E402
 
 ENV = "tool-arithmetic"
 
@@ -94,20 +92,8 @@ def format_warm_up(model, tokenizer, *, demos: int, steps: int, lr: float, batch
     encoded = [encode_demonstration(chat, system_prompt,
                                     asyncio.run(scripted_transcript(env, 10_000 + s)))
                for s in range(demos)]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
-    model.train()
-    losses = []
-    for _ in range(steps):
-        rows = [encoded[i] for i in torch.randperm(len(encoded), generator=generator)[:batch]]
-        loss = imitation_loss(model, *pad_rows(rows, tokenizer.pad_token_id))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    return losses
+    return imitation_steps(model, encoded, tokenizer.pad_token_id, steps=steps, lr=lr,
+                           batch=batch, seed=seed)
 
 
 def called_correctly(episode: Episode) -> bool:

@@ -218,6 +218,26 @@ def pad_rows(rows: Sequence[tuple[list[int], list[int]]], pad: int
     return ids, mask, attention
 
 
+def imitation_steps(model: nn.Module, rows: Sequence[tuple[list[int], list[int]]], pad: int,
+                    *, steps: int, lr: float, batch: int = 8, seed: int = 0) -> list[float]:
+    """``steps`` AdamW steps of ``imitation_loss`` on random batches of (ids, target mask)
+    rows (gradients clipped at 1); the model is left in eval mode. Returns the losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        picked = [rows[i] for i in torch.randperm(len(rows), generator=generator)[:batch]]
+        loss = imitation_loss(model, *pad_rows(picked, pad))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
 @dataclass(frozen=True)
 class WarmupConfig:
     """Everything that decides a warmed-up model (and so names its cache entry)."""
