@@ -61,15 +61,24 @@ METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
     "turn_gae": ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16"),
     "archer": ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16"),
 }
+LAMBDA1 = ("--algo.gae_lambda", "1.0")
+FAST_CRITIC = ("--algo.critic_lr", "1e-2", "--algo.critic_updates", "32")
+GATE = ("--credit.warmup_max_error", "0.5")
 TUNE_GRID: dict[str, list[tuple[str, ...]]] = {
-    # two settings per turn-level method; grpo has no knob of its own
-    "gigpo": [("--algo.gigpo_step_weight", "1.0"), ("--algo.gigpo_step_weight", "3.0")],
-    "turn_gae": [("--algo.critic_lr", "1e-3", "--algo.critic_updates", "8"),
-                 ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16")],
-    "archer": [("--algo.critic_lr", "1e-3", "--algo.critic_updates", "8"),
-               ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16")],
+    # four settings per turn-level method (the same budget each); grpo has no knob of its own
+    "gigpo": [("--algo.gigpo_step_weight", "1.0"), ("--algo.gigpo_step_weight", "3.0"),
+              ("--algo.gigpo_step_weight", "10.0"),
+              ("--algo.gigpo_step_weight", "1.0", "--credit.gigpo_episode_weight", "0")],
+    "turn_gae": [(*LAMBDA1, "--algo.critic_lr", "3e-3", "--algo.critic_updates", "16"),
+                 (*LAMBDA1, *FAST_CRITIC),
+                 (*LAMBDA1, *FAST_CRITIC, *GATE),
+                 (*LAMBDA1, *FAST_CRITIC, *GATE, "--credit.scale", "running")],
+    "archer": [("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16", *GATE),
+               (*FAST_CRITIC, *GATE),
+               (*FAST_CRITIC, "--algo.critic_tau", "0.3", *GATE),
+               (*FAST_CRITIC, "--algo.critic_tau", "0.3", *GATE, "--credit.scale", "running")],
 }
-TUNE_SEEDS, TUNE_HORIZON = (100,), 8
+TUNE_SEEDS, TUNE_HORIZON = (100, 101), 16
 
 
 @dataclass(frozen=True)
