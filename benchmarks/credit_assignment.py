@@ -78,7 +78,7 @@ TUNE_GRID: dict[str, list[tuple[str, ...]]] = {
                (*FAST_CRITIC, "--algo.critic_tau", "0.3", *GATE),
                (*FAST_CRITIC, "--algo.critic_tau", "0.3", *GATE, "--credit.scale", "running")],
 }
-TUNE_SEEDS, TUNE_HORIZON = (100, 101), 16
+TUNE_SEEDS, TUNE_HORIZON = (100,), 16
 
 
 @dataclass(frozen=True)
@@ -291,17 +291,25 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
 
 def tune_lines(results: list[dict]) -> list[str]:
     """Per method and setting: mean held-out success over the tuning runs' evaluations (the
-    area under the learning curve); the best setting per method is the one to freeze."""
-    lines = [f"tuning at horizon {TUNE_HORIZON}, seeds {list(TUNE_SEEDS)}: mean held-out "
-             "success over every evaluation (area under the curve)"]
+    area under the learning curve, the score that picks the setting to freeze), and for
+    information the mean episodes to the threshold (censored at the budget)."""
+    tuned = [r for r in results if r["tag"].startswith("tune")]
+    if not tuned:
+        return ["tuning: no results"]
+    thr, start = threshold_for(tuned)
+    lines = [f"tuning at horizon {TUNE_HORIZON}, seeds {list(TUNE_SEEDS)}: score = mean "
+             f"held-out success over every evaluation (area under the curve); episodes to "
+             f"{thr:.1%} (start {start:.1%})"]
     for method, grid in TUNE_GRID.items():
         scores = []
         for i, knobs in enumerate(grid):
-            runs = [r for r in results if r["method"] == method and r["tag"] == f"tune{i}"]
+            runs = [r for r in tuned if r["method"] == method and r["tag"] == f"tune{i}"]
             if runs:
                 auc = statistics.mean(p[1] / p[2] for r in runs for p in r["curve"][1:])
+                reach = statistics.mean(min(episodes_to(r, thr), r["budget"]) for r in runs)
                 scores.append((auc, knobs))
-                lines.append(f"  {method:<9} {' '.join(knobs):<52} {auc:.3f} ({len(runs)} runs)")
+                lines.append(f"  {method:<9} {' '.join(knobs):<84} {auc:.3f} {reach:5.0f} "
+                             f"({len(runs)} runs)")
         if scores:
             lines.append(f"  {method:<9} best: {' '.join(max(scores)[1])}")
     return lines
