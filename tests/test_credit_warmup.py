@@ -1,6 +1,8 @@
 """The ``credit`` section: critic warm-up (by updates and by fit error), the advantage scale,
 GiGPO's episode weight, and the refusal of options an estimator would ignore."""
 
+import copy
+import io
 import math
 
 import pytest
@@ -17,6 +19,7 @@ from turnrl.algorithms.credit import (
     turn_to_token_advantages,
     whiten_masked,
 )
+from turnrl.algorithms.critic import extract_turn_features
 from turnrl.algorithms.estimators import RUNNING_DECAY, grpo_per_turn, make_estimator
 from turnrl.config import AlgoConfig, load_config
 from turnrl.config_credit import CreditConfig
@@ -149,6 +152,7 @@ def test_credit_options_an_estimator_would_ignore_are_refused():
     for advantage, credit, word in [
             ("grpo", CreditConfig(warmup_updates=4), "credit.warmup_updates"),
             ("gigpo", CreditConfig(scale="none"), "credit.scale"),
+            ("rloo", CreditConfig(critic_features="frozen"), "credit.critic_features"),
             ("turn_gae", CreditConfig(gigpo_episode_weight=0.0), "credit.gigpo_episode_weight")]:
         with pytest.raises(ConfigError, match=word):
             make_estimator(AlgoConfig(advantage=advantage), 8, credit=credit)
@@ -170,3 +174,33 @@ def test_credit_section_reaches_the_estimator_in_a_training_run(tmp_path):
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["credit/critic_in_use"] for r in records] == [0.0, 0.0, 1.0]
     assert [r["credit/critic_updates"] for r in records] == [2.0, 4.0, 6.0]
+
+
+def test_frozen_critic_features_ignore_policy_updates_and_survive_a_resume(tiny):
+    """``critic_features: frozen`` reads the starting policy's hidden states, even after the
+    policy has moved and after a checkpoint round trip; ``policy`` follows the live model."""
+    model, tok = tiny
+    policy = copy.deepcopy(model)
+    eps = _batch_episodes()
+    algo = AlgoConfig(advantage="turn_gae", critic_updates=1)
+    frozen = make_estimator(algo, model.config.hidden_size,
+                            credit=CreditConfig(critic_features="frozen"))
+    live = make_estimator(algo, model.config.hidden_size)
+    frozen.advantages(eps, policy, tok.pad_token_id)  # freezes the starting weights
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # the policy trains
+    start = extract_turn_features(model, eps, tok.pad_token_id, "cpu")
+    moved = extract_turn_features(policy, eps, tok.pad_token_id, "cpu")
+    assert not torch.allclose(start[0].states, moved[0].states, atol=1e-3)
+    close(frozen.features(eps, policy, tok.pad_token_id)[0].states, start[0].states, atol=1e-6)
+    close(live.features(eps, policy, tok.pad_token_id)[0].states, moved[0].states, atol=1e-6)
+
+    buffer = io.BytesIO()
+    torch.save(frozen.state_dict(), buffer)
+    buffer.seek(0)
+    restored = make_estimator(algo, model.config.hidden_size,
+                              credit=CreditConfig(critic_features="frozen"))
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    close(restored.features(eps, policy, tok.pad_token_id)[0].states, start[0].states,
+          atol=1e-6)

@@ -28,6 +28,10 @@ class CreditConfig(Section):
     """turn_gae, archer: batch = whiten the critic's advantages over the batch's policy tokens
     (PPO's usual); running = divide by a running RMS of the turn advantages (no centring);
     none = raw advantages"""
+    critic_features: Literal["policy", "frozen"] = "policy"
+    """turn_gae, archer: what the critic reads: the live policy's hidden states (they drift as
+    the policy trains), or those of a frozen copy of the starting policy (fixed inputs, at the
+    memory of one more model; saved with checkpoints)"""
     gigpo_episode_weight: float = 1.0
     """gigpo: weight of the episode-level advantage A_E (0 = step-level, anchor-state
     advantages only); algo.gigpo_step_weight weighs the step-level one"""

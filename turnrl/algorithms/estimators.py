@@ -27,6 +27,7 @@ enough, and ``scale`` can replace the whitening by a running RMS or nothing.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -100,7 +101,8 @@ def make_estimator(algo: AlgoConfig, hidden_size: int, seed: int = 0,
 def check_credit(advantage: str, credit: CreditConfig) -> None:
     """Refuse ``credit`` options the estimator would silently ignore."""
     default = CreditConfig()
-    critic_options = [name for name in ("warmup_updates", "warmup_max_error", "scale")
+    critic_options = [name for name in ("warmup_updates", "warmup_max_error", "scale",
+                                        "critic_features")
                       if getattr(credit, name) != getattr(default, name)]
     if critic_options and advantage not in CRITIC_ESTIMATORS:
         raise ConfigError(f"credit.{critic_options[0]} applies to algo.advantage turn_gae or "
@@ -218,7 +220,22 @@ class _TurnCritic:
         self.optimizer = torch.optim.Adam(self.critic.online.parameters(), lr=algo.critic_lr)
         self.updates = self.updates_at_scoring = 0
         self.running_square, self.running_steps = 0.0, 0
+        self.feature_model: nn.Module | None = None  # credit.critic_features: frozen
+        self._frozen_state: dict | None = None  # its weights from a checkpoint, until needed
         self._metrics: dict[str, float] = {}
+
+    def features(self, episodes: Sequence[Episode], model: nn.Module,
+                 pad_id: int) -> list[TurnFeatures]:
+        """The critic's inputs, from the live policy or from the frozen starting copy."""
+        source = model
+        if self.credit.critic_features == "frozen":
+            if self.feature_model is None:
+                self.feature_model = copy.deepcopy(model).eval().requires_grad_(False)
+                if self._frozen_state is not None:  # resumed: the weights frozen at the start
+                    self.feature_model.load_state_dict(self._frozen_state)
+                    self._frozen_state = None
+            source = self.feature_model
+        return extract_turn_features(source, episodes, pad_id, next(source.parameters()).device)
 
     def per_turn(self, episodes: Sequence[Episode],
                  features: list[TurnFeatures]) -> list[Tensor]:
@@ -248,7 +265,7 @@ class _TurnCritic:
 
     def advantages(self, episodes: Sequence[Episode], model: nn.Module, pad_id: int) -> Tensor:
         width = _width(episodes)
-        features = extract_turn_features(model, episodes, pad_id, next(model.parameters()).device)
+        features = self.features(episodes, model, pad_id)
         fit_error = critic_fit_error(self.critic, episodes, features, self.algo.gamma)
         per_turn = self.per_turn(episodes, features)  # trains the critic
         policy = _policy_tokens(episodes, width)
@@ -268,14 +285,18 @@ class _TurnCritic:
         return dict(self._metrics)
 
     def state_dict(self) -> dict:
-        return {"critic": self.critic.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "updates": self.updates, "running": [self.running_square, self.running_steps]}
+        state = {"critic": self.critic.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "updates": self.updates, "running": [self.running_square, self.running_steps]}
+        frozen = (self.feature_model.state_dict() if self.feature_model is not None
+                  else self._frozen_state)
+        return {**state, "feature_model": frozen} if frozen is not None else state
 
     def load_state_dict(self, state: dict) -> None:
         self.critic.load_state_dict(state["critic"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.updates = int(state.get("updates", 0))  # checkpoints from before the warm-up
         self.running_square, self.running_steps = state.get("running", [0.0, 0])
+        self.feature_model, self._frozen_state = None, state.get("feature_model")
 
 
 @ESTIMATORS.register("turn_gae")
