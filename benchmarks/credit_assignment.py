@@ -21,7 +21,7 @@ Per method: the mean over seeds with a 95% t interval.
 Fairness: every method gets the same lr, group size, groups per step, steps, evaluation; the
 per-method knobs are the frozen ``METHOD_SETTINGS``, chosen by ``--tune`` on tuning seeds
 (100) disjoint from the measurement seeds (0..4), with the same grid size per method
-(``TUNE_GRID``) at horizon 8; see docs/credit_assignment.md for the tuning run and its table.
+(``TUNE_GRID``) at horizon 16; see docs/credit_assignment.md for the tuning run and its table.
 
 Usage::
 
