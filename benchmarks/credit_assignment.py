@@ -21,7 +21,7 @@ Per method: the mean over seeds with a 95% t interval.
 Fairness: every method gets the same lr, group size, groups per step, steps, evaluation; the
 per-method knobs are the frozen ``METHOD_SETTINGS``, chosen by ``--tune`` on tuning seeds
 (100) disjoint from the measurement seeds (0..4), with the same grid size per method
-(``TUNE_GRID``) at horizon 8; see docs/credit_assignment.md for the tuning run and its table.
+(``TUNE_GRID``) at horizon 16; see docs/credit_assignment.md for the tuning run and its table.
 
 Usage::
 
@@ -55,21 +55,33 @@ HORIZONS = (4, 8, 16)
 KEYS = 2
 
 METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
-    # frozen from the --tune run at horizon 8 on seed 100 (docs/credit_assignment.md)
+    # frozen from the --tune run at horizon 16 on seed 100 (docs/credit_assignment.md): the
+    # best area under the curve per method (archer: four ties, the cheapest kept)
     "grpo": (),
-    "gigpo": ("--algo.gigpo_step_weight", "3.0"),
-    "turn_gae": ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16"),
-    "archer": ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16"),
+    "gigpo": ("--algo.gigpo_step_weight", "1.0", "--credit.gigpo_episode_weight", "0"),
+    "turn_gae": ("--algo.gae_lambda", "1.0", "--algo.critic_lr", "1e-2",
+                 "--algo.critic_updates", "32"),
+    "archer": ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16",
+               "--credit.warmup_max_error", "0.5"),
 }
+LAMBDA1 = ("--algo.gae_lambda", "1.0")
+FAST_CRITIC = ("--algo.critic_lr", "1e-2", "--algo.critic_updates", "32")
+GATE = ("--credit.warmup_max_error", "0.5")
 TUNE_GRID: dict[str, list[tuple[str, ...]]] = {
-    # two settings per turn-level method; grpo has no knob of its own
-    "gigpo": [("--algo.gigpo_step_weight", "1.0"), ("--algo.gigpo_step_weight", "3.0")],
-    "turn_gae": [("--algo.critic_lr", "1e-3", "--algo.critic_updates", "8"),
-                 ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16")],
-    "archer": [("--algo.critic_lr", "1e-3", "--algo.critic_updates", "8"),
-               ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16")],
+    # four settings per turn-level method (the same budget each); grpo has no knob of its own
+    "gigpo": [("--algo.gigpo_step_weight", "1.0"), ("--algo.gigpo_step_weight", "3.0"),
+              ("--algo.gigpo_step_weight", "10.0"),
+              ("--algo.gigpo_step_weight", "1.0", "--credit.gigpo_episode_weight", "0")],
+    "turn_gae": [(*LAMBDA1, "--algo.critic_lr", "3e-3", "--algo.critic_updates", "16"),
+                 (*LAMBDA1, *FAST_CRITIC),
+                 (*LAMBDA1, *FAST_CRITIC, *GATE),
+                 (*LAMBDA1, *FAST_CRITIC, *GATE, "--credit.scale", "running")],
+    "archer": [("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16", *GATE),
+               (*FAST_CRITIC, *GATE),
+               (*FAST_CRITIC, "--algo.critic_tau", "0.3", *GATE),
+               (*FAST_CRITIC, "--algo.critic_tau", "0.3", *GATE, "--credit.scale", "running")],
 }
-TUNE_SEEDS, TUNE_HORIZON = (100,), 8
+TUNE_SEEDS, TUNE_HORIZON = (100,), 16
 
 
 @dataclass(frozen=True)
@@ -154,13 +166,15 @@ def run_one(key: tuple, args: list[str], s: Settings, run_dir: str) -> dict:
     curve = [[0, result.before.successes, result.before.episodes]]
     curve += [[r["step"] * per_step, round(r["eval/success"] * s.eval_episodes),
                s.eval_episodes] for r in records if "eval/success" in r]
+    in_use = [r["credit/critic_in_use"] for r in records if "credit/critic_in_use" in r]
     if curve[-1][0] != s.steps * per_step:
         curve.append([s.steps * per_step, result.after.successes, result.after.episodes])
     return {"key": list(key), "horizon": key[0], "method": key[1], "tag": key[2],
             "seed": key[3], "wall_s": time.perf_counter() - start,
             "cpu_s": time.process_time() - cpu, "curve": curve,
             "before": result.before.to_dict(), "after": result.after.to_dict(),
-            "budget": s.steps * per_step, "args": args}
+            "budget": s.steps * per_step, "args": args,
+            "critic_in_use": sum(in_use) / len(in_use) if in_use else None}
 
 
 # ---- analysis --------------------------------------------------------------------------------
@@ -218,6 +232,9 @@ def summarise(results: list[dict], tag: str = "") -> tuple[list[str], dict]:
                 "final": after[0] / after[1], "cpu_s": sum(r["cpu_s"] for r in mruns)}
             from turnrl.stats import format_rate
             seeds = ", ".join(f">{budget}" if math.isinf(v) else f"{v:.0f}" for v in raw)
+            used = [r["critic_in_use"] for r in mruns if r.get("critic_in_use") is not None]
+            if used:  # the share of steps whose policy update used the critic (warm-up over)
+                seeds += f"; critic used in {statistics.mean(used):.0%} of steps"
             lines.append(f"  {method:<9} {f'{mean:.0f} [{lo:.0f}, {hi:.0f}]':<38} "
                          f"{format_rate(*after):<24} {seeds}")
         lines.append("")
@@ -282,17 +299,25 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
 
 def tune_lines(results: list[dict]) -> list[str]:
     """Per method and setting: mean held-out success over the tuning runs' evaluations (the
-    area under the learning curve); the best setting per method is the one to freeze."""
-    lines = [f"tuning at horizon {TUNE_HORIZON}, seeds {list(TUNE_SEEDS)}: mean held-out "
-             "success over every evaluation (area under the curve)"]
+    area under the learning curve, the score that picks the setting to freeze), and for
+    information the mean episodes to the threshold (censored at the budget)."""
+    tuned = [r for r in results if r["tag"].startswith("tune") and r["seed"] in TUNE_SEEDS]
+    if not tuned:
+        return ["tuning: no results"]
+    thr, start = threshold_for(tuned)
+    lines = [f"tuning at horizon {TUNE_HORIZON}, seeds {list(TUNE_SEEDS)}: score = mean "
+             f"held-out success over every evaluation (area under the curve); episodes to "
+             f"{thr:.1%} (start {start:.1%})"]
     for method, grid in TUNE_GRID.items():
         scores = []
         for i, knobs in enumerate(grid):
-            runs = [r for r in results if r["method"] == method and r["tag"] == f"tune{i}"]
+            runs = [r for r in tuned if r["method"] == method and r["tag"] == f"tune{i}"]
             if runs:
                 auc = statistics.mean(p[1] / p[2] for r in runs for p in r["curve"][1:])
+                reach = statistics.mean(min(episodes_to(r, thr), r["budget"]) for r in runs)
                 scores.append((auc, knobs))
-                lines.append(f"  {method:<9} {' '.join(knobs):<52} {auc:.3f} ({len(runs)} runs)")
+                lines.append(f"  {method:<9} {' '.join(knobs):<84} {auc:.3f} {reach:5.0f} "
+                             f"({len(runs)} runs)")
         if scores:
             lines.append(f"  {method:<9} best: {' '.join(max(scores)[1])}")
     return lines

@@ -39,3 +39,17 @@ def test_summary_censors_at_the_budget_and_the_last_line_is_the_longest_horizon(
     assert lines[0].startswith("horizon 4:") and "ratio 1.00" in lines[0]
     assert "intervals do not overlap" in lines[1]
     assert lines[-1] == "ratio: best hierarchical / grpo episodes to threshold = 0.33"
+
+
+def test_tuning_grid_gives_every_method_the_same_budget_and_picks_the_best_area():
+    from credit_assignment import TUNE_GRID, TUNE_HORIZON, tune_lines
+
+    assert len({len(grid) for grid in TUNE_GRID.values()}) == 1  # an equal budget per method
+    assert set(TUNE_GRID) == {"gigpo", "turn_gae", "archer"}
+    runs = []
+    for i, successes in enumerate([[3, 4, 5, 6], [3, 9, 9, 9], [3, 3, 3, 3], [3, 6, 9, 9]]):
+        r = run("gigpo", 100, successes, horizon=TUNE_HORIZON)
+        runs.append({**r, "tag": f"tune{i}"})
+    lines = tune_lines(runs)
+    assert lines[-1] == f"  gigpo     best: {' '.join(TUNE_GRID['gigpo'][1])}"
+    assert "episodes to 65.0% (start 30.0%)" in lines[0]

@@ -17,6 +17,7 @@ from typing import Any, Literal, get_origin
 import yaml
 
 from turnrl.config_async import RayConfig, StalenessConfig
+from turnrl.config_credit import CreditConfig
 from turnrl.config_explore import ExploreConfig
 from turnrl.config_serve import ServeConfig
 from turnrl.config_types import (  # noqa: F401 - ConfigError is part of this module's API
@@ -251,6 +252,8 @@ class Config:
     """the OpenAI-compatible endpoint (turnrl serve)"""
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     """exploration and stability options (docs/exploration.md)"""
+    credit: CreditConfig = field(default_factory=CreditConfig)
+    """turn-level credit: critic warm-up, advantage scale (docs/credit_assignment.md)"""
 
     def __post_init__(self) -> None:
         if self.ray.engine == "vllm":

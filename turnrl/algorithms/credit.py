@@ -37,6 +37,7 @@ Departures:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -113,9 +114,10 @@ def anchor_fraction(anchor_ids: Tensor) -> float:
 
 
 def gigpo_advantages(episodes: Sequence[Episode], gamma: float, step_weight: float = 1.0,
-                     std_normalize: bool = True) -> list[Tensor]:
+                     std_normalize: bool = True, episode_weight: float = 1.0) -> list[Tensor]:
     """GiGPO per-turn advantages ``A = A_E + step_weight * A_S`` (eq. 8), one ``[T_b]`` tensor
-    per episode.
+    per episode; ``episode_weight`` scales ``A_E`` (1 in the paper; 0 keeps the step-level,
+    anchor-state term alone, so a turn whose anchor group all share one return gets nothing).
 
     ``A_E``: ``Episode.reward`` normalised within the episode group (``Episode.group``, eq. 3).
     ``A_S``: each turn's discounted return (``gamma``) from that turn on, normalised within its
@@ -128,7 +130,8 @@ def gigpo_advantages(episodes: Sequence[Episode], gamma: float, step_weight: flo
     flat = torch.cat(step_returns) if step_returns else torch.zeros(0)
     step_adv = gigpo_step_advantages(flat, turn_anchor_ids(episodes), std_normalize)
     per_episode = step_adv.split([len(ep.turns) for ep in episodes])
-    return [episode_adv[b] + step_weight * steps for b, steps in enumerate(per_episode)]
+    return [episode_weight * episode_adv[b] + step_weight * steps
+            for b, steps in enumerate(per_episode)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,6 +160,18 @@ def turn_gae(rewards: Tensor | Sequence[float], values: Tensor | Sequence[float]
         running = float(deltas[t]) + gamma * lam * running
         advantages[t] = running
     return advantages, advantages + v[:-1]
+
+
+def relative_fit_error(values: Tensor, returns: Tensor, eps: float = 1e-8) -> float:
+    """Mean squared error of ``values`` against ``returns`` over the returns' variance: 1 minus
+    the explained variance (0 = exact, 1 = no better than predicting the mean). ``[N], [N]``.
+    All-equal returns make any error infinite (nothing to explain; a critic's noise is all it
+    would add), and no turns at all give ``inf`` too."""
+    v, g = _as_float(values), _as_float(returns)
+    if g.numel() == 0:
+        return math.inf
+    mse, var = float((v - g).pow(2).mean()), float(g.var(unbiased=False))
+    return mse / var if var > eps else (0.0 if mse <= eps else math.inf)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,22 +15,33 @@ REINFORCE++), ``credit.py`` (GiGPO, turn-level GAE, ArCHer's Q - V) and ``critic
 turn-level critic and its updates). Scale: outcome GRPO gives unit-std advantages within a
 group; GiGPO's two terms are each already normalised that way (the paper adds them unscaled).
 The critic estimators' raw ``Q - V`` or GAE values carry the reward scale and the critic's
-error, so they are whitened over the batch's policy tokens (PPO's usual normalisation).
+error, so by default they are whitened over the batch's policy tokens (PPO's usual
+normalisation).
+
+The ``credit`` config section (``turnrl/config_credit.py``) changes how a critic's advantages
+reach the policy. A young critic is wrong, and whitening turns its errors into full-size
+policy steps, so ``warmup_updates`` / ``warmup_max_error`` give the policy the outcome GRPO
+advantage until the critic has trained for long enough / fits the batch's returns well
+enough, and ``scale`` can replace the whitening by a running RMS or nothing.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from turnrl.algorithms.advantages import ADVANTAGE_FNS
+from turnrl.algorithms.advantages import ADVANTAGE_FNS, grpo_advantages
 from turnrl.algorithms.credit import (
     anchor_fraction,
     archer_advantages,
+    discounted_returns,
     gigpo_advantages,
+    relative_fit_error,
     turn_anchor_ids,
     turn_gae,
     turn_to_token_advantages,
@@ -47,11 +58,19 @@ from turnrl.algorithms.critic import (
     value_regression_step,
 )
 from turnrl.config import AlgoConfig
+from turnrl.config_credit import CreditConfig
+from turnrl.config_types import ConfigError
 from turnrl.registry import ESTIMATORS
 from turnrl.types import Episode
 
 CRITIC_BATCH = 256
 """Transitions per ArCHer critic step, sampled from the replay buffer."""
+RUNNING_DECAY = 0.9
+"""``credit.scale: running``: the mean square of the advantages is an exponential average
+with this decay per step (bias-corrected as in Adam), so it follows the critic within ~10
+steps."""
+CRITIC_ESTIMATORS = ("turn_gae", "archer")
+"""The built-in estimators that take the ``credit`` section (with ``gigpo``)."""
 
 
 class AdvantageEstimator(Protocol):
@@ -67,10 +86,30 @@ class AdvantageEstimator(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def make_estimator(algo: AlgoConfig, hidden_size: int, seed: int = 0) -> AdvantageEstimator:
-    """The estimator ``algo.advantage`` names (the config has already checked the name)."""
+def make_estimator(algo: AlgoConfig, hidden_size: int, seed: int = 0,
+                   credit: CreditConfig | None = None) -> AdvantageEstimator:
+    """The estimator ``algo.advantage`` names (the config has already checked the name); the
+    built-in turn-level ones also get the ``credit`` section."""
     ESTIMATORS.check(algo.advantage)
+    credit = credit or CreditConfig()
+    check_credit(algo.advantage, credit)
+    if algo.advantage in (*CRITIC_ESTIMATORS, "gigpo"):
+        return ESTIMATORS[algo.advantage](algo, hidden_size, seed, credit=credit)
     return ESTIMATORS[algo.advantage](algo, hidden_size, seed)
+
+
+def check_credit(advantage: str, credit: CreditConfig) -> None:
+    """Refuse ``credit`` options the estimator would silently ignore."""
+    default = CreditConfig()
+    critic_options = [name for name in ("warmup_updates", "warmup_max_error", "scale",
+                                        "critic_features")
+                      if getattr(credit, name) != getattr(default, name)]
+    if critic_options and advantage not in CRITIC_ESTIMATORS:
+        raise ConfigError(f"credit.{critic_options[0]} applies to algo.advantage turn_gae or "
+                          f"archer (a critic), not {advantage}; drop it or change the estimator")
+    if credit.gigpo_episode_weight != default.gigpo_episode_weight and advantage != "gigpo":
+        raise ConfigError(f"credit.gigpo_episode_weight applies to algo.advantage gigpo, not "
+                          f"{advantage}; drop it or change the estimator")
 
 
 def _abs_mean(values: Tensor) -> float:
@@ -120,14 +159,16 @@ def _width(episodes: Sequence[Episode]) -> int:
 class GiGPO(Stateless):
     """Critic-free step groups: episode-level plus anchor-state step-level relative advantages."""
 
-    def __init__(self, algo: AlgoConfig, hidden_size: int = 0, seed: int = 0) -> None:
-        self.algo = algo
+    def __init__(self, algo: AlgoConfig, hidden_size: int = 0, seed: int = 0,
+                 credit: CreditConfig | None = None) -> None:
+        self.algo, self.credit = algo, credit or CreditConfig()
         self._metrics: dict[str, float] = {}
 
     def advantages(self, episodes: Sequence[Episode], model: nn.Module | None = None,
                    pad_id: int = 0) -> Tensor:
         width = _width(episodes)
-        per_turn = gigpo_advantages(episodes, self.algo.gamma, self.algo.gigpo_step_weight)
+        per_turn = gigpo_advantages(episodes, self.algo.gamma, self.algo.gigpo_step_weight,
+                                    episode_weight=self.credit.gigpo_episode_weight)
         tokens = turn_to_token_advantages(episodes, per_turn, width)
         self._metrics = {
             "credit/anchor_fraction": anchor_fraction(turn_anchor_ids(episodes)),
@@ -140,46 +181,122 @@ class GiGPO(Stateless):
         return dict(self._metrics)
 
 
+def grpo_per_turn(episodes: Sequence[Episode]) -> list[Tensor]:
+    """The outcome GRPO advantage of each episode, repeated on each of its turns."""
+    rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
+    groups = torch.tensor([ep.group for ep in episodes])
+    per_episode = grpo_advantages(rewards, groups) if episodes else rewards
+    return [per_episode[b].repeat(len(ep.turns)) for b, ep in enumerate(episodes)]
+
+
+def critic_fit_error(critic: TurnCritic, episodes: Sequence[Episode],
+                     features: list[TurnFeatures], gamma: float) -> float:
+    """``relative_fit_error`` of V at every turn against the turn's discounted return (the
+    Monte-Carlo value of the policy that played the batch)."""
+    with torch.no_grad():
+        values = [critic.value(f.states[:len(ep.turns)]) for ep, f in zip(episodes, features,
+                                                                            strict=True)]
+    returns = [discounted_returns([t.reward for t in ep.turns], gamma) for ep in episodes]
+    return relative_fit_error(torch.cat([*values, torch.zeros(0)]),
+                              torch.cat([*returns, torch.zeros(0)]))
+
+
 class _TurnCritic:
-    """Shared by the critic estimators: the critic, its optimiser, and the per-token output.
+    """Shared by the critic estimators: the critic, its optimiser, the warm-up and the
+    per-token output.
 
     ``seed`` fixes the critic's initial weights (and ArCHer's replay sampling); the global
     torch RNG is left untouched, so adding a critic does not change the rest of a seeded run.
+    ``updates`` counts the critic's gradient steps; subclasses set ``updates_at_scoring`` to it
+    when they compute the batch's advantages, which is what the warm-up compares.
     """
 
     def __init__(self, algo: AlgoConfig, hidden_size: int, seed: int = 0,
-                 critic_width: int = 256) -> None:
-        self.algo = algo
+                 credit: CreditConfig | None = None, critic_width: int = 256) -> None:
+        self.algo, self.credit = algo, credit or CreditConfig()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.critic = TurnCritic(hidden_size, critic_width)
         self.optimizer = torch.optim.Adam(self.critic.online.parameters(), lr=algo.critic_lr)
+        self.updates = self.updates_at_scoring = 0
+        self.running_square, self.running_steps = 0.0, 0
+        self.feature_model: nn.Module | None = None  # credit.critic_features: frozen
+        self._frozen_state: dict | None = None  # its weights from a checkpoint, until needed
         self._metrics: dict[str, float] = {}
+
+    def features(self, episodes: Sequence[Episode], model: nn.Module,
+                 pad_id: int) -> list[TurnFeatures]:
+        """The critic's inputs, from the live policy or from the frozen starting copy."""
+        source = model
+        if self.credit.critic_features == "frozen":
+            if self.feature_model is None:
+                self.feature_model = copy.deepcopy(model).eval().requires_grad_(False)
+                if self._frozen_state is not None:  # resumed: the weights frozen at the start
+                    self.feature_model.load_state_dict(self._frozen_state)
+                    self._frozen_state = None
+            source = self.feature_model
+        return extract_turn_features(source, episodes, pad_id, next(source.parameters()).device)
 
     def per_turn(self, episodes: Sequence[Episode],
                  features: list[TurnFeatures]) -> list[Tensor]:
         raise NotImplementedError
 
+    def critic_ready(self, fit_error: float) -> bool:
+        """Past the warm-up: enough critic steps before scoring, and (if asked) a good fit."""
+        c = self.credit
+        return self.updates_at_scoring >= c.warmup_updates and (
+            c.warmup_max_error == 0 or fit_error <= c.warmup_max_error)
+
+    def scaled(self, tokens: Tensor, policy: Tensor) -> Tensor:
+        """The critic's per-token advantages in ``credit.scale``."""
+        if self.credit.scale == "batch":
+            return whiten_masked(tokens, policy)
+        if self.credit.scale == "none":
+            return tokens
+        picked = tokens[policy]
+        if picked.numel():  # running: an Adam-style bias-corrected mean square
+            self.running_steps += 1
+            self.running_square = (RUNNING_DECAY * self.running_square
+                                   + (1 - RUNNING_DECAY) * float(picked.pow(2).mean()))
+        if self.running_steps == 0:
+            return tokens
+        rms = math.sqrt(self.running_square / (1 - RUNNING_DECAY ** self.running_steps))
+        return tokens / (rms + 1e-6)
+
     def advantages(self, episodes: Sequence[Episode], model: nn.Module, pad_id: int) -> Tensor:
         width = _width(episodes)
-        features = extract_turn_features(model, episodes, pad_id, next(model.parameters()).device)
-        per_turn = self.per_turn(episodes, features)
+        features = self.features(episodes, model, pad_id)
+        fit_error = critic_fit_error(self.critic, episodes, features, self.algo.gamma)
+        per_turn = self.per_turn(episodes, features)  # trains the critic
         policy = _policy_tokens(episodes, width)
-        tokens = whiten_masked(turn_to_token_advantages(episodes, per_turn, width), policy)
+        critic_tokens = self.scaled(turn_to_token_advantages(episodes, per_turn, width), policy)
+        use_critic = self.critic_ready(fit_error)
+        tokens = (critic_tokens if use_critic
+                  else turn_to_token_advantages(episodes, grpo_per_turn(episodes), width))
         self._metrics["credit/turn_adv_abs_mean"] = _abs_mean(torch.cat([*per_turn,
                                                                          torch.zeros(0)]))
         self._metrics["credit/adv_abs_mean"] = _abs_mean(tokens[policy])
+        self._metrics["credit/critic_fit_error"] = min(fit_error, 1e6)  # inf breaks JSON
+        self._metrics["credit/critic_in_use"] = float(use_critic)
+        self._metrics["credit/critic_updates"] = float(self.updates)
         return tokens
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
 
     def state_dict(self) -> dict:
-        return {"critic": self.critic.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"critic": self.critic.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "updates": self.updates, "running": [self.running_square, self.running_steps]}
+        frozen = (self.feature_model.state_dict() if self.feature_model is not None
+                  else self._frozen_state)
+        return {**state, "feature_model": frozen} if frozen is not None else state
 
     def load_state_dict(self, state: dict) -> None:
         self.critic.load_state_dict(state["critic"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.updates = int(state.get("updates", 0))  # checkpoints from before the warm-up
+        self.running_square, self.running_steps = state.get("running", [0.0, 0])
+        self.feature_model, self._frozen_state = None, state.get("feature_model")
 
 
 @ESTIMATORS.register("turn_gae")
@@ -195,6 +312,7 @@ class TurnGAE(_TurnCritic):
         """
         critic, gamma, lam = self.critic, self.algo.gamma, self.algo.gae_lambda
         per_turn, states, targets = [], [], []
+        self.updates_at_scoring = self.updates
         with torch.no_grad():
             for ep, feats in zip(episodes, features, strict=True):
                 adv, returns = turn_gae([t.reward for t in ep.turns], critic.value(feats.states),
@@ -205,6 +323,7 @@ class TurnGAE(_TurnCritic):
         states, targets = torch.cat(states), torch.cat(targets)
         losses = [value_regression_step(critic, self.optimizer, states, targets)
                   for _ in range(self.algo.critic_updates)] if len(targets) else [0.0]
+        self.updates += self.algo.critic_updates if len(targets) else 0
         self._metrics = {"credit/v_loss": sum(losses) / len(losses),
                          "credit/value_mean": float(targets.mean()) if len(targets) else 0.0}
         return per_turn
@@ -214,8 +333,9 @@ class TurnGAE(_TurnCritic):
 class ArCHer(_TurnCritic):
     """ArCHer's turn-level double-Q critic trained by TD from a replay buffer; A = Q - V."""
 
-    def __init__(self, algo: AlgoConfig, hidden_size: int, seed: int = 0) -> None:
-        super().__init__(algo, hidden_size, seed)
+    def __init__(self, algo: AlgoConfig, hidden_size: int, seed: int = 0,
+                 credit: CreditConfig | None = None) -> None:
+        super().__init__(algo, hidden_size, seed, credit)
         self.replay = ReplayBuffer(algo.replay_episodes)
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -230,6 +350,8 @@ class ArCHer(_TurnCritic):
                                     self.replay.sample(CRITIC_BATCH, self.generator),
                                     self.algo.gamma, self.algo.critic_tau)
                  for _ in range(self.algo.critic_updates)] if len(self.replay) else []
+        self.updates += len(stats)
+        self.updates_at_scoring = self.updates  # scored with the critic after this batch's steps
         with torch.no_grad():
             joined = Transitions.cat(batch)
             flat = archer_advantages(*critic.q(joined.states, joined.actions),

@@ -167,7 +167,8 @@ def build_learner(cfg: Config, policy: Policy, *, decoupled: bool = False) -> Le
                           entropy_coef=cfg.algo.entropy_coef,
                           max_policy_tokens=cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
     return Learner(model, make_optimizer(model, cfg.optim), settings,
-                   make_estimator(cfg.algo, model.config.hidden_size, seed=cfg.run.seed),
+                   make_estimator(cfg.algo, model.config.hidden_size, seed=cfg.run.seed,
+                                  credit=cfg.credit),
                    policy.tokenizer.pad_token_id,
                    copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None, explore)
 
