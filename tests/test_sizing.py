@@ -352,7 +352,15 @@ def test_before_the_first_step_the_pool_is_sized_for_what_the_workers_generate()
     controller = _controller(pool=48)
     assert controller.presize(rates) is None  # 8 tool latencies: too few to size by
     rates.env_latency.add([0.8] * 8)
-    pool = controller.presize(rates)
-    # 0.9 x 100 rows/s x (0.8 s tool + 1.5 x the 0.1 s call predicted at that rate) + a group
-    assert pool == math.ceil(90 * (0.8 + 1.5 * 0.1) + GROUP)
+    # The worker generated 1.4 s of the 3 s: idle, short of episodes. Little's law at 0.9 x
+    # 100 rows/s asks 90 x (0.8 s tool + 1.5 x the 0.1 s call) + a group = 94; the learner's
+    # speed is unknown yet, so at most x2.
+    assert controller.pool_target(rates)[0] == pytest.approx(90 * (0.8 + 1.5 * 0.1) + GROUP)
+    assert controller.presize(rates) == 94
     assert controller.presize(rates) is None  # once: the steps after it take over
+    small = _controller(pool=32)
+    assert small.presize(rates) == 64  # x2 at most
+    busy = MeasuredRates(alpha=1.0)
+    busy.observe_worker(0, {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}, 0.0)
+    busy.observe_worker(0, dict(counters), 1.15, [0.8] * 16, calls)  # generating 1.13 of 1.15 s
+    assert _controller(pool=48).presize(busy) is None  # a busy worker is not short of episodes

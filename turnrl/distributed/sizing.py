@@ -198,16 +198,22 @@ class SizingController:
         return rate * (latency + 1.5 * call_s) + self.group_size * self.workers, rate
 
     def presize(self, rates: MeasuredRates, min_latencies: int = 16) -> int | None:
-        """The pool before the first learner step: for the rate the workers can generate.
+        """The pool before the first learner step, grown (at most x2) towards the rate the
+        workers can generate while they idle for lack of episodes.
 
         The first step waits for a whole group's lifetime (seconds with slow tools); sizing
         only after it would make every later step wait a lifetime more for the groups the
-        new pool starts. Used once, while no change was made; the steps after it correct it
-        (the jump to it is the pool's first move). None: not enough measured yet."""
-        if self.pool.changes or len(rates.env_latency) < min_latencies:
-            return None
+        new pool starts. Used once, while no change was made; the steps after it correct it.
+        None: not enough measured yet, or the workers are busy."""
+        busy = [w.busy.value for w in rates.workers.values() if math.isfinite(w.busy.value)]
+        if self.pool.changes or len(rates.env_latency) < min_latencies or not busy \
+                or min(busy) >= BUSY_WORKER:
+            return None  # a busy worker is not short of episodes (SmolLM2 at any latency)
         target, _ = self.pool_target(rates)
-        return self.pool.propose(target) if math.isfinite(target) else None
+        # At most x2: the learner's speed is unknown yet, and a slow learner needs far less
+        # than the workers' capacity (SmolLM2: a pool of 195 made 100 s group lifetimes).
+        return self.pool.propose(min(target, 2 * self.pool.value)) \
+            if math.isfinite(target) else None
 
     def bound_target(self, rates: MeasuredRates) -> float:
         steps_per_s = 1 / rates.step_s.value if rates.step_s.count else math.nan
