@@ -208,6 +208,11 @@ class MeasuredRates:
             return math.nan, math.nan
         return sum(1 / c for _, c in models), sum(a for a, _ in models) / len(models)
 
+    def least_busy(self) -> float:
+        """The share of time the least busy worker spends generating (NaN until measured)."""
+        values = [w.busy.value for w in self.workers.values() if math.isfinite(w.busy.value)]
+        return min(values) if values else math.nan
+
     def live_per_group(self) -> float:
         """Live episodes per group in play, all workers (NaN until measured)."""
         values = [w.live_per_group.value for w in self.workers.values()

@@ -174,9 +174,8 @@ class SizingController:
         capacity, per_call = rates.capacity()
         call_s = rates.call_s() if math.isfinite(rates.call_s()) else 0.0
         generated = rates.generation_rows_per_s()
-        busy = [w.busy.value for w in rates.workers.values() if math.isfinite(w.busy.value)]
         # Only a busy worker is near its capacity; one that idles can take more episodes.
-        at_capacity = bool(busy) and min(busy) >= BUSY_WORKER and math.isfinite(generated)
+        at_capacity = rates.least_busy() >= BUSY_WORKER and math.isfinite(generated)
         if math.isfinite(capacity):
             # What it generates is a lower bound of what it can (a fit blurred by noise says
             # less). Never ask the workers for more than most of it, busy or not: the batch
@@ -205,9 +204,8 @@ class SizingController:
         only after it would make every later step wait a lifetime more for the groups the
         new pool starts. Used once, while no change was made; the steps after it correct it.
         None: not enough measured yet, or the workers are busy."""
-        busy = [w.busy.value for w in rates.workers.values() if math.isfinite(w.busy.value)]
-        if self.pool.changes or len(rates.env_latency) < min_latencies or not busy \
-                or min(busy) >= BUSY_WORKER:
+        idle = rates.least_busy() < BUSY_WORKER  # False while unmeasured (NaN)
+        if self.pool.changes or len(rates.env_latency) < min_latencies or not idle:
             return None  # a busy worker is not short of episodes (SmolLM2 at any latency)
         target, _ = self.pool_target(rates)
         # At most x2: the learner's speed is unknown yet, and a slow learner needs far less
