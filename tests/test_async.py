@@ -541,8 +541,9 @@ def test_a_worker_samples_with_the_weights_it_was_sent_last():
 
 def test_a_worker_reports_its_env_latencies_and_takes_a_new_pool_size():
     """What ``staleness.auto`` reads and sets at a worker: every env call's wall time comes
-    back with the reports (each delayed step at least its delay, resets not delayed), and
-    ``resize`` changes how many episodes live at once."""
+    back with the reports (each delayed step at least its delay; the resets, not delayed,
+    apart: Little's law spreads an episode's one reset over its turns), and ``resize``
+    changes how many episodes live at once."""
     from turnrl.distributed.workers import RolloutWorker, without_tied_weights
     from turnrl.models import tiny_model
 
@@ -552,13 +553,14 @@ def test_a_worker_reports_its_env_latencies_and_takes_a_new_pool_size():
 
     def play(assignments):
         worker.assign(assignments)
-        groups, latencies, deadline = [], [], time.monotonic() + 60
+        groups, latencies, resets, deadline = [], [], [], time.monotonic() + 60
         rows_before = worker.rollout.stats.generated_rows
         calls = []
         while len(groups) < len(assignments) and time.monotonic() < deadline:
             report = worker.take_groups(wait_s=1.0)
             groups += report.groups
             latencies += report.env_latencies
+            resets += report.reset_latencies
             calls += report.call_costs
         assert len(groups) == len(assignments)
         # Every generate call's own size and time came back (what the cost model fits).
@@ -566,18 +568,18 @@ def test_a_worker_reports_its_env_latencies_and_takes_a_new_pool_size():
         assert sum(rows for rows, _ in calls) == report.stats["generated_rows"] - rows_before
         assert all(seconds > 0 for _, seconds in calls)
         assert report.stats["open_groups_at_calls"] > 0
-        return groups, latencies, report.stats
+        return groups, latencies, resets, report.stats
 
     try:
         state = {k: v.detach().clone() for k, v in tiny_model(seed=1)[0].state_dict().items()}
         worker.set_weights(0, without_tied_weights(state))
-        groups, latencies, stats = play([(0, 1), (1, 2), (2, 3)])
+        groups, latencies, resets, stats = play([(0, 1), (1, 2), (2, 3)])
         turns = sum(len(ep.turns) for g in groups for ep in g.episodes)
-        assert sum(x >= 0.04 for x in latencies) == turns  # every delayed step, timed
-        assert sum(x < 0.04 for x in latencies) == 12  # the 12 resets, not delayed
+        assert len(latencies) == turns and min(latencies) >= 0.04  # every delayed step
+        assert len(resets) == 12 and max(resets) < 0.04  # the 12 resets, not delayed
         assert stats["max_live"] == 4
         worker.resize(12)
-        groups, _, stats = play([(3, 4), (4, 5), (5, 6)])
+        groups, _, _, stats = play([(3, 4), (4, 5), (5, 6)])
         assert stats["max_live"] == 12 and worker.engine.max_kept_rows >= 12
     finally:
         worker.stop()

@@ -20,8 +20,10 @@ learner's busy time keeps a pool full while the learner trains.
 A group lives L seconds from its first token to delivery while the learner steps S times a
 second, so it arrives about L x S versions old (README, "Sync vs async under slow tools");
 a bound below that drops the groups the pool was sized to deliver. The target is the larger
-of ``p90(L) x S`` and the p90 of the staleness groups actually arrived with, plus one; groups
-dropped as too stale push it up. The importance weights' effective sample size (ESS) caps it:
+of ``p98(L) x S`` and the p98 of the staleness groups actually arrived with, plus one (a
+bound at a quantile q drops about 1 - q of the groups by construction: at the p90 the tiny
+model lost 9% of its groups at 500 ms); groups dropped beyond ``drop_fraction`` of those that
+arrived since the bound last moved push it up. The importance weights' effective sample size (ESS) caps it:
 when the smoothed ESS falls below ``ess_floor`` the bound shrinks and a ceiling is set there,
 lifted only after the ESS has stayed above ``ess_high`` for a patience that doubles each time
 (so grow/shrink cycles die out).
@@ -51,6 +53,10 @@ is unknown, the pool's rate is capped at x1.5 what it generates."""
 CAPACITY_SHARE = 0.9
 """The pool is sized for at most this share of the rows a second the workers reach with
 large batches: the batch a rate ``x`` of capacity needs grows like ``x / (1 - x)``."""
+
+
+BOUND_QUANTILE = 0.98
+"""The staleness bound covers this share of arrivals (the rest are dropped as too stale)."""
 
 
 MAX_BAND = 1.0
@@ -142,6 +148,9 @@ class SizingController:
     ess_high: float = 0.9
     drop_fraction: float = 0.05
     """Groups dropped as too stale beyond this share of arrivals push the bound up."""
+    since_bound_moved: list[int] = field(default_factory=lambda: [0, 0])
+    """(arrived, dropped) since the bound last changed: drops under an older bound say
+    nothing about this one, and one step's few arrivals are too few to judge by."""
     patience: int = 3
     queued: int = 0
     ess_ceiling: int | None = None
@@ -191,10 +200,10 @@ class SizingController:
             rate = min(rate, 1.5 * generated)  # cost unknown: grow by steps only
         if not math.isfinite(rate):
             return math.nan, math.nan
-        latency = rates.env_latency.mean if len(rates.env_latency) else 0.0
         # A returning episode waits for the call in progress (half a call on average), then
         # its own; then the tool.
-        return rate * (latency + 1.5 * call_s) + self.group_size * self.workers, rate
+        return (rate * (rates.env_s_per_turn() + 1.5 * call_s) + self.group_size * self.workers,
+                rate)
 
     def presize(self, rates: MeasuredRates, min_latencies: int = 16) -> int | None:
         """The pool before the first learner step, grown (at most x2) towards the rate the
@@ -215,9 +224,9 @@ class SizingController:
 
     def bound_target(self, rates: MeasuredRates) -> float:
         steps_per_s = 1 / rates.step_s.value if rates.step_s.count else math.nan
-        lifetime = rates.lifetime.quantile(0.9)
+        lifetime = rates.lifetime.quantile(BOUND_QUANTILE)
         needed = lifetime * steps_per_s if len(rates.lifetime) else math.nan
-        seen = rates.arrival_staleness.quantile(0.9)
+        seen = rates.arrival_staleness.quantile(BOUND_QUANTILE)
         candidates = [x for x in (needed, seen) if math.isfinite(x)]
         return max(candidates) + 1 if candidates else math.nan
 
@@ -234,14 +243,20 @@ class SizingController:
             per_worker = groups_per_s * rates.busy_s.value / self.workers
             self.queued = min(math.ceil(per_worker) + 1, self.pool.value // self.group_size)
         bound_target = self.bound_target(rates)
-        if arrived and dropped > self.drop_fraction * arrived and math.isfinite(bound_target):
+        self.since_bound_moved[0] += arrived
+        self.since_bound_moved[1] += dropped
+        seen, lost = self.since_bound_moved
+        if seen and lost > self.drop_fraction * seen and math.isfinite(bound_target):
             bound_target = max(bound_target, self.bound.value * 1.5)  # drops say: too tight
+        bound_before = self.bound.value
         self._ess_cap(rates.ess.value)
         if self.ess_ceiling is not None:
             bound_target = min(bound_target, self.ess_ceiling)
         self.bound.propose(bound_target)
         if self.ess_ceiling is not None and self.bound.value > self.ess_ceiling:
             self.bound.force(self.ess_ceiling)
+        if self.bound.value != bound_before:
+            self.since_bound_moved = [0, 0]
         decision = SizingDecision(self.pool.value, self.queued, self.bound.value, pool_target,
                                   bound_target, self.ess_ceiling)
         self.history.append(decision)

@@ -147,7 +147,8 @@ class RaySource:
                 self.fleet.reconcile(worker, seq, report)
                 self.rates.observe_worker(worker, report.stats, time.perf_counter(),
                                           getattr(report, "env_latencies", ()),
-                                          getattr(report, "call_costs", ()))
+                                          getattr(report, "call_costs", ()),
+                                          getattr(report, "reset_latencies", ()))
                 delivered = [g for g in report.groups if self.book.deliver(g)]
                 if delivered:
                     self.last_group_at = time.monotonic()

@@ -83,7 +83,9 @@ class WorkerReport:
     """Newest version it has been sent (-1: none)."""
     stats: dict[str, float] = field(default_factory=dict)
     env_latencies: list[float] = field(default_factory=list)
-    """Seconds of each env reset/step that ended since the last report."""
+    """Seconds of each env step that ended since the last report."""
+    reset_latencies: list[float] = field(default_factory=list)
+    """Seconds of each env reset that ended since the last report."""
     call_costs: list[tuple[int, float]] = field(default_factory=list)
     """(rows, seconds) of each generate call since the last report."""
 
@@ -191,7 +193,8 @@ class RolloutWorker:
         return WorkerReport(self.index, self.incarnation, groups,
                             self.rollout.known_assignments(), self.engine.version, sent,
                             self.rollout.stats.to_dict(), _drained(self.rollout.env_latencies),
-                            _drained(self.rollout.call_costs))
+                            call_costs=_drained(self.rollout.call_costs),
+                            reset_latencies=_drained(self.rollout.reset_latencies))
 
     def resize(self, pool_size: int) -> int:
         """A new target of live episodes (``staleness.auto``); the loop admits or lets drain

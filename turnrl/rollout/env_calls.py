@@ -19,6 +19,7 @@ Validation: ``reset`` must return a ``str``; ``step`` a ``StepResult`` with a ``
 observation, a finite number as reward (a NaN or infinite reward fails the episode here and
 never reaches the advantages), a ``bool`` done and a ``dict`` (or ``None``) info. Anything
 else fails the episode with a one-line reason naming the environment and the field.
+``end_turn`` records a policy turn with the env's answer (or failure) on the episode.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs.base import StepResult
-from turnrl.types import Episode
+from turnrl.types import Episode, Turn
 
 
 class EnvError(Exception):
@@ -53,7 +54,10 @@ class EnvRunner:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()  # here, not by the garbage collector in some other thread
 
     async def call(self, method: str, arg: Any, timeout_s: float,
                    seconds: Any = None) -> Any:
@@ -145,3 +149,33 @@ def fail_episode(episode: Episode, error: BaseException, where: str) -> None:
         episode.info["reason"] = str(error)
     else:
         episode.info["reason"] = f"env {where} raised {type(error).__name__}: {error}"
+
+
+def end_turn(episode: Episode, outcome: StepResult | BaseException, start: int, end: int,
+              text: str, finish_reason: str, state: str, max_turns: int) -> str | None:
+    """Record a policy turn and the env's answer (or failure): the next state key, or None
+    when the episode has ended (done, failed, or out of turns)."""
+    if isinstance(outcome, BaseException):
+        episode.turns.append(Turn(start, end, text, "", 0.0, finish_reason, state))
+        fail_episode(episode, outcome, "step")
+        return None
+    record_turn(episode, outcome, start, end, text, finish_reason, state)
+    if outcome.done:
+        episode.status = "done"
+        return None
+    if len(episode.turns) >= max_turns:
+        episode.status = "truncated"
+        return None
+    return str((outcome.info or {}).get("state_key", outcome.observation))
+
+
+def record_turn(episode: Episode, result: StepResult, start: int, end: int, text: str,
+            finish_reason: str, state: str) -> None:
+    episode.turns.append(Turn(start, end, text, result.observation, float(result.reward),
+                              finish_reason, state))
+    episode.reward += float(result.reward)
+    info = dict(result.info or {})
+    info.pop("state_key", None)
+    if "success" in info:
+        episode.success = bool(info.pop("success"))
+    episode.info.update(info)

@@ -40,12 +40,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
-from turnrl.envs.base import Env, StepResult
+from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, Engine, SamplingParams
-from turnrl.rollout.env_calls import EnvRunner, checked_observation, checked_step, fail_episode
-from turnrl.types import ENV_VERSION, Episode, Turn
+from turnrl.rollout.env_calls import (
+    EnvRunner,
+    checked_observation,
+    checked_step,
+    end_turn,
+    fail_episode,
+)
+from turnrl.types import ENV_VERSION, Episode
 
 
 @dataclass
@@ -174,7 +181,8 @@ class TurnLoop:
         self.worker = worker
         self.lockstep = lockstep
         self.stats = LoopStats()
-        self.env_latencies: deque[float] = deque(maxlen=1024)  # seconds, newest last
+        self.env_latencies: deque[float] = deque(maxlen=1024)  # step seconds, newest last
+        self.reset_latencies: deque[float] = deque(maxlen=256)  # reset seconds
         self.call_costs: deque[tuple[int, float]] = deque(maxlen=256)  # (rows, s) a call
         self.lock = threading.RLock()
         """Guards the feed, the groups and the finished queue (shared with other threads)."""
@@ -190,6 +198,7 @@ class TurnLoop:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._settle_error: BaseException | None = None
         self.error: BaseException | None = None
         """What ended ``run`` with an exception, for callers in other threads."""
 
@@ -309,14 +318,34 @@ class TurnLoop:
 
     def _env_call(self, slot: _Slot, method: str, arg) -> asyncio.Future:
         """``env.reset(seed)`` or ``env.step(text)`` on the env's own thread, under the
-        timeout, its result checked (``env_calls``)."""
+        timeout, its result checked (``env_calls``), applied to the episode when it lands."""
         check = checked_observation if method == "reset" else checked_step
+        # The env's own latency, timed out or not (async mode sizes its pool by it).
+        latencies = self.env_latencies if method == "step" else self.reset_latencies
 
         async def call():
-            # The env's own latency, timed out or not (async mode sizes its pool by it).
-            return check(await slot.runner.call(method, arg, self.env_timeout_s,
-                                                self.env_latencies), self.env_name)
-        return asyncio.ensure_future(call())
+            return check(await slot.runner.call(method, arg, self.env_timeout_s, latencies),
+                         self.env_name)
+        task = asyncio.ensure_future(call())
+        task.add_done_callback(partial(self._settle, slot))
+        return task
+
+    def _settle(self, slot: _Slot, task: asyncio.Future) -> None:
+        """Apply a finished reset or env step (the reply rendered and tokenised) on this
+        thread while a generate call runs in the other: the next call starts on return
+        instead of after this work (~0.4 ms a row against ~2 ms of generation, tiny model)."""
+        if task is not slot.task or (task.cancelled() and self._stopping):
+            return
+        slot.task = None
+        try:
+            error = task.exception() if not task.cancelled() else TimeoutError()
+            if slot.phase == _RESET:
+                self._after_reset(slot, error, None if error else task.result())
+            else:
+                self._after_step(slot, error, None if error else task.result())
+        except BaseException as err:  # a bug here must end ``run``, not vanish in a callback
+            self._settle_error = self._settle_error or err
+            self._poke()
 
     async def _generate(self, waiting: list[_Slot]) -> None:
         """One batched generate call for every waiting episode; launch their env steps."""
@@ -361,16 +390,11 @@ class TurnLoop:
         return self.engine.generate(prompts, self.params), version
 
     def _harvest(self) -> None:
-        """Apply every finished reset and env step; move ended episodes out of the pool."""
+        """Move ended episodes out of the pool (``_settle`` applied their last env call)."""
+        if self._settle_error is not None:
+            raise self._settle_error
         still = []
         for slot in self._slots:
-            if slot.task is not None and slot.task.done():
-                task, slot.task = slot.task, None
-                error = task.exception() if not task.cancelled() else TimeoutError()
-                if slot.phase == _RESET:
-                    self._after_reset(slot, error, None if error else task.result())
-                else:
-                    self._after_step(slot, error, None if error else task.result())
             if slot.episode.status == "running":
                 still.append(slot)
             else:
@@ -395,7 +419,7 @@ class TurnLoop:
         completion, text, start, end = slot.turn
         slot.turn = None
         episode = slot.episode
-        next_state = _end_turn(episode, error if error is not None else result, start, end,
+        next_state = end_turn(episode, error if error is not None else result, start, end,
                                text, completion.finish_reason, slot.state, self.max_turns)
         if next_state is None:
             return
@@ -432,36 +456,6 @@ class TurnLoop:
                                         self.worker, state.started_at, time.time()))
             self.stats.groups_finished += 1
             self._ready.notify_all()
-
-
-def _end_turn(episode: Episode, outcome: StepResult | BaseException, start: int, end: int,
-              text: str, finish_reason: str, state: str, max_turns: int) -> str | None:
-    """Record a policy turn and the env's answer (or failure): the next state key, or None
-    when the episode has ended (done, failed, or out of turns)."""
-    if isinstance(outcome, BaseException):
-        episode.turns.append(Turn(start, end, text, "", 0.0, finish_reason, state))
-        fail_episode(episode, outcome, "step")
-        return None
-    _record(episode, outcome, start, end, text, finish_reason, state)
-    if outcome.done:
-        episode.status = "done"
-        return None
-    if len(episode.turns) >= max_turns:
-        episode.status = "truncated"
-        return None
-    return str((outcome.info or {}).get("state_key", outcome.observation))
-
-
-def _record(episode: Episode, result: StepResult, start: int, end: int, text: str,
-            finish_reason: str, state: str) -> None:
-    episode.turns.append(Turn(start, end, text, result.observation, float(result.reward),
-                              finish_reason, state))
-    episode.reward += float(result.reward)
-    info = dict(result.info or {})
-    info.pop("state_key", None)
-    if "success" in info:
-        episode.success = bool(info.pop("success"))
-    episode.info.update(info)
 
 
 def run_sync(coro):
