@@ -54,10 +54,7 @@ class EnvRunner:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            self.loop.close()  # here, not by the garbage collector in some other thread
+        self.loop.run_forever()
 
     async def call(self, method: str, arg: Any, timeout_s: float,
                    seconds: Any = None) -> Any:

@@ -164,10 +164,11 @@ class _Batch:
         return logits
 
     def select(self, index: torch.Tensor) -> None:
-        """Keep (or repeat) the rows ``index``, in that order."""
-        kv = self.kv.new_empty(self.kv.shape[:2] + (len(index),) + self.kv.shape[3:])
-        kv[:, :, :, :, :self.length] = self.kv[:, :, index, :, :self.length]
-        self.kv, self.mask, self.positions = kv, self.mask[index], self.positions[index]
+        """Keep (or repeat) the rows ``index``, in that order. Whole rows are copied, the
+        unfilled room too: a row's block is contiguous, so this is a few large copies, where
+        copying only the filled columns is a strided copy ~3x slower (tiny model, 80 rows)."""
+        self.kv = self.kv.index_select(2, index)
+        self.mask, self.positions = self.mask[index], self.positions[index]
 
     def row(self, i: int) -> torch.Tensor:
         """Keys/values of row ``i``'s real tokens: ``[layers, 2, kv_heads, tokens, dim]``."""
