@@ -364,3 +364,60 @@ def test_before_the_first_step_the_pool_is_sized_for_what_the_workers_generate()
     busy.observe_worker(0, {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}, 0.0)
     busy.observe_worker(0, dict(counters), 1.15, [0.8] * 16, calls)  # generating 1.13 of 1.15 s
     assert _controller(pool=48).presize(busy) is None  # a busy worker is not short of episodes
+
+
+def test_an_episode_s_one_reset_is_spread_over_its_turns_not_mixed_into_the_step_mean():
+    """Little's law needs the env seconds an episode spends per turn. Mixing a fast reset
+    into the step latencies' mean undercounts slow tools (0.65 s for 0.82 s steps at 4.7
+    turns: the idle tiny run's pool came out ~20% small); timed apart, the reset is spread
+    over the turns."""
+    rates = MeasuredRates(alpha=1.0)
+    assert rates.env_s_per_turn() == 0.0  # nothing measured: no tool time
+    rates.observe_worker(0, {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}, 0.0,
+                         [0.8] * 8, reset_latencies=[0.0] * 2)
+    assert rates.env_s_per_turn() == pytest.approx(0.8)  # turns unknown: one a reset
+    rates.observe_groups([4.0], [3], turns=4.0, tokens=100.0)
+    assert rates.env_s_per_turn() == pytest.approx(0.8)  # instant resets add nothing
+    rates.reset_latency.add([2.0] * 2)  # a slow reset (a sandbox starting) counts, per turn
+    assert rates.env_s_per_turn() == pytest.approx(0.8 + 1.0 / 4)
+    m = rates.metrics()
+    assert m["rates/env_latency_median_s"] == pytest.approx(0.8)  # the tool's, resets apart
+    assert m["rates/env_s_per_turn"] == pytest.approx(1.05)
+    # The controller sizes the pool by it.
+    controller, fast = _controller(), MeasuredRates(alpha=1.0)
+    for r in (rates, fast):
+        r.observe_step(step_s=1.0, waited_s=0.0, ess=1.0)
+        r.observe_groups([4.0], [3], turns=4.0, tokens=100.0)
+    fast.env_latency.add([0.8] * 8)
+    slow_pool, rate = controller.pool_target(rates)
+    fast_pool, _ = controller.pool_target(fast)
+    assert slow_pool - fast_pool == pytest.approx(rate * 0.25)
+
+
+def test_the_bound_covers_all_but_a_few_percent_of_arrivals_and_drops_are_judged_in_bulk():
+    """A bound at a quantile q of the arrival staleness drops about 1 - q of the groups by
+    construction (at the p90 the tiny model lost 9% of its groups at 500 ms tools). The
+    bound aims at the p98; drops push it up only when they pass 5% of the groups that
+    arrived since it last moved (one step's one drop in 4 arrivals is no evidence)."""
+    rates = MeasuredRates(alpha=1.0)
+    rates.observe_step(step_s=0.5, waited_s=0.0, ess=0.99)
+    staleness = list(range(1, 101))  # 1..100 versions, uniform
+    rates.observe_groups([1.0] * 100, staleness, TURNS, 100.0)
+    controller = _controller(bound=2)
+    target = controller.bound_target(rates)
+    assert sum(s > target for s in staleness) <= 3  # a p90 bound would drop 10
+    decision = controller.update(rates, arrived=4, dropped=0)
+    assert decision.bound == math.ceil(target)  # the first move goes to the measurement
+    # One drop among 4 arrivals, then nothing: no push (1 of 4 is not 5% of what arrived).
+    steady = _controller(bound=8)
+    rates_small = MeasuredRates(alpha=1.0)
+    rates_small.observe_step(step_s=0.5, waited_s=0.0, ess=0.99)
+    rates_small.observe_groups([1.0] * 64, [4] * 63 + [9], TURNS, 100.0)
+    steady.update(rates_small, arrived=64, dropped=0)  # settles at the p98 + 1 = 5
+    settled = steady.bound.value
+    assert settled == 5
+    for arrived, dropped in [(4, 1)] + [(4, 0)] * 30:
+        assert steady.update(rates_small, arrived=arrived, dropped=dropped).bound == settled
+    # Drops well past 5% of arrivals since the bound last moved push it up (x1.5).
+    bounds = [steady.update(rates_small, arrived=4, dropped=2).bound for _ in range(6)]
+    assert max(bounds) >= 1.5 * settled

@@ -246,7 +246,9 @@ class SizingController:
         self.since_bound_moved[0] += arrived
         self.since_bound_moved[1] += dropped
         seen, lost = self.since_bound_moved
-        if seen and lost > self.drop_fraction * seen and math.isfinite(bound_target):
+        # Judged over at least 1 / drop_fraction arrivals: one drop alone is no evidence.
+        if (seen * self.drop_fraction >= 1 and lost > self.drop_fraction * seen
+                and math.isfinite(bound_target)):
             bound_target = max(bound_target, self.bound.value * 1.5)  # drops say: too tight
         bound_before = self.bound.value
         self._ess_cap(rates.ess.value)
