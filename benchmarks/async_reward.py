@@ -6,8 +6,9 @@ This runs the same ``turnrl train`` job for each seed in each mode, each its own
 one after another on the same cores, and compares them seed by seed:
 
 - ``sync``: the synchronous trainer;
-- ``async``: ``--mode async`` with its defaults (bounded staleness 2, over-provisioning,
-  partial rollouts): what a user gets;
+- ``async``: ``--mode async`` with its defaults (pool, queue and staleness bound sized at
+  run time from measured rates, ``staleness.auto``; partial rollouts; keys/values kept
+  across weight updates): what a user gets;
 - ``async-onpolicy``: ``--mode async`` with staleness 0, stale groups regenerated, no partial
   rollouts, no over-provisioning: every trained token comes from the learner's current
   weights, so a gap here is the Ray path, not staleness.
@@ -36,7 +37,8 @@ from turnrl.stats import mean_interval
 MODE_FLAGS = {
     "sync": ["--run.mode", "sync"],
     "async": ["--run.mode", "async"],
-    "async-onpolicy": ["--run.mode", "async", "--staleness.max_versions", "0",
+    "async-onpolicy": ["--run.mode", "async", "--staleness.auto", "false",
+                       "--staleness.max_versions", "0",
                        "--staleness.on_stale", "regenerate", "--staleness.partial_rollouts",
                        "false", "--staleness.overprovision", "1"],
 }
