@@ -15,7 +15,9 @@ from turnrl.serve.train import train_agent
 
 
 async def rollout(client, task) -> float | None:
-    """Two calls per episode (the second extends the first); reward: the reply has a digit."""
+    """Two calls per episode (the second extends the first); reward: the reply has a digit,
+    plus its length / 100 so a group's rewards differ whatever the tiny random model samples
+    (on the digit alone four tied replies gave zero advantages and no update, once in CI)."""
     if task == "silent":
         return None  # an agent that never scores its episode: reported, not trained on
     messages = [{"role": "user", "content": task}]
@@ -24,7 +26,7 @@ async def rollout(client, task) -> float | None:
                  {"role": "user", "content": "Once more."}]
     second = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
     text = (first.choices[0].message.content or "") + (second.choices[0].message.content or "")
-    return float(any(c.isdigit() for c in text))
+    return float(any(c.isdigit() for c in text)) + len(text) / 100
 
 
 def test_a_short_run_through_the_client_trains_the_served_weights(tmp_path):
