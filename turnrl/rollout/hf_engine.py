@@ -170,6 +170,11 @@ class _Batch:
         self.kv = self.kv.index_select(2, index)
         self.mask, self.positions = self.mask[index], self.positions[index]
 
+    def copy_rows(self, rows: torch.Tensor, start: int) -> None:
+        """Rows ``start`` onwards become copies of ``rows`` (one each, in order)."""
+        self.kv[:, :, start:] = self.kv.index_select(2, rows)
+        self.mask[start:], self.positions[start:] = self.mask[rows], self.positions[rows]
+
     def row(self, i: int) -> torch.Tensor:
         """Keys/values of row ``i``'s real tokens: ``[layers, 2, kv_heads, tokens, dim]``."""
         return self.kv[:, :, i, :, :self.length][:, :, :, self.mask[i, :self.length]]
@@ -223,29 +228,6 @@ def _prefill_buckets(new_lengths: list[int]) -> list[list[int]]:
         else:
             buckets.append([i])
     return [sorted(bucket) for bucket in buckets]  # one bucket: the call's own row order
-
-
-def _merged(parts: list[tuple[list[int], _Batch, torch.Tensor]], max_new_tokens: int
-            ) -> tuple[_Batch, torch.Tensor]:
-    """One decode buffer from separately prefilled buckets, rows back in call order. Each
-    bucket's filled columns go right-aligned: positions count real tokens, so where the
-    padding sits changes nothing."""
-    _, first, first_logits = parts[0]
-    rows = sum(len(index) for index, _, _ in parts)
-    width = max(part.length for _, part, _ in parts)
-    shape = list(first.kv.shape)
-    shape[2], shape[4] = rows, width + max(max_new_tokens - 1, 0)
-    kv = first.kv.new_zeros(shape)  # masked columns must be finite: 0 * NaN would leak
-    mask = torch.zeros((rows, shape[4]), dtype=torch.bool, device=kv.device)
-    positions = torch.zeros(rows, dtype=torch.long, device=kv.device)
-    logits = first_logits.new_empty((rows, first_logits.shape[-1]))
-    for index, part, part_logits in parts:
-        at = torch.tensor(index, device=kv.device)
-        kv[:, :, at, :, width - part.length:width] = part.kv[:, :, :, :, :part.length]
-        mask[at, width - part.length:width] = part.mask[:, :part.length]
-        positions[at] = part.positions
-        logits[at] = part_logits
-    return _Batch(kv, mask, width, positions), logits
 
 
 def _unique(prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
@@ -336,48 +318,75 @@ class HFEngine:
         pasts = self._kept.match(unique)
         news = [prompt[len(past.tokens) if past else 0:]
                 for prompt, past in zip(unique, pasts, strict=True)]
-        parts = []
-        for rows in _prefill_buckets([len(tokens) for tokens in news]):
-            # One room-less buffer per bucket: its rows are prefilled together, then merged.
-            part = self._batch([pasts[i] for i in rows], [len(unique[i]) for i in rows],
-                               params.max_new_tokens if len(news) == len(rows) else 1)
-            input_ids, new_mask = _left_padded([news[i] for i in rows], self.pad_token_id)
-            logits = part.prefill(self.model, input_ids.to(part.kv.device),
-                                  new_mask.to(part.kv.device))
-            parts.append((rows, part, logits))
-        batch, logits = (parts[0][1], parts[0][2]) if len(parts) == 1 \
-            else _merged(parts, params.max_new_tokens)
-        if len(unique) < len(prompts):  # shared prompts: copy their prefill to every row
-            index_t = torch.tensor(index, device=batch.kv.device)
-            batch.select(index_t)
-            logits = logits[index_t]
-        completions, kvs = self._decode(batch, logits, len(prompts), params, on_step)
+        buckets = _prefill_buckets([len(tokens) for tokens in news])
+        # Buffer rows: the distinct prompts bucket by bucket, then the other rows that share
+        # one (a GRPO group's first turn), copied from it once it is prefilled.
+        copies: list[list[int]] = [[] for _ in unique]
+        for row, u in enumerate(index):
+            copies[u].append(row)
+        in_buffer = [u for bucket in buckets for u in bucket]
+        rows_of = [copies[u][0] for u in in_buffer] + [r for u in in_buffer for r in copies[u][1:]]
+        batch, parts = self._batch(buckets, pasts, news, len(prompts), params.max_new_tokens)
+        logits = []
+        for bucket, part in zip(buckets, parts, strict=True):
+            input_ids, new_mask = _left_padded([news[u] for u in bucket], self.pad_token_id)
+            logits.append(part.prefill(self.model, input_ids.to(batch.kv.device),
+                                       new_mask.to(batch.kv.device)))
+            batch.positions[part.rows] = part.positions
+        logits = torch.cat(logits)
+        if len(unique) < len(prompts):
+            shared = torch.tensor([row for row, u in enumerate(in_buffer) for _ in copies[u][1:]],
+                                  device=batch.kv.device)
+            batch.copy_rows(shared, len(unique))
+            logits = torch.cat([logits, logits[shared]])
+        hook = on_step and (lambda rows: on_step([(rows_of[k], *rest) for k, *rest in rows]))
+        decoded, decoded_kvs = self._decode(batch, logits, len(prompts), params, hook)
+        completions, kvs = [Completion()] * len(prompts), [None] * len(prompts)
+        for row, completion, kv in zip(rows_of, decoded, decoded_kvs, strict=True):
+            completions[row], kvs[row] = completion, kv  # back in the caller's order
         if self.reuse_cache:
             new = [_Kept(tuple(prompt) + tuple(c.token_ids[:-1]), kv)
                    for prompt, c, kv in zip(prompts, completions, kvs, strict=True)]
             self._kept.replace([p for p in pasts if p is not None], new, self.max_kept_rows)
         return completions
 
-    def _batch(self, pasts: list[_Kept | None], prompt_lengths: list[int],
-               max_new_tokens: int) -> _Batch:
-        """A buffer holding each row's kept past, right-aligned, with room for the whole call."""
+    def _batch(self, buckets: list[list[int]], pasts: list[_Kept | None],
+               news: list[list[int]], rows: int, max_new_tokens: int
+               ) -> tuple[_Batch, list[_Batch]]:
+        """The call's one buffer, with room for the whole call, and a view of it per bucket.
+
+        Bucket ``b`` (its distinct prompts ``buckets[b]``, in buffer rows one after the
+        other) is right-aligned: its columns are the last ``past_b + new_b``, each kept past
+        right-aligned to where the bucket's new tokens start. A view prefills its bucket in
+        place, reading only its own columns; rows past the buckets are for shared prompts.
+        """
         config = self.model.config.get_text_config()
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        past_lengths = [len(p.tokens) if p else 0 for p in pasts]
-        width = max(past_lengths)
-        new_width = max(n - p for n, p in zip(prompt_lengths, past_lengths, strict=True))
-        capacity = width + new_width + max(max_new_tokens - 1, 0)
-        kv = torch.empty((config.num_hidden_layers, 2, len(pasts), heads, capacity, head_dim),
+        shapes = [(max(len(pasts[u].tokens) if pasts[u] else 0 for u in bucket),
+                   max(len(news[u]) for u in bucket)) for bucket in buckets]
+        width = max(past + new for past, new in shapes)
+        capacity = width + max(max_new_tokens - 1, 0)
+        kv = torch.empty((config.num_hidden_layers, 2, rows, heads, capacity, head_dim),
                          dtype=self.model.dtype, device=self.model.device)
         kv[:, :, :, :, :width] = 0  # masked, but must be finite: 0 * NaN would leak
-        mask = torch.zeros((len(pasts), capacity), dtype=torch.bool, device=kv.device)
-        for row, past in enumerate(pasts):
-            if past is not None:
-                kv[:, :, row, :, width - len(past.tokens):width] = past.kv
-                mask[row, width - len(past.tokens):width] = True
-        positions = torch.tensor(past_lengths, dtype=torch.long, device=kv.device)
-        return _Batch(kv, mask, width, positions)
+        mask = torch.zeros((rows, capacity), dtype=torch.bool, device=kv.device)
+        positions = torch.zeros(rows, dtype=torch.long, device=kv.device)
+        views, at = [], 0
+        for bucket, (past_width, new_width) in zip(buckets, shapes, strict=True):
+            left = width - past_width - new_width  # the bucket's first column
+            lengths = [len(pasts[u].tokens) if pasts[u] else 0 for u in bucket]
+            for row, (u, length) in enumerate(zip(bucket, lengths, strict=True), start=at):
+                if length:
+                    end = width - new_width
+                    kv[:, :, row, :, end - length:end] = pasts[u].kv
+                    mask[row, end - length:end] = True
+            view = _Batch(kv[:, :, at:at + len(bucket), :, left:], mask[at:at + len(bucket), left:],
+                          past_width, torch.tensor(lengths, dtype=torch.long, device=kv.device))
+            view.rows = slice(at, at + len(bucket))
+            views.append(view)
+            at += len(bucket)
+        return _Batch(kv, mask, width, positions), views
 
     def _decode(self, batch: _Batch, logits: torch.Tensor, rows: int, params: SamplingParams,
                 on_step: StepHook | None = None) -> tuple[list[Completion], list[torch.Tensor]]:
