@@ -180,3 +180,40 @@ def test_an_env_call_is_timed_on_its_own_thread_not_by_when_the_loop_noticed():
         runner.close()
     assert 0.05 <= seconds[0] < 0.8  # timed from this loop it would be >= 1.0
     assert seconds[1:] == [0.2]
+
+
+def test_a_call_that_timed_out_or_whose_caller_left_is_cancelled_on_the_env_loop():
+    """The env's own task is cancelled when its call times out or its caller is cancelled
+    (the run stops): a tool left running would keep its thread busy for nothing."""
+    from turnrl.rollout.env_calls import EnvRunner
+
+    class Tool:
+        finished, cancelled = 0, 0
+
+        async def step(self, seconds):
+            try:
+                await asyncio.sleep(seconds)
+            except asyncio.CancelledError:
+                Tool.cancelled += 1
+                raise
+            Tool.finished += 1
+            return StepResult("done", 0.0, True)
+
+    runner = EnvRunner(Tool(), "tool")
+
+    async def calls():
+        with pytest.raises(TimeoutError):
+            await runner.call("step", 1.0, 0.1)
+        caller = asyncio.ensure_future(runner.call("step", 1.0, 30.0))
+        await asyncio.sleep(0.1)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        return await runner.call("step", 0.01, 5.0)  # the runner still answers
+
+    try:
+        assert run_sync(calls()).observation == "done"
+        time.sleep(1.2)  # long enough for either sleep to have ended, had it not been cancelled
+    finally:
+        runner.close()
+    assert (Tool.cancelled, Tool.finished) == (2, 1)

@@ -63,16 +63,52 @@ class EnvRunner:
 
         ``seconds`` gets the time the env itself took, timed on its thread (the timeout when
         it overran): not the wait for this loop to notice, which grows with the pool and
-        would make a pool sized by it grow further."""
-        future = asyncio.run_coroutine_threadsafe(
-            _timed(_invoke(getattr(self.env, method), arg), seconds), self.loop)
+        would make a pool sized by it grow further.
+
+        One handle each way between the two loops, and a timer here: no thread-safe future
+        and no ``wait_for`` task per call (324 vs 206 us of CPU a call, 64 envs answering at
+        once), a cost paid on every turn of every episode, with the GIL of the process that
+        generates."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        started: list[asyncio.Task] = []  # the env-side task, once the env's loop made it
+        timed_out = TimeoutError(f"env {self.name} {method} took over {timeout_s} s")
+
+        def deliver(result: Any, error: BaseException | None) -> None:  # on this loop
+            if not answer.done():
+                answer.set_result(result) if error is None else answer.set_exception(error)
+
+        async def run() -> None:  # on the env's loop
+            try:
+                outcome = await _timed(_invoke(getattr(self.env, method), arg), seconds), None
+            except asyncio.CancelledError:
+                return  # timed out, or the caller went away: nobody waits for an answer
+            except BaseException as err:  # noqa: BLE001 - the caller gets it, as raised
+                outcome = None, err
+            try:
+                loop.call_soon_threadsafe(deliver, *outcome)
+            except RuntimeError:  # the caller's loop has closed
+                pass
+
+        self.loop.call_soon_threadsafe(lambda: started.append(self.loop.create_task(run())))
+        timer = loop.call_later(timeout_s, deliver, None, timed_out)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
-        except TimeoutError:
-            future.cancel()
-            if seconds is not None:
+            return await answer
+        except BaseException as err:
+            if err is timed_out and seconds is not None:
                 seconds.append(timeout_s)
+            if err is timed_out or isinstance(err, asyncio.CancelledError):
+                self._cancel(started)
             raise
+        finally:
+            timer.cancel()
+
+    def _cancel(self, started: list[asyncio.Task]) -> None:
+        """Cancel a call's task on the env's loop (queued after its start, so it is there)."""
+        try:
+            self.loop.call_soon_threadsafe(lambda: started and started[0].cancel())
+        except RuntimeError:  # the env's loop has closed
+            pass
 
     def close(self) -> None:
         """Cancel what still runs there and stop the loop; never waits for it (a call that
