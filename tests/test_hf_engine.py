@@ -302,3 +302,25 @@ def test_generation_and_the_shared_prefix_update_use_the_current_cache_keyword(t
 
     takes_cache = "cache" in inspect.signature(type(model).forward).parameters
     assert list(cache_kwargs(model, None)) == ["cache" if takes_cache else "past_key_values"]
+
+
+def test_step_hook_names_each_callers_row_when_the_batch_reorders_them(tiny):
+    """The buffer holds rows bucket by bucket and copies of shared prompts last, not in the
+    caller's order: the step hook and the completions still name the caller's rows."""
+    model, tok = tiny
+    engine = HFEngine(model, tok.pad_token_id, seed=0)
+    params = SamplingParams(max_new_tokens=5, temperature=TEMPERATURE)
+    short = [encode(tok, "Say a digit."), encode(tok, "Hi")]
+    first = engine.generate(short, params)
+    fresh = encode(tok, "A long rule book. " * 8)
+    prompts = [fresh, continue_(short[0], first[0], tok), fresh,
+               continue_(short[1], first[1], tok), fresh]
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+
+    def hook(rows):
+        for i, token, _ in rows:
+            streamed[i].append(token)
+
+    completions = engine.generate(prompts, params, on_step=hook)
+    assert_logprobs_match(model, prompts, completions)
+    assert all(streamed[i] == c.token_ids for i, c in enumerate(completions))
