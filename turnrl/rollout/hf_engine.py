@@ -328,11 +328,11 @@ class HFEngine:
         rows_of = [copies[u][0] for u in in_buffer] + [r for u in in_buffer for r in copies[u][1:]]
         batch, parts = self._batch(buckets, pasts, news, len(prompts), params.max_new_tokens)
         logits = []
-        for bucket, part in zip(buckets, parts, strict=True):
+        for bucket, (rows, part) in zip(buckets, parts, strict=True):
             input_ids, new_mask = _left_padded([news[u] for u in bucket], self.pad_token_id)
             logits.append(part.prefill(self.model, input_ids.to(batch.kv.device),
                                        new_mask.to(batch.kv.device)))
-            batch.positions[part.rows] = part.positions
+            batch.positions[rows] = part.positions
         logits = torch.cat(logits)
         if len(unique) < len(prompts):
             shared = torch.tensor([row for row, u in enumerate(in_buffer) for _ in copies[u][1:]],
@@ -352,8 +352,9 @@ class HFEngine:
 
     def _batch(self, buckets: list[list[int]], pasts: list[_Kept | None],
                news: list[list[int]], rows: int, max_new_tokens: int
-               ) -> tuple[_Batch, list[_Batch]]:
-        """The call's one buffer, with room for the whole call, and a view of it per bucket.
+               ) -> tuple[_Batch, list[tuple[slice, _Batch]]]:
+        """The call's one buffer, with room for the whole call, and (its rows, a view of
+        them) per bucket.
 
         Bucket ``b`` (its distinct prompts ``buckets[b]``, in buffer rows one after the
         other) is right-aligned: its columns are the last ``past_b + new_b``, each kept past
@@ -381,10 +382,10 @@ class HFEngine:
                     end = width - new_width
                     kv[:, :, row, :, end - length:end] = pasts[u].kv
                     mask[row, end - length:end] = True
-            view = _Batch(kv[:, :, at:at + len(bucket), :, left:], mask[at:at + len(bucket), left:],
-                          past_width, torch.tensor(lengths, dtype=torch.long, device=kv.device))
-            view.rows = slice(at, at + len(bucket))
-            views.append(view)
+            rows_of_bucket = slice(at, at + len(bucket))
+            views.append((rows_of_bucket, _Batch(
+                kv[:, :, rows_of_bucket, :, left:], mask[rows_of_bucket, left:], past_width,
+                torch.tensor(lengths, dtype=torch.long, device=kv.device))))
             at += len(bucket)
         return _Batch(kv, mask, width, positions), views
 
