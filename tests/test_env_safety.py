@@ -217,3 +217,26 @@ def test_a_call_that_timed_out_or_whose_caller_left_is_cancelled_on_the_env_loop
     finally:
         runner.close()
     assert (Tool.cancelled, Tool.finished) == (2, 1)
+
+
+def test_an_env_that_raises_cancelled_error_itself_fails_its_call_at_once():
+    """A CancelledError from inside the env (one of its own tasks cancelled), not from a
+    timeout: the call fails with a reason now, instead of hanging until the timeout."""
+    from turnrl.rollout.env_calls import EnvError, EnvRunner
+
+    class Tool:
+        async def step(self, _):
+            raise asyncio.CancelledError
+
+    runner = EnvRunner(Tool(), "tool")
+
+    async def call():
+        with pytest.raises(EnvError, match="CancelledError"):
+            await runner.call("step", None, 30.0)
+
+    started = time.perf_counter()
+    try:
+        run_sync(call())
+    finally:
+        runner.close()
+    assert time.perf_counter() - started < 5.0

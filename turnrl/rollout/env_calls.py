@@ -82,7 +82,12 @@ class EnvRunner:
             try:
                 outcome = await _timed(_invoke(getattr(self.env, method), arg), seconds), None
             except asyncio.CancelledError:
-                return  # timed out, or the caller went away: nobody waits for an answer
+                if asyncio.current_task().cancelling():
+                    return  # timed out, or the caller went away: nobody waits for an answer
+                # Raised inside the env (a task of its own cancelled): its answer, not a hang
+                # until the timeout.
+                outcome = None, EnvError(f"env {self.name} {method} raised CancelledError "
+                                         "from inside (not a timeout)")
             except BaseException as err:  # noqa: BLE001 - the caller gets it, as raised
                 outcome = None, err
             try:

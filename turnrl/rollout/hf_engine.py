@@ -364,8 +364,9 @@ class HFEngine:
         config = self.model.config.get_text_config()
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shapes = [(max(len(pasts[u].tokens) if pasts[u] else 0 for u in bucket),
-                   max(len(news[u]) for u in bucket)) for bucket in buckets]
+        past_lengths = [len(past.tokens) if past else 0 for past in pasts]
+        shapes = [(max(past_lengths[u] for u in bucket), max(len(news[u]) for u in bucket))
+                  for bucket in buckets]
         width = max(past + new for past, new in shapes)
         capacity = width + max(max_new_tokens - 1, 0)
         kv = torch.empty((config.num_hidden_layers, 2, rows, heads, capacity, head_dim),
@@ -375,17 +376,15 @@ class HFEngine:
         positions = torch.zeros(rows, dtype=torch.long, device=kv.device)
         views, at = [], 0
         for bucket, (past_width, new_width) in zip(buckets, shapes, strict=True):
-            left = width - past_width - new_width  # the bucket's first column
-            lengths = [len(pasts[u].tokens) if pasts[u] else 0 for u in bucket]
-            for row, (u, length) in enumerate(zip(bucket, lengths, strict=True), start=at):
-                if length:
-                    end = width - new_width
-                    kv[:, :, row, :, end - length:end] = pasts[u].kv
-                    mask[row, end - length:end] = True
+            left, end = width - past_width - new_width, width - new_width  # its pasts' columns
+            for row, u in enumerate(bucket, start=at):
+                if pasts[u] is not None:
+                    kv[:, :, row, :, end - past_lengths[u]:end] = pasts[u].kv
+                    mask[row, end - past_lengths[u]:end] = True
             rows_of_bucket = slice(at, at + len(bucket))
-            views.append((rows_of_bucket, _Batch(
-                kv[:, :, rows_of_bucket, :, left:], mask[rows_of_bucket, left:], past_width,
-                torch.tensor(lengths, dtype=torch.long, device=kv.device))))
+            lengths = torch.tensor([past_lengths[u] for u in bucket], device=kv.device)
+            views.append((rows_of_bucket, _Batch(kv[:, :, rows_of_bucket, :, left:],
+                                                 mask[rows_of_bucket, left:], past_width, lengths)))
             at += len(bucket)
         return _Batch(kv, mask, width, positions), views
 
