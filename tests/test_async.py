@@ -17,7 +17,7 @@ from conftest import groups_within
 from turnrl.config import load_config
 from turnrl.distributed.book import AssignmentBook, group_staleness, in_flight_groups, split_stale
 from turnrl.distributed.source import RaySource
-from turnrl.envs import StepResult
+from turnrl.envs import StepResult, make_env
 from turnrl.policy import group_seed, training_seeds
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_sync
 from turnrl.rollout.loop import Group, TurnLoop
@@ -105,6 +105,26 @@ def test_a_slow_env_step_does_not_hold_back_the_other_episodes(tiny):
     assert rollout.stats.overlapped_calls >= 2
     assert max(size for _, size in engine.calls) > 2  # episodes of several groups batched
     assert rollout.known_assignments() == set()
+
+
+def test_the_loop_reports_its_waits_for_env_steps_as_idle_time(tiny):
+    """A loop whose episodes all wait on a slow env counts the waits as idle (a wait still in
+    progress included): the measure of a busy worker (rates.py), where generate calls alone
+    read a worker that never waits as 70-80% busy."""
+    rollout, _ = _loop(tiny, lambda: make_env("slow", env="say-digit", median_ms=300,
+                                              sigma=0.0, options={"turns": 3}))
+    rollout.submit(0, 0)
+    readings = []
+    threading.Timer(0.45, lambda: readings.append(rollout.report())).start()
+    started = time.perf_counter()
+    run_sync(rollout.run(until_drained=True))
+    wall = time.perf_counter() - started
+    final = rollout.report()
+    assert [len(ep.turns) for ep in rollout.take_groups()[0].episodes] == [3, 3]
+    # Three 0.3 s steps one after the other: most of the run is waiting, none of it twice.
+    assert 0.85 <= final["idle_s"] / 0.9 and final["idle_s"] <= wall
+    assert 0.2 <= readings[0]["idle_s"] <= 0.45  # mid-wait at 0.45 s: counted so far
+    assert final["clock_s"] > readings[0]["clock_s"]
 
 
 def test_a_stuck_env_times_out_and_a_raising_env_fails_with_its_reason(tiny):

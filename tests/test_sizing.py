@@ -47,6 +47,25 @@ def test_generation_rate_from_cumulative_counters_and_a_restart():
     assert rate.rows_per_gen_s.value == pytest.approx(200) and rate.busy.value == pytest.approx(0.2)
 
 
+def test_busy_is_one_minus_idle_when_the_worker_reports_its_waits():
+    """A worker whose calls outlast the report interval is busy, not idle: with its idle time
+    and its own clock reported, an interval in which no call ended reads 1 - idle / wall."""
+    rate = GenerationRate(alpha=1.0)
+    counters = {"generate_calls": 4, "generated_rows": 40, "generate_s": 0.5}
+    rate.observe({**counters, "idle_s": 1.0, "clock_s": 100.0}, now=0.0)
+    rate.observe({**counters, "idle_s": 1.0, "clock_s": 100.5}, now=0.5)  # mid-call, no idle
+    assert rate.busy.value == pytest.approx(1.0)
+    rate.observe({"generate_calls": 5, "generated_rows": 50, "generate_s": 0.9,
+                  "idle_s": 1.5, "clock_s": 102.5}, now=2.5)  # waited 0.5 s of 2 s
+    assert rate.busy.value == pytest.approx(0.75)
+    # The generate share alone would have read 0 and then 0.2 for the same worker.
+    assert rate.rows_per_gen_s.value == pytest.approx(25)
+    # A restarted worker (its counters and clock start again): no reading from the jump.
+    rate.observe({"generate_calls": 1, "generated_rows": 8, "generate_s": 0.1,
+                  "idle_s": 0.2, "clock_s": 3.0}, now=3.0)
+    assert rate.busy.value == pytest.approx(0.75)
+
+
 def test_measured_rates_metrics_name_every_estimate():
     rates = MeasuredRates()
     assert math.isnan(rates.metrics()["rates/env_latency_median_s"])

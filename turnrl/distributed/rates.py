@@ -88,7 +88,10 @@ class GenerationRate:
     rows_per_call: Ewma = field(default_factory=Ewma)
     call_s: Ewma = field(default_factory=Ewma)
     busy: Ewma = field(default_factory=Ewma)
-    """Fraction of wall time spent in generate calls."""
+    """Fraction of wall time the worker was not waiting for episodes: 1 - idle / wall where
+    it reports ``idle_s`` and ``clock_s`` (``TurnLoop.report``), else the generate calls'
+    share (which reads 0.7-0.8 for a worker that never waits: its turn loop's own work is
+    not in the calls, and an interval in which no call ended reads 0)."""
     live_per_group: Ewma = field(default_factory=Ewma)
     """Live episodes per group in play: below the group size while ended episodes wait for
     their group's slowest one (heavy-tailed tools make long waits)."""
@@ -113,11 +116,16 @@ class GenerationRate:
         last, self.last, last_at, self.last_at = self.last, dict(stats), self.last_at, now
         if not last:
             return
+        idle_measured = "idle_s" in stats and "clock_s" in stats and "clock_s" in last
+        if idle_measured and stats["clock_s"] > last["clock_s"] \
+                and stats["idle_s"] >= last.get("idle_s", math.inf):
+            wall = stats["clock_s"] - last["clock_s"]
+            self.busy.update(min(1.0, max(0.0, 1 - (stats["idle_s"] - last["idle_s"]) / wall)))
         calls = stats.get("generate_calls", 0) - last.get("generate_calls", 0)
         rows = stats.get("generated_rows", 0) - last.get("generated_rows", 0)
         seconds = stats.get("generate_s", 0.0) - last.get("generate_s", 0.0)
         if calls <= 0 or rows <= 0 or seconds <= 0:
-            if calls == 0 and now > last_at:
+            if calls == 0 and now > last_at and not idle_measured:
                 self.busy.update(0.0)
             return
         if not call_costs:
@@ -129,7 +137,7 @@ class GenerationRate:
         self.rows_per_gen_s.update(rows / seconds)
         self.rows_per_call.update(rows / calls)
         self.call_s.update(seconds / calls)
-        if now > last_at:
+        if now > last_at and not idle_measured:
             self.busy.update(min(1.0, seconds / (now - last_at)))
 
 
@@ -224,7 +232,7 @@ class MeasuredRates:
         return step + reset / max(turns, 1.0)
 
     def least_busy(self) -> float:
-        """The share of time the least busy worker spends generating (NaN until measured)."""
+        """How busy the least busy worker is (``GenerationRate.busy``; NaN until measured)."""
         values = [w.busy.value for w in self.workers.values() if math.isfinite(w.busy.value)]
         return min(values) if values else math.nan
 

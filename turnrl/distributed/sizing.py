@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from turnrl.distributed.rates import MeasuredRates
 
 BUSY_WORKER = 0.8
-"""A worker generating this share of the time or more is near capacity: while its cost model
-is unknown, the pool's rate is capped at x1.5 what it generates."""
+"""A worker busy (not waiting for episodes) this share of the time or more is near capacity:
+while its cost model is unknown, the pool's rate is capped at x1.5 what it generates."""
 CAPACITY_SHARE = 0.9
 """The pool is sized for at most this share of the rows a second the workers reach with
 large batches: the batch a rate ``x`` of capacity needs grows like ``x / (1 - x)``."""

@@ -192,7 +192,7 @@ class RolloutWorker:
             sent = self._newest[0] if self._newest is not None else -1
         return WorkerReport(self.index, self.incarnation, groups,
                             self.rollout.known_assignments(), self.engine.version, sent,
-                            self.rollout.stats.to_dict(), _drained(self.rollout.env_latencies),
+                            self.rollout.report(), _drained(self.rollout.env_latencies),
                             call_costs=_drained(self.rollout.call_costs),
                             reset_latencies=_drained(self.rollout.reset_latencies))
 

@@ -133,6 +133,10 @@ class LoopStats:
     """Sum over generate calls of the groups in play (live episodes per open group)."""
     version_swaps: int = 0
     generate_s: float = 0.0
+    idle_s: float = 0.0
+    """Seconds the loop waited with no episode waiting for the policy (for env steps,
+    resets or new groups): a worker short of episodes, where 1 - idle / wall is how busy it
+    is (generate calls alone miss the loop's own work, a quarter of a tiny-model worker)."""
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -195,6 +199,7 @@ class TurnLoop:
         """Token ids of episodes ended since the last generate call: their cache is released
         in the generation thread (the engine is not safe to touch from this one mid-call)."""
         self._stopping = False
+        self._idle_since: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.error: BaseException | None = None
@@ -272,16 +277,16 @@ class TurnLoop:
                     if idle and until_drained:
                         return
                     if idle:
-                        await self._wake.wait()
+                        await self._idle(self._wake.wait())
                     continue
                 # Nobody waits for the policy: sleep until an env step ends (or new work),
                 # then give the steps still running a moment to join the same generate call.
                 waker = asyncio.ensure_future(self._wake.wait())
-                done, _ = await asyncio.wait([*pending, waker],
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await self._idle(asyncio.wait([*pending, waker],
+                                                        return_when=asyncio.FIRST_COMPLETED))
                 waker.cancel()
                 if not self.lockstep and waker not in done:
-                    await asyncio.wait(pending, timeout=BATCH_WINDOW_S)
+                    await self._idle(asyncio.wait(pending, timeout=BATCH_WINDOW_S))
         except BaseException as err:
             self.error = err
             raise
@@ -293,6 +298,26 @@ class TurnLoop:
             with self._ready:
                 self._ready.notify_all()
             self._loop = None
+
+    async def _idle(self, wait):
+        """Await ``wait``, counting the time as idle (``LoopStats.idle_s``)."""
+        self._idle_since = time.perf_counter()
+        try:
+            return await wait
+        finally:
+            since, self._idle_since = self._idle_since, None  # a reader never counts it twice
+            self.stats.idle_s += time.perf_counter() - since
+
+    def report(self) -> dict[str, float]:
+        """The counters now (any thread): ``idle_s`` includes a wait in progress, and
+        ``clock_s`` is when they were read, on this process's clock, so that busy = 1 -
+        idle / wall between two reports needs no other clock."""
+        stats = self.stats.to_dict()
+        since = self._idle_since  # read second: a wait that just ended is never counted twice
+        if since is not None:
+            stats["idle_s"] += max(0.0, time.perf_counter() - since)
+        stats["clock_s"] = time.perf_counter()
+        return stats
 
     def _admit(self) -> None:
         """Start whole groups from the feed while the pool has room for them."""
