@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 
 import pytest
 
 from turnrl.envs import StepResult
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
+from turnrl.rollout.loop import TurnLoop
 
 BAD_SEED = 1
 SPIN_S = 3.0
@@ -70,13 +72,19 @@ class Env:
         return StepResult("", 1.0, True, {"success": True})
 
 
-def _play(tiny, how, timeout_s=0.5):
+class CooperativeEnv(Env):
+    """The same env declaring that it never blocks: its episodes share one env thread."""
+
+    cooperative = True
+
+
+def _play(tiny, how, timeout_s=0.5, env_class=Env):
     model, tok = tiny
     chat = ChatFormat(tok)
     engine = HFEngine(model, tok.pad_token_id, seed=0)
     params = SamplingParams(3, 1.0, 1.0, stop_token_ids=(chat.end_of_turn,))
     started = time.monotonic()
-    episodes = run_sync(run_episodes(lambda: Env(how), [(0, 0), (BAD_SEED, 1), (2, 2)],
+    episodes = run_sync(run_episodes(lambda: env_class(how), [(0, 0), (BAD_SEED, 1), (2, 2)],
                                      engine, chat, params, env_name="flaky",
                                      env_timeout_s=timeout_s))
     return episodes, time.monotonic() - started
@@ -104,12 +112,73 @@ def test_a_call_past_the_timeout_fails_its_episode_whatever_it_does(tiny, how):
     ("string done", "env 'flaky' step returned done of type str"),
     ("list info", "env 'flaky' step returned info of type list"),
 ])
-def test_a_malformed_return_fails_its_episode_with_a_reason_naming_the_field(tiny, how, reason):
-    episodes, _ = _play(tiny, how, timeout_s=5)
+@pytest.mark.parametrize("env_class", [Env, CooperativeEnv])
+def test_a_malformed_return_fails_its_episode_with_a_reason_naming_the_field(tiny, how, reason,
+                                                                             env_class):
+    episodes, _ = _play(tiny, how, timeout_s=5, env_class=env_class)
     bad = episodes[1]
     assert bad.status == "error" and reason in bad.info["reason"], bad.info
     assert math.isfinite(bad.reward)  # a NaN reward never reaches the episode's total
     assert [ep.status for ep in (episodes[0], episodes[2])] == ["done", "done"]
+
+
+class Where:
+    """Records the thread each step runs on; ``blocks`` (class-wide): the first step of all
+    blocks for 3 s with ``time.sleep``, the mistake ``cooperative`` promises not to make."""
+
+    blocks = False
+
+    def __init__(self, cooperative):
+        self.cooperative = cooperative
+
+    async def reset(self, seed):
+        return "Say a digit."
+
+    async def step(self, action):
+        if Where.blocks:
+            Where.blocks = False
+            time.sleep(3.0)
+        await asyncio.sleep(0.01)
+        return StepResult("", 1.0, True, {"thread": threading.get_ident()})
+
+
+def _where(tiny, cooperative, groups, pool_size=None, timeout_s=30.0):
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    loop = TurnLoop(lambda: Where(cooperative), HFEngine(model, tok.pad_token_id, seed=0), chat,
+                    SamplingParams(3, 1.0, 1.0, stop_token_ids=(chat.end_of_turn,)),
+                    group_size=2, pool_size=pool_size, env_name="where",
+                    env_timeout_s=timeout_s)
+    for group in range(groups):
+        loop.submit(group, group)
+    started = time.monotonic()
+    run_sync(loop.run(until_drained=True))
+    finished = sorted(loop.take_groups(), key=lambda g: g.assignment)
+    return [ep for g in finished for ep in g.episodes], time.monotonic() - started
+
+
+@pytest.mark.parametrize("cooperative", [False, True])
+def test_cooperative_envs_share_one_thread_and_the_others_get_one_each(tiny, cooperative):
+    episodes, _ = _where(tiny, cooperative, groups=4)  # all 8 live at once
+    assert [ep.status for ep in episodes] == ["done"] * 8
+    threads = {ep.info["thread"] for ep in episodes}
+    assert len(threads) == (1 if cooperative else 8)
+    assert threading.get_ident() not in threads  # never the turn loop's own
+
+
+def test_a_cooperative_env_that_blocks_stalls_only_its_loop_mates_and_then_loses_the_share(tiny):
+    """The documented price of ``cooperative``: a step that blocks anyway holds up the calls
+    sharing its loop until they time out (the turn loop itself goes on); after that every env
+    gets its own thread, with a warning that names the env and the fix."""
+    Where.blocks = True
+    with pytest.warns(UserWarning, match="'where' declares cooperative = True but blocked"):
+        episodes, seconds = _where(tiny, True, groups=4, pool_size=4, timeout_s=1.5)
+    first, later = episodes[:4], episodes[4:]
+    assert [ep.status for ep in first] == ["timeout"] * 4  # the blocker and its loop-mates
+    assert [ep.status for ep in later] == ["done"] * 4
+    assert len({ep.info["thread"] for ep in later}) == 4  # a thread each from then on
+    assert seconds < 2.9  # nobody waited for the 3 s block
+    time.sleep(3.0 - min(seconds, 3.0))  # let the blocked thread finish before other tests
 
 
 def test_plain_def_environments_are_accepted(tiny):

@@ -12,6 +12,8 @@ from turnrl.rewards import first_integer, integer_match
 class Arithmetic:
     """Single turn: add two integers; reward 1 when the reply's number is the sum."""
 
+    cooperative = True  # pure Python, never blocks: shares one env thread
+
     def __init__(self, low: int = 1, high: int = 50, parse: str = "last"):
         self.low, self.high, self.parse = low, high, parse
         self.answer = 0
@@ -35,6 +37,8 @@ class GuessNumber:
     A player that halves the range needs ceil(log2(high - low + 1)) turns at most.
     ``info["state_key"]`` is the interval the replies so far leave feasible, e.g. "6..10".
     """
+
+    cooperative = True  # pure Python, never blocks: shares one env thread
 
     system_prompt = "You are playing a number guessing game. Always reply with one number only."
 

@@ -74,6 +74,8 @@ class KeyCorridor:
     held is also in every observation, so states are Markov and recur within a group.
     """
 
+    cooperative = True  # pure Python, never blocks: shares one env thread
+
     system_prompt = "Reply with one character."
 
     def __init__(self, horizon: int = 8, keys: int = 2, right_key: int = 1,

@@ -78,6 +78,8 @@ class Maze:
     visit every cell. ``info["state_key"]`` is the position, "row,column".
     """
 
+    cooperative = True  # pure Python, never blocks: shares one env thread
+
     system_prompt = ("You are in a maze and must find the goal. Each turn reply with one "
                      "direction: north, south, east or west.")
 

@@ -62,6 +62,8 @@ class TwentyQuestions:
     e.g. "animal=y,cat=n,flies=n" (wrong guesses count as facts).
     """
 
+    cooperative = True  # pure Python, never blocks: shares one env thread
+
     def __init__(self, num_objects: int = 16, max_turns: int = 10, turn_cost: float = 0.02):
         table = load_objects()
         if not 2 <= num_objects <= len(table.objects):

@@ -56,6 +56,8 @@ class Wordle:
     of (guess, pattern) pairs so far, e.g. "cat=_G_,hat=_GG".
     """
 
+    cooperative = True  # pure Python, never blocks: shares one env thread
+
     def __init__(self, word_length: int = 4, num_words: int = 40, max_turns: int = 6,
                  turn_cost: float = 0.02):
         words = load_words().get(word_length, [])

@@ -29,6 +29,7 @@ class TryAgain:
         if max_attempts < 1:
             raise ValueError(f"try-again needs max_attempts >= 1, got {max_attempts}")
         self.env = make_env(inner, **inner_options)
+        self.cooperative = getattr(self.env, "cooperative", False)  # as its inner env
         self.max_attempts, self.discount, self.feedback = max_attempts, discount, feedback
         self.seed, self.attempt = 0, 0
         if hasattr(self.env, "system_prompt"):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -46,8 +47,10 @@ from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, Engine, SamplingParams
 from turnrl.rollout.env_calls import (
     EnvRunner,
+    SharedLoop,
     checked_observation,
     checked_step,
+    cooperative,
     end_turn,
     fail_episode,
 )
@@ -200,6 +203,8 @@ class TurnLoop:
         in the generation thread (the engine is not safe to touch from this one mid-call)."""
         self._stopping = False
         self._idle_since: float | None = None
+        self._shared: SharedLoop | None | bool = None
+        """The loop cooperative envs share (made on first use); False once one blocked it."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.error: BaseException | None = None
@@ -295,6 +300,9 @@ class TurnLoop:
                 if slot.task is not None:
                     slot.task.cancel()
                 slot.runner.close()
+            if self._shared:
+                self._shared.close()
+                self._shared = None
             with self._ready:
                 self._ready.notify_all()
             self._loop = None
@@ -331,13 +339,31 @@ class TurnLoop:
                 for _ in range(count):
                     env = self.make()
                     episode = Episode(env=self.env_name, seed=seed, group=group)
-                    slot = _Slot(episode, assignment, env, EnvRunner(env, self.env_name))
+                    slot = _Slot(episode, assignment, env, self._runner_for(env))
                     slot.task = self._env_call(slot, "reset", seed)
                     self._slots.append(slot)
                     episodes.append(episode)
                 self._groups[assignment] = _GroupState(seed, episodes, count, time.time())
                 self.stats.episodes_started += count
         self.stats.max_live = max(self.stats.max_live, len(self._slots))
+
+    def _runner_for(self, env: Env) -> EnvRunner:
+        """Its own thread, or a place on the shared loop for a ``cooperative`` env, until
+        that loop has once been blocked for over ``SharedLoop.STALL_S``: then every later
+        env gets its own thread (the calls stuck behind the block time out as usual)."""
+        if not cooperative(env) or self._shared is False:
+            return EnvRunner(env, self.env_name)
+        if self._shared is not None and self._shared.stalled:
+            warnings.warn(f"env {self.env_name!r} declares cooperative = True but blocked "
+                          f"its shared event loop for over {SharedLoop.STALL_S:.0f} s: each env "
+                          "gets its own thread from now on (remove cooperative, or await the "
+                          "blocking work with asyncio.to_thread)", stacklevel=1)
+            self._shared.close()
+            self._shared = False
+            return EnvRunner(env, self.env_name)
+        if self._shared is None:
+            self._shared = SharedLoop(self.env_name)
+        return EnvRunner(env, self.env_name, shared=self._shared)
 
     def _env_call(self, slot: _Slot, method: str, arg) -> asyncio.Future:
         """``env.reset(seed)`` or ``env.step(text)`` on the env's own thread, under the
