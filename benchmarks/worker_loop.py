@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import threading
 import time
-from functools import partial
 
 from turnrl.config import load_config
 from turnrl.envs import make_env
@@ -38,8 +37,10 @@ from turnrl.rollout.loop import TurnLoop
 
 
 def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,
-             keep: bool) -> dict[str, float]:
-    """Play groups for ``seconds``; bump the engine's version every ``swap_every`` s (0: never)."""
+             keep: bool, own_threads: bool = False) -> dict[str, float]:
+    """Play groups for ``seconds``; bump the engine's version every ``swap_every`` s (0: never).
+    ``own_threads``: each env on a thread of its own, though the built-in envs are
+    cooperative (they share one otherwise)."""
     engine = policy.engine
     engine.version = 0  # a fresh cache for each way
     engine.keep_cache_across_versions = keep
@@ -52,7 +53,13 @@ def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,
             engine.version += 1
 
     params = SamplingParams(8, 1.0, 1.0, stop_token_ids=(policy.chat.end_of_turn,))
-    loop = TurnLoop(partial(make_env, "slow", **env), engine, policy.chat, params,
+    def make():
+        made = make_env("slow", **env)
+        if own_threads:
+            made.cooperative = False
+        return made
+
+    loop = TurnLoop(make, engine, policy.chat, params,
                              group_size=8, pool_size=pool, env_name="slow", max_turns=8,
                              before_generate=maybe_swap)
     for group in range(3000):  # more than a run plays: the pool stays full

@@ -29,6 +29,11 @@ class Env(Protocol):
     Both must really be asynchronous: the per-step timeout can only interrupt code that
     awaits. Run blocking work (a subprocess, a slow library call) with
     ``await asyncio.to_thread(...)`` or ``asyncio.create_subprocess_exec``.
+
+    Each env runs on a thread of its own, so one that blocks anyway blocks only itself. A
+    class attribute ``cooperative = True`` promises that it never blocks: such envs share one
+    thread (cheaper; one that blocks anyway stalls the others until their timeouts, and then
+    loses the share: ``turnrl.rollout.env_calls.SharedLoop``).
     """
 
     async def reset(self, seed: int) -> str:

@@ -13,6 +13,8 @@ Latencies are deterministic: episode ``k`` of this process (in creation order) d
 generator seeded by ``(seed, episode seed, k)``, so the episodes of one GRPO group (same
 episode seed) still get independent delays, and the same run replays the same delays.
 ``median_ms: 0`` sleeps never (not even ``sleep(0)``): the inner environment as is.
+It is ``cooperative`` (shares the env thread, see ``turnrl.envs.base.Env``) when its inner
+environment is: the wait itself never blocks.
 
 Usage: ``--env.name slow --env.options.env guess-number --env.options.median_ms 500``;
 options for the inner environment go under ``options``, e.g. ``--env.options.options.high 20``.

@@ -15,6 +15,10 @@ never holds up the end of the run, and the episode was failed and left behind at
 timeout. Environments that must be stopped hard belong in a subprocess (``turnrl.sandbox``
 for model-written code).
 
+Envs that declare ``cooperative = True`` (they never block) share one thread and loop per
+turn loop instead (``SharedLoop``): fewer wake-ups, at the price that one that blocks anyway
+stalls the others until their timeouts; the turn loop then stops sharing.
+
 Validation: ``reset`` must return a ``str``; ``step`` a ``StepResult`` with a ``str``
 observation, a finite number as reward (a NaN or infinite reward fails the episode here and
 never reaches the advantages), a ``bool`` done and a ``dict`` (or ``None``) info. Anything
@@ -30,6 +34,7 @@ import math
 import numbers
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -94,6 +99,41 @@ class SharedLoop:
         """Cancel what still runs and stop the loop (never waits for it)."""
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(_shut_down, self.loop)
+
+
+class EnvThreads:
+    """Where a turn loop's envs run: each on its own thread, or a ``cooperative`` one on the
+    loop they share, until that loop has once been blocked for over ``SharedLoop.STALL_S``:
+    then every later env gets its own thread (the calls stuck behind the block time out as
+    usual), with a warning."""
+
+    def __init__(self, env_name: str) -> None:
+        self.env_name = env_name
+        self.shared: SharedLoop | None | bool = None  # made on first use; False once blocked
+        self.given_up: list[SharedLoop] = []  # still serving the envs it had (until close)
+
+    def runner(self, env: Any) -> EnvRunner:
+        if not cooperative(env) or self.shared is False:
+            return EnvRunner(env, self.env_name)
+        if self.shared is not None and self.shared.stalled:
+            warnings.warn(f"env {self.env_name!r} declares cooperative = True but blocked its "
+                          f"shared event loop for over {SharedLoop.STALL_S:.0f} s: each env gets "
+                          "its own thread from now on (remove cooperative, or await the "
+                          "blocking work with asyncio.to_thread)", stacklevel=2)
+            self.given_up.append(self.shared)  # its calls finish there, or time out
+            self.shared = False
+            return EnvRunner(env, self.env_name)
+        if self.shared is None:
+            self.shared = SharedLoop(self.env_name)
+        return EnvRunner(env, self.env_name, shared=self.shared)
+
+    def close(self) -> None:
+        """Stop the shared loops (a later run makes a new one, unless sharing was given up)."""
+        for shared in [*self.given_up, *([self.shared] if self.shared else [])]:
+            shared.close()
+        self.given_up = []
+        if self.shared:
+            self.shared = None
 
 
 class EnvRunner:

@@ -25,8 +25,8 @@ samples the same tokens); the asynchronous trainer's rollout workers run it cont
 This is the rollout half of AReaL's design (Fu et al. 2025, arXiv:2505.24298). Without
 partial rollouts the pool is filled in waves, weights swapped only between them.
 
-Environment calls run on each env's own thread (``env_calls.EnvRunner``) under
-``env_timeout_s``, and what they return is checked: a blocking, raising, stuck or malformed
+Environment calls run on each env's own thread (``env_calls.EnvRunner``; envs that declare
+``cooperative = True`` share one) under ``env_timeout_s``, and what they return is checked: a blocking, raising, stuck or malformed
 environment fails its own episode (status "timeout" or "error", the reason in ``info``) and
 never stalls the loop. Plain asyncio: a Ray ``RolloutWorker`` runs it in a thread; ``submit``,
 ``take_groups``, ``known_assignments`` and ``stop`` may be called from any thread.
@@ -37,23 +37,22 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, Engine, SamplingParams
 from turnrl.rollout.env_calls import (
     EnvRunner,
-    SharedLoop,
+    EnvThreads,
     checked_observation,
     checked_step,
-    cooperative,
     end_turn,
     fail_episode,
 )
+from turnrl.rollout.loop_stats import LoopStats
 from turnrl.types import ENV_VERSION, Episode
 
 
@@ -118,33 +117,6 @@ class _GroupState:
     started_at: float
 
 
-@dataclass
-class LoopStats:
-    """Counters of one loop (a worker reports them to the learner)."""
-
-    generate_calls: int = 0
-    generated_rows: int = 0
-    overlapped_calls: int = 0
-    """Generate calls made while at least one environment step was still running."""
-    episodes_started: int = 0
-    episodes_finished: int = 0
-    groups_finished: int = 0
-    max_live: int = 0
-    live_at_calls: int = 0
-    """Sum over generate calls of the live episodes at the call (/ calls: the mean pool)."""
-    open_groups_at_calls: int = 0
-    """Sum over generate calls of the groups in play (live episodes per open group)."""
-    version_swaps: int = 0
-    generate_s: float = 0.0
-    idle_s: float = 0.0
-    """Seconds the loop waited with no episode waiting for the policy (for env steps,
-    resets or new groups): a worker short of episodes, where 1 - idle / wall is how busy it
-    is (generate calls alone miss the loop's own work, a quarter of a tiny-model worker)."""
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-
 class TurnLoop:
     """A pool of episodes over one engine; see the module docstring.
 
@@ -203,8 +175,7 @@ class TurnLoop:
         in the generation thread (the engine is not safe to touch from this one mid-call)."""
         self._stopping = False
         self._idle_since: float | None = None
-        self._shared: SharedLoop | None | bool = None
-        """The loop cooperative envs share (made on first use); False once one blocked it."""
+        self._threads = EnvThreads(env_name)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.error: BaseException | None = None
@@ -300,9 +271,7 @@ class TurnLoop:
                 if slot.task is not None:
                     slot.task.cancel()
                 slot.runner.close()
-            if self._shared:
-                self._shared.close()
-                self._shared = None
+            self._threads.close()
             with self._ready:
                 self._ready.notify_all()
             self._loop = None
@@ -339,31 +308,13 @@ class TurnLoop:
                 for _ in range(count):
                     env = self.make()
                     episode = Episode(env=self.env_name, seed=seed, group=group)
-                    slot = _Slot(episode, assignment, env, self._runner_for(env))
+                    slot = _Slot(episode, assignment, env, self._threads.runner(env))
                     slot.task = self._env_call(slot, "reset", seed)
                     self._slots.append(slot)
                     episodes.append(episode)
                 self._groups[assignment] = _GroupState(seed, episodes, count, time.time())
                 self.stats.episodes_started += count
         self.stats.max_live = max(self.stats.max_live, len(self._slots))
-
-    def _runner_for(self, env: Env) -> EnvRunner:
-        """Its own thread, or a place on the shared loop for a ``cooperative`` env, until
-        that loop has once been blocked for over ``SharedLoop.STALL_S``: then every later
-        env gets its own thread (the calls stuck behind the block time out as usual)."""
-        if not cooperative(env) or self._shared is False:
-            return EnvRunner(env, self.env_name)
-        if self._shared is not None and self._shared.stalled:
-            warnings.warn(f"env {self.env_name!r} declares cooperative = True but blocked "
-                          f"its shared event loop for over {SharedLoop.STALL_S:.0f} s: each env "
-                          "gets its own thread from now on (remove cooperative, or await the "
-                          "blocking work with asyncio.to_thread)", stacklevel=1)
-            self._shared.close()
-            self._shared = False
-            return EnvRunner(env, self.env_name)
-        if self._shared is None:
-            self._shared = SharedLoop(self.env_name)
-        return EnvRunner(env, self.env_name, shared=self._shared)
 
     def _env_call(self, slot: _Slot, method: str, arg) -> asyncio.Future:
         """``env.reset(seed)`` or ``env.step(text)`` on the env's own thread, under the
