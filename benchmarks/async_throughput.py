@@ -43,11 +43,13 @@ cost reward per trained episode. ``--compare-kv-cache`` adds an async run with t
 ``staleness.keep_kv_cache`` policy at every latency (mode ``async-keepkv`` or
 ``async-dropkv``), side by side with the default one. Runs are
 interleaved (sync, async per latency) so drifting machine load hits both; each run is its
-own process.
+own process. ``--repeats N`` plays everything N times, every other time with the latencies
+in reverse order, and prints the median of each ratio over the repeats with the N values
+(one run of the tiny model moves by about 10% on a 2-core machine; the ratio by ±0.07).
 
 Usage: ``python benchmarks/async_throughput.py [--models tiny smollm2-135m-instruct]
-[--latencies 0 100 500] [--seconds S] [--out FILE.json]``; ``--quick`` runs the tiny model
-with short budgets (a smoke check). ``--help`` lists every flag.
+[--latencies 0 100 500] [--seconds S] [--repeats N] [--out FILE.json]``; ``--quick`` runs the
+tiny model with short budgets (a smoke check). ``--help`` lists every flag.
 """
 
 from __future__ import annotations
@@ -488,6 +490,13 @@ def _sizing_note(summary: dict[str, Any]) -> str:
             f"{_num(sizing['rates/group_lifetime_s'], 1)} s)")
 
 
+def _schedule(latencies: list[float], repeats: int) -> list[tuple[int, float]]:
+    """(repeat, latency) in the order to run: every other repeat backwards, so a machine
+    that drifts during the runs weighs on every latency alike."""
+    return [(k, ms) for k in range(max(repeats, 1))
+            for ms in (latencies if k % 2 == 0 else latencies[::-1])]
+
+
 def _pinned(value: str, kind: type) -> Any:
     """A flag's number, or None for 'auto' (the run-time controller decides)."""
     return None if value == "auto" else kind(value)
@@ -538,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-episodes", type=int, default=64,
                         help="held-out episodes after each run's budget (0 = none)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="play every run N times, the latencies in alternating order; "
+                             "the ratios printed are the medians over the repeats (one run "
+                             "moves by about 10%% on a 2-core machine)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny model only, 25 s budgets, 16 eval episodes: a smoke check "
                              "of the script; budgets this short give no steady-state figures")
@@ -571,8 +584,9 @@ def main(argv: list[str] | None = None) -> int:
         seconds = args.seconds or DEFAULT_SECONDS.get(model, 300.0)
         lr = args.lr or DEFAULT_LR.get(model, 4e-5)
 
-        def spec(mode: str, median_ms: float, model=model, seconds=seconds, lr=lr) -> RunSpec:
-            tag = f"{model}-{mode}-{median_ms:g}ms"
+        def spec(mode: str, median_ms: float, repeat: int = 0, model=model, seconds=seconds,
+                 lr=lr) -> RunSpec:
+            tag = f"{model}-{mode}-{median_ms:g}ms" + (f"-r{repeat}" if repeat else "")
             keep = args.keep_kv_cache
             if mode in ("async-keepkv", "async-dropkv"):
                 keep = mode == "async-keepkv"
@@ -594,8 +608,10 @@ def main(argv: list[str] | None = None) -> int:
             raw = run_spec(spec("before", 0), workdir)
             before = raw.get("eval")
             print(f"[{model}] before training: {json.dumps(before)}", flush=True)
-        raws, summaries = [], []
-        for median_ms in args.latencies:
+        raws, summaries, repeats = [], [], []
+        for repeat, median_ms in _schedule(args.latencies, args.repeats):
+            if not repeats or repeats[-1][0] != repeat:
+                repeats.append((repeat, []))
             modes = list(args.modes)
             if median_ms == 0 and not args.no_sync1 and "sync1" not in modes:
                 modes.insert(1, "sync1")
@@ -606,11 +622,13 @@ def main(argv: list[str] | None = None) -> int:
                                 if args.keep_kv_cache is None else args.keep_kv_cache)
                 modes.append("async-dropkv" if default_keep else "async-keepkv")
             for mode in modes:
-                raw = run_spec(spec(mode, median_ms), workdir)
+                raw = run_spec(spec(mode, median_ms, repeat), workdir)
                 summary = summarize_run(raw)
                 raws.append(raw)
                 summaries.append(summary)
-                print(f"[{model}] {mode} {median_ms:g} ms: {summary.get('steps', 0)} steps, "
+                repeats[-1][1].append(summary)
+                print(f"[{model}{f' r{repeat}' if args.repeats > 1 else ''}] {mode} "
+                      f"{median_ms:g} ms: {summary.get('steps', 0)} steps, "
                       f"{_num(summary.get('tokens_per_s'), 0)} tok/s, "
                       f"{_num(summary.get('episodes_per_s'), 2)} ep/s"
                       + (f", error: {summary['error']}" if summary.get("error") else "")
@@ -618,11 +636,17 @@ def main(argv: list[str] | None = None) -> int:
                       + f" ({raw['process_s']:.0f} s in all; load average "
                       f"{_num(raw.get('loadavg_at_start'))} -> {_num(raw.get('loadavg_at_end'))})",
                       flush=True)
-        text, ratios = model_table(model, summaries, before)
-        texts.append(text)
+        per_repeat = []
+        for _, runs in repeats:
+            text, ratios = model_table(model, runs, before)
+            texts.append(text)
+            per_repeat.append(ratios)
+        ratios = {name: statistics.median(r[name] for r in per_repeat)
+                  for name in per_repeat[0] if all(name in r for r in per_repeat)}
         all_ratios[model] = ratios
         report["models"][model] = {"seconds": seconds, "lr": lr, "before": before,
-                                   "runs": summaries, "raw": raws, "ratios": ratios}
+                                   "runs": summaries, "raw": raws, "ratios": ratios,
+                                   "ratios_per_repeat": per_repeat}
         Path(args.out).write_text(json.dumps(report, indent=1))
 
     print()
@@ -636,8 +660,11 @@ def main(argv: list[str] | None = None) -> int:
               "torch runs suffer most); the figures below are not clean, rerun on a quiet "
               "machine")
     for model, ratios in all_ratios.items():
+        each = report["models"][model]["ratios_per_repeat"]
         for name, value in ratios.items():
-            print(f"{model}: {name} trained tokens/s = {value:.2f}")
+            spread = (f" (median of {len(each)}: "
+                      f"{', '.join(f'{r[name]:.2f}' for r in each)})" if len(each) > 1 else "")
+            print(f"{model}: {name} trained tokens/s = {value:.2f}{spread}")
     report["wall_s"] = time.perf_counter() - started
     headline = next((m for m in ("smollm2-135m-instruct", "tiny") if m in all_ratios), None)
     key = "async at 500 ms / best at 0 ms"

@@ -1,4 +1,4 @@
-"""``benchmarks/env_threads.py`` end to end, briefly: both ways run and the ratio is printed."""
+"""Benchmark scripts: `benchmarks/env_threads.py` end to end, briefly; `async_throughput.py`'s schedule."""
 
 from __future__ import annotations
 
@@ -15,3 +15,13 @@ def test_shared_and_own_env_threads_side_by_side(capsys):
     ratio = re.search(r"^ratio: shared / own threads rows per second at 0 ms = (\S+)$", out, re.M)
     # Printed rows/s are rounded to whole rows: the ratio agrees to within that rounding.
     assert ratio and abs(float(ratio.group(1)) - rows["shared"] / rows["own threads"]) < 0.03
+
+
+def test_async_throughput_repeats_alternate_the_latency_order():
+    """``benchmarks/async_throughput.py --repeats``: every other repeat runs the latencies
+    backwards, so a drifting machine weighs on each alike."""
+    import async_throughput
+
+    assert async_throughput._schedule([0.0, 500.0], 3) == [
+        (0, 0.0), (0, 500.0), (1, 500.0), (1, 0.0), (2, 0.0), (2, 500.0)]
+    assert async_throughput._schedule([0.0, 500.0], 1) == [(0, 0.0), (0, 500.0)]
