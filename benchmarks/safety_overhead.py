@@ -4,8 +4,9 @@ Side by side in one process, medians of repeated trials:
 1. one env ``step`` awaited directly on the loop (the path before envs got threads) vs
    through its ``EnvRunner`` (own thread and event loop, timeout) plus ``checked_step``;
 2. a whole collection of the default job's shape (guess-number, 32 episodes, up to 5
-   turns) with the tiny model through ``run_episodes``, and the share the env-call overhead
-   of (1) takes of it;
+   turns, each env on its own thread as in (1), though guess-number is ``cooperative``) with
+   the tiny model through ``run_episodes``, and the share the env-call overhead of (1) takes
+   of it;
 3. the non-finite check a checkpoint makes (``_require_finite``) on SmolLM2-135M's weights
    and fresh AdamW moments, next to writing that checkpoint.
 
@@ -66,9 +67,15 @@ def collection(trials: int) -> tuple[float, float]:
     params = SamplingParams(8, 1.0, 1.0, stop_token_ids=(chat.end_of_turn,))
     seeds = [(g, g) for g in range(4) for _ in range(8)]
     times, calls = [], []
+
+    def own_thread_env():  # the path (1) measures: guess-number would share one otherwise
+        env = make_env("guess-number")
+        env.cooperative = False
+        return env
+
     for _ in range(trials):
         started = time.perf_counter()
-        episodes = run_sync(run_episodes(lambda: make_env("guess-number"), seeds, engine, chat,
+        episodes = run_sync(run_episodes(own_thread_env, seeds, engine, chat,
                                          params, env_name="guess-number", max_turns=5))
         times.append(time.perf_counter() - started)
         calls.append(sum(1 + len(ep.turns) for ep in episodes))

@@ -53,6 +53,7 @@ def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,
             engine.version += 1
 
     params = SamplingParams(8, 1.0, 1.0, stop_token_ids=(policy.chat.end_of_turn,))
+
     def make():
         made = make_env("slow", **env)
         if own_threads:

@@ -97,8 +97,7 @@ class SharedLoop:
 
     def close(self) -> None:
         """Cancel what still runs and stop the loop (never waits for it)."""
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(_shut_down, self.loop)
+        _stop(self.loop)
 
 
 class EnvThreads:
@@ -132,8 +131,7 @@ class EnvThreads:
         for shared in [*self.given_up, *([self.shared] if self.shared else [])]:
             shared.close()
         self.given_up = []
-        if self.shared:
-            self.shared = None
+        self.shared = self.shared and None  # False (given up) stays False
 
 
 class EnvRunner:
@@ -142,7 +140,6 @@ class EnvRunner:
 
     def __init__(self, env: Any, name: str = "env", shared: SharedLoop | None = None) -> None:
         self.env, self.name, self.shared = env, name, shared
-        self.tasks: set[asyncio.Task] = set()  # this env's calls running (env loop only)
         if shared is not None:
             self.loop = shared.loop
             return
@@ -193,13 +190,7 @@ class EnvRunner:
             except RuntimeError:  # the caller's loop has closed
                 pass
 
-        def start() -> None:  # on the env's loop
-            task = self.loop.create_task(run())
-            started.append(task)
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-        self.loop.call_soon_threadsafe(start)
+        self.loop.call_soon_threadsafe(lambda: started.append(self.loop.create_task(run())))
         timer = loop.call_later(timeout_s, deliver, None, timed_out)
         try:
             return await answer
@@ -221,17 +212,21 @@ class EnvRunner:
 
     def close(self) -> None:
         """Cancel what still runs there and stop the loop; never waits for it (a call that
-        ignores cancellation keeps the thread until it returns, if ever). On a shared loop
-        only this env's calls are cancelled."""
-        if not self.loop.is_running():
-            return
-        try:
-            if self.shared is not None:
-                self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in list(self.tasks)])
-            else:
-                self.loop.call_soon_threadsafe(_shut_down, self.loop)
-        except RuntimeError:  # closed meanwhile
-            pass
+        ignores cancellation keeps the thread until it returns, if ever). On a shared loop,
+        nothing: a call that timed out or lost its caller was cancelled then, and what an env
+        left running there is cancelled when the turn loop stops the shared loop."""
+        if self.shared is None:
+            _stop(self.loop)
+
+
+def _stop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel every task on ``loop`` and stop it, from any thread; never waits."""
+    if not loop.is_running():
+        return
+    try:
+        loop.call_soon_threadsafe(_shut_down, loop)
+    except RuntimeError:  # closed meanwhile
+        pass
 
 
 def _shut_down(loop: asyncio.AbstractEventLoop) -> None:

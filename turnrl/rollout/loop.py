@@ -25,10 +25,12 @@ samples the same tokens); the asynchronous trainer's rollout workers run it cont
 This is the rollout half of AReaL's design (Fu et al. 2025, arXiv:2505.24298). Without
 partial rollouts the pool is filled in waves, weights swapped only between them.
 
-Environment calls run on each env's own thread (``env_calls.EnvRunner``; envs that declare
-``cooperative = True`` share one) under ``env_timeout_s``, and what they return is checked: a blocking, raising, stuck or malformed
+Environment calls run on each env's own thread (``env_calls.EnvRunner``) under
+``env_timeout_s``, and what they return is checked: a blocking, raising, stuck or malformed
 environment fails its own episode (status "timeout" or "error", the reason in ``info``) and
-never stalls the loop. Plain asyncio: a Ray ``RolloutWorker`` runs it in a thread; ``submit``,
+never stalls the loop. Envs that declare ``cooperative = True`` share one thread instead
+(one that blocks anyway also holds up its loop-mates until their timeouts: ``EnvThreads``).
+Plain asyncio: a Ray ``RolloutWorker`` runs it in a thread; ``submit``,
 ``take_groups``, ``known_assignments`` and ``stop`` may be called from any thread.
 """
 
