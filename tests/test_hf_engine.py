@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from turnrl.algorithms.losses import token_logprobs
 from turnrl.rollout import HFEngine, SamplingParams
-from turnrl.rollout.hf_engine import _sample
+from turnrl.rollout.hf_engine import _Kept, _KeptRows, _sample
 
 TEMPERATURE = 0.7
 
@@ -268,6 +268,23 @@ def test_released_sequences_lose_their_kept_cache_and_others_keep_theirs(tiny):
     assert engine.kept_rows == 1
     engine.release([encode(tok, "never generated")])  # unknown sequences are ignored
     assert engine.kept_rows == 1
+
+
+def test_kept_rows_index_tells_apart_sequences_that_end_alike():
+    """The index keys a kept sequence by its length and last tokens: sequences that share
+    both but differ earlier must each be found, dropped and evicted as themselves."""
+    kept = _KeptRows(version=0)
+    a, b = (1, 2, 3, 9, 9, 9, 9), (5, 6, 7, 9, 9, 9, 9)  # same length, same last 4 tokens
+    short = (1, 2)
+    kept.replace([], [_Kept(t, torch.zeros(1)) for t in (short, a, b)], max_rows=10)
+    assert [r and r.tokens for r in kept.match([a + (4,), b + (4,), (5, 6, 8, 9, 9, 9, 9, 4),
+                                                (1, 2, 0), (1,), a])] == [a, b, None, short,
+                                                                           None, short]
+    kept.drop_prefixes_of(a + (4, 4))  # a and short are prefixes of it, b is not
+    assert list(kept.rows) == [b] and kept.match([a + (4,)]) == [None]
+    kept.replace([], [_Kept(a, torch.zeros(1))], max_rows=1)  # b evicted, a kept
+    assert [r and r.tokens for r in kept.match([a + (4,), b + (4,)])] == [a, None]
+    assert kept.find(b, len(b)) is None and kept.find(a, len(a)).tokens == a
 
 
 def test_every_tensor_the_engine_makes_names_its_device(tiny):
