@@ -608,10 +608,9 @@ def main(argv: list[str] | None = None) -> int:
             raw = run_spec(spec("before", 0), workdir)
             before = raw.get("eval")
             print(f"[{model}] before training: {json.dumps(before)}", flush=True)
-        raws, summaries, repeats = [], [], []
+        raws, summaries = [], []
+        by_repeat: list[list[dict[str, Any]]] = [[] for _ in range(max(args.repeats, 1))]
         for repeat, median_ms in _schedule(args.latencies, args.repeats):
-            if not repeats or repeats[-1][0] != repeat:
-                repeats.append((repeat, []))
             modes = list(args.modes)
             if median_ms == 0 and not args.no_sync1 and "sync1" not in modes:
                 modes.insert(1, "sync1")
@@ -626,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary = summarize_run(raw)
                 raws.append(raw)
                 summaries.append(summary)
-                repeats[-1][1].append(summary)
+                by_repeat[repeat].append(summary)
                 print(f"[{model}{f' r{repeat}' if args.repeats > 1 else ''}] {mode} "
                       f"{median_ms:g} ms: {summary.get('steps', 0)} steps, "
                       f"{_num(summary.get('tokens_per_s'), 0)} tok/s, "
@@ -637,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{_num(raw.get('loadavg_at_start'))} -> {_num(raw.get('loadavg_at_end'))})",
                       flush=True)
         per_repeat = []
-        for _, runs in repeats:
+        for runs in by_repeat:
             text, ratios = model_table(model, runs, before)
             texts.append(text)
             per_repeat.append(ratios)

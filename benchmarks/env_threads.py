@@ -23,12 +23,10 @@ from turnrl.config import load_config
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy
 
-POOLS = {0.0: 64}
-"""Live episodes per latency: 64 keep a 0 ms worker busy; slower tools need more (below)."""
-
 
 def pool_for(median_ms: float) -> int:
-    return POOLS.get(median_ms, 240)
+    """Live episodes: 64 keep a 0 ms worker busy; with slow tools most wait in them."""
+    return 64 if median_ms == 0 else 240
 
 
 def main(argv: list[str] | None = None) -> int:

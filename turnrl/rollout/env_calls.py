@@ -109,7 +109,7 @@ class EnvThreads:
     def __init__(self, env_name: str) -> None:
         self.env_name = env_name
         self.shared: SharedLoop | None | bool = None  # made on first use; False once blocked
-        self.given_up: list[SharedLoop] = []  # still serving the envs it had (until close)
+        self.blocked: SharedLoop | None = None  # the given-up loop, serving the envs it had
 
     def runner(self, env: Any) -> EnvRunner:
         if not cooperative(env) or self.shared is False:
@@ -119,19 +119,20 @@ class EnvThreads:
                           f"shared event loop for over {SharedLoop.STALL_S:.0f} s: each env gets "
                           "its own thread from now on (remove cooperative, or await the "
                           "blocking work with asyncio.to_thread)", stacklevel=2)
-            self.given_up.append(self.shared)  # its calls finish there, or time out
-            self.shared = False
+            self.blocked, self.shared = self.shared, False  # its calls finish there, or time out
             return EnvRunner(env, self.env_name)
         if self.shared is None:
             self.shared = SharedLoop(self.env_name)
         return EnvRunner(env, self.env_name, shared=self.shared)
 
     def close(self) -> None:
-        """Stop the shared loops (a later run makes a new one, unless sharing was given up)."""
-        for shared in [*self.given_up, *([self.shared] if self.shared else [])]:
-            shared.close()
-        self.given_up = []
-        self.shared = self.shared and None  # False (given up) stays False
+        """Stop the shared loop (a later run makes a new one, unless sharing was given up)."""
+        if self.blocked is not None:
+            self.blocked.close()
+            self.blocked = None
+        if self.shared:
+            self.shared.close()
+            self.shared = None
 
 
 class EnvRunner:
