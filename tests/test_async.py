@@ -107,6 +107,20 @@ def test_a_slow_env_step_does_not_hold_back_the_other_episodes(tiny):
     assert rollout.known_assignments() == set()
 
 
+def test_a_re_sent_assignment_is_played_once_whether_queued_or_in_play(tiny):
+    """Submitting an assignment the loop already holds (queued, or started) is a no-op, and
+    a queued one is known as such; only an assignment taken away may come again."""
+    rollout, _ = _loop(tiny, lambda: make_env("slow", env="say-digit", median_ms=0,
+                                              options={"turns": 1}), pool_size=2)
+    for assignment in (0, 1, 0, 2, 1):
+        rollout.submit(assignment, 10 + assignment)
+    assert rollout.known_assignments() == {0, 1, 2}
+    run_sync(rollout.run(until_drained=True))
+    assert sorted(g.assignment for g in rollout.take_groups()) == [0, 1, 2]
+    rollout.submit(0, 10)  # taken away: a new delivery of it is played again
+    assert rollout.known_assignments() == {0}
+
+
 def test_the_loop_reports_its_waits_for_env_steps_as_idle_time(tiny):
     """A loop whose episodes all wait on a slow env counts the waits as idle (a wait still in
     progress included): the measure of a busy worker (rates.py), where generate calls alone

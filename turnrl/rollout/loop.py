@@ -169,6 +169,9 @@ class TurnLoop:
         self._ready = threading.Condition(self.lock)
         self._feed: deque[tuple[int, int, int, int]] = deque()
         """(assignment, seed, group label, episodes) waiting to start."""
+        self._queued: set[int] = set()
+        """The feed's assignments: a scan of the feed on each submit made a long feed (an
+        evaluation's episodes, submitted at once) quadratic."""
         self._groups: dict[int, _GroupState] = {}
         self._finished: deque[Group] = deque()
         self._slots: list[_Slot] = []
@@ -190,10 +193,11 @@ class TurnLoop:
         """Queue one group: ``episodes`` (default ``group_size``) episodes of ``seed``,
         delivered as ``assignment``; ``Episode.group`` is ``group`` (default the assignment)."""
         with self.lock:
-            if assignment in self._groups or any(a == assignment for a, *_ in self._feed):
+            if assignment in self._groups or assignment in self._queued:
                 return  # already here: a re-sent assignment must not be played twice
             self._feed.append((assignment, seed, assignment if group is None else group,
                                episodes or self.group_size))
+            self._queued.add(assignment)
         self._poke()
 
     def take_groups(self, max_groups: int | None = None, wait_s: float = 0.0) -> list[Group]:
@@ -212,7 +216,7 @@ class TurnLoop:
     def known_assignments(self) -> set[int]:
         """Every assignment this loop holds: queued, in play, or finished and not yet taken."""
         with self.lock:
-            return ({a for a, *_ in self._feed} | set(self._groups)
+            return (set(self._queued) | set(self._groups)
                     | {g.assignment for g in self._finished})
 
     def stop(self) -> None:
@@ -306,6 +310,7 @@ class TurnLoop:
             while self._feed and (not self._slots or self.pool_size is None
                                   or len(self._slots) + self.group_size <= self.pool_size):
                 assignment, seed, group, count = self._feed.popleft()
+                self._queued.discard(assignment)
                 episodes = []
                 for _ in range(count):
                     env = self.make()
