@@ -108,8 +108,8 @@ def test_a_slow_env_step_does_not_hold_back_the_other_episodes(tiny):
 
 
 def test_a_re_sent_assignment_is_played_once_whether_queued_or_in_play(tiny):
-    """Submitting an assignment the loop already holds (queued, or started) is a no-op, and
-    a queued one is known as such; only an assignment taken away may come again."""
+    """Submitting an assignment the loop holds, queued or started, is a no-op, and a queued
+    one is known as such; once its group has been delivered and taken, it may come again."""
     rollout, _ = _loop(tiny, lambda: make_env("slow", env="say-digit", median_ms=0,
                                               options={"turns": 1}), pool_size=2)
     for assignment in (0, 1, 0, 2, 1):
