@@ -11,10 +11,13 @@ import pytest
 
 from turnrl.distributed.rates import Ewma, GenerationRate, MeasuredRates, Window, quantile
 from turnrl.distributed.sizing import (
+    BUSY_WORKER,
+    SHORT_EFFICIENCY,
     BoundedStep,
     SizingController,
     kv_bytes_per_token,
     pool_memory_cap,
+    short_of_episodes,
 )
 
 # ---- the estimators ---------------------------------------------------------------------------
@@ -357,32 +360,77 @@ def test_groups_in_play_hold_fewer_live_episodes_than_their_size_and_more_are_is
     assert open_groups(320, 8, 0.2) == 320 and open_groups(320, 8, 9.0) == 40  # clamped
 
 
+def _measured_worker(calls, seconds, latencies=8, alpha=1.0):
+    """Rates of one worker that made ``calls`` ((rows, seconds) each) in ``seconds`` of wall
+    time and measured ``latencies`` tool latencies of 0.8 s."""
+    rates = MeasuredRates(alpha=alpha)
+    rates.observe_worker(0, {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}, 0.0)
+    counters = {"generate_calls": len(calls), "generated_rows": sum(b for b, _ in calls),
+                "generate_s": sum(t for _, t in calls)}
+    rates.observe_worker(0, counters, seconds, [0.8] * latencies, calls)
+    return rates
+
+
 def test_before_the_first_step_the_pool_is_sized_for_what_the_workers_generate():
     """The first step waits a group's whole lifetime; sizing only after it made the next
     steps wait another lifetime for the groups the new pool started (idle-machine run: 1, 4,
     10 steps in the first three 10 s of 500 ms tools, then 16-21)."""
-    rates = MeasuredRates(alpha=1.0)
-    counters, now = {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}, 0.0
-    rates.observe_worker(0, dict(counters), now)
     calls = [(b, 0.01 + 0.01 * b) for b in (4, 9, 16, 25, 2, 12, 30, 7)]  # capacity 100 rows/s
-    counters = {"generate_calls": 8, "generated_rows": sum(b for b, _ in calls),
-                "generate_s": sum(t for _, t in calls)}
-    rates.observe_worker(0, counters, 3.0, [0.8] * 8, calls)
+    rates = _measured_worker(calls, 3.0)
     controller = _controller(pool=48)
-    assert controller.presize(rates) is None  # 8 tool latencies: too few to size by
-    rates.env_latency.add([0.8] * 8)
+    rates.env_latency.add([0.8] * 39)
+    assert controller.presize(rates) is None  # 47 tool latencies: not one a live episode yet
+    rates.env_latency.add([0.8])
     # The worker generated 1.4 s of the 3 s: idle, short of episodes. Little's law at 0.9 x
     # 100 rows/s asks 90 x (0.8 s tool + 1.5 x the 0.1 s call) + a group = 94; the learner's
-    # speed is unknown yet, so at most x2.
+    # speed is unknown yet, so at most x2 a move.
     assert controller.pool_target(rates)[0] == pytest.approx(90 * (0.8 + 1.5 * 0.1) + GROUP)
     assert controller.presize(rates) == 94
-    assert controller.presize(rates) is None  # once: the steps after it take over
+    # The next move waits until every live episode took about one turn at the new size.
+    rates.env_latency.add([0.8] * 93)
+    assert controller.presize(rates) is None
     small = _controller(pool=32)
     assert small.presize(rates) == 64  # x2 at most
-    busy = MeasuredRates(alpha=1.0)
-    busy.observe_worker(0, {"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0}, 0.0)
-    busy.observe_worker(0, dict(counters), 1.15, [0.8] * 16, calls)  # generating 1.13 of 1.15 s
+    rates.env_latency.add([0.8] * 64)
+    assert small.presize(rates) in (None, 64)  # the cooldown after a move: one call
+    assert small.presize(rates) == 94  # then on towards the target, still x2 at most
+    busy = _measured_worker(calls, 1.15, latencies=16)  # generating 1.13 of 1.15 s
     assert _controller(pool=48).presize(busy) is None  # a busy worker is not short of episodes
+
+
+def test_a_busy_worker_whose_calls_are_mostly_fixed_cost_is_still_short_of_episodes():
+    """The tiny model at 500 ms tools read 0.79-0.81 busy with 4 rows a call, 38-57 rows a
+    second of calls against a capacity of 370-540: busy with calls that are mostly their
+    fixed cost. More episodes make bigger calls at little more cost, so it grows before the
+    first step, x2 a move, until its calls are efficient or the pool reaches Little's law."""
+    fixed = [(b, 0.04 + 0.0025 * b) for b in (2, 5, 3, 6, 4, 2, 7, 3)]  # 400 rows/s at most
+    rates = _measured_worker(fixed, sum(t for _, t in fixed) * 1.02, latencies=64)
+    assert rates.least_busy() >= BUSY_WORKER
+    assert rates.generation_rows_per_s() < SHORT_EFFICIENCY * rates.capacity()[0]
+    assert short_of_episodes(rates)
+    controller = _controller(pool=48)
+    assert controller.presize(rates) == 96
+    # SmolLM2-like: busy and its calls mostly per-row cost (1 s fixed, 0.15 s a row).
+    per_row = [(b, 1.0 + 0.15 * b) for b in (30, 41, 36, 47, 33, 44, 39, 28)]
+    big = _measured_worker(per_row, sum(t for _, t in per_row) * 1.02, latencies=64)
+    assert not short_of_episodes(big)
+    assert _controller(pool=48).presize(big) is None
+
+
+def test_the_bound_covers_the_groups_a_grown_pool_has_in_flight_before_they_arrive():
+    """Little's law in versions: groups issued and not yet trained are trained at
+    ``groups_per_step`` a step, so the last of them arrive ``in_system / groups_per_step``
+    versions old. A pool grown before the first step (48 -> 384 episodes, 48 groups) had
+    its groups dropped by a bound sized from the few, young groups of the small pool that
+    arrived first: 33 groups at step 5 (tiny model, 500 ms tools)."""
+    rates = MeasuredRates(alpha=1.0)
+    rates.observe_step(step_s=8.3, waited_s=7.5, ess=1.0)  # the first step waited
+    rates.observe_groups([6.8] * 4, [0] * 4, TURNS, 150.0)  # young: 6.8 s / 8.3 s a step
+    assert _controller(bound=2).bound_target(rates) < 2
+    controller = _controller(bound=2)
+    decision = controller.update(rates, arrived=4, dropped=0, in_system=52)
+    assert decision.bound_target == pytest.approx(52 / GROUPS + 1)
+    assert decision.bound == 14  # the first move goes to the measurement
 
 
 def test_an_episode_s_one_reset_is_spread_over_its_turns_not_mixed_into_the_step_mean():

@@ -59,11 +59,14 @@ class Window:
 
     size: int = 512
     samples: deque = field(default_factory=deque)
+    total: int = 0
+    """Samples ever added (the window keeps the last ``size``)."""
 
     def add(self, values: Iterable[float]) -> None:
         for value in values:
             if math.isfinite(value):
                 self.samples.append(float(value))
+                self.total += 1
         while len(self.samples) > self.size:
             self.samples.popleft()
 

@@ -19,11 +19,14 @@ learner's busy time keeps a pool full while the learner trains.
 **Staleness bound: the throughput it needs, capped by what the correction can absorb.**
 A group lives L seconds from its first token to delivery while the learner steps S times a
 second, so it arrives about L x S versions old (README, "Sync vs async under slow tools");
-a bound below that drops the groups the pool was sized to deliver. The target is the larger
-of ``p98(L) x S`` and the p98 of the staleness groups actually arrived with, plus one (a
-bound at a quantile q drops about 1 - q of the groups by construction: at the p90 the tiny
-model lost 9% of its groups at 500 ms); groups dropped beyond ``drop_fraction`` of those that
-arrived since the bound last moved push it up. The importance weights' effective sample size (ESS) caps it:
+a bound below that drops the groups the pool was sized to deliver. The groups issued and
+not yet trained are trained over the next ``in_system / groups_per_step`` steps (Little's
+law in versions: it sees a pool that grew before its groups arrived). The target is the
+largest of ``p98(L) x S``, that, and the p98 of the staleness groups actually arrived with,
+plus one (a bound at a quantile q drops about 1 - q of the groups by construction: at the
+p90 the tiny model lost 9% of its groups at 500 ms); groups dropped beyond
+``drop_fraction`` of those that arrived since the bound last moved push it up. The
+importance weights' effective sample size (ESS) caps it:
 when the smoothed ESS falls below ``ess_floor`` the bound shrinks and a ceiling is set there,
 lifted only after the ESS has stayed above ``ess_high`` for a patience that doubles each time
 (so grow/shrink cycles die out).
@@ -53,6 +56,25 @@ while its cost model is unknown, the pool's rate is capped at x1.5 what it gener
 CAPACITY_SHARE = 0.9
 """The pool is sized for at most this share of the rows a second the workers reach with
 large batches: the batch a rate ``x`` of capacity needs grows like ``x / (1 - x)``."""
+
+
+SHORT_EFFICIENCY = 1 / 3
+"""A worker whose calls deliver under this share of the rows a second its cost model reaches
+with large batches spends most of each call on fixed costs: it is short of episodes however
+busy it looks (doubling such a batch raises its rows a second by 1.5x or more)."""
+
+
+def short_of_episodes(rates: MeasuredRates) -> bool:
+    """More live episodes would raise what the workers generate: they idle (``BUSY_WORKER``)
+    or their calls are mostly fixed cost (``SHORT_EFFICIENCY``). The tiny model at 500 ms
+    tools read 0.79-0.81 busy while generating 38-57 rows a second of calls against a
+    capacity of 370-540 (4 rows a call); SmolLM2 reads 0.97-1.0 busy at 0.56 of its
+    (early, overestimated) capacity."""
+    if rates.least_busy() < BUSY_WORKER:  # False while unmeasured (NaN)
+        return True
+    capacity, _ = rates.capacity()
+    generated = rates.generation_rows_per_s()
+    return math.isfinite(capacity) and generated < SHORT_EFFICIENCY * capacity
 
 
 BOUND_QUANTILE = 0.98
@@ -153,6 +175,8 @@ class SizingController:
     nothing about this one, and one step's few arrivals are too few to judge by."""
     patience: int = 3
     queued: int = 0
+    presized_at: int = 0
+    """Env steps measured when the pool was last presized."""
     ess_ceiling: int | None = None
     high_streak: int = 0
     history: list[SizingDecision] = field(default_factory=list, repr=False)
@@ -206,34 +230,48 @@ class SizingController:
                 rate)
 
     def presize(self, rates: MeasuredRates, min_latencies: int = 16) -> int | None:
-        """The pool before the first learner step, grown (at most x2) towards the rate the
-        workers can generate while they idle for lack of episodes.
+        """The pool before the first learner step, grown (at most x2 a move) towards the rate
+        the workers can generate while they are short of episodes (``short_of_episodes``).
 
         The first step waits for a whole group's lifetime (seconds with slow tools); sizing
         only after it would make every later step wait a lifetime more for the groups the
-        new pool starts. Used once, while no change was made; the steps after it correct it.
-        None: not enough measured yet, or the workers are busy."""
-        idle = rates.least_busy() < BUSY_WORKER  # False while unmeasured (NaN)
-        if self.pool.changes or len(rates.env_latency) < min_latencies or not idle:
-            return None  # a busy worker is not short of episodes (SmolLM2 at any latency)
+        new pool starts. A move is judged only after every live episode has taken about one
+        turn since the last (so the rates describe the pool as it is); the steps after the
+        first correct it. None: not enough measured yet, or the workers are not short."""
+        measured = rates.env_latency.total
+        if measured - self.presized_at < max(min_latencies, self.pool.value) \
+                or not short_of_episodes(rates):
+            return None
         target, _ = self.pool_target(rates)
+        if not math.isfinite(target):
+            return None
         # At most x2: the learner's speed is unknown yet, and a slow learner needs far less
         # than the workers' capacity (SmolLM2: a pool of 195 made 100 s group lifetimes).
-        return self.pool.propose(min(target, 2 * self.pool.value)) \
-            if math.isfinite(target) else None
+        before = self.pool.value
+        pool = self.pool.propose(min(target, 2 * before))
+        if pool != before:
+            self.presized_at = measured
+        return pool
 
-    def bound_target(self, rates: MeasuredRates) -> float:
+    def bound_target(self, rates: MeasuredRates, in_system: int = 0) -> float:
+        """The staleness groups will arrive with, plus one: the p98 of lifetime x step rate,
+        the p98 of what arrived, and the versions the groups in the system now will take to
+        be trained (``in_system``, issued and not yet trained, at ``groups_per_step`` a step:
+        Little's law in versions). The last sees a pool that grew before its groups arrived:
+        the first two only measure the groups of the smaller pool that came before."""
         steps_per_s = 1 / rates.step_s.value if rates.step_s.count else math.nan
         lifetime = rates.lifetime.quantile(BOUND_QUANTILE)
         needed = lifetime * steps_per_s if len(rates.lifetime) else math.nan
         seen = rates.arrival_staleness.quantile(BOUND_QUANTILE)
-        candidates = [x for x in (needed, seen) if math.isfinite(x)]
+        queued = in_system / self.groups_per_step if in_system else math.nan
+        candidates = [x for x in (needed, seen, queued) if math.isfinite(x)]
         return max(candidates) + 1 if candidates else math.nan
 
     def update(self, rates: MeasuredRates, arrived: int = 0, dropped: int = 0,
-               max_pool: int | None = None) -> SizingDecision:
+               max_pool: int | None = None, in_system: int = 0) -> SizingDecision:
         """One decision per learner step: ``arrived`` groups since the last, ``dropped`` of
-        them as too stale; ``max_pool`` a new memory cap (episodes) when it was re-measured."""
+        them as too stale; ``max_pool`` a new memory cap (episodes) when it was re-measured;
+        ``in_system`` the groups issued and not yet trained (``bound_target``)."""
         if max_pool is not None:
             self.pool.high = max(max_pool, self.pool.low)
         pool_target, rate = self.pool_target(rates)
@@ -242,7 +280,7 @@ class SizingController:
             groups_per_s = rate / max(rates.turns.value, 1.0) / self.group_size
             per_worker = groups_per_s * rates.busy_s.value / self.workers
             self.queued = min(math.ceil(per_worker) + 1, self.pool.value // self.group_size)
-        bound_target = self.bound_target(rates)
+        bound_target = self.bound_target(rates, in_system)
         self.since_bound_moved[0] += arrived
         self.since_bound_moved[1] += dropped
         seen, lost = self.since_bound_moved

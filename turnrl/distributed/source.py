@@ -259,7 +259,8 @@ class RaySource:
                               available_memory_bytes(), self.cfg.staleness.pool_memory_fraction)
         decision = self.sizing.update(self.rates, self.arrived,
                                       len(self.step_events["dropped"])
-                                      + len(self.step_events["regenerated"]), max_pool=cap)
+                                      + len(self.step_events["regenerated"]), max_pool=cap,
+                                      in_system=len(self.book.outstanding) + len(self.buffer))
         self.arrived = 0
         self._apply_pool(decision.pool, decision.queued_groups)
         return {**metrics, **decision.metrics(), "sizing/memory_cap": float(cap)}
