@@ -488,3 +488,33 @@ def test_the_bound_covers_all_but_a_few_percent_of_arrivals_and_drops_are_judged
     # Drops well past 5% of arrivals since the bound last moved push it up (x1.5).
     bounds = [steady.update(rates_small, arrived=4, dropped=2).bound for _ in range(6)]
     assert max(bounds) >= 1.5 * settled
+
+
+def test_the_bound_never_drops_groups_already_delivered_unless_the_ess_caps_it():
+    """SmolLM2 at 500 ms tools: the bound went 5 -> 4 with six groups 4 versions old in the
+    buffer; they were dropped at the next step, which then waited 30 s for fresh ones. A
+    delivered group cost its generation and was fresh on arrival: the bound keeps it, unless
+    the importance weights say the data is too off-policy."""
+    rates = MeasuredRates(alpha=1.0)
+    rates.observe_step(step_s=50.0, waited_s=0.0, ess=0.9)
+    rates.observe_groups([60.0] * 8, [2] * 8, TURNS, 150.0)  # the target: 60 / 50 + 1 -> 3
+    controller = _controller(bound=5)
+    controller.bound.changes = 1  # past the first move: bounded from here
+    buffered = [4, 4, 4, 4, 5, 5]  # trained at this step and the next
+    decision = controller.update(rates, arrived=4, dropped=0, buffered=buffered)
+    assert decision.bound_target >= 5 and decision.bound == 5
+    # Held by the dead band under what the buffer needs: raised to it anyway.
+    tight = _controller(bound=4)
+    tight.bound.changes = 1
+    assert tight.update(rates, arrived=4, dropped=0, buffered=[5]).bound == 5
+    # Nothing buffered: the bound shrinks towards the measured target as before.
+    free = _controller(bound=8)
+    free.bound.changes = 1
+    assert free.update(rates, arrived=4, dropped=0).bound < 8
+    # An ESS under the floor caps it even over the buffer.
+    off = MeasuredRates(alpha=1.0)
+    off.observe_step(step_s=50.0, waited_s=0.0, ess=0.3)
+    off.observe_groups([60.0] * 8, [2] * 8, TURNS, 150.0)
+    capped = _controller(bound=5)
+    capped.bound.changes = 1
+    assert capped.update(off, arrived=4, dropped=0, buffered=buffered).bound < 5

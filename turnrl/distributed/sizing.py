@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from turnrl.distributed.rates import MeasuredRates
@@ -268,10 +269,17 @@ class SizingController:
         return max(candidates) + 1 if candidates else math.nan
 
     def update(self, rates: MeasuredRates, arrived: int = 0, dropped: int = 0,
-               max_pool: int | None = None, in_system: int = 0) -> SizingDecision:
+               max_pool: int | None = None, in_system: int = 0,
+               buffered: Sequence[int] = ()) -> SizingDecision:
         """One decision per learner step: ``arrived`` groups since the last, ``dropped`` of
         them as too stale; ``max_pool`` a new memory cap (episodes) when it was re-measured;
-        ``in_system`` the groups issued and not yet trained (``bound_target``)."""
+        ``in_system`` the groups issued and not yet trained (``bound_target``); ``buffered``
+        the staleness each group already delivered will have at the step it is trained.
+
+        The bound never falls below ``buffered`` (unless the ESS caps it): those groups
+        were generated and judged fresh, and a bound moved under them throws that work away
+        and starves the learner (SmolLM2 at 500 ms: the bound went 5 -> 4 with 6 groups of
+        4 versions waiting, which were dropped, and the next step waited 30 s)."""
         if max_pool is not None:
             self.pool.high = max(max_pool, self.pool.low)
         pool_target, rate = self.pool_target(rates)
@@ -288,11 +296,17 @@ class SizingController:
         if (seen * self.drop_fraction >= 1 and lost > self.drop_fraction * seen
                 and math.isfinite(bound_target)):
             bound_target = max(bound_target, self.bound.value * 1.5)  # drops say: too tight
+        held = max(buffered, default=0)
+        bound_target = max(bound_target, held) if math.isfinite(bound_target) \
+            else (held or math.nan)
         bound_before = self.bound.value
         self._ess_cap(rates.ess.value)
         if self.ess_ceiling is not None:
             bound_target = min(bound_target, self.ess_ceiling)
+            held = min(held, self.ess_ceiling)
         self.bound.propose(bound_target)
+        if self.bound.value < held:  # the dead band held it under what is already here
+            self.bound.force(held)
         if self.ess_ceiling is not None and self.bound.value > self.ess_ceiling:
             self.bound.force(self.ess_ceiling)
         if self.bound.value != bound_before:

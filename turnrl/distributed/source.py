@@ -260,10 +260,18 @@ class RaySource:
         decision = self.sizing.update(self.rates, self.arrived,
                                       len(self.step_events["dropped"])
                                       + len(self.step_events["regenerated"]), max_pool=cap,
-                                      in_system=len(self.book.outstanding) + len(self.buffer))
+                                      in_system=len(self.book.outstanding) + len(self.buffer),
+                                      buffered=self._buffered_staleness())
         self.arrived = 0
         self._apply_pool(decision.pool, decision.queued_groups)
         return {**metrics, **decision.metrics(), "sizing/memory_cap": float(cap)}
+
+    def _buffered_staleness(self) -> list[int]:
+        """The staleness each buffered group will have when trained: the buffer is used
+        oldest first, ``groups_per_step`` a step, from version ``self.version`` on."""
+        per_step = self.cfg.rollout.groups_per_step
+        return [group_staleness(g, self.version + i // per_step)
+                for i, g in enumerate(self.buffer)]
 
     def _presize(self) -> None:
         """Before the first step: the pool for what the workers can generate (``presize``)."""
