@@ -19,9 +19,10 @@ learner's busy time keeps a pool full while the learner trains.
 **Staleness bound: the throughput it needs, capped by what the correction can absorb.**
 A group lives L seconds from its first token to delivery while the learner steps S times a
 second, so it arrives about L x S versions old (README, "Sync vs async under slow tools");
-a bound below that drops the groups the pool was sized to deliver. The groups issued and
-not yet trained are trained over the next ``in_system / groups_per_step`` steps (Little's
-law in versions: it sees a pool that grew before its groups arrived). The target is the
+a bound below that drops the groups the pool was sized to deliver. Of the groups issued
+and not yet trained the last is trained ``(in_system - 1) // groups_per_step`` steps after
+the next (Little's law in versions: it sees a pool that grew before its groups arrived; an
+upper estimate, as unstarted queued groups count). The target is the
 largest of ``p98(L) x S``, that, and the p98 of the staleness groups actually arrived with,
 plus one (a bound at a quantile q drops about 1 - q of the groups by construction: at the
 p90 the tiny model lost 9% of its groups at 500 ms); groups dropped beyond
@@ -59,6 +60,9 @@ CAPACITY_SHARE = 0.9
 large batches: the batch a rate ``x`` of capacity needs grows like ``x / (1 - x)``."""
 
 
+PRESIZE_GROWTH = 16
+"""Before the first step the pool grows to at most this many times where it started: four
+doublings (the tiny model at 500 ms tools needed three, 48 -> 384)."""
 SHORT_EFFICIENCY = 1 / 3
 """A worker whose calls deliver under this share of the rows a second its cost model reaches
 with large batches spends most of each call on fixed costs: it is short of episodes however
@@ -66,8 +70,9 @@ busy it looks (doubling such a batch raises its rows a second by 1.5x or more)."
 
 
 def short_of_episodes(rates: MeasuredRates) -> bool:
-    """More live episodes would raise what the workers generate: they idle (``BUSY_WORKER``)
-    or their calls are mostly fixed cost (``SHORT_EFFICIENCY``). The tiny model at 500 ms
+    """More live episodes would raise what the workers generate: the least busy idles
+    (``BUSY_WORKER``), or their calls together are mostly fixed cost (``SHORT_EFFICIENCY``,
+    all workers' rows a second of calls against their summed capacity). The tiny model at 500 ms
     tools read 0.79-0.81 busy while generating 38-57 rows a second of calls against a
     capacity of 370-540 (4 rows a call); SmolLM2 reads 0.97-1.0 busy at 0.56 of its
     (early, overestimated) capacity."""
@@ -134,7 +139,8 @@ class BoundedStep:
         """Set outright (the ESS cap), counted as a change."""
         value = min(max(value, self.low), self.high)
         if value != self.value:
-            self.value, self.changes, self.wait = value, self.changes + 1, self.cooldown
+            self.value, self.changes = value, self.changes + 1
+            self.wait = max(self.wait, self.cooldown)  # never shortens a reversal's wait
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,7 @@ class SizingController:
     queued: int = 0
     presized_at: int = 0
     """Env steps measured when the pool was last presized."""
+    presize_start: int | None = None
     ess_ceiling: int | None = None
     high_streak: int = 0
     history: list[SizingDecision] = field(default_factory=list, repr=False)
@@ -231,40 +238,49 @@ class SizingController:
                 rate)
 
     def presize(self, rates: MeasuredRates, min_latencies: int = 16) -> int | None:
-        """The pool before the first learner step, grown (at most x2 a move) towards the rate
-        the workers can generate while they are short of episodes (``short_of_episodes``).
+        """The pool before the first learner step, grown (x2 a move, at most
+        ``PRESIZE_GROWTH`` x the start) towards the rate the workers can generate while they
+        are short of episodes (``short_of_episodes``).
 
         The first step waits for a whole group's lifetime (seconds with slow tools); sizing
         only after it would make every later step wait a lifetime more for the groups the
         new pool starts. A move is judged only after every live episode has taken about one
         turn since the last (so the rates describe the pool as it is); the steps after the
-        first correct it. None: not enough measured yet, or the workers are not short."""
+        first correct it. Returns the pool (unchanged while the dead band or the wait after
+        a move holds it); None when nothing is to be done: not enough measured yet, the
+        workers not short, or no larger target."""
         measured = rates.env_latency.total
         if measured - self.presized_at < max(min_latencies, self.pool.value) \
                 or not short_of_episodes(rates):
             return None
+        if self.presize_start is None:
+            self.presize_start = self.pool.value
         target, _ = self.pool_target(rates)
-        if not math.isfinite(target):
-            return None
-        # At most x2: the learner's speed is unknown yet, and a slow learner needs far less
-        # than the workers' capacity (SmolLM2: a pool of 195 made 100 s group lifetimes).
+        # At most x2 a move: the learner's speed is unknown yet, and a slow learner needs far
+        # less than the workers' capacity (SmolLM2: a pool of 195 made 100 s group
+        # lifetimes). The total is bounded too: a cost fit of small, noisy calls can read a
+        # capacity (and so a target) many times too big, and no memory was measured yet.
+        target = min(target, 2 * self.pool.value, PRESIZE_GROWTH * self.presize_start)
         before = self.pool.value
-        pool = self.pool.propose(min(target, 2 * before))
+        if not math.isfinite(target) or target <= before:
+            return None  # only grows: shrinking is for the steps, which know the learner
+        pool = self.pool.propose(target)
         if pool != before:
             self.presized_at = measured
         return pool
 
     def bound_target(self, rates: MeasuredRates, in_system: int = 0) -> float:
-        """The staleness groups will arrive with, plus one: the p98 of lifetime x step rate,
-        the p98 of what arrived, and the versions the groups in the system now will take to
-        be trained (``in_system``, issued and not yet trained, at ``groups_per_step`` a step:
-        Little's law in versions). The last sees a pool that grew before its groups arrived:
-        the first two only measure the groups of the smaller pool that came before."""
+        """The staleness groups will arrive with, plus one: the largest of the p98 of
+        lifetime x step rate, the p98 of what arrived, and the steps until the last of the
+        ``in_system`` groups (issued, not yet trained) is trained at ``groups_per_step`` a
+        step (Little's law in versions). The last sees a pool that grew before its groups
+        arrived: the first two only measure the groups of the smaller pool before it."""
         steps_per_s = 1 / rates.step_s.value if rates.step_s.count else math.nan
         lifetime = rates.lifetime.quantile(BOUND_QUANTILE)
         needed = lifetime * steps_per_s if len(rates.lifetime) else math.nan
         seen = rates.arrival_staleness.quantile(BOUND_QUANTILE)
-        queued = in_system / self.groups_per_step if in_system else math.nan
+        # The last of them is trained (in_system - 1) // groups_per_step steps after the next.
+        queued = (in_system - 1) // self.groups_per_step if in_system else math.nan
         candidates = [x for x in (needed, seen, queued) if math.isfinite(x)]
         return max(candidates) + 1 if candidates else math.nan
 

@@ -267,8 +267,8 @@ class RaySource:
         return {**metrics, **decision.metrics(), "sizing/memory_cap": float(cap)}
 
     def _buffered_staleness(self) -> list[int]:
-        """The staleness each buffered group will have when trained: the buffer is used
-        oldest first, ``groups_per_step`` a step, from version ``self.version`` on."""
+        """The staleness each buffered group will have when trained: the buffer is used in
+        arrival order, ``groups_per_step`` a step, from version ``self.version`` on."""
         per_step = self.cfg.rollout.groups_per_step
         return [group_staleness(g, self.version + i // per_step)
                 for i, g in enumerate(self.buffer)]
