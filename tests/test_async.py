@@ -408,21 +408,30 @@ def test_the_sizing_sees_what_the_buffer_will_need_and_the_groups_in_the_system(
     Little's-law term counts every group issued and not yet trained."""
     cfg = load_config(None, ["--rollout.groups_per_step", "2", "--staleness.max_versions",
                              "2", "--staleness.overprovision", "2"])
-    fleet = FakeFleet([])
-    fleet.reissued, fleet.restarts, fleet.pool_size = [], 0, 0
-    fleet.resize = lambda size: setattr(fleet, "pool_size", size)
-    learner = RaySource(cfg, fleet, AssignmentBook(lambda index: index))
-    learner.top_up()
+
+    def learner_with_buffer(oldest_version):
+        fleet = FakeFleet([])
+        fleet.reissued, fleet.restarts, fleet.pool_size = [], 0, 0
+        fleet.resize = lambda size: setattr(fleet, "pool_size", size)
+        learner = RaySource(cfg, fleet, AssignmentBook(lambda index: index))
+        learner.top_up()
+        learner.buffer = [_group(100 + i, [-1, oldest_version, 5]) for i in range(5)]
+        learner.version = 6  # published: the next collect runs at version 6
+        learner.step_clock = time.perf_counter() - 1.0  # the step took a second
+        return learner
+
+    learner = learner_with_buffer(0)
     issued = len(learner.book.outstanding)
-    learner.buffer = [_group(100 + i, [-1, 0, 1]) for i in range(5)]  # oldest token: v0
-    learner.version = 6  # published: the next collect runs at version 6
-    learner.step_clock = time.perf_counter() - 1.0  # the step took a second
     assert learner._buffered_staleness() == [6, 6, 7, 7, 8]
     metrics = learner.step_metrics(5, [_group(99, [-1, 5])], {"offpolicy/ess": 0.95})
     assert metrics["sizing/max_versions"] >= 8  # keeps all five buffered groups
     assert learner.max_versions >= 8
+    # Young buffered groups (staleness 1-3): the groups in the system alone set the target.
+    young = learner_with_buffer(5)
+    assert young._buffered_staleness() == [1, 1, 2, 2, 3]
+    metrics = young.step_metrics(5, [_group(99, [-1, 5])], {"offpolicy/ess": 0.95})
     in_system = issued + 5  # issued (none delivered) and the buffer
-    assert metrics["sizing/bound_target"] >= (in_system - 1) // 2 + 1
+    assert metrics["sizing/bound_target"] >= (in_system - 1) // 2 + 1 > 3
 
 
 # ---- (b), (d) a real local Ray cluster ------------------------------------------------------

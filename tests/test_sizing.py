@@ -439,8 +439,8 @@ def test_a_busy_worker_whose_calls_are_mostly_fixed_cost_is_still_short_of_episo
 
 def test_the_bound_covers_the_groups_a_grown_pool_has_in_flight_before_they_arrive():
     """Little's law in versions: groups issued and not yet trained are trained at
-    ``groups_per_step`` a step, so the last of them arrive ``in_system / groups_per_step``
-    versions old. A pool grown before the first step (48 -> 384 episodes, 48 groups) had
+    ``groups_per_step`` a step, so the last of them is trained ``(in_system - 1) //
+    groups_per_step`` steps after the next. A pool grown before the first step (48 -> 384 episodes, 48 groups) had
     its groups dropped by a bound sized from the few, young groups of the small pool that
     arrived first: 33 groups at step 5 (tiny model, 500 ms tools)."""
     rates = MeasuredRates(alpha=1.0)
