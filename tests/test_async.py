@@ -537,9 +537,12 @@ def test_a_killed_worker_is_restarted_and_its_work_reissued(ray_cluster, tmp_pat
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert sum(r["async/worker_restarts"] for r in records) == result.worker_restarts == 1
-    # staleness.auto (the default) measured and sized from step 1 on, through the restart.
+    # staleness.auto (the default) measured and sized from step 1 on, through the restart;
+    # the learner's own times from step 2 (its first step is a warm-up, not kept).
     for r in records:
-        assert r["rates/learner_steps_per_s"] > 0 and r["rates/turns_per_episode"] >= 1
+        assert r["rates/turns_per_episode"] >= 1
+        assert (r["rates/learner_steps_per_s"] is None) == (r["step"] == 1)
+        assert r["step"] == 1 or r["rates/learner_steps_per_s"] > 0
         assert r["sizing/pool"] >= 2 * 4 and r["sizing/max_versions"] >= 1
         assert r["async/staleness_max"] <= r["async/max_versions"]
     assert any(math.isfinite(r["rates/env_latency_median_s"]) for r in records)

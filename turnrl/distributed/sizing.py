@@ -35,10 +35,12 @@ lifted only after the ESS has stayed above ``ess_high`` for a patience that doub
 **It cannot oscillate forever.** Each quantity moves through a ``BoundedStep``: it holds
 while the target is within a relative dead band of the current value, moves at most a factor
 ``max_factor`` per change, and waits ``cooldown`` decisions after a change (so the rates
-reflect the new size). Every reversal of direction widens the band by half (up to 2x) and
-doubles the wait: a target that keeps flipping makes changes ever further apart (k reversals,
-a wait of 2^k decisions, so O(log T) changes in T steps), while a real change of regime (tool
-latency 10x up) still moves it. Only the first move is not bounded: it replaces the start value,
+reflect the new size). Every reversal of direction widens the band for the next reversal by
+half (up to 2x) and doubles the wait: a target that keeps flipping makes changes ever further
+apart (k reversals, a wait of 2^k decisions, so O(log T) reversals in T steps), while a real
+change of regime (tool latency 10x up) still moves it, and all the way: a move that continues
+the last one's direction needs only the base band (between two reversals such moves are
+bounded by the target's range, as each goes to the target or 2x). Only the first move is not bounded: it replaces the start value,
 a guess made before anything was measured, with the first measurement. The band and factors are fractions, not rates tuned to a
 machine.
 """
@@ -116,10 +118,14 @@ class BoundedStep:
         if self.wait > 0:
             self.wait -= 1
             return self.value
-        band = min(MAX_BAND, self.band * 1.5 ** self.reversals)
+        direction = 1 if target > self.value else -1
+        # Only a move against the last one needs the band the reversals widened: one that
+        # continues it follows a trend, which the wide band would leave up to 2x short (a
+        # simulated 16x latency jump held the pool 28% under Little's law, the learner waiting).
+        reverses = bool(self.direction) and direction != self.direction
+        band = min(MAX_BAND, self.band * 1.5 ** self.reversals) if reverses else self.band
         if self.value / (1 + band) <= target <= self.value * (1 + band) + 0.5:
             return self.value
-        direction = 1 if target > self.value else -1
         if self.jump_first and not self.changes:
             new = target
         elif direction > 0:
@@ -299,7 +305,10 @@ class SizingController:
         if max_pool is not None:
             self.pool.high = max(max_pool, self.pool.low)
         pool_target, rate = self.pool_target(rates)
-        self.pool.propose(pool_target)
+        if rates.busy_s.count:  # held until the learner's speed is measured (from step 2)
+            self.pool.propose(pool_target)
+        elif self.pool.value > self.pool.high:
+            self.pool.force(self.pool.high)  # a memory cap binds all the same
         if math.isfinite(rate) and math.isfinite(rates.busy_s.value):
             groups_per_s = rate / max(rates.turns.value, 1.0) / self.group_size
             per_worker = groups_per_s * rates.busy_s.value / self.workers

@@ -156,7 +156,7 @@ class RaySource:
                 fresh, stale = split_stale(delivered, self.version, self.max_versions)
                 self.buffer += fresh
                 self._stale(stale)
-            if self.sizing is not None and not self.rates.step_s.count:
+            if self.sizing is not None and not self.rates.learner_steps:
                 self._presize()
             if time.monotonic() - self.last_group_at > STALL_AFTER_S:
                 raise RuntimeError(f"no rollout group arrived for {STALL_AFTER_S:.0f} s; "
