@@ -40,9 +40,9 @@ half (up to 2x) and doubles the wait: a target that keeps flipping makes changes
 apart (k reversals, a wait of 2^k decisions, so O(log T) reversals in T steps), while a real
 change of regime (tool latency 10x up) still moves it, and all the way: a move that continues
 the last one's direction needs only the base band (between two reversals such moves are
-bounded by the target's range, as each goes to the target or 2x). Only the first move is not bounded: it replaces the start value,
-a guess made before anything was measured, with the first measurement. The band and factors are fractions, not rates tuned to a
-machine.
+bounded by the target's range, as each goes to the target or 2x). Only the first move is not
+bounded: it replaces the start value, a guess made before anything was measured, with the
+first measurement. The band and factors are fractions, not rates tuned to a machine.
 """
 
 from __future__ import annotations
@@ -134,8 +134,7 @@ class BoundedStep:
         else:
             new = max(target, math.floor(self.value / self.max_factor), self.low)
             new = min(new, self.value - 1)
-        if self.direction and direction != self.direction:
-            self.reversals += 1
+        self.reversals += reverses
         self.direction, self.value = direction, new
         self.changes += 1
         self.wait = self.cooldown * 2 ** self.reversals
