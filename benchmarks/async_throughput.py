@@ -150,8 +150,8 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
     import torch
 
     import turnrl.distributed.source as source_mod
+    import turnrl.trainer.local as sync_mod
     import turnrl.trainer.run as run_mod
-    import turnrl.trainer.sync as sync_mod
     from turnrl.config import load_config
     from turnrl.envs import make_env
     from turnrl.evaluation import evaluate

@@ -16,7 +16,7 @@ tasks (seeds from 1_000_000), every episode played by the agent through the offi
    warm-up trains on exactly the token ids, loss mask and tool format the served path uses;
 3. **+ GRPO**: ``train_agent`` (turnrl/serve/train.py) runs the agent G times per task on
    the 3-digit products and trains on the recorded calls. ``--mode async`` trains with
-   ``serve.train_mode async`` instead (agents keep playing while the learner trains, groups
+   ``run.mode async`` instead (agents keep playing while the learner trains, groups
    at most ``--max-versions`` behind; turnrl/serve/async_train.py), in its own directory,
    from the same warm-up, so the two modes compare side by side.
 
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/serve-agent")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--mode", choices=["sync", "async"], default="sync",
-                        help="train_agent mode (serve.train_mode)")
+                        help="train_agent mode (run.mode)")
     parser.add_argument("--max-versions", type=int, default=1,
                         help="async: staleness bound (staleness.max_versions)")
     parser.add_argument("--in-flight", type=int, default=0,
@@ -189,7 +189,7 @@ def main() -> None:
     rl_dir = out / ("rl" if args.mode == "sync" else "rl-async")
     final = rl_dir / "checkpoints" / f"step-{args.steps:06d}"
     if not final.exists():
-        mode = ["--serve.train_mode", args.mode]
+        mode = ["--run.mode", args.mode]
         if args.mode == "async":  # no resume: a killed async run trains again from the warm-up
             shutil.rmtree(rl_dir, ignore_errors=True)
             mode += ["--staleness.max_versions", str(args.max_versions),

@@ -15,12 +15,13 @@ import pytest
 from conftest import groups_within
 
 from turnrl.config import load_config
-from turnrl.distributed.book import AssignmentBook, group_staleness, in_flight_groups, split_stale
+from turnrl.distributed.book import AssignmentBook, in_flight_groups
 from turnrl.distributed.source import RaySource
 from turnrl.envs import StepResult, make_env
 from turnrl.policy import group_seed, training_seeds
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_sync
 from turnrl.rollout.loop import Group, TurnLoop
+from turnrl.trainer.buffer import group_staleness, split_stale
 from turnrl.types import ENV_VERSION, Episode
 
 # ---- (a) the continuous loop, plain asyncio, tiny model ---------------------------------------
@@ -387,16 +388,16 @@ def test_the_learner_trains_each_assignment_once_and_regenerates_stale_seeds():
     learner.top_up()
     seeds.update(fleet.assigned)
     assert fleet.assigned == [(0, 500), (1, 501), (2, 502)]  # ceil(1.5 * 2) outstanding
-    groups = learner.collect(2)
+    groups = learner.take(2)
     # Assignment 0 arrived twice: trained once. Group 2 waits in the buffer.
     assert [g.assignment for g in groups] == [0, 1] and book.duplicates == 1
-    assert [g.assignment for g in learner.buffer] == [2]
+    assert [g.assignment for g in learner.buffer.groups] == [2]
     assert [a for a, _ in fleet.assigned[3:]] == [3, 4]  # topped up while the learner trains
 
     learner.version = 2  # two updates later, buffered group 2 (version 0) is too stale
     seeds.update(fleet.assigned)
     fleet.reports = [deliver([3, 4], 2), deliver([5], 2)]
-    groups = learner.collect(2)
+    groups = learner.take(2)
     assert book.outcome[2] == "regenerated" and learner.step_events["regenerated"] == [2]
     assert (5, 502) in fleet.assigned  # seed 502 played again under the new id 5
     assert [g.assignment for g in groups] == [3, 4]
@@ -415,7 +416,7 @@ def test_the_sizing_sees_what_the_buffer_will_need_and_the_groups_in_the_system(
         fleet.resize = lambda size: setattr(fleet, "pool_size", size)
         learner = RaySource(cfg, fleet, AssignmentBook(lambda index: index))
         learner.top_up()
-        learner.buffer = [_group(100 + i, [-1, oldest_version, 5]) for i in range(5)]
+        learner.buffer.groups = [_group(100 + i, [-1, oldest_version, 5]) for i in range(5)]
         learner.version = 6  # published: the next collect runs at version 6
         learner.step_clock = time.perf_counter() - 1.0  # the step took a second
         return learner
@@ -423,13 +424,13 @@ def test_the_sizing_sees_what_the_buffer_will_need_and_the_groups_in_the_system(
     learner = learner_with_buffer(0)
     issued = len(learner.book.outstanding)
     assert learner._buffered_staleness() == [6, 6, 7, 7, 8]
-    metrics = learner.step_metrics(5, [_group(99, [-1, 5])], {"offpolicy/ess": 0.95})
+    metrics = learner.group_metrics(5, [_group(99, [-1, 5])], {"offpolicy/ess": 0.95})
     assert metrics["sizing/max_versions"] >= 8  # keeps all five buffered groups
     assert learner.max_versions >= 8
     # Young buffered groups (staleness 1-3): the groups in the system alone set the target.
     young = learner_with_buffer(5)
     assert young._buffered_staleness() == [1, 1, 2, 2, 3]
-    metrics = young.step_metrics(5, [_group(99, [-1, 5])], {"offpolicy/ess": 0.95})
+    metrics = young.group_metrics(5, [_group(99, [-1, 5])], {"offpolicy/ess": 0.95})
     in_system = issued + 5  # issued (none delivered) and the buffer
     assert metrics["sizing/bound_target"] >= (in_system - 1) // 2 + 1 > 3
 

@@ -39,12 +39,11 @@ def _imports(path: Path) -> set[str]:
             found |= {a.name for a in node.names if a.name.startswith("turnrl")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
                 "turnrl") and node.level == 0:
-            found.add(node.module)
-            # `from turnrl.pkg import sub` imports the submodule when it is one
+            # `from turnrl.pkg import sub` imports the submodule when it is one, and the
+            # package's own names otherwise
             for alias in node.names:
                 candidate = f"{node.module}.{alias.name}"
-                if _path_of(candidate) is not None:
-                    found.add(candidate)
+                found.add(candidate if _path_of(candidate) is not None else node.module)
     return found
 
 
@@ -98,3 +97,70 @@ def test_no_library_file_is_over_the_size_limit():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these files (over {MAX_LINES} lines): {long}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in graph:
+                continue
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_no_import_cycles_between_modules():
+    """Module by module, deferred imports included: ``serve.train`` -> ``serve.async_train``
+    -> ``serve.train`` was one, hidden inside a function. A package's ``__init__`` that
+    re-exports its modules is not part of a cycle through them: modules inside a package
+    import each other by module path, never through their own package."""
+    graph = {src: {d for d in dsts if d != src} for src, dsts in _graph().items()}
+    own_package = [f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
+                   if dst != "turnrl" and _path_of(dst) is not None
+                   and _path_of(dst).name == "__init__.py" and src.startswith(dst + ".")]
+    assert not own_package, ("import sibling modules by their own path, not through the "
+                             "package:\n" + "\n".join(sorted(own_package)))
+    cycles = _cycles(graph)
+    assert not cycles, "module import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_deferred_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_serve_uses_no_distributed_internals():
+    """A served run is a rollout source of the one learner loop: it shares the trainer's
+    staleness buffer, not the Ray source's books (``serve/`` imported ``distributed/book.py``
+    for ``split_stale`` before the loops were one)."""
+    reached = sorted({f"{src} -> {dst}" for src, dsts in _graph().items() for dst in dsts
+                      if _top(src) == "serve" and _top(dst) == "distributed"})
+    assert not reached, "serve/ imports distributed/:\n" + "\n".join(reached)

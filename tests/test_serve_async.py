@@ -33,7 +33,7 @@ def test_async_training_through_the_client_bounds_staleness_and_counts_drops(tmp
     cfg = load_config(None, [
         "--model.name", "tiny", "--run.out_dir", str(tmp_path / "run"), "--run.steps", "4",
         "--rollout.group_size", "2", "--rollout.groups_per_step", "1", "--serve.port", "0",
-        "--serve.train_mode", "async", "--serve.groups_in_flight", "6",
+        "--run.mode", "async", "--serve.groups_in_flight", "6",
         "--staleness.max_versions", str(bound), "--run.progress", "false",
         "--optim.lr", "1e-2", "--run.tensorboard", "false"])
     versions = []
@@ -67,11 +67,11 @@ def test_async_training_through_the_client_bounds_staleness_and_counts_drops(tmp
 
 
 def test_async_mode_refuses_resume_and_regenerate(tmp_path):
-    cfg = load_config(None, ["--model.name", "tiny", "--serve.train_mode", "async",
+    cfg = load_config(None, ["--model.name", "tiny", "--run.mode", "async",
                              "--run.out_dir", str(tmp_path / "r")])
     with pytest.raises(ConfigError, match="async run starts afresh"):
         train_agent(rollout, ["x"], cfg, resume=True)
-    regen = load_config(None, ["--model.name", "tiny", "--serve.train_mode", "async",
+    regen = load_config(None, ["--model.name", "tiny", "--run.mode", "async",
                                "--staleness.on_stale", "regenerate", "--serve.port", "0",
                                "--run.out_dir", str(tmp_path / "r2")])
     with pytest.raises(ConfigError, match="on_stale drop"):

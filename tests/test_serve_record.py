@@ -23,12 +23,12 @@ from turnrl.serve import (
     prompt_ids,
     training_episodes,
 )
+from turnrl.serve.agents import play_groups, self_judge
 from turnrl.serve.app import RunningServer
 from turnrl.serve.batcher import cut_to
 from turnrl.serve.judge import judge_messages, parse_scores
 from turnrl.serve.prompt import split_reply
 from turnrl.serve.server import cut_at_stop
-from turnrl.serve.train import collect, self_judge
 from turnrl.types import ENV_VERSION
 
 
@@ -182,11 +182,11 @@ def test_a_judge_scores_a_group_relative_and_a_silent_judge_trains_nothing():
 
     with RunningServer(server) as running:
         judge = self_judge(running.base_url, "tiny")
-        episodes, left_out = asyncio.run(collect(server, running.base_url, rollout, ["Q"], 2,
-                                                 0, 1.0, judge))
+        episodes, left_out = asyncio.run(play_groups(server, running.base_url, rollout, ["Q"], 2,
+                                                     0, 1.0, judge))
         assert sorted(e.reward for e in episodes) == [0.2, 0.8] and not left_out
         engine.replies = ["no idea"]
-        episodes, left_out = asyncio.run(collect(server, running.base_url, rollout, ["Q"], 2,
-                                                 1, 1.0, judge))
+        episodes, left_out = asyncio.run(play_groups(server, running.base_url, rollout, ["Q"], 2,
+                                                     1, 1.0, judge))
         assert not episodes and {x["reason"] for x in left_out} == {"the judge gave no scores"}
         assert not server.recorder.episodes  # taken, none left behind

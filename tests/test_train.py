@@ -163,7 +163,7 @@ def test_resume_before_the_first_checkpoint_samples_what_the_uninterrupted_run_s
     """A crash after the 'before' evaluation and before any checkpoint (here: the first
     collection raises, leaving on disk what a kill at that moment leaves): the resumed run
     must not draw step 1 from another random stream than the uninterrupted run did."""
-    import turnrl.trainer.sync as sync
+    import turnrl.trainer.local as local
 
     run = TINY + ["--eval.episodes", "4", "--optim.lr", "1e-3", "--run.checkpoint_every", "0",
                   "--run.steps", "3"]
@@ -173,7 +173,7 @@ def test_resume_before_the_first_checkpoint_samples_what_the_uninterrupted_run_s
         raise KeyboardInterrupt
     cut = load_config(None, run + ["--run.out_dir", str(tmp_path / "cut")])
     with monkeypatch.context() as patch:
-        patch.setattr(sync, "run_episodes", killed)
+        patch.setattr(local, "run_episodes", killed)
         with pytest.raises(KeyboardInterrupt):
             train(cut)
     assert (tmp_path / "cut" / "eval_before.json").exists()

@@ -124,17 +124,39 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 
 def cmd_envs(argv: Sequence[str]) -> int:
+    """``turnrl envs``: every registered env, a line each; ``turnrl envs NAME``: one in full."""
     import importlib.util
 
-    from turnrl.envs import ENVS
+    from turnrl.envs import ENVS, make_env
+    from turnrl.envs.contract import describe
 
     # adapters register even when their library is missing; say what to install
     needs = {"gymnasium": "gymnasium", "reasoning-gym": "reasoning_gym", "textarena": "textarena"}
+
+    def missing(name: str) -> bool:
+        return name in needs and importlib.util.find_spec(needs[name]) is None
+
+    if argv:
+        name = argv[0]
+        if name not in ENVS:
+            make_env(name)  # raises the one-line error with a did-you-mean
+        env, why = None, ""
+        if missing(name):
+            why = "needs: pip install 'turnrl[envs]'"
+        else:
+            try:
+                env = make_env(name)
+            except ValueError as err:  # required options: describe the factory only
+                why = str(err)
+        print(describe(name, ENVS[name], env))
+        if why:
+            print(f"\n(not built with default options: {why})")
+        return 0
     for name, factory in ENVS.items():
         doc = (factory.__doc__ or "").strip().splitlines()
-        missing = name in needs and importlib.util.find_spec(needs[name]) is None
-        hint = " (needs: pip install 'turnrl[envs]')" if missing else ""
+        hint = " (needs: pip install 'turnrl[envs]')" if missing(name) else ""
         print(f"{name:16s} {doc[0] if doc else ''}{hint}")
+    print("\nturnrl envs NAME describes one: its options, prompt and tools")
     return 0
 
 

@@ -221,7 +221,11 @@ class RunConfig(_Section):
     progress: bool = True
     """show a rich progress bar"""
     mode: Literal["sync", "async"] = "sync"
-    """'sync': collect then update; 'async': Ray rollout workers and a learner, decoupled"""
+    """which rollout source feeds the learner: 'sync' = lock-step, each step's episodes from
+    the current weights (turnrl train: this process's engine; train_agent: the step's tasks
+    against the served weights); 'async' = generation goes on while the learner trains
+    (turnrl train: Ray rollout workers; train_agent: agents keep playing), groups at most
+    staleness.max_versions behind, decoupled PPO"""
 
     def _check(self) -> None:
         self._at_least(1, "steps", "keep_checkpoints")

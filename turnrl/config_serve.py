@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
-from typing import Literal
 
 from turnrl.config_types import ConfigError
 from turnrl.config_types import Section as _Section
@@ -37,12 +36,9 @@ class ServeConfig(_Section):
     arriving (at most a quarter of its last call's time) before it generates"""
     record_dir: str = ""
     """write every recorded episode here as JSONL when it gets its reward ('' = keep in memory)"""
-    train_mode: Literal["sync", "async"] = "sync"
-    """train_agent: 'sync' plays a step's groups, trains, then moves the served weights;
-    'async' keeps the agents playing while the learner trains (staleness.max_versions bounds
-    how old a trained group may be; older ones are dropped and counted)"""
     groups_in_flight: int = 0
-    """async train_agent: task groups played at once (0 = 2 x rollout.groups_per_step)"""
+    """train_agent in run.mode async: task groups played at once (0 = 2 x
+    rollout.groups_per_step)"""
 
     def _check(self) -> None:
         self._require("port", 0 <= self.port <= 65535, "in [0, 65535]")

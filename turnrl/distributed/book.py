@@ -2,18 +2,16 @@
 
 The learner hands out *assignments* (an id and the seed of one GRPO group) to rollout
 workers and accepts each delivered id once, so a worker restart (which re-issues what it
-held) never loses a group or trains one twice. A group is fresh enough while its *oldest*
-policy token is at most ``max_versions`` behind the learner (AReaL's bounded staleness:
-Fu et al. 2025, arXiv:2505.24298). Pure bookkeeping: no Ray, no torch.
+held) never loses a group or trains one twice. Staleness is the buffer's business
+(trainer/buffer.py). Pure bookkeeping: no Ray, no torch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from turnrl.algorithms.offpolicy import staleness
 from turnrl.config import Config
 from turnrl.rollout.loop import Group
 
@@ -21,21 +19,6 @@ from turnrl.rollout.loop import Group
 def in_flight_groups(cfg: Config) -> int:
     """Groups the workers play at once: ``overprovision`` times a step's need."""
     return math.ceil(cfg.staleness.overprovision * cfg.rollout.groups_per_step)
-
-
-def group_staleness(group: Group, learner_version: int) -> int:
-    """Versions the group's oldest policy token is behind the learner (0: no policy token)."""
-    return max((staleness(ep.versions, learner_version) for ep in group.episodes), default=0)
-
-
-def split_stale(groups: Sequence[Group], learner_version: int, max_versions: int
-                ) -> tuple[list[Group], list[Group]]:
-    """(fresh, stale): stale groups have a policy token more than ``max_versions`` behind."""
-    fresh, stale = [], []
-    for group in groups:
-        too_old = group_staleness(group, learner_version) > max_versions
-        (stale if too_old else fresh).append(group)
-    return fresh, stale
 
 
 @dataclass

@@ -1,11 +1,12 @@
-"""Ray rollout workers as the async learner's rollout source.
+"""Ray rollout workers as the learner's rollout source (``run.mode: async``).
 
-``RaySource`` implements ``turnrl.trainer.async_.RolloutSource`` over a ``Fleet`` of
+``RaySource`` implements ``turnrl.trainer.learn.RolloutSource`` over a ``Fleet`` of
 ``RolloutWorker`` actors: it keeps about ``staleness.overprovision * groups_per_step``
 assignments in play (plus ``staleness.queued_groups`` per worker waiting to start the moment
 a pool has room: a group is only started whole, and one slow episode holds its group open),
 hands the learner the first fresh groups that finish (groups finished beyond a step's need
-wait in the buffer for the next step), drops or regenerates stale ones (``on_stale``), and
+wait in the staleness buffer, trainer/buffer.py, for the next step), drops or regenerates
+stale ones (``on_stale``), and
 writes ``assignments.jsonl``: per step, which (assignment, seed) pairs were trained on and
 which were dropped, regenerated or re-issued. With ``staleness.adaptive`` the staleness
 bound follows the effective sample size of the behaviour importance weights. With
@@ -20,23 +21,17 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import TextIO
 
 import numpy as np
 import torch
 
-from turnrl.algorithms.offpolicy import AdaptiveStaleness, staleness
+from turnrl.algorithms.offpolicy import AdaptiveStaleness
 from turnrl.config import Config
-from turnrl.distributed.book import (
-    Assignment,
-    AssignmentBook,
-    group_staleness,
-    in_flight_groups,
-    split_stale,
-)
-from turnrl.distributed.fleet import Fleet
+from turnrl.distributed.book import Assignment, AssignmentBook, in_flight_groups
+from turnrl.distributed.fleet import Fleet, learner_threads
 from turnrl.distributed.rates import MeasuredRates
 from turnrl.distributed.sizing import (
     SizingController,
@@ -49,19 +44,43 @@ from turnrl.envs import ENVS
 from turnrl.metrics import truncate_metrics
 from turnrl.policy import group_seed
 from turnrl.rollout.loop import Group
+from turnrl.trainer.buffer import StalenessBuffer, group_staleness
+from turnrl.trainer.learn import SourceDefaults
+from turnrl.trainer.run import Run, TrainResult, evaluate_env
+from turnrl.types import Episode
 
 LEDGER_FILE = "assignments.jsonl"
-STALL_AFTER_S = 900.0
-"""No group at all for this long ends the run with an error instead of hanging."""
 
 
-class RaySource:
-    """Groups from Ray rollout workers for the async learner (see the module docstring)."""
+@dataclass
+class AsyncTrainResult(TrainResult):
+    """``TrainResult`` plus the learner's books: what it trained on, and what else happened."""
 
-    def __init__(self, cfg: Config, fleet, book: AssignmentBook,
+    trained: list[tuple[int, int]] = field(default_factory=list)
+    """(assignment, seed) of every group trained on, in training order."""
+    dropped: list[int] = field(default_factory=list)
+    regenerated: list[int] = field(default_factory=list)
+    reissued: list[int] = field(default_factory=list)
+    """Assignments re-sent because the worker holding them was restarted or given up."""
+    abandoned: list[int] = field(default_factory=list)
+    """Outstanding (or delivered but unused) when the run ended."""
+    duplicates: int = 0
+    worker_restarts: int = 0
+    issued: dict[int, int] = field(default_factory=dict)
+    """Every assignment id handed out in this process -> its seed."""
+
+
+class RaySource(SourceDefaults):
+    """Groups from Ray rollout workers for the learner (see the module docstring). Built with
+    only ``cfg``, ``open`` spawns the workers; tests hand in a fleet and a book instead."""
+
+    off_policy = True
+
+    def __init__(self, cfg: Config, fleet=None, book: AssignmentBook | None = None,
                  adaptive: AdaptiveStaleness | None = None, ledger: TextIO | None = None,
                  version: int = 0) -> None:
         self.cfg, self.fleet, self.book, self.adaptive = cfg, fleet, book, adaptive
+        self.learner_threads = learner_threads(cfg)
         self.ledger = ledger if ledger is not None else io.StringIO()
         # In flight (the workers' pools) plus queued behind them, buffered groups included.
         self.target = in_flight_groups(cfg) + cfg.staleness.queued_groups * cfg.ray.num_workers
@@ -77,39 +96,49 @@ class RaySource:
         self.kv_bytes_per_token = 0.0
         self.step_clock: float | None = None
         self.arrived = 0
-        self.buffer: list[Group] = []
+        self.buffer = StalenessBuffer("are the workers generating? (ray list actors)",
+                                      on_stale=self._stale)
+        self.taken: list[Group] = []
+        """The groups of the step being trained."""
         self.version = version
-        self.step_events: dict[str, list[int]] = {"dropped": [], "regenerated": []}
-        self.last_group_at = 0.0
-        self.waited = 0.0
+        self.step_events: dict[str, list[int]] = {"regenerated": []}
         self.trained: list[tuple[int, int]] = []
-        self.totals = {"reissued": [], "dropped": [], "regenerated": [], "restarts": 0,
-                       "duplicates": 0}
+        self.totals = {"reissued": [], "regenerated": [], "restarts": 0, "duplicates": 0}
         self.closed = False
 
-    @classmethod
-    def start(cls, cfg: Config, run_dir: Path, resume_state: dict, start_step: int
-              ) -> RaySource:
+    def open(self, run: Run) -> None:
         """Spawn the workers (they build their models while the learner evaluates) and open
-        the books where a resumed run left them (a ``SourceFactory``)."""
-        book = AssignmentBook(partial(group_seed, cfg))
+        the books where a resumed run left them."""
+        if self.fleet is not None:  # handed in (tests)
+            return
+        cfg, resume_state = run.cfg, run.checkpoint_state
+        self.cfg, self.version = cfg, run.start_step
+        self.book = book = AssignmentBook(partial(group_seed, cfg))
         # Work outstanding when the last run stopped is not re-played: its seeds are skipped.
         book.next_index = resume_state.get("seed_index", 0)
         book.next_id = resume_state.get("next_assignment", 0)
-        adaptive = (AdaptiveStaleness.from_config(cfg.staleness)
-                    if cfg.staleness.adaptive else None)
-        if adaptive is not None and "max_versions" in resume_state:
-            adaptive.max_versions = resume_state["max_versions"]
-        ledger_path = run_dir / LEDGER_FILE
+        if cfg.staleness.adaptive:
+            self.adaptive = AdaptiveStaleness.from_config(cfg.staleness)
+            if "max_versions" in resume_state:
+                self.adaptive.max_versions = resume_state["max_versions"]
+        ledger_path = run.run_dir / LEDGER_FILE
         if not resume_state:
             ledger_path.unlink(missing_ok=True)
-        truncate_metrics(ledger_path, after_step=start_step)
+        truncate_metrics(ledger_path, after_step=run.start_step)
+        self.ledger = open(ledger_path, "a")  # noqa: SIM115 - closed by close()
         handles = spawn_workers(
             cfg, env_factory=ENVS.get(cfg.env.name),
             pool_size=worker_pool_size(cfg, in_flight_groups(cfg)),
             name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout")
-        return cls(cfg, Fleet(handles, book), book, adaptive, open(ledger_path, "a"),  # noqa: SIM115
-                   version=start_step)
+        self.fleet = Fleet(handles, book)
+
+    def label(self, cfg: Config) -> str:
+        return f"{cfg.env.name} (async)"
+
+    def evaluate(self, run: Run, when: str):
+        if when == "after":
+            self.close()  # the evaluation needs the cores more than generation does
+        return evaluate_env(run, when)
 
     @property
     def max_versions(self) -> int:
@@ -117,7 +146,7 @@ class RaySource:
             return self.adaptive.max_versions
         return self.sizing.bound.value if self.sizing else self.cfg.staleness.max_versions
 
-    # ---- the RolloutSource interface ---------------------------------------------------------
+    # ---- the RolloutSource methods -------------------------------------------------------------
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
         if not self.kv_bytes_per_token and hasattr(model, "config"):
@@ -130,19 +159,20 @@ class RaySource:
     def wait_ready(self) -> None:
         self.fleet.wait_started(timeout_s=600)
 
-    def collect(self, need: int) -> list[Group]:
+    def collect(self, step: int) -> list[Episode]:
+        self.taken = self.take(self.cfg.rollout.groups_per_step)
+        return [ep for g in self.taken for ep in g.episodes]
+
+    def take(self, need: int) -> list[Group]:
         """The first ``need`` fresh groups (oldest arrivals first)."""
-        self.buffer, stale = split_stale(self.buffer, self.version, self.max_versions)
-        self._stale(stale)
-        self.waited = 0.0
-        self.last_group_at = time.monotonic()
+        buffer = self.buffer
+        buffer.start_collection(self.version, self.max_versions)
         if self.step_clock is None:
             self.step_clock = time.perf_counter()
-        while len(self.buffer) < need:
+        while (groups := buffer.take(need)) is None:
             self.top_up()
-            started = time.perf_counter()
-            reports = self.fleet.poll(timeout_s=1.0)
-            self.waited += time.perf_counter() - started
+            with buffer.waiting():
+                reports = self.fleet.poll(timeout_s=1.0)
             for worker, seq, report in reports:
                 self.fleet.reconcile(worker, seq, report)
                 self.rates.observe_worker(worker, report.stats, time.perf_counter(),
@@ -151,66 +181,52 @@ class RaySource:
                                           getattr(report, "reset_latencies", ()))
                 delivered = [g for g in report.groups if self.book.deliver(g)]
                 if delivered:
-                    self.last_group_at = time.monotonic()
                     self._arrivals(delivered)
-                fresh, stale = split_stale(delivered, self.version, self.max_versions)
-                self.buffer += fresh
-                self._stale(stale)
+                buffer.add(delivered, self.version, self.max_versions)
             if self.sizing is not None and not self.rates.learner_steps:
                 self._presize()
-            if time.monotonic() - self.last_group_at > STALL_AFTER_S:
-                raise RuntimeError(f"no rollout group arrived for {STALL_AFTER_S:.0f} s; "
-                                   "are the workers generating? (ray list actors)")
-        groups, self.buffer = self.buffer[:need], self.buffer[need:]
+            buffer.check_stall()
         self.top_up()
         return groups
 
-    def step_metrics(self, step: int, groups: list[Group],
+    def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
+        return self.group_metrics(step, self.taken, update_metrics)
+
+    def group_metrics(self, step: int, groups: list[Group],
+                      update_metrics: dict[str, float]) -> dict[str, float]:
         """Metrics of the groups trained at ``step`` (at learner version ``step``), the events
         since the last step, the adaptive bound's decision; one ledger line."""
         fleet, book, events = self.fleet, self.book, self.step_events
-        episodes = [ep for g in groups for ep in g.episodes]
         worker_versions = [fleet.version[w] for w in fleet.alive()
                            if fleet.version.get(w, -1) >= 0]
+        dropped = list(self.buffer.step_dropped)
         metrics = {
-            "async/staleness_mean": float(np.mean([staleness(ep.versions, step)
-                                                   for ep in episodes])),
-            "async/staleness_max": max(group_staleness(g, step) for g in groups),
-            # Start to delivery of a trained group: with the step rate, the staleness that
-            # throughput implies (Little's law, see README).
-            "async/group_lifetime_s": float(np.mean([g.finished_at - g.started_at
-                                                     for g in groups])),
-            "async/mixed_version_episodes": float(np.mean(
-                [len(set(ep.versions) - {-1}) > 1 for ep in episodes])),
-            "async/dropped_groups": len(events["dropped"]),
+            **self.buffer.step_metrics(step, groups, self.max_versions),
             "async/regenerated_groups": len(events["regenerated"]),
             "async/reissued_groups": len(fleet.reissued),
             "async/duplicate_groups": book.duplicates,
             "async/worker_restarts": fleet.restarts,
             "async/version_lag": step - min(worker_versions) if worker_versions else 0,
-            "async/buffered_groups": len(self.buffer),
-            "async/max_versions": self.max_versions,
-            "time/wait_s": self.waited,
         }
         if self.adaptive is not None:  # the bound for the next step's groups
             decision = self.adaptive.update(update_metrics.get("offpolicy/ess", float("nan")))
             metrics.update(decision.metrics())
-        metrics.update(self._resize(update_metrics))
+        metrics.update(self._resize(update_metrics, len(dropped)))
         for g in groups:
             book.resolve(g.assignment, "trained")
             self.trained.append((g.assignment, g.seed))
         self.ledger.write(json.dumps({
             "step": step + 1, "trained": [[g.assignment, g.seed, g.worker] for g in groups],
-            **events, "reissued": fleet.reissued, "worker_restarts": fleet.restarts}) + "\n")
+            "dropped": dropped, **events, "reissued": fleet.reissued,
+            "worker_restarts": fleet.restarts}) + "\n")
         self.ledger.flush()
         self.totals["reissued"] += fleet.reissued
-        self.totals["dropped"] += events["dropped"]
         self.totals["regenerated"] += events["regenerated"]
         self.totals["restarts"] += fleet.restarts
         self.totals["duplicates"] += book.duplicates
         fleet.reissued, fleet.restarts, book.duplicates = [], 0, 0
-        self.step_events = {"dropped": [], "regenerated": []}
+        self.step_events = {"regenerated": []}
         return metrics
 
     def state_dict(self) -> dict:
@@ -218,20 +234,27 @@ class RaySource:
         return {"seed_index": self.book.next_index, "next_assignment": self.book.next_id,
                 "max_versions": self.max_versions}
 
-    def close(self) -> dict:
-        """Stop the workers; the books' totals (``AsyncTrainResult`` fields)."""
-        if not self.closed:
-            self.closed = True
-            self.fleet.shutdown()
-            self.ledger.close()
-        abandoned = sorted(set(self.book.outstanding) | {g.assignment for g in self.buffer})
-        for assignment in abandoned:
+    def close(self) -> None:
+        """Stop the workers; what is still outstanding or buffered is abandoned."""
+        if self.closed or self.fleet is None:
+            return
+        self.closed = True
+        self.fleet.shutdown()
+        self.ledger.close()
+        for assignment in self.abandoned():
             if assignment not in self.book.outcome:
                 self.book.resolve(assignment, "abandoned")
-        return {"trained": self.trained, "dropped": self.totals["dropped"],
-                "regenerated": self.totals["regenerated"], "reissued": self.totals["reissued"],
-                "abandoned": abandoned, "duplicates": self.totals["duplicates"],
-                "worker_restarts": self.totals["restarts"], "issued": dict(self.book.seeds)}
+
+    def abandoned(self) -> list[int]:
+        return sorted(set(self.book.outstanding) | {g.assignment for g in self.buffer.groups})
+
+    def result(self, result: TrainResult) -> AsyncTrainResult:
+        """The run's result with the books' totals."""
+        return AsyncTrainResult(
+            **vars(result), trained=self.trained, dropped=self.buffer.dropped,
+            regenerated=self.totals["regenerated"], reissued=self.totals["reissued"],
+            abandoned=self.abandoned(), duplicates=self.totals["duplicates"],
+            worker_restarts=self.totals["restarts"], issued=dict(self.book.seeds))
 
     # ---- sizing from measured rates ----------------------------------------------------------
 
@@ -244,13 +267,13 @@ class RaySource:
                                   float(np.mean([len(ep.turns) for ep in episodes])),
                                   float(np.mean([len(ep.token_ids) for ep in episodes])))
 
-    def _resize(self, update_metrics: dict[str, float]) -> dict[str, float]:
+    def _resize(self, update_metrics: dict[str, float], dropped: int) -> dict[str, float]:
         """After a step: the learner's rates, then (``staleness.auto``) the new pool, queue and
         bound; the rates and the decision as metrics."""
         now = time.perf_counter()
         step_s = now - (self.step_clock or now)
         self.step_clock = now
-        self.rates.observe_step(step_s, self.waited,
+        self.rates.observe_step(step_s, self.buffer.waited,
                                 update_metrics.get("offpolicy/ess", float("nan")))
         metrics = self.rates.metrics()
         if self.sizing is None:
@@ -258,8 +281,8 @@ class RaySource:
         cap = pool_memory_cap(self.kv_bytes_per_token, self.rates.tokens.value,
                               available_memory_bytes(), self.cfg.staleness.pool_memory_fraction)
         decision = self.sizing.update(self.rates, self.arrived,
-                                      len(self.step_events["dropped"])
-                                      + len(self.step_events["regenerated"]), max_pool=cap,
+                                      dropped + len(self.step_events["regenerated"]),
+                                      max_pool=cap,
                                       in_system=len(self.book.outstanding) + len(self.buffer),
                                       buffered=self._buffered_staleness())
         self.arrived = 0
@@ -271,7 +294,7 @@ class RaySource:
         arrival order, ``groups_per_step`` a step, from version ``self.version`` on."""
         per_step = self.cfg.rollout.groups_per_step
         return [group_staleness(g, self.version + i // per_step)
-                for i, g in enumerate(self.buffer)]
+                for i, g in enumerate(self.buffer.groups)]
 
     def _presize(self) -> None:
         """Before the first step: the pool for what the workers can generate (``presize``)."""
@@ -309,6 +332,7 @@ class RaySource:
             self.fleet.assign(worker, assignments)
 
     def _stale(self, groups: list[Group]) -> None:
+        """Too stale: play the seed again under a new id (``regenerate``), or drop it."""
         for group in groups:
             if self.cfg.staleness.on_stale == "regenerate":
                 up = self.fleet.up() or self.fleet.alive()
@@ -319,7 +343,7 @@ class RaySource:
                 self.step_events["regenerated"].append(group.assignment)
             else:
                 self.book.resolve(group.assignment, "dropped")
-                self.step_events["dropped"].append(group.assignment)
+                self.buffer.drop([group])
 
 
 def open_groups(pool: int, group_size: int, live_per_group: float) -> int:

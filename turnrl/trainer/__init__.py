@@ -1,8 +1,10 @@
-"""Trainers: the one RL step, the sync loop, the async learner loop, shared run set-up."""
+"""The learner: one RL step, the one learner loop over a rollout source, run set-up."""
 
+from turnrl.trainer.learn import RolloutSource, SourceDefaults, learn
+from turnrl.trainer.local import LocalSource, train
 from turnrl.trainer.rl_step import rl_step
 from turnrl.trainer.run import TrainResult
 from turnrl.trainer.step import UpdateSettings, policy_update
-from turnrl.trainer.sync import train
 
-__all__ = ["TrainResult", "UpdateSettings", "policy_update", "rl_step", "train"]
+__all__ = ["LocalSource", "RolloutSource", "SourceDefaults", "TrainResult", "UpdateSettings",
+           "learn", "policy_update", "rl_step", "train"]

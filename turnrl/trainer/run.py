@@ -218,16 +218,22 @@ def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
     return run
 
 
-def evaluate_before(run: Run) -> EvalResult | None:
+def evaluate_env(run: Run, when: str) -> EvalResult | None:
+    """The held-out evaluation on the run's environment, ``"before"`` or ``"after"`` training
+    (``eval.episodes`` seeds from ``eval.seed_offset``; None when it is 0)."""
+    if run.cfg.eval.episodes == 0:
+        return None
+    return evaluate_before(run) if when == "before" else evaluate_after(run)
+
+
+def evaluate_before(run: Run) -> EvalResult:
     """The held-out evaluation before training, run once and kept.
 
     Evaluating draws from the engine's sampler, so the streams it leaves behind are kept
     with the result: a run resumed before its first checkpoint restores them and samples
     step 1 exactly as the uninterrupted run did.
     """
-    cfg, path = run.cfg, run.run_dir / "eval_before"
-    if cfg.eval.episodes == 0:
-        return None
+    path = run.run_dir / "eval_before"
     rng_file, result_file = path.with_suffix(".rng"), path.with_suffix(".json")
     if result_file.exists():
         if run.start_step == 0 and rng_file.exists():  # a checkpoint's streams come later
@@ -238,6 +244,19 @@ def evaluate_before(run: Run) -> EvalResult | None:
     _atomic_write(rng_file, lambda f: torch.save(rng_state(run.policy.engine.generator), f))
     _atomic_write(result_file, lambda f: f.write(json.dumps(result.to_dict()).encode()))
     return result
+
+
+def evaluate_after(run: Run) -> EvalResult:
+    """The held-out evaluation after training, saved with a solved and an unsolved episode
+    for the report."""
+    path = run.run_dir / "eval_after"
+    after, episodes = run.policy.run_eval()
+    write_episodes(path.with_suffix(".jsonl"), episodes)
+    _atomic_write(path.with_suffix(".json"),
+                  lambda f: f.write(json.dumps(after.to_dict()).encode()))
+    write_transcripts(run, "eval_after", [ep for ep in episodes if ep.success][:1]
+                      + [ep for ep in episodes if not ep.success][:1])
+    return after
 
 
 def _read_eval(path: Path) -> EvalResult:
@@ -331,23 +350,12 @@ def write_transcripts(run: Run, name: str, episodes: list[Episode]) -> None:
         json.dumps([episode_transcript(ep, decode) for ep in episodes]))
 
 
-def end_run(run: Run, before: EvalResult | None) -> TrainResult:
-    """Evaluate after training and print (and save) the before/after table."""
-    cfg = run.cfg
-    after = None
-    if cfg.eval.episodes:
-        path = run.run_dir / "eval_after"
-        after, episodes = run.policy.run_eval()
-        write_episodes(path.with_suffix(".jsonl"), episodes)
-        _atomic_write(path.with_suffix(".json"),
-                      lambda f: f.write(json.dumps(after.to_dict()).encode()))
-        # the report shows a solved and an unsolved held-out episode when there are both
-        write_transcripts(run, "eval_after", [ep for ep in episodes if ep.success][:1]
-                          + [ep for ep in episodes if not ep.success][:1])
+def finish_run(run: Run, before: EvalResult | None, after: EvalResult | None,
+               held_out: str) -> TrainResult:
+    """Print (and save) the before/after table when both evaluations ran."""
     table = ""
     if before and after:
-        title = f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes, before vs after"
-        table = print_table(title, COLUMNS,
-                            [before.row("before"), after.row(f"after {cfg.run.steps} steps")])
+        table = print_table(f"{held_out}, before vs after", COLUMNS,
+                            [before.row("before"), after.row(f"after {run.cfg.run.steps} steps")])
         (run.run_dir / "summary.txt").write_text(table)
-    return TrainResult(run.run_dir, cfg.run.steps, before, after, table)
+    return TrainResult(run.run_dir, run.cfg.run.steps, before, after, table)

@@ -1,0 +1,122 @@
+"""The env contract in one place: everything the framework calls, reads or probes on an env.
+
+Required (``Env`` in base.py): ``reset(seed) -> str`` and ``step(action) -> StepResult``,
+``async`` or plain ``def``. Everything else is optional; the framework reads it only through
+the functions below, so this table is the whole contract:
+
+==================  ==============  ===========================================================
+attribute           default         what it does
+==================  ==============  ===========================================================
+``system_prompt``   no system msg   the system message of every episode (read after ``reset``)
+``tools`` +         no tools        ``ToolEnv``: typed tools; ``tool_prompt(native_format)``
+``tool_prompt``                     returns (system prompt, tool schemas) for the template
+``state_key``       the observation  names the state after ``reset`` (GiGPO's anchor states);
+                                    each step's ``info["state_key"]`` names the next one
+``cooperative``     False           class attribute: reset/step never block their event loop,
+                                    so such envs may share one thread (rollout/env_calls.py)
+==================  ==============  ===========================================================
+
+``StepResult.info`` keys the framework reads (any others are kept with the episode, made
+JSON-safe): ``success`` (bool, a solved episode for evaluation) and ``state_key`` (above).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class OptionalAttribute:
+    name: str
+    default: str
+    meaning: str
+
+
+OPTIONAL = (
+    OptionalAttribute("system_prompt", "None", "the system message of every episode"),
+    OptionalAttribute("tools", "none", "typed tools the model may call (with tool_prompt; ToolEnv)"),
+    OptionalAttribute("state_key", "the observation", "names the state after reset (GiGPO anchors)"),
+    OptionalAttribute("cooperative", "False", "reset/step never block: envs share one thread"),
+)
+"""The optional attributes, for ``turnrl envs NAME`` and the docs."""
+
+INFO_KEYS = {"success": "bool: the episode solved the task (evaluation counts it)",
+             "state_key": "str: names the state the step led to (GiGPO anchors)"}
+
+
+def system_prompt(env: Any) -> str | None:
+    """The env's system message (None: none)."""
+    prompt = getattr(env, "system_prompt", None)
+    return None if prompt is None else str(prompt)
+
+
+def has_tools(env: Any) -> bool:
+    return bool(getattr(env, "tools", None)) and hasattr(env, "tool_prompt")
+
+
+def prompt_and_tools(env: Any, native_format: str | None
+                     ) -> tuple[str | None, list[dict] | None]:
+    """(system prompt, tool schemas for the template) of a freshly reset env. An env with
+    ``tools`` and ``tool_prompt(native_format)`` (``ToolEnv``) is told the model's own call
+    format (None: the template has none, and the env teaches a fallback itself)."""
+    if has_tools(env):
+        return env.tool_prompt(native_format)
+    return system_prompt(env), None
+
+
+def start_state(env: Any, observation: str) -> str:
+    """The state a reset env is in: its ``state_key`` when it has one, else the observation."""
+    return str(getattr(env, "state_key", observation))
+
+
+def step_state(info: dict, observation: str) -> str:
+    """The state a step led to: ``info["state_key"]`` when given, else the observation."""
+    return str(info.get("state_key", observation))
+
+
+def is_cooperative(env: Any) -> bool:
+    """Whether ``env`` declares (class attribute ``cooperative = True``) that its reset and
+    step never block their event loop: they await all waiting and do little work between."""
+    return getattr(env, "cooperative", False) is True
+
+
+def factory_options(factory: Callable[..., Any]) -> list[tuple[str, str]]:
+    """(name, default) of each ``env.options`` keyword a factory takes ("" when required)."""
+    options = []
+    for p in inspect.signature(factory).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            options.append((f"{'*' if p.kind is p.VAR_POSITIONAL else '**'}{p.name}", ""))
+        else:
+            options.append((p.name, "" if p.default is p.empty else repr(p.default)))
+    return options
+
+
+def describe(name: str, factory: Callable[..., Any], env: Any | None) -> str:
+    """What ``turnrl envs NAME`` prints: the env's doc, its options, and what an instance
+    built with the default options declares (``env`` None: it could not be built)."""
+    doc = inspect.getdoc(factory) or "(no docstring)"
+    lines = [name, "", doc, "", "options (--env.options.NAME VALUE):"]
+    options = factory_options(factory)
+    lines += [f"  {opt} = {default}" if default else f"  {opt} (required)"
+              for opt, default in options] or ["  (none)"]
+    if env is None:
+        return "\n".join(lines)
+    lines += ["", "declares:"]
+    prompt, _ = prompt_and_tools(env, None)  # as a template without a tool format shows it
+    lines.append("  system_prompt:" if prompt else "  system_prompt: (none)")
+    lines += [f"    {line}" for line in (prompt or "").splitlines()]
+    if has_tools(env):
+        tools = env.tools.values() if isinstance(env.tools, dict) else env.tools
+        for tool in tools:
+            summary = (getattr(tool, "description", "") or inspect.getdoc(tool) or "").strip()
+            first = summary.splitlines()[0] if summary else ""
+            lines.append(f"  tool {getattr(tool, 'name', tool)}: {first}")
+    else:
+        lines.append("  tools: (none)")
+    lines.append(f"  cooperative: {is_cooperative(env)}")
+    if hasattr(env, "state_key"):
+        lines.append("  state_key: yes (names its states for GiGPO)")
+    return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""Agent code written against the OpenAI API, played against a live ``turnrl serve``.
+
+The user's ``async def rollout(client, task) -> float | None`` talks to the policy only
+through ``client`` (an ``openai.AsyncOpenAI`` pointed at the server, its episode id set as the
+``X-TurnRL-Episode`` header, so each run's calls are recorded as one episode) and returns the
+episode's reward. ``play_groups`` plays a set of tasks ``group_size`` times each and turns the
+recordings into trainable episodes (``ServedSource`` in serve/source.py collects with it);
+``evaluate_agent`` plays held-out tasks unrecorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+from turnrl.evaluation import EvalResult
+from turnrl.serve.judge import judge_group
+from turnrl.serve.protocol import EPISODE_HEADER
+from turnrl.serve.record import RecordedEpisode, training_episodes
+from turnrl.serve.server import Server
+from turnrl.types import Episode
+
+Rollout = Callable[..., Awaitable[float | None]]
+
+
+def usable(recorded: RecordedEpisode, temperature: float) -> str:
+    """"" when the episode can be trained on, else why not."""
+    if recorded.reward is None:
+        return "no reward"
+    if not recorded.segments:
+        return "no calls to the model"
+    used = {t for s in recorded.segments for t in s.temperatures}
+    if used != {temperature}:
+        return (f"sampled at temperature {sorted(used)}, not rollout.temperature {temperature} "
+                "(the update scores tokens at that temperature)")
+    return ""
+
+
+async def evaluate_agent(rollout: Rollout, tasks: Sequence, base_url: str, api_key: str = "",
+                         success_at: float = 1.0) -> EvalResult:
+    """Play each task once, unrecorded (no episode id); success: reward >= ``success_at``.
+    A rollout that raises or returns None counts as a failed episode, not a dropped one."""
+    from openai import AsyncOpenAI
+
+    async def one(task) -> float | None:
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key or "unused",
+                               max_retries=0) as client:
+            try:
+                return await rollout(client, task)
+            except Exception:  # noqa: BLE001 - counted as failed below
+                return None
+
+    rewards = await asyncio.gather(*(one(task) for task in tasks))
+    scored = [r for r in rewards if r is not None]
+    return EvalResult(episodes=len(rewards), successes=sum(r >= success_at for r in scored),
+                      mean_reward=sum(scored) / max(len(rewards), 1), mean_turns=float("nan"),
+                      failed=len(rewards) - len(scored))
+
+
+Judge = Callable[[object, list[str]], Awaitable[list[float] | None]]
+"""``(task, transcripts) -> scores in [0, 1] or None``: rewards for a group's episodes."""
+
+
+async def _play(rollout: Rollout, base_url: str, api_key: str, task, episode_id: str
+                ) -> tuple[float | None, str]:
+    """Run one rollout: (its reward, "") or (None, why it failed)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0,
+                         default_headers={EPISODE_HEADER: episode_id})
+    try:
+        reward = await rollout(client, task)
+    except Exception as err:  # noqa: BLE001 - a failing agent fails its own episode
+        return None, f"rollout raised {type(err).__name__}: {err}"
+    finally:
+        await client.close()
+    return (None, "") if reward is None else (float(reward), "")
+
+
+def self_judge(base_url: str, model: str, api_key: str = "") -> Judge:
+    """The served policy as the judge (``judge.judge_group``; its calls are not recorded)."""
+    async def judge(task, transcripts: list[str]) -> list[float] | None:
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key or "unused",
+                               max_retries=0) as client:
+            return await judge_group(client, model, str(task), transcripts)
+    return judge
+
+
+async def play_groups(server: Server, base_url: str, rollout: Rollout, step_tasks: Sequence,
+                  group_size: int, step: int, temperature: float, judge: Judge | None = None,
+                  first_group: int = 0) -> tuple[list[Episode], list[dict]]:
+    """Play ``group_size`` rollouts of each task at once; the trainable episodes (grouped by
+    task: ``Episode.group`` is ``first_group`` + the task's index) and the ones left out, with
+    their reasons. With ``judge``, the episodes of a group whose rollout returned None are
+    scored by it, relative to each other."""
+    ids = [[f"step{step}-task{g}-{k}-{uuid.uuid4().hex[:8]}" for k in range(group_size)]
+           for g in range(len(step_tasks))]
+    flat = [e for group in ids for e in group]
+    played = await asyncio.gather(*(
+        _play(rollout, base_url, server.cfg.api_key, task, episode_id)
+        for task, group in zip(step_tasks, ids, strict=True) for episode_id in group))
+    rewards = {e: r for e, (r, _) in zip(flat, played, strict=True)}
+    errors = {e: why for e, (_, why) in zip(flat, played, strict=True)}
+    recorder = server.recorder
+    for task, group in zip(step_tasks, ids, strict=True):
+        unscored = [e for e in group if rewards[e] is None and not errors[e]
+                    and e in recorder.episodes]
+        if judge is not None and unscored:
+            scores = await judge(task, [max((s.text for s in recorder.episodes[e].segments),
+                                            key=len) for e in unscored])
+            for e, score in zip(unscored, scores or [], strict=False):
+                rewards[e] = score
+            if scores is None:
+                errors.update({e: "the judge gave no scores" for e in unscored})
+        for e in group:
+            if rewards[e] is not None and e in recorder.episodes:
+                recorder.set_reward(e, rewards[e])
+    recorded = {r.episode_id: r for r in recorder.take(flat)}
+    episodes, left_out = [], []
+    for g, group in enumerate(ids):
+        for e in group:
+            why = (errors[e] or ("rollout returned None" if rewards[e] is None else "")
+                   or ("no calls to the model" if e not in recorded
+                       else usable(recorded[e], temperature)))
+            if why:
+                left_out.append({"step": step, "episode_id": e, "reason": why})
+            else:
+                episodes += training_episodes(recorded[e], group=first_group + g)
+    return episodes, left_out

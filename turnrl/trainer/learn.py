@@ -1,0 +1,159 @@
+"""THE learner loop: ``learn(cfg, source)``, for every way episodes arrive.
+
+    collect -> rl_step -> publish -> metrics -> end_step
+
+Where the episodes come from is a ``RolloutSource``; the loop never knows which:
+
+- ``LocalSource`` (trainer/local.py): lock-step; the learner's own engine plays each step's
+  groups to the end (on-policy). Owns dynamic sampling and the temperature schedule.
+- ``RaySource`` (distributed/source.py): Ray rollout workers generate while the learner
+  trains (the AReaL design: Fu et al. 2025, arXiv:2505.24298), groups buffered with bounded
+  staleness (trainer/buffer.py), the pool sized from measured rates.
+- ``ServedSource`` (serve/source.py): agent code written against the OpenAI API plays a live
+  ``turnrl serve``; lock-step or continuous (``run.mode``).
+
+A new way (demonstrations, self-play games, ...) is one more class with these methods; the
+loop does not change. Sources that hand over episodes sampled by older weights say so
+(``off_policy``): the update then always uses decoupled PPO (``trainer/step.py``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
+
+import torch
+
+from turnrl.config import Config
+from turnrl.evaluation import EvalResult
+from turnrl.trainer.rl_step import rl_step
+from turnrl.trainer.run import (
+    Run,
+    StageTimer,
+    TrainResult,
+    end_step,
+    evaluate_env,
+    finish_run,
+    start_run,
+    step_logging,
+)
+from turnrl.types import Episode
+
+
+class RolloutSource(Protocol):
+    """Where the learner's episodes come from (see the module docstring)."""
+
+    off_policy: bool
+    """Episodes may come from older weights: the update uses decoupled PPO."""
+    learner_threads: int | None
+    """Torch threads for the learner (None: ``run.threads``)."""
+
+    def open(self, run: Run) -> None:
+        """Start what the source needs (workers, a server), where a resumed run left off
+        (``run.start_step``, ``run.checkpoint_state``). Called once, after the run is set up."""
+
+    def label(self, cfg: Config) -> str:
+        """What the progress bar calls the run."""
+
+    def held_out(self, cfg: Config) -> str:
+        """The title of the before/after table (what was evaluated)."""
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        """Make ``model``'s weights, as ``version``, the ones new tokens are sampled with."""
+
+    def evaluate(self, run: Run, when: str) -> EvalResult | None:
+        """The held-out evaluation ``"before"`` or ``"after"`` training (None: none)."""
+
+    def wait_ready(self) -> None:
+        """Block until generation can start; raise if it cannot."""
+
+    def collect(self, step: int) -> list[Episode]:
+        """The episodes of ``step`` (``rollout.groups_per_step`` groups of them)."""
+
+    def updating(self) -> AbstractContextManager:
+        """The context the update runs in (a server shares the weights: it holds its lock)."""
+
+    def step_metrics(self, step: int, episodes: list[Episode],
+                     update_metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics of a trained step (staleness, drops, waits); may adapt the source."""
+
+    def state_dict(self) -> dict:
+        """What a resume needs, saved with the checkpoint."""
+
+    def close(self) -> None:
+        """Stop generating and release what ``open`` started; safe to call twice."""
+
+    def result(self, result: TrainResult) -> TrainResult:
+        """The run's result with the source's own books added."""
+
+
+class SourceDefaults:
+    """What most sources do: on-policy, env evaluation, nothing to publish, lock or save."""
+
+    off_policy = False
+    learner_threads: int | None = None
+
+    def open(self, run: Run) -> None:
+        pass
+
+    def label(self, cfg: Config) -> str:
+        return cfg.env.name
+
+    def held_out(self, cfg: Config) -> str:
+        return f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes"
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        pass
+
+    def evaluate(self, run: Run, when: str) -> EvalResult | None:
+        return evaluate_env(run, when)
+
+    def wait_ready(self) -> None:
+        pass
+
+    def updating(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def step_metrics(self, step: int, episodes: list[Episode],
+                     update_metrics: dict[str, float]) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def result(self, result: TrainResult) -> TrainResult:
+        return result
+
+
+def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainResult:
+    """Train ``cfg``'s policy for ``run.steps`` steps on the episodes ``source`` delivers;
+    ``resume`` continues the run in ``run.out_dir`` from its last checkpoint."""
+    run = start_run(cfg, resume, threads=source.learner_threads, decoupled=source.off_policy)
+    cfg, model = run.cfg, run.learner.model
+    source.open(run)
+    try:
+        source.publish(run.start_step, model)
+        before = source.evaluate(run, "before")  # while the workers start
+        source.wait_ready()
+        with step_logging(run, source.label(cfg)) as (logger, progress):
+            for step in range(run.start_step, cfg.run.steps):
+                timer = StageTimer()
+                with timer("collect"):
+                    episodes = source.collect(step)
+                with source.updating():
+                    summary, metrics = rl_step(run.learner, episodes, timer)
+                    run.policy.engine.version = step + 1  # tokens from now on: new weights
+                with timer("publish"):
+                    source.publish(step + 1, model)
+                metrics.update(source.step_metrics(step, episodes, metrics))
+                stale = metrics.get("async/staleness_mean")
+                end_step(run, step, episodes, summary, metrics, timer, logger, progress,
+                         checkpoint_extra=source.state_dict(),
+                         stale=None if stale is None else f"{stale:.1f}")
+        after = source.evaluate(run, "after")
+        return source.result(finish_run(run, before, after, source.held_out(cfg)))
+    finally:
+        source.close()

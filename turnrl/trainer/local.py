@@ -1,0 +1,65 @@
+"""``LocalSource``: lock-step rollouts on the learner's own engine (``run.mode: sync``).
+
+Each step plays its ``groups_per_step`` groups to the end with the current weights (the turn
+loop in lock-step, rollout/loop.py), so the update is on-policy. This source owns the two
+options that need that: dynamic sampling (more groups until enough of them have a signal)
+and the temperature schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from turnrl.algorithms.exploration import dynamic_sampling
+from turnrl.config import Config
+from turnrl.policy import training_seeds
+from turnrl.rollout import run_episodes, run_sync
+from turnrl.trainer.learn import SourceDefaults, learn
+from turnrl.trainer.run import Run, TrainResult
+from turnrl.types import Episode
+
+
+class LocalSource(SourceDefaults):
+    """Each step's groups, played by the learner's engine at the scheduled temperature."""
+
+    def open(self, run: Run) -> None:
+        self.run = run
+        self.extra: dict[str, float] = {}
+
+    def collect(self, step: int) -> list[Episode]:
+        cfg = self.run.cfg
+        episodes = self.play(training_seeds(cfg, step))
+        self.extra = {}
+        if cfg.explore.dynamic_sampling:
+            episodes, self.extra = dynamic_sampling(
+                episodes, lambda r: self.play(resample_seeds(cfg, step, r)),
+                cfg.rollout.groups_per_step, cfg.explore.dynamic_max_rounds)
+        return episodes
+
+    def play(self, seeds: list[tuple[int, int]]) -> list[Episode]:
+        """Play ``seeds`` at the step's (scheduled) temperature."""
+        run = self.run
+        cfg, policy = run.cfg, run.policy
+        params = replace(policy.params, temperature=run.learner.explore.temperature())
+        return run_sync(run_episodes(
+            policy.make_env, seeds, policy.engine, policy.chat, params, env_name=cfg.env.name,
+            max_turns=cfg.rollout.max_turns, max_context=policy.max_context,
+            env_timeout_s=cfg.rollout.env_timeout_s))
+
+    def step_metrics(self, step: int, episodes: list[Episode],
+                     update_metrics: dict[str, float]) -> dict[str, float]:
+        return self.extra
+
+
+def resample_seeds(cfg: Config, step: int, round_: int) -> list[tuple[int, int]]:
+    """Fresh groups for dynamic sampling's ``round_``: seeds past every step's own, group ids
+    past the step's."""
+    groups = cfg.rollout.groups_per_step
+    shift = cfg.run.steps * groups * round_
+    return [((seed + shift) % cfg.eval.seed_offset, group + groups * round_)
+            for seed, group in training_seeds(cfg, step)]
+
+
+def train(cfg: Config, *, resume: bool = False) -> TrainResult:
+    """Lock-step training on this process's engine (``learn`` over a ``LocalSource``)."""
+    return learn(cfg, LocalSource(), resume=resume)
