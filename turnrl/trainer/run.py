@@ -1,10 +1,11 @@
-"""Run set-up shared by the sync trainer and the async learner.
+"""Run set-up and what follows each step, for the one learner loop (trainer/learn.py).
 
 A run directory holds the resolved config, metrics, sample episodes, before/after
 evaluations and atomic checkpoints. ``start_run`` creates or reopens it, seeds every random
 stream, loads the policy and builds the ``Learner`` (what ``rl_step`` needs), restoring a
-checkpoint when resuming; ``end_step`` does what follows every step in both modes (sample
-episodes, periodic evaluation, metrics, progress, checkpoint); ``end_run`` evaluates after.
+checkpoint when resuming; ``end_step`` does what follows every step, whatever the source
+(sample episodes, periodic evaluation, metrics, progress, checkpoint); ``evaluate_env`` is
+the held-out evaluation on the run's env; ``finish_run`` prints the before/after table.
 
 Exact resume: a checkpoint stores every random stream (python, numpy, torch, the engine's
 sampler), and the "before" evaluation stores the streams as it left them, so a run killed
