@@ -1,7 +1,7 @@
 """Does async training learn as much per trained episode as sync? Several seeds, paired.
 
 One seed per mode cannot answer it: eight updates of SmolLM2 on guess-number depend on the
-random stream about as much as on anything else (README, "Sync vs async under slow tools").
+random stream about as much as on anything else (docs/benchmarks.md, async).
 This runs the same ``turnrl train`` job for each seed in each mode, each its own process,
 one after another on the same cores, and compares them seed by seed:
 

@@ -12,7 +12,7 @@ with the learner's current weights:
 ``--sampler-seed`` seeds the sampling generator of whichever engine samples. With the same
 seed both sources sample the same first batch; the question is how far the learning curves
 then differ, against how far two seeds of one source differ. Measured on 2 cores
-(SmolLM2-135M, guess-number, 8 steps; see README "Sync vs async under slow tools"):
+(SmolLM2-135M, guess-number, 8 steps; see docs/benchmarks.md):
 
     python benchmarks/sampling_stream.py --source sync --sampler-seed 17
     python benchmarks/sampling_stream.py --source worker --sampler-seed 17

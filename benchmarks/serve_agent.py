@@ -17,7 +17,7 @@ tasks (seeds from 1_000_000), every episode played by the agent through the offi
 3. **+ GRPO**: ``train_agent`` (turnrl/serve/train.py) runs the agent G times per task on
    the 3-digit products and trains on the recorded calls. ``--mode async`` trains with
    ``run.mode async`` instead (agents keep playing while the learner trains, groups
-   at most ``--max-versions`` behind; turnrl/serve/async_train.py), in its own directory,
+   at most ``--max-versions`` behind; turnrl/serve/source.py), in its own directory,
    from the same warm-up, so the two modes compare side by side.
 
 Every stage is kept in ``--out`` (base.json, warm/, warm.json, rl/ checkpoints, after.json):

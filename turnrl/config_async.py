@@ -65,7 +65,7 @@ class StalenessConfig(_Section):
     keep_kv_cache: bool = True
     """async: workers keep live episodes' keys/values across a weight update instead of
     re-reading them with the new weights (PipelineRL); faster, slightly more off-policy
-    (README: measured side by side with false)"""
+    (docs/benchmarks.md: measured side by side with false)"""
     auto: bool = True
     """async: size the pool (Little's law), the queue and the staleness bound (the throughput
     it needs, capped by the ESS) from rates measured at run time; overprovision and

@@ -18,7 +18,7 @@ learner's busy time keeps a pool full while the learner trains.
 
 **Staleness bound: the throughput it needs, capped by what the correction can absorb.**
 A group lives L seconds from its first token to delivery while the learner steps S times a
-second, so it arrives about L x S versions old (README, "Sync vs async under slow tools");
+second, so it arrives about L x S versions old (docs/benchmarks.md, async);
 a bound below that drops the groups the pool was sized to deliver. Of the groups issued
 and not yet trained the last is trained ``(in_system - 1) // groups_per_step`` steps after
 the next (Little's law in versions: it sees a pool that grew before its groups arrived; an

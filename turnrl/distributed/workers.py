@@ -3,7 +3,7 @@
 Each ``RolloutWorker`` is a process with its own copy of the policy model, its own engine and
 its own environments; it runs ``TurnLoop`` (turnrl/rollout/loop.py) in a
 background thread with its own asyncio loop, so the actor's methods stay responsive while it
-generates. The learner (the driver process, turnrl/trainer/async_.py, through turnrl/distributed/source.py) talks to it through
+generates. The learner (the driver process, turnrl/trainer/learn.py, through turnrl/distributed/source.py) talks to it through
 four calls, all cheap:
 
 - ``set_weights(version, [state_dict_ref])``: the learner ``ray.put``s its state dict once per
