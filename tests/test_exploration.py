@@ -24,9 +24,7 @@ from turnrl.algorithms.exploration import (
     scheduled_temperature,
     weight_advantages,
 )
-from turnrl.config import ConfigError, load_config
-from turnrl.config_explore import ExploreConfig
-from turnrl.trainer.run import check_explore
+from turnrl.config import ConfigError, ExploreConfig, load_config
 from turnrl.types import Episode, Turn
 
 
@@ -240,11 +238,9 @@ def test_explore_config_checks():
     with pytest.raises(ConfigError, match="explore.top_entropy_fraction"):
         load_config(None, ["--explore.top_entropy_fraction", "0"])
     with pytest.raises(ConfigError, match="sync only"):
-        check_explore(load_config(None, ["--explore.dynamic_sampling", "true",
-                                         "--run.mode", "async"]))
+        load_config(None, ["--explore.dynamic_sampling", "true", "--run.mode", "async"])
     with pytest.raises(ConfigError, match="exceeds rollout.group_size"):
-        check_explore(load_config(None, ["--explore.pass_k", "9"]))
-    with pytest.raises(ConfigError, match="outcome advantages"):
-        check_explore(load_config(None, ["--explore.pass_k", "4", "--algo.advantage",
-                                         "gigpo"]))
-    check_explore(load_config(None, ["--explore.pass_k", "8"]))  # k = group size is fine
+        load_config(None, ["--explore.pass_k", "9"])
+    with pytest.raises(ConfigError, match="gigpo is turn-level"):
+        load_config(None, ["--explore.pass_k", "4", "--algo.advantage", "gigpo"])
+    load_config(None, ["--explore.pass_k", "8"])  # k = group size is fine

@@ -12,9 +12,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
-    {"registry", "types", "config", "config_types", "config_async", "config_serve",
-     "config_explore", "config_credit",
-     "stats"},
+    {"registry", "types", "config", "stats"},
     {"models", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
      "evaluation"},
     {"algorithms", "policy"},

@@ -19,7 +19,7 @@
   as AReaL, Fu et al. 2025, arXiv:2505.24298).
 
 Not here: ``staleness.on_stale regenerate`` (a stale group is dropped; its task is not
-replayed), the rate-driven pool sizing of ``staleness.auto`` (``groups_in_flight`` is fixed),
+replayed), the rate-driven pool sizing of ``pool.auto`` (``groups_in_flight`` is fixed),
 resuming (``resume`` is refused in async mode).
 """
 
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from turnrl.algorithms.offpolicy import staleness
-from turnrl.config import Config, ConfigError
+from turnrl.config import Config
 from turnrl.distributed.book import group_staleness, split_stale
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy
@@ -207,10 +207,8 @@ class ServedSource:
 
 def async_config(cfg: Config) -> Config:
     """The learner's config: held-out evaluation is the agent's own (``eval_tasks``), not an
-    environment's, so the env evaluation of ``learn`` is off."""
-    if cfg.staleness.on_stale != "drop":
-        raise ConfigError("serve.train_mode async drops stale groups (their tasks are not "
-                          "replayed); pass --staleness.on_stale drop")
+    environment's, so the env evaluation of ``learn`` is off (``staleness.on_stale`` drop is
+    checked with the config: ``turnrl.config.checks.check_serve_training``)."""
     return replace(cfg, eval=replace(cfg.eval, episodes=0, every=0))
 
 
