@@ -119,3 +119,13 @@ def test_a_run_stored_with_old_critic_keys_resumes_with_its_estimator_state(tmp_
     assert [r["credit/critic_in_use"] for r in records] == [0.0, 1.0]
     assert main(["eval", str(tmp_path), "--eval.episodes", "2"]) == 0
     assert "turnrl eval: error" not in capsys.readouterr().err
+
+
+def test_help_names_a_registered_estimator_as_a_reader(registered):
+    from turnrl.config import config_help
+
+    lines = config_help("critic").splitlines()
+    gamma = lines[lines.index("  --critic.gamma FLOAT (default 0.95)") + 1]
+    assert "turn_constant" in gamma and "gigpo" in gamma
+    tau = lines[lines.index("  --critic.tau FLOAT (default 0.1)") + 1]
+    assert "turn_constant" not in tau and "archer" in tau

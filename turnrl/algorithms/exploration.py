@@ -342,8 +342,8 @@ class Exploration:
         c = self.cfg
         if c.pass_k:
             if advantages.dim() != 1:
-                raise ValueError("explore.pass_k needs an outcome-level algo.advantage "
-                                 "(grpo, dr_grpo, rloo, reinforce_pp)")
+                raise ValueError("explore.pass_k needs an episode-level algo.advantage (one "
+                                 "advantage per episode)")
             advantages = passk_advantages(torch.tensor([ep.success for ep in episodes]),
                                           torch.tensor([ep.group for ep in episodes]), c.pass_k)
         if c.positive_weight != 1 or c.negative_weight != 1:

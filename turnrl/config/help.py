@@ -8,6 +8,7 @@ import textwrap
 
 from turnrl.config.root import Config, sections
 from turnrl.config.types import ConfigError, did_you_mean, field_docs, type_hints, type_name
+from turnrl.registry import ESTIMATORS
 
 WIDTH = 100
 
@@ -25,6 +26,14 @@ def _shown(value: object) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
+def _doc(section: str, key: str, doc: str) -> str:
+    """The field's docstring; a critic option also names the estimators that read it."""
+    if section != "critic":
+        return doc
+    readers = [name for name, entry in ESTIMATORS.items() if key in entry.options]
+    return f"{doc} (read by: {', '.join(readers) or 'no registered estimator'})"
+
+
 def section_help(name: str) -> str:
     """Every option of section ``name``: ``--name.key TYPE (default D)`` and its docstring."""
     if name not in sections():
@@ -35,7 +44,7 @@ def section_help(name: str) -> str:
     lines = [f"{name}: {field_docs(Config)[name]}"]
     for key, tp in type_hints(cls).items():
         lines.append(f"  --{name}.{key} {type_name(tp)} (default {_shown(defaults[key])})")
-        lines += textwrap.wrap(docs[key], WIDTH, initial_indent=" " * 6,
+        lines += textwrap.wrap(_doc(name, key, docs[key]), WIDTH, initial_indent=" " * 6,
                                subsequent_indent=" " * 6)
     return "\n".join(lines)
 
