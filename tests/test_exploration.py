@@ -205,7 +205,7 @@ def test_exploration_advantages_apply_passk_then_weights():
     expected = _passk_by_enumeration([True, False, False, False], 2)
     assert adv.tolist() == pytest.approx([expected[0]] + [0.5 * e for e in expected[1:]],
                                          abs=1e-5)
-    with pytest.raises(ValueError, match="outcome-level"):
+    with pytest.raises(ValueError, match="episode-level"):
         stage.advantages(episodes, torch.zeros(4, 3))
 
 
