@@ -17,8 +17,7 @@ turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.po
 turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] [--html FILE.html]
 turnrl envs
 
-Every config field is an option: `turnrl train --help` lists the sections,
-`turnrl train --help SECTION` a section's options with their docs, `--help all` every one."""
+Every config field is an option: --section.key VALUE."""
 
 
 def _split(argv: Sequence[str], flags: dict[str, bool]) -> tuple[dict, list[str]]:

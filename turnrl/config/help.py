@@ -53,8 +53,8 @@ def config_help(section: str | None = None) -> str:
     """No section: the sections, one line each; a section's name: its options; 'all': every
     section's options."""
     if section is None:
-        return ("Config sections (`--help SECTION` lists one's options, `--help all` every "
-                "one):\n" + sections_help())
+        return ("Config sections (--help SECTION lists a section's options, --help all every "
+                "option):\n" + sections_help())
     if section == "all":
         return "\n\n".join(section_help(name) for name in sections())
     return section_help(section)
