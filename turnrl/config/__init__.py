@@ -21,7 +21,12 @@ them back with ``ast`` so ``--help`` never drifts from the code.
 from __future__ import annotations
 
 from turnrl.config.async_ import PoolConfig, RayConfig, StalenessConfig
-from turnrl.config.checks import check_across, check_critic_options
+from turnrl.config.checks import (
+    VLLM_TEMPERATURES,
+    check_across,
+    check_critic_options,
+    check_vllm_temperature,
+)
 from turnrl.config.core import (
     AlgoConfig,
     EnvConfig,
@@ -46,10 +51,20 @@ from turnrl.config.load import (
 from turnrl.config.renames import MOVED, translate_stored
 from turnrl.config.root import Config, sections
 from turnrl.config.serve import ServeConfig
-from turnrl.config.types import ConfigError, Section, field_docs
+from turnrl.config.types import (
+    ConfigError,
+    Section,
+    convert_value,
+    did_you_mean,
+    field_docs,
+    parse_yaml_value,
+    type_hints,
+    type_name,
+)
 
 __all__ = [
     "MOVED",
+    "VLLM_TEMPERATURES",
     "AlgoConfig",
     "Config",
     "ConfigError",
@@ -70,15 +85,21 @@ __all__ = [
     "changed_keys",
     "check_across",
     "check_critic_options",
+    "check_vllm_temperature",
     "config_from_dict",
     "config_help",
     "config_to_dict",
+    "convert_value",
+    "did_you_mean",
     "field_docs",
     "load_config",
     "load_run_config",
+    "parse_yaml_value",
     "save_config",
     "section_help",
     "sections",
     "sections_help",
     "translate_stored",
+    "type_hints",
+    "type_name",
 ]
