@@ -7,7 +7,7 @@ one after another on the same cores, and compares them seed by seed:
 
 - ``sync``: the synchronous trainer;
 - ``async``: ``--mode async`` with its defaults (pool, queue and staleness bound sized at
-  run time from measured rates, ``staleness.auto``; partial rollouts; keys/values kept
+  run time from measured rates, ``pool.auto``; partial rollouts; keys/values kept
   across weight updates): what a user gets;
 - ``async-onpolicy``: ``--mode async`` with staleness 0, stale groups regenerated, no partial
   rollouts, no over-provisioning: every trained token comes from the learner's current
@@ -37,10 +37,10 @@ from turnrl.stats import mean_interval
 MODE_FLAGS = {
     "sync": ["--run.mode", "sync"],
     "async": ["--run.mode", "async"],
-    "async-onpolicy": ["--run.mode", "async", "--staleness.auto", "false",
+    "async-onpolicy": ["--run.mode", "async", "--pool.auto", "false",
                        "--staleness.max_versions", "0",
                        "--staleness.on_stale", "regenerate", "--staleness.partial_rollouts",
-                       "false", "--staleness.overprovision", "1"],
+                       "false", "--pool.overprovision", "1"],
 }
 
 

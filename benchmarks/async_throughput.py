@@ -32,12 +32,12 @@ threads, Ray's own processes on top, their cost counted against async). A small 
 run faster on 1 thread than on 2 (and a loaded machine makes 2 threads much slower), so at
 0 ms the sync trainer also runs on 1 thread (``sync1``; ``--no-sync1`` skips it) and "best
 at 0 ms" is the best of all zero-latency runs. The async learner sizes itself by
-default (``staleness.auto``, turnrl/distributed/sizing.py): the pool of live episodes from
+default (``pool.auto``, turnrl/distributed/sizing.py): the pool of live episodes from
 Little's law (the rate the learner consumes x the measured tool latency and generate-call
 time), the staleness bound from the measured group lifetime x the learner's step rate,
 capped by the importance weights' ESS; nothing is tuned per model or machine here.
 ``--overprovision`` / ``--max-versions`` / ``--queued-groups`` with a number pin them by hand
-(``staleness.auto false``). Groups too stale on arrival are dropped and counted (their
+(``pool.auto false``). Groups too stale on arrival are dropped and counted (their
 generation was wasted), and "reward @same eps" checks that the extra staleness does not
 cost reward per trained episode. ``--compare-kv-cache`` adds an async run with the other
 ``staleness.keep_kv_cache`` policy at every latency (mode ``async-keepkv`` or
@@ -90,7 +90,7 @@ class RunSpec:
     seed: int = 0
     threads: int = 2
     overprovision: float | None = None
-    """None (with max_versions and queued_groups None): staleness.auto sizes them"""
+    """None (with max_versions and queued_groups None): pool.auto sizes them"""
     max_versions: int | None = None
     queued_groups: int | None = None
     keep_kv_cache: bool | None = None
@@ -120,12 +120,12 @@ class RunSpec:
             else {"sync1": 1}.get(self.mode, self.threads),
             "ray.num_workers": 1, "ray.worker_cpus": 1,
         }
-        pinned = {"staleness.overprovision": self.overprovision,
+        pinned = {"pool.overprovision": self.overprovision,
                   "staleness.max_versions": self.max_versions,
-                  "staleness.queued_groups": self.queued_groups}
+                  "pool.queued_groups": self.queued_groups}
         args.update({k: v for k, v in pinned.items() if v is not None})
         if any(v is not None for v in pinned.values()):
-            args["staleness.auto"] = "false"  # a number given by hand is used as is
+            args["pool.auto"] = "false"  # a number given by hand is used as is
         if self.keep_kv_cache is not None:
             args["staleness.keep_kv_cache"] = str(self.keep_kv_cache).lower()
         return [f"--{k}={v}" for k, v in args.items()]
@@ -476,7 +476,7 @@ def run_spec(spec: RunSpec, workdir: Path) -> dict[str, Any]:
 
 
 def _sizing_note(summary: dict[str, Any]) -> str:
-    """Where staleness.auto ended: pool, queue, bound, and the rates it read."""
+    """Where pool.auto ended: pool, queue, bound, and the rates it read."""
     sizing = summary.get("sizing") or {}
     if sizing.get("sizing/pool") is None:
         return ""
@@ -525,10 +525,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="cores per run: sync threads; async 1 worker + the rest learner")
     parser.add_argument("--overprovision", default="auto",
                         help="async groups in flight per step's need; 'auto' (default): sized "
-                             "at run time by staleness.auto; a number pins it")
+                             "at run time by pool.auto; a number pins it")
     parser.add_argument("--max-versions", default="auto",
                         help="async staleness bound (versions); 'auto' (default): sized at "
-                             "run time by staleness.auto; a number pins it")
+                             "run time by pool.auto; a number pins it")
     parser.add_argument("--queued-groups", default="auto",
                         help="async groups queued at the worker beyond its pool; 'auto' "
                              "(default): sized at run time; a number pins it")

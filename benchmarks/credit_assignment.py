@@ -58,28 +58,28 @@ METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
     # frozen from the --tune run at horizon 16 on seed 100 (docs/credit_assignment.md): the
     # best area under the curve per method (archer: four ties, the cheapest kept)
     "grpo": (),
-    "gigpo": ("--algo.gigpo_step_weight", "1.0", "--credit.gigpo_episode_weight", "0"),
-    "turn_gae": ("--algo.gae_lambda", "1.0", "--algo.critic_lr", "1e-2",
-                 "--algo.critic_updates", "32"),
-    "archer": ("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16",
-               "--credit.warmup_max_error", "0.5"),
+    "gigpo": ("--critic.gigpo_step_weight", "1.0", "--critic.gigpo_episode_weight", "0"),
+    "turn_gae": ("--critic.gae_lambda", "1.0", "--critic.lr", "1e-2",
+                 "--critic.updates", "32"),
+    "archer": ("--critic.lr", "3e-3", "--critic.updates", "16",
+               "--critic.warmup_max_error", "0.5"),
 }
-LAMBDA1 = ("--algo.gae_lambda", "1.0")
-FAST_CRITIC = ("--algo.critic_lr", "1e-2", "--algo.critic_updates", "32")
-GATE = ("--credit.warmup_max_error", "0.5")
+LAMBDA1 = ("--critic.gae_lambda", "1.0")
+FAST_CRITIC = ("--critic.lr", "1e-2", "--critic.updates", "32")
+GATE = ("--critic.warmup_max_error", "0.5")
 TUNE_GRID: dict[str, list[tuple[str, ...]]] = {
     # four settings per turn-level method (the same budget each); grpo has no knob of its own
-    "gigpo": [("--algo.gigpo_step_weight", "1.0"), ("--algo.gigpo_step_weight", "3.0"),
-              ("--algo.gigpo_step_weight", "10.0"),
-              ("--algo.gigpo_step_weight", "1.0", "--credit.gigpo_episode_weight", "0")],
-    "turn_gae": [(*LAMBDA1, "--algo.critic_lr", "3e-3", "--algo.critic_updates", "16"),
+    "gigpo": [("--critic.gigpo_step_weight", "1.0"), ("--critic.gigpo_step_weight", "3.0"),
+              ("--critic.gigpo_step_weight", "10.0"),
+              ("--critic.gigpo_step_weight", "1.0", "--critic.gigpo_episode_weight", "0")],
+    "turn_gae": [(*LAMBDA1, "--critic.lr", "3e-3", "--critic.updates", "16"),
                  (*LAMBDA1, *FAST_CRITIC),
                  (*LAMBDA1, *FAST_CRITIC, *GATE),
-                 (*LAMBDA1, *FAST_CRITIC, *GATE, "--credit.scale", "running")],
-    "archer": [("--algo.critic_lr", "3e-3", "--algo.critic_updates", "16", *GATE),
+                 (*LAMBDA1, *FAST_CRITIC, *GATE, "--critic.scale", "running")],
+    "archer": [("--critic.lr", "3e-3", "--critic.updates", "16", *GATE),
                (*FAST_CRITIC, *GATE),
-               (*FAST_CRITIC, "--algo.critic_tau", "0.3", *GATE),
-               (*FAST_CRITIC, "--algo.critic_tau", "0.3", *GATE, "--credit.scale", "running")],
+               (*FAST_CRITIC, "--critic.tau", "0.3", *GATE),
+               (*FAST_CRITIC, "--critic.tau", "0.3", *GATE, "--critic.scale", "running")],
 }
 TUNE_SEEDS, TUNE_HORIZON = (100,), 16
 

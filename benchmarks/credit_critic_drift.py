@@ -57,21 +57,22 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
     from turnrl.algorithms.critic import extract_turn_features
-    from turnrl.algorithms.estimators import critic_fit_error, make_estimator
-    from turnrl.config import AlgoConfig
+    from turnrl.algorithms.estimators import EstimatorSettings, critic_fit_error, make_estimator
+    from turnrl.config import AlgoConfig, CriticConfig
     from turnrl.models import tiny_model
 
     first, second = collect(args.out)[:2]
     model, tok = tiny_model(0)  # the starting weights: fixed features
-    algo = AlgoConfig(advantage="turn_gae", gae_lambda=1.0, critic_lr=1e-2, critic_updates=32)
-    estimator = make_estimator(algo, model.config.hidden_size)
+    critic = CriticConfig(gae_lambda=1.0, lr=1e-2, updates=32)
+    estimator = make_estimator(EstimatorSettings(AlgoConfig(advantage="turn_gae"), critic,
+                                                 model.config.hidden_size))
     errors = []
     for _ in range(8):
         estimator.advantages(first, model, tok.pad_token_id)
         errors.append(estimator.metrics()["credit/critic_fit_error"])
     held_out = critic_fit_error(estimator.critic, second,
                                 extract_turn_features(model, second, tok.pad_token_id, "cpu"),
-                                algo.gamma)
+                                critic.gamma)
     print("fixed features, in-sample fit error per call of 32 updates:",
           ", ".join(f"{e:.2f}" for e in errors))
     print(f"fixed features, new episodes (batch 2): fit error {held_out:.2f}")

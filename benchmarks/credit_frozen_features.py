@@ -1,5 +1,5 @@
 """One extra setting next to the credit sweep: turn_gae with the sweep's frozen settings plus
-``--credit.critic_features frozen`` (the critic reads a frozen copy of the starting policy),
+``--critic.features frozen`` (the critic reads a frozen copy of the starting policy),
 at one horizon on the measurement seeds, scored against the sweep's threshold at that horizon.
 
 Not part of the sweep's equal-budget protocol: the option was added after the tuning run.
@@ -36,7 +36,7 @@ def main() -> int:
     right_key, _ = bench.measure_right_key()
     s = bench.Settings(right_key=right_key)
     out = Path(args.out)
-    knobs = bench.METHOD_SETTINGS["turn_gae"] + ("--credit.critic_features", "frozen")
+    knobs = bench.METHOD_SETTINGS["turn_gae"] + ("--critic.features", "frozen")
     todo = [((args.horizon, "turn_gae", "frozen", seed),
              bench.run_config_args(args.horizon, "turn_gae", knobs, seed, s,
                                    str(out / "runs" / f"s{seed}")))

@@ -41,8 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from turnrl.config import load_config
-from turnrl.config_serve import ServeConfig
+from turnrl.config import ServeConfig, load_config
 from turnrl.evaluation import EvalResult
 from turnrl.metrics import print_table
 from turnrl.models import configure_torch, load_model

@@ -28,7 +28,7 @@ import time
 import torch
 from openai import AsyncOpenAI
 
-from turnrl.config_serve import ServeConfig
+from turnrl.config import ServeConfig
 from turnrl.models import configure_torch, load_model
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 from turnrl.serve import Server

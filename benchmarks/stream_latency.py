@@ -20,7 +20,7 @@ import time
 import torch
 from openai import AsyncOpenAI
 
-from turnrl.config_serve import ServeConfig
+from turnrl.config import ServeConfig
 from turnrl.models import load_model
 from turnrl.rollout import ChatFormat, HFEngine
 from turnrl.serve import Server

@@ -73,7 +73,7 @@ def test_integer_rewards_are_accepted():
 
 
 def test_every_estimator_is_registered_and_a_new_one_is_one_entry():
-    from turnrl.algorithms.estimators import Outcome, make_estimator
+    from turnrl.algorithms.estimators import EstimatorSettings, Outcome, make_estimator
     from turnrl.config import AlgoConfig, ConfigError
     from turnrl.registry import ESTIMATORS
 
@@ -81,9 +81,13 @@ def test_every_estimator_is_registered_and_a_new_one_is_one_entry():
     with pytest.raises(ConfigError, match="did you mean 'rloo'"):
         AlgoConfig(advantage="rlooo")
     # A user's estimator: one function and one registry entry, then the config takes it.
-    ESTIMATORS["sign"] = lambda algo, hidden, seed: Outcome(lambda r, g: torch.sign(r - 0.5))
+    with pytest.raises(TypeError, match="register it"):  # a bare factory has no level
+        ESTIMATORS["sign"] = lambda settings: Outcome(lambda r, g: torch.sign(r - 0.5))
+    ESTIMATORS.add("sign", lambda settings: Outcome(lambda r, g: torch.sign(r - 0.5)),
+                   level="episode")
     try:
-        estimator = make_estimator(AlgoConfig(advantage="sign"), hidden_size=8)
+        assert ESTIMATORS.level("sign") == "episode" and ESTIMATORS.options("sign") == ()
+        estimator = make_estimator(EstimatorSettings(AlgoConfig(advantage="sign")))
         from turnrl.types import Episode
 
         eps = [Episode("e", 0, 0, reward=r) for r in (1.0, 0.0)]

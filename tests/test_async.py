@@ -360,8 +360,8 @@ def test_queued_groups_wait_at_the_worker_beyond_its_pool():
     from turnrl.distributed.workers import worker_pool_size
 
     cfg = load_config(None, ["--rollout.groups_per_step", "2", "--rollout.group_size", "4",
-                             "--staleness.overprovision", "1.5",
-                             "--staleness.queued_groups", "2"])
+                             "--pool.overprovision", "1.5",
+                             "--pool.queued_groups", "2"])
     fleet = FakeFleet([])
     learner = RaySource(cfg, fleet, AssignmentBook(lambda index: index))
     learner.top_up()
@@ -372,7 +372,7 @@ def test_queued_groups_wait_at_the_worker_beyond_its_pool():
 
 
 def test_the_learner_trains_each_assignment_once_and_regenerates_stale_seeds():
-    cfg = load_config(None, ["--rollout.groups_per_step", "2", "--staleness.overprovision",
+    cfg = load_config(None, ["--rollout.groups_per_step", "2", "--pool.overprovision",
                              "1.5", "--staleness.on_stale", "regenerate",
                              "--staleness.max_versions", "1"])
     book = AssignmentBook(lambda index: 500 + index)
@@ -408,7 +408,7 @@ def test_the_sizing_sees_what_the_buffer_will_need_and_the_groups_in_the_system(
     trained (arrival order, ``groups_per_step`` a step from the next version), and its
     Little's-law term counts every group issued and not yet trained."""
     cfg = load_config(None, ["--rollout.groups_per_step", "2", "--staleness.max_versions",
-                             "2", "--staleness.overprovision", "2"])
+                             "2", "--pool.overprovision", "2"])
 
     def learner_with_buffer(oldest_version):
         fleet = FakeFleet([])
@@ -513,7 +513,7 @@ def test_a_killed_worker_is_restarted_and_its_work_reissued(ray_cluster, tmp_pat
     cfg = load_config(None, TINY + ["--run.steps", "4", "--eval.episodes", "0",
                                     "--run.checkpoint_every", "0",
                                     "--env.options.turns", "2",
-                                    "--staleness.overprovision", "2",
+                                    "--pool.overprovision", "2",
                                     "--run.out_dir", str(tmp_path)])
     killed = []
 
@@ -538,7 +538,7 @@ def test_a_killed_worker_is_restarted_and_its_work_reissued(ray_cluster, tmp_pat
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert sum(r["async/worker_restarts"] for r in records) == result.worker_restarts == 1
-    # staleness.auto (the default) measured and sized from step 1 on, through the restart;
+    # pool.auto (the default) measured and sized from step 1 on, through the restart;
     # the learner's own times from step 2 (its first step is a warm-up, not kept).
     for r in records:
         assert r["rates/turns_per_episode"] >= 1
@@ -610,7 +610,7 @@ def test_a_worker_samples_with_the_weights_it_was_sent_last():
 
 
 def test_a_worker_reports_its_env_latencies_and_takes_a_new_pool_size():
-    """What ``staleness.auto`` reads and sets at a worker: every env call's wall time comes
+    """What ``pool.auto`` reads and sets at a worker: every env call's wall time comes
     back with the reports (each delayed step at least its delay; the resets, not delayed,
     apart: Little's law spreads an episode's one reset over its turns), and ``resize``
     changes how many episodes live at once."""

@@ -13,6 +13,7 @@ from turnrl.config import (
     config_to_dict,
     field_docs,
     load_config,
+    load_run_config,
     save_config,
 )
 
@@ -232,13 +233,108 @@ def test_every_field_has_a_docstring():
             assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
 
 
-def test_help_has_one_line_per_key():
-    lines = config_help().splitlines()
-    sections = [getattr(Config(), f.name) for f in dataclasses.fields(Config)]
-    assert len(lines) == sum(len(dataclasses.fields(s)) for s in sections)
-    clip = next(line for line in lines if line.startswith("--algo.clip_high "))
-    assert clip.startswith("--algo.clip_high FLOAT (default 0.28)  ")
-    assert "DAPO" in clip
-    assert any(line.startswith("--run.wandb BOOL (default False)") for line in lines)
-    advantage = next(line for line in lines if line.startswith("--algo.advantage "))
-    assert advantage.startswith("--algo.advantage STR (default 'grpo')") and "archer" in advantage
+def test_help_lists_the_sections_one_line_each():
+    lines = config_help().splitlines()[1:]
+    fields = dataclasses.fields(Config)
+    assert [line.split()[0] for line in lines] == [f.name for f in fields]
+    for line, f in zip(lines, fields, strict=True):
+        count = len(dataclasses.fields(type(getattr(Config(), f.name))))
+        assert line.endswith(f"({count} options)")
+    assert "turn-level" in next(line for line in lines if line.split()[0] == "critic")
+
+
+def test_help_of_a_section_lists_its_options_with_type_default_and_doc():
+    text = config_help("algo")
+    flags = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+    assert flags == [f"--algo.{f.name}" for f in dataclasses.fields(AlgoConfig)]
+    assert "  --algo.clip_high FLOAT (default 0.28)" in text.splitlines()
+    assert "DAPO" in text and "--critic." not in text
+    assert "  --pool.auto BOOL (default True)" in config_help("pool").splitlines()
+    every = config_help("all")
+    assert sum(line.startswith("  --") for line in every.splitlines()) == sum(
+        len(dataclasses.fields(type(getattr(Config(), f.name))))
+        for f in dataclasses.fields(Config))
+    with pytest.raises(ConfigError, match="did you mean 'critic'"):
+        config_help("critc")
+
+
+def test_cli_help_prints_sections_and_a_section(capsys):
+    from turnrl.cli import main
+
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "turnrl train" in out and "  pool " in out and "--critic.gamma" not in out
+    assert main(["train", "--help", "critic"]) == 0
+    out = capsys.readouterr().out
+    assert "--critic.gamma FLOAT (default 0.95)" in out and "turnrl eval" not in out
+    assert main(["train", "--help", "nope"]) == 2
+    assert "no such config section" in capsys.readouterr().err
+
+
+MOVED_KEYS = [("algo.gamma", "0.9", "critic.gamma"), ("algo.critic_lr", "0.01", "critic.lr"),
+              ("algo.critic_updates", "3", "critic.updates"),
+              ("algo.replay_episodes", "4", "critic.replay_episodes"),
+              ("credit.scale", "none", "critic.scale"),
+              ("credit.critic_features", "frozen", "critic.features"),
+              ("credit.gigpo_episode_weight", "0", "critic.gigpo_episode_weight"),
+              ("staleness.overprovision", "2", "pool.overprovision"),
+              ("staleness.auto", "false", "pool.auto"),
+              ("staleness.pool_memory_fraction", "0.5", "pool.memory_fraction"),
+              ("serve.train_mode", "async", "run.mode")]
+
+
+@pytest.mark.parametrize(("old", "value", "new"), MOVED_KEYS)
+def test_an_old_key_fails_with_one_line_naming_the_new_one(yaml_file, old, value, new):
+    message = _error([f"--{old}", value])
+    assert message.startswith(f"config key '{old}' moved to '{new}'")
+    section, name = old.split(".")
+    assert _error(path=yaml_file({section: {name: value}})) == message
+
+
+@pytest.mark.parametrize(("old", "value", "new"), MOVED_KEYS)
+def test_a_stored_config_with_old_keys_still_loads_at_the_new_place(tmp_path, old, value, new):
+    stored = config_to_dict(load_config(overrides=["--algo.advantage", "archer"]))
+    del stored["critic"], stored["pool"]  # written before those sections existed
+    section, name = old.split(".")
+    stored.setdefault(section, {})[name] = yaml.safe_load(value)
+    if new.startswith("critic.gigpo"):
+        stored["algo"]["advantage"] = "gigpo"
+    if new == "critic.replay_episodes":
+        stored["algo"]["advantage"] = "archer"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(stored))
+    new_section, new_name = new.split(".")
+    for cfg in (config_from_dict(yaml.safe_load(path.read_text())), load_run_config(str(path))):
+        got = getattr(getattr(cfg, new_section), new_name)
+        assert got == type(got)(yaml.safe_load(value)) if not isinstance(got, str) \
+            else got == value
+    with pytest.raises(ConfigError, match="moved to"):  # overrides on top are still checked
+        load_run_config(str(path), [f"--{old}", value])
+
+
+def test_pool_options_have_their_own_section():
+    cfg = load_config(overrides=["--pool.overprovision", "2", "--pool.queued_groups", "3",
+                                 "--pool.auto", "false", "--pool.memory_fraction", "0.5"])
+    assert (cfg.pool.overprovision, cfg.pool.queued_groups, cfg.pool.auto,
+            cfg.pool.memory_fraction) == (2.0, 3, False, 0.5)
+    assert cfg.staleness.keep_kv_cache  # how stale a continued episode is: staleness
+    assert _error(["--pool.memory_fraction", "0"]) == \
+        "pool.memory_fraction must be in (0, 1], got 0.0"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--ray.engine", "vllm", "--ray.worker_gpus", "1", "--rollout.temperature", "0.005"],
+         "rollout.temperature 0.005 with ray.engine vllm"),
+        (["--critic.scale", "none"], "critic.scale is not read by algo.advantage grpo"),
+        (["--algo.advantage", "gigpo", "--critic.lr", "0.1"],
+         "critic.lr is not read by algo.advantage gigpo (read by: turn_gae, archer)"),
+        (["--run.mode", "async", "--explore.temperature_schedule", "linear"], "sync only"),
+        (["--explore.pass_k", "9"], "exceeds rollout.group_size"),
+        (["--explore.pass_k", "2", "--algo.advantage", "archer"], "archer is turn-level"),
+    ],
+)
+def test_cross_section_checks_run_when_the_config_is_built(overrides, message):
+    error = _error(overrides)
+    assert message in error

@@ -3,6 +3,7 @@ toy chain, and the turn-level estimators end to end on the tiny model."""
 
 import io
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,8 +31,8 @@ from turnrl.algorithms.critic import (
     extract_turn_features,
     value_regression_step,
 )
-from turnrl.algorithms.estimators import ESTIMATORS, Outcome, make_estimator
-from turnrl.config import AlgoConfig
+from turnrl.algorithms.estimators import ESTIMATORS, EstimatorSettings, Outcome, make_estimator
+from turnrl.config import AlgoConfig, CriticConfig
 from turnrl.types import Batch, Episode, Turn
 
 
@@ -219,9 +220,9 @@ def test_archer_critic_learns_chain_values_by_td(one_thread):
 
 def test_outcome_estimators_give_one_advantage_per_episode_from_rewards_and_groups():
     eps = _batch_episodes()  # rewards 1, 0 (group 0) and 0, 0 (group 1)
-    adv = make_estimator(AlgoConfig(advantage="rloo"), hidden_size=8).advantages(eps, None, 0)
-    close(adv, [1.0, -1.0, 0.0, 0.0])  # RLOO: r - mean of the other group members
-    assert isinstance(make_estimator(AlgoConfig(advantage="grpo"), 8), Outcome)
+    rloo = make_estimator(EstimatorSettings(AlgoConfig(advantage="rloo"), hidden_size=8))
+    close(rloo.advantages(eps, None, 0), [1.0, -1.0, 0.0, 0.0])  # r - mean of the others
+    assert isinstance(make_estimator(EstimatorSettings(AlgoConfig(advantage="grpo"))), Outcome)
 
 
 def _batch_episodes():
@@ -250,8 +251,11 @@ def test_extract_turn_features_match_unbatched_forward(tiny):
 @pytest.mark.parametrize("name", ["gigpo", "turn_gae", "archer"])
 def test_turn_credit_end_to_end(tiny, name):
     model, tok = tiny
-    algo = AlgoConfig(advantage=name, critic_updates=3, replay_episodes=3)
-    credit = ESTIMATORS[name](algo, model.config.hidden_size)
+    options = {"gigpo": {}, "turn_gae": {"updates": 3},
+               "archer": {"updates": 3, "replay_episodes": 3}}[name]
+    settings = EstimatorSettings(AlgoConfig(advantage=name), CriticConfig(**options),
+                                 model.config.hidden_size)
+    credit = ESTIMATORS[name].factory(settings)
     eps = _batch_episodes()
     adv = credit.advantages(eps, model if name != "gigpo" else None, tok.pad_token_id)
     batch = Batch.from_episodes(eps, adv, tok.pad_token_id)
@@ -272,7 +276,7 @@ def test_turn_credit_end_to_end(tiny, name):
     buffer = io.BytesIO()
     torch.save(credit.state_dict(), buffer)
     buffer.seek(0)
-    restored = ESTIMATORS[name](algo, model.config.hidden_size, seed=123)
+    restored = ESTIMATORS[name].factory(replace(settings, seed=123))
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     again = credit.advantages(eps, model, tok.pad_token_id)
     close(restored.advantages(eps, model, tok.pad_token_id), again, atol=0)

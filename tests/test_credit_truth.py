@@ -14,8 +14,8 @@ from credit_truth_data import key_corridor_dataset
 
 from turnrl.algorithms.credit import gigpo_advantages
 from turnrl.algorithms.critic import extract_turn_features
-from turnrl.algorithms.estimators import make_estimator
-from turnrl.config import AlgoConfig
+from turnrl.algorithms.estimators import EstimatorSettings, make_estimator
+from turnrl.config import AlgoConfig, CriticConfig
 from turnrl.envs import make_env
 from turnrl.envs.credit_tasks import chosen_key, key_corridor_values
 from turnrl.models import tiny_model
@@ -121,8 +121,9 @@ def train_estimator(name, corridor, calls, **knobs):
     """``calls`` training steps of the estimator's critic on the fixed data (the features are
     computed once: the policy does not change), then its per-turn advantages."""
     model, tokenizer, episodes = corridor
-    algo = AlgoConfig(advantage=name, gamma=GAMMA, **knobs)
-    estimator = make_estimator(algo, model.config.hidden_size, seed=0)
+    settings = EstimatorSettings(AlgoConfig(advantage=name), CriticConfig(gamma=GAMMA, **knobs),
+                                 model.config.hidden_size, seed=0)
+    estimator = make_estimator(settings)
     features = extract_turn_features(model, episodes, tokenizer.pad_token_id, "cpu")
     for _ in range(calls):
         per_turn = estimator.per_turn(episodes, features)
@@ -144,8 +145,8 @@ def test_turn_gae_value_head_recovers_v_pi(corridor):
     updates (640) bring every state's value within 0.09 of V^pi, 0.035 on average. 40 steps
     were just enough on one CPU (0.030 mean) and not on another (AVX2: 0.037 mean, 0.073
     max); 80 left 0.008 mean, 0.030 max there: the margin is for the float paths."""
-    estimator, per_turn = train_estimator("turn_gae", corridor, calls=80, critic_updates=8,
-                                        critic_lr=1e-3)
+    estimator, per_turn = train_estimator("turn_gae", corridor, calls=80, updates=8,
+                                        lr=1e-3)
     model, tokenizer, episodes = corridor
     errors, _ = value_errors(estimator.critic, model, tokenizer, episodes)
     print(f"turn_gae V error: mean {float(errors.mean()):.4f}, max {float(errors.max()):.4f}")
@@ -160,8 +161,8 @@ def test_archer_q_and_v_recover_the_true_values(corridor):
     on average and min(Q1, Q2) at the key turn within 0.06 of Q^pi (right key: gamma^5,
     wrong: 0) on average. TD needs the longer run: each update moves a value one turn back
     (80 steps left V at 0.045 mean on one CPU, 0.068 on another; 160 left 0.021 there)."""
-    estimator, per_turn = train_estimator("archer", corridor, calls=160, critic_updates=8,
-                                        critic_lr=1e-3)
+    estimator, per_turn = train_estimator("archer", corridor, calls=160, updates=8,
+                                        lr=1e-3)
     model, tokenizer, episodes = corridor
     errors, features = value_errors(estimator.critic, model, tokenizer, episodes)
     truth = key_corridor_values(HORIZON, P_RIGHT, GAMMA)

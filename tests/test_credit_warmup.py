@@ -1,4 +1,4 @@
-"""The ``credit`` section: critic warm-up (by updates and by fit error), the advantage scale,
+"""The ``critic`` section: critic warm-up (by updates and by fit error), the advantage scale,
 GiGPO's episode weight, and the refusal of options an estimator would ignore."""
 
 import copy
@@ -20,12 +20,20 @@ from turnrl.algorithms.credit import (
     whiten_masked,
 )
 from turnrl.algorithms.critic import extract_turn_features
-from turnrl.algorithms.estimators import RUNNING_DECAY, grpo_per_turn, make_estimator
-from turnrl.config import AlgoConfig, load_config
-from turnrl.config_credit import CreditConfig
-from turnrl.config_types import ConfigError
+from turnrl.algorithms.estimators import (
+    RUNNING_DECAY,
+    EstimatorSettings,
+    grpo_per_turn,
+    make_estimator,
+)
+from turnrl.config import AlgoConfig, Config, ConfigError, CriticConfig, load_config
 from turnrl.metrics import read_metrics
 from turnrl.trainer import train
+
+
+def _make(advantage: str, hidden_size: int, critic: CriticConfig | None = None):
+    return make_estimator(EstimatorSettings(AlgoConfig(advantage=advantage),
+                                            critic or CriticConfig(), hidden_size))
 
 
 def test_relative_fit_error_is_one_minus_explained_variance():
@@ -66,9 +74,9 @@ def _grpo_tokens(eps):
 @pytest.mark.parametrize("name", ["turn_gae", "archer"])
 def test_warmup_updates_give_grpo_until_the_critic_has_taken_k_steps(tiny, name):
     model, tok = tiny
-    algo = AlgoConfig(advantage=name, critic_updates=3, replay_episodes=8)
-    estimator = make_estimator(algo, model.config.hidden_size,
-                               credit=CreditConfig(warmup_updates=6))
+    critic = CriticConfig(updates=3, warmup_updates=6,
+                          **({"replay_episodes": 8} if name == "archer" else {}))
+    estimator = _make(name, model.config.hidden_size, critic)
     eps = _batch_episodes()
     before = [p.clone() for p in estimator.critic.online.parameters()]
     in_use = []
@@ -92,9 +100,8 @@ def test_fit_error_gate_switches_to_the_critic_once_it_fits_the_returns(tiny):
     critic's is above 1."""
     model, tok = tiny
     eps = key_corridor_dataset(tok, horizon=4, p_right=0.5, groups=2, group_size=4)
-    algo = AlgoConfig(advantage="turn_gae", gae_lambda=1.0, critic_lr=3e-3, critic_updates=25)
-    estimator = make_estimator(algo, model.config.hidden_size,
-                               credit=CreditConfig(warmup_max_error=0.5))
+    estimator = _make("turn_gae", model.config.hidden_size,
+                      CriticConfig(gae_lambda=1.0, lr=3e-3, updates=25, warmup_max_error=0.5))
     errors, in_use = [], []
     for _ in range(5):
         adv = estimator.advantages(eps, model, tok.pad_token_id)
@@ -116,8 +123,7 @@ def _policy_mask(eps):
 
 def _critic_pair(tiny, scale):
     model, _ = tiny
-    algo = AlgoConfig(advantage="turn_gae", critic_updates=2)
-    return [make_estimator(algo, model.config.hidden_size, credit=CreditConfig(scale=s))
+    return [_make("turn_gae", model.config.hidden_size, CriticConfig(updates=2, scale=s))
             for s in ("none", scale)]
 
 
@@ -148,27 +154,32 @@ def test_scale_running_divides_by_a_bias_corrected_running_rms(tiny):
     assert float(scaled[mask].pow(2).mean()) != pytest.approx(1.0, abs=1e-3)  # not per batch
 
 
-def test_credit_options_an_estimator_would_ignore_are_refused():
-    for advantage, credit, word in [
-            ("grpo", CreditConfig(warmup_updates=4), "credit.warmup_updates"),
-            ("gigpo", CreditConfig(scale="none"), "credit.scale"),
-            ("rloo", CreditConfig(critic_features="frozen"), "credit.critic_features"),
-            ("turn_gae", CreditConfig(gigpo_episode_weight=0.0), "credit.gigpo_episode_weight")]:
+def test_critic_options_an_estimator_would_ignore_are_refused():
+    for advantage, critic, word in [
+            ("grpo", CriticConfig(warmup_updates=4), "critic.warmup_updates"),
+            ("gigpo", CriticConfig(scale="none"), "critic.scale"),
+            ("rloo", CriticConfig(features="frozen"), "critic.features"),
+            ("rloo", CriticConfig(gamma=0.5), "critic.gamma"),
+            ("archer", CriticConfig(gae_lambda=0.5), "critic.gae_lambda"),
+            ("turn_gae", CriticConfig(tau=0.5), "critic.tau"),
+            ("turn_gae", CriticConfig(gigpo_episode_weight=0.0), "critic.gigpo_episode_weight")]:
         with pytest.raises(ConfigError, match=word):
-            make_estimator(AlgoConfig(advantage=advantage), 8, credit=credit)
-    with pytest.raises(ConfigError, match="credit.scale"):
-        CreditConfig(scale="whiten")
-    with pytest.raises(ConfigError, match="credit.warmup_max_error"):
-        CreditConfig(warmup_max_error=-1)
+            _make(advantage, 8, critic)
+        with pytest.raises(ConfigError, match=word):  # the config refuses it too
+            Config(algo=AlgoConfig(advantage=advantage), critic=critic)
+    with pytest.raises(ConfigError, match="critic.scale"):
+        CriticConfig(scale="whiten")
+    with pytest.raises(ConfigError, match="critic.warmup_max_error"):
+        CriticConfig(warmup_max_error=-1)
 
 
-def test_credit_section_reaches_the_estimator_in_a_training_run(tmp_path):
+def test_critic_section_reaches_the_estimator_in_a_training_run(tmp_path):
     cfg = load_config(None, [
         "--model.name", "tiny", "--env.name", "key-corridor", "--env.options", "{horizon: 3}",
         "--rollout.max_new_tokens", "2", "--rollout.max_turns", "3",
         "--rollout.group_size", "4", "--rollout.groups_per_step", "1",
-        "--algo.advantage", "turn_gae", "--algo.critic_updates", "2",
-        "--credit.warmup_updates", "4", "--eval.episodes", "0", "--run.steps", "3",
+        "--algo.advantage", "turn_gae", "--critic.updates", "2",
+        "--critic.warmup_updates", "4", "--eval.episodes", "0", "--run.steps", "3",
         "--run.progress", "false", "--run.tensorboard", "false", "--run.out_dir", str(tmp_path)])
     train(cfg)
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -177,15 +188,13 @@ def test_credit_section_reaches_the_estimator_in_a_training_run(tmp_path):
 
 
 def test_frozen_critic_features_ignore_policy_updates_and_survive_a_resume(tiny):
-    """``critic_features: frozen`` reads the starting policy's hidden states, even after the
+    """``critic.features: frozen`` reads the starting policy's hidden states, even after the
     policy has moved and after a checkpoint round trip; ``policy`` follows the live model."""
     model, tok = tiny
     policy = copy.deepcopy(model)
     eps = _batch_episodes()
-    algo = AlgoConfig(advantage="turn_gae", critic_updates=1)
-    frozen = make_estimator(algo, model.config.hidden_size,
-                            credit=CreditConfig(critic_features="frozen"))
-    live = make_estimator(algo, model.config.hidden_size)
+    frozen = _make("turn_gae", model.config.hidden_size, CriticConfig(updates=1, features="frozen"))
+    live = _make("turn_gae", model.config.hidden_size, CriticConfig(updates=1))
     frozen.advantages(eps, policy, tok.pad_token_id)  # freezes the starting weights
     with torch.no_grad():
         for p in policy.parameters():
@@ -199,8 +208,8 @@ def test_frozen_critic_features_ignore_policy_updates_and_survive_a_resume(tiny)
     buffer = io.BytesIO()
     torch.save(frozen.state_dict(), buffer)
     buffer.seek(0)
-    restored = make_estimator(algo, model.config.hidden_size,
-                              credit=CreditConfig(critic_features="frozen"))
+    restored = _make("turn_gae", model.config.hidden_size,
+                     CriticConfig(updates=1, features="frozen"))
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     close(restored.features(eps, policy, tok.pad_token_id)[0].states, start[0].states,
           atol=1e-6)

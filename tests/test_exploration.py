@@ -24,9 +24,7 @@ from turnrl.algorithms.exploration import (
     scheduled_temperature,
     weight_advantages,
 )
-from turnrl.config import ConfigError, load_config
-from turnrl.config_explore import ExploreConfig
-from turnrl.trainer.run import check_explore
+from turnrl.config import ConfigError, ExploreConfig, load_config
 from turnrl.types import Episode, Turn
 
 
@@ -207,7 +205,7 @@ def test_exploration_advantages_apply_passk_then_weights():
     expected = _passk_by_enumeration([True, False, False, False], 2)
     assert adv.tolist() == pytest.approx([expected[0]] + [0.5 * e for e in expected[1:]],
                                          abs=1e-5)
-    with pytest.raises(ValueError, match="outcome-level"):
+    with pytest.raises(ValueError, match="episode-level"):
         stage.advantages(episodes, torch.zeros(4, 3))
 
 
@@ -240,11 +238,9 @@ def test_explore_config_checks():
     with pytest.raises(ConfigError, match="explore.top_entropy_fraction"):
         load_config(None, ["--explore.top_entropy_fraction", "0"])
     with pytest.raises(ConfigError, match="sync only"):
-        check_explore(load_config(None, ["--explore.dynamic_sampling", "true",
-                                         "--run.mode", "async"]))
+        load_config(None, ["--explore.dynamic_sampling", "true", "--run.mode", "async"])
     with pytest.raises(ConfigError, match="exceeds rollout.group_size"):
-        check_explore(load_config(None, ["--explore.pass_k", "9"]))
-    with pytest.raises(ConfigError, match="outcome advantages"):
-        check_explore(load_config(None, ["--explore.pass_k", "4", "--algo.advantage",
-                                         "gigpo"]))
-    check_explore(load_config(None, ["--explore.pass_k", "8"]))  # k = group size is fine
+        load_config(None, ["--explore.pass_k", "9"])
+    with pytest.raises(ConfigError, match="gigpo is turn-level"):
+        load_config(None, ["--explore.pass_k", "4", "--algo.advantage", "gigpo"])
+    load_config(None, ["--explore.pass_k", "8"])  # k = group size is fine

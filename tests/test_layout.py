@@ -12,9 +12,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
-    {"registry", "types", "config", "config_types", "config_async", "config_serve",
-     "config_explore", "config_credit",
-     "stats"},
+    {"registry", "types", "config", "stats"},
     {"models", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
      "evaluation"},
     {"algorithms", "policy"},
@@ -34,7 +32,7 @@ def _module_name(path: Path) -> str:
 def _imports(path: Path) -> set[str]:
     """Every turnrl module ``path`` imports, at any depth of the file."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("turnrl")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
@@ -45,6 +43,19 @@ def _imports(path: Path) -> set[str]:
                 candidate = f"{node.module}.{alias.name}"
                 found.add(candidate if _path_of(candidate) is not None else node.module)
     return found
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node that can run: all of them but the bodies of ``if TYPE_CHECKING:`` (imports
+    for annotations only, never executed)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
 
 
 def _path_of(module: str) -> Path | None:

@@ -14,7 +14,7 @@ import torch
 from openai import OpenAI
 
 from turnrl import cli
-from turnrl.config_serve import ServeConfig
+from turnrl.config import ServeConfig
 from turnrl.models import tiny_model
 from turnrl.rollout import ChatFormat, HFEngine
 from turnrl.serve import Server

@@ -76,3 +76,15 @@ def test_async_mode_refuses_resume_and_regenerate(tmp_path):
                                "--run.out_dir", str(tmp_path / "r2")])
     with pytest.raises(ConfigError, match="on_stale drop"):
         train_agent(rollout, ["x"], regen)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_train_agent_refuses_a_turn_level_estimator_before_serving(tmp_path, mode):
+    """The level comes from the registry, not from the shape of the advantages once a step
+    has been played."""
+    cfg = load_config(None, ["--model.name", "tiny", "--run.mode", mode,
+                             "--algo.advantage", "turn_gae", "--serve.port", "0",
+                             "--run.out_dir", str(tmp_path / "r")])
+    with pytest.raises(ConfigError, match="turn_gae is turn-level"):
+        train_agent(rollout, ["x"], cfg)
+    assert not (tmp_path / "r").exists()  # refused before the run directory was made

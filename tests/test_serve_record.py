@@ -10,7 +10,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from turnrl.config_serve import ServeConfig
+from turnrl.config import ServeConfig
 from turnrl.models import tiny_tokenizer
 from turnrl.rollout import ChatFormat, Completion
 from turnrl.serve import (

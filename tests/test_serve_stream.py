@@ -16,7 +16,7 @@ import torch
 from openai import AsyncOpenAI, OpenAI
 from transformers import AutoTokenizer
 
-from turnrl.config_serve import ServeConfig
+from turnrl.config import ServeConfig
 from turnrl.models import SMOLLM2, model_directory, tiny_model, tiny_tokenizer
 from turnrl.rollout import ChatFormat, Completion, HFEngine, SamplingParams
 from turnrl.serve import Server

@@ -70,7 +70,7 @@ def test_the_example_agent_uses_its_tool_and_scores_the_answer():
     from openai import AsyncOpenAI
     from test_serve_record import ScriptedEngine
 
-    from turnrl.config_serve import ServeConfig
+    from turnrl.config import ServeConfig
     from turnrl.rollout import ChatFormat
     from turnrl.serve import Server
     from turnrl.serve.app import RunningServer

@@ -305,10 +305,10 @@ def test_auto_sizing_is_the_default_and_its_memory_share_is_checked():
     from turnrl.config import ConfigError, load_config
 
     cfg = load_config(None, [])
-    assert cfg.staleness.auto and cfg.staleness.keep_kv_cache
-    with pytest.raises(ConfigError, match="pool_memory_fraction"):
-        load_config(None, ["--staleness.pool_memory_fraction", "0"])
-    assert not load_config(None, ["--staleness.auto", "false"]).staleness.auto
+    assert cfg.pool.auto and cfg.staleness.keep_kv_cache
+    with pytest.raises(ConfigError, match="pool.memory_fraction"):
+        load_config(None, ["--pool.memory_fraction", "0"])
+    assert not load_config(None, ["--pool.auto", "false"]).pool.auto
 
 
 def test_the_pool_never_asks_the_workers_for_more_than_most_of_their_capacity():

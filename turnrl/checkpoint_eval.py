@@ -15,7 +15,7 @@ from rich.console import Console
 from safetensors.torch import load_model
 
 from turnrl.checkpoint import latest_checkpoint
-from turnrl.config import Config, ConfigError, load_config
+from turnrl.config import Config, ConfigError, load_config, load_run_config
 from turnrl.evaluation import (
     SampledEval,
     aggregate_seeds,
@@ -52,10 +52,12 @@ def resolve_checkpoint(target: str) -> Path | None:
 
 def run_config(checkpoint: Path | None, config_path: str | None, overrides: list[str]) -> Config:
     """The config to evaluate under: ``--config`` if given, else the checkpoint's run's own
-    (its model, env and settings), else the defaults; overrides apply on top."""
+    (its model, env and settings; keys that moved since it was written are read at their new
+    place), else the defaults; overrides apply on top."""
     if config_path is None and checkpoint is not None:
         saved = checkpoint.parent.parent / "config.yaml"
-        config_path = str(saved) if saved.is_file() else None
+        if saved.is_file():
+            return load_run_config(str(saved), overrides)
     return load_config(config_path, overrides)
 
 

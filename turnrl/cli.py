@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from turnrl.config import ConfigError, config_help, load_config
+from turnrl.config import ConfigError, config_help, load_config, load_run_config
 
 USAGE = """turnrl train  [--config FILE.yaml] [--resume] [--mode sync|async] [--section.key VALUE ...]
 turnrl eval   [--config FILE.yaml] [--checkpoint DIR] [--samples N] [--out FILE.json] [--section.key VALUE ...]
@@ -17,7 +17,7 @@ turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.po
 turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] [--html FILE.html]
 turnrl envs
 
-Every config field is an option; `turnrl train --help` lists them with their docs."""
+Every config field is an option: --section.key VALUE."""
 
 
 def _split(argv: Sequence[str], flags: dict[str, bool]) -> tuple[dict, list[str]]:
@@ -53,7 +53,7 @@ def cmd_train(argv: Sequence[str]) -> int:
             raise ConfigError("--resume continues a run with its saved config; drop --config")
         saved = Path(cfg.run.out_dir) / "config.yaml"
         if saved.exists():  # overrides apply on top of the saved config, and are checked
-            cfg = load_config(str(saved), overrides)
+            cfg = load_run_config(str(saved), overrides)
     train(cfg, resume=bool(own.get("--resume")))
     return 0
 
@@ -160,6 +160,19 @@ def cmd_envs(argv: Sequence[str]) -> int:
     return 0
 
 
+def print_help(rest: list[str]) -> int:
+    """``--help``: usage and the sections; ``--help SECTION`` or ``--help all``: options."""
+    i = rest.index("-h" if "-h" in rest else "--help")
+    topic = rest[i + 1] if i + 1 < len(rest) and not rest[i + 1].startswith("-") else None
+    try:
+        text = config_help(topic)
+    except ConfigError as err:
+        print(f"turnrl: error: {err}", file=sys.stderr)
+        return 2
+    print(text if topic else f"{USAGE}\n\n{text}")
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "serve": cmd_serve, "report": cmd_report, "envs": cmd_envs}
 
 
@@ -176,8 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:
-        print(USAGE + "\n\nConfig options:\n" + config_help())
-        return 0
+        return print_help(rest)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its per-load weight bars would drown our own

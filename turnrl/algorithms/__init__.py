@@ -9,7 +9,7 @@ from turnrl.algorithms.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from turnrl.algorithms.estimators import AdvantageEstimator, make_estimator
+from turnrl.algorithms.estimators import AdvantageEstimator, EstimatorSettings, make_estimator
 from turnrl.algorithms.losses import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
@@ -22,6 +22,7 @@ from turnrl.algorithms.losses import (
 __all__ = [
     "ADVANTAGE_FNS",
     "AdvantageEstimator",
+    "EstimatorSettings",
     "LOSS_AGGREGATIONS",
     "aggregate_loss",
     "clipped_policy_loss",

@@ -7,8 +7,11 @@ state between steps and hand it to checkpoints through ``state_dict``/``load_sta
 
 Adding one: write a class with the ``AdvantageEstimator`` methods (or wrap a pure function
 ``(rewards [N], group_ids [N]) -> [N]`` in ``Outcome``) and register a factory
-``(algo, hidden_size, seed) -> estimator`` with ``@ESTIMATORS.register("name")``. The config
-then accepts ``algo.advantage: name`` (and suggests the closest name for a typo).
+``(settings: EstimatorSettings) -> estimator`` with
+``@ESTIMATORS.register("name", level="turn", options=("gamma", ...))``: its level (episode, turn
+or token) and the ``critic`` section options it reads. The config then accepts
+``algo.advantage: name`` (and suggests the closest name for a typo), hands the estimator those
+options in ``settings.critic``, and refuses a critic option it does not read.
 
 The maths lives elsewhere, as pure functions: ``advantages.py`` (GRPO, Dr. GRPO, RLOO,
 REINFORCE++), ``credit.py`` (GiGPO, turn-level GAE, ArCHer's Q - V) and ``critic.py`` (the
@@ -18,11 +21,12 @@ The critic estimators' raw ``Q - V`` or GAE values carry the reward scale and th
 error, so by default they are whitened over the batch's policy tokens (PPO's usual
 normalisation).
 
-The ``credit`` config section (``turnrl/config_credit.py``) changes how a critic's advantages
-reach the policy. A young critic is wrong, and whitening turns its errors into full-size
-policy steps, so ``warmup_updates`` / ``warmup_max_error`` give the policy the outcome GRPO
-advantage until the critic has trained for long enough / fits the batch's returns well
-enough, and ``scale`` can replace the whitening by a running RMS or nothing.
+The ``critic`` config section (``turnrl/config/critic.py``) holds every turn-level setting,
+including how a critic's advantages reach the policy. A young critic is wrong, and whitening
+turns its errors into full-size policy steps, so ``warmup_updates`` / ``warmup_max_error`` give
+the policy the outcome GRPO advantage until the critic has trained for long enough / fits the
+batch's returns well enough, and ``scale`` can replace the whitening by a running RMS or
+nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -57,20 +62,16 @@ from turnrl.algorithms.critic import (
     extract_turn_features,
     value_regression_step,
 )
-from turnrl.config import AlgoConfig
-from turnrl.config_credit import CreditConfig
-from turnrl.config_types import ConfigError
+from turnrl.config import AlgoConfig, Config, CriticConfig, check_critic_options
 from turnrl.registry import ESTIMATORS
 from turnrl.types import Episode
 
 CRITIC_BATCH = 256
 """Transitions per ArCHer critic step, sampled from the replay buffer."""
 RUNNING_DECAY = 0.9
-"""``credit.scale: running``: the mean square of the advantages is an exponential average
+"""``critic.scale: running``: the mean square of the advantages is an exponential average
 with this decay per step (bias-corrected as in Adam), so it follows the critic within ~10
 steps."""
-CRITIC_ESTIMATORS = ("turn_gae", "archer")
-"""The built-in estimators that take the ``credit`` section (with ``gigpo``)."""
 
 
 class AdvantageEstimator(Protocol):
@@ -86,30 +87,27 @@ class AdvantageEstimator(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def make_estimator(algo: AlgoConfig, hidden_size: int, seed: int = 0,
-                   credit: CreditConfig | None = None) -> AdvantageEstimator:
-    """The estimator ``algo.advantage`` names (the config has already checked the name); the
-    built-in turn-level ones also get the ``credit`` section."""
-    ESTIMATORS.check(algo.advantage)
-    credit = credit or CreditConfig()
-    check_credit(algo.advantage, credit)
-    if algo.advantage in (*CRITIC_ESTIMATORS, "gigpo"):
-        return ESTIMATORS[algo.advantage](algo, hidden_size, seed, credit=credit)
-    return ESTIMATORS[algo.advantage](algo, hidden_size, seed)
+@dataclass(frozen=True)
+class EstimatorSettings:
+    """What every estimator factory gets: ``factory(settings) -> estimator``."""
+
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """the ``critic`` section; an estimator reads the options it declared"""
+    hidden_size: int = 0
+    """the policy's hidden size (what a critic reading its hidden states takes in)"""
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config, hidden_size: int) -> EstimatorSettings:
+        return cls(cfg.algo, cfg.critic, hidden_size, cfg.run.seed)
 
 
-def check_credit(advantage: str, credit: CreditConfig) -> None:
-    """Refuse ``credit`` options the estimator would silently ignore."""
-    default = CreditConfig()
-    critic_options = [name for name in ("warmup_updates", "warmup_max_error", "scale",
-                                        "critic_features")
-                      if getattr(credit, name) != getattr(default, name)]
-    if critic_options and advantage not in CRITIC_ESTIMATORS:
-        raise ConfigError(f"credit.{critic_options[0]} applies to algo.advantage turn_gae or "
-                          f"archer (a critic), not {advantage}; drop it or change the estimator")
-    if credit.gigpo_episode_weight != default.gigpo_episode_weight and advantage != "gigpo":
-        raise ConfigError(f"credit.gigpo_episode_weight applies to algo.advantage gigpo, not "
-                          f"{advantage}; drop it or change the estimator")
+def make_estimator(settings: EstimatorSettings) -> AdvantageEstimator:
+    """The estimator ``settings.algo.advantage`` names, built by its registered factory; a
+    critic option it does not read is refused (as the config does)."""
+    check_critic_options(settings.algo.advantage, settings.critic)
+    return ESTIMATORS[settings.algo.advantage].factory(settings)
 
 
 def _abs_mean(values: Tensor) -> float:
@@ -142,7 +140,7 @@ class Outcome(Stateless):
 
 
 for _name, _fn in ADVANTAGE_FNS.items():
-    ESTIMATORS[_name] = lambda algo, hidden_size, seed, fn=_fn: Outcome(fn)
+    ESTIMATORS.add(_name, lambda settings, fn=_fn: Outcome(fn), level="episode")
 
 
 def _policy_tokens(episodes: Sequence[Episode], width: int) -> Tensor:
@@ -155,20 +153,26 @@ def _width(episodes: Sequence[Episode]) -> int:
     return max((len(ep.token_ids) for ep in episodes), default=0)
 
 
-@ESTIMATORS.register("gigpo")
+GIGPO_OPTIONS = ("gamma", "gigpo_step_weight", "gigpo_episode_weight")
+CRITIC_OPTIONS = ("gamma", "lr", "updates", "warmup_updates", "warmup_max_error", "scale",
+                  "features")
+"""What every critic estimator reads; each adds its own (GAE's lambda, ArCHer's tau, ...)."""
+
+
+@ESTIMATORS.register("gigpo", level="turn", options=GIGPO_OPTIONS)
 class GiGPO(Stateless):
     """Critic-free step groups: episode-level plus anchor-state step-level relative advantages."""
 
-    def __init__(self, algo: AlgoConfig, hidden_size: int = 0, seed: int = 0,
-                 credit: CreditConfig | None = None) -> None:
-        self.algo, self.credit = algo, credit or CreditConfig()
+    def __init__(self, settings: EstimatorSettings) -> None:
+        self.options = settings.critic
         self._metrics: dict[str, float] = {}
 
     def advantages(self, episodes: Sequence[Episode], model: nn.Module | None = None,
                    pad_id: int = 0) -> Tensor:
         width = _width(episodes)
-        per_turn = gigpo_advantages(episodes, self.algo.gamma, self.algo.gigpo_step_weight,
-                                    episode_weight=self.credit.gigpo_episode_weight)
+        c = self.options
+        per_turn = gigpo_advantages(episodes, c.gamma, c.gigpo_step_weight,
+                                    episode_weight=c.gigpo_episode_weight)
         tokens = turn_to_token_advantages(episodes, per_turn, width)
         self._metrics = {
             "credit/anchor_fraction": anchor_fraction(turn_anchor_ids(episodes)),
@@ -211,16 +215,15 @@ class _TurnCritic:
     when they compute the batch's advantages, which is what the warm-up compares.
     """
 
-    def __init__(self, algo: AlgoConfig, hidden_size: int, seed: int = 0,
-                 credit: CreditConfig | None = None, critic_width: int = 256) -> None:
-        self.algo, self.credit = algo, credit or CreditConfig()
+    def __init__(self, settings: EstimatorSettings, critic_width: int = 256) -> None:
+        self.options = settings.critic
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.critic = TurnCritic(hidden_size, critic_width)
-        self.optimizer = torch.optim.Adam(self.critic.online.parameters(), lr=algo.critic_lr)
+            torch.manual_seed(settings.seed)
+            self.critic = TurnCritic(settings.hidden_size, critic_width)
+        self.optimizer = torch.optim.Adam(self.critic.online.parameters(), lr=self.options.lr)
         self.updates = self.updates_at_scoring = 0
         self.running_square, self.running_steps = 0.0, 0
-        self.feature_model: nn.Module | None = None  # credit.critic_features: frozen
+        self.feature_model: nn.Module | None = None  # critic.features: frozen
         self._frozen_state: dict | None = None  # its weights from a checkpoint, until needed
         self._metrics: dict[str, float] = {}
 
@@ -228,7 +231,7 @@ class _TurnCritic:
                  pad_id: int) -> list[TurnFeatures]:
         """The critic's inputs, from the live policy or from the frozen starting copy."""
         source = model
-        if self.credit.critic_features == "frozen":
+        if self.options.features == "frozen":
             if self.feature_model is None:
                 self.feature_model = copy.deepcopy(model).eval().requires_grad_(False)
                 if self._frozen_state is not None:  # resumed: the weights frozen at the start
@@ -243,15 +246,15 @@ class _TurnCritic:
 
     def critic_ready(self, fit_error: float) -> bool:
         """Past the warm-up: enough critic steps before scoring, and (if asked) a good fit."""
-        c = self.credit
+        c = self.options
         return self.updates_at_scoring >= c.warmup_updates and (
             c.warmup_max_error == 0 or fit_error <= c.warmup_max_error)
 
     def scaled(self, tokens: Tensor, policy: Tensor) -> Tensor:
-        """The critic's per-token advantages in ``credit.scale``."""
-        if self.credit.scale == "batch":
+        """The critic's per-token advantages in ``critic.scale``."""
+        if self.options.scale == "batch":
             return whiten_masked(tokens, policy)
-        if self.credit.scale == "none":
+        if self.options.scale == "none":
             return tokens
         picked = tokens[policy]
         if picked.numel():  # running: an Adam-style bias-corrected mean square
@@ -266,7 +269,7 @@ class _TurnCritic:
     def advantages(self, episodes: Sequence[Episode], model: nn.Module, pad_id: int) -> Tensor:
         width = _width(episodes)
         features = self.features(episodes, model, pad_id)
-        fit_error = critic_fit_error(self.critic, episodes, features, self.algo.gamma)
+        fit_error = critic_fit_error(self.critic, episodes, features, self.options.gamma)
         per_turn = self.per_turn(episodes, features)  # trains the critic
         policy = _policy_tokens(episodes, width)
         critic_tokens = self.scaled(turn_to_token_advantages(episodes, per_turn, width), policy)
@@ -299,7 +302,7 @@ class _TurnCritic:
         self.feature_model, self._frozen_state = None, state.get("feature_model")
 
 
-@ESTIMATORS.register("turn_gae")
+@ESTIMATORS.register("turn_gae", level="turn", options=(*CRITIC_OPTIONS, "gae_lambda"))
 class TurnGAE(_TurnCritic):
     """GAE over turns with a learned turn-level value head (PPO with a turn-level critic)."""
 
@@ -310,7 +313,7 @@ class TurnGAE(_TurnCritic):
         The advantages come from V *before* it sees this batch (as in PPO): a V just fitted to
         these returns would partly absorb each turn's own outcome into its baseline.
         """
-        critic, gamma, lam = self.critic, self.algo.gamma, self.algo.gae_lambda
+        critic, gamma, lam = self.critic, self.options.gamma, self.options.gae_lambda
         per_turn, states, targets = [], [], []
         self.updates_at_scoring = self.updates
         with torch.no_grad():
@@ -322,22 +325,22 @@ class TurnGAE(_TurnCritic):
                 targets.append(returns)
         states, targets = torch.cat(states), torch.cat(targets)
         losses = [value_regression_step(critic, self.optimizer, states, targets)
-                  for _ in range(self.algo.critic_updates)] if len(targets) else [0.0]
-        self.updates += self.algo.critic_updates if len(targets) else 0
+                  for _ in range(self.options.updates)] if len(targets) else [0.0]
+        self.updates += self.options.updates if len(targets) else 0
         self._metrics = {"credit/v_loss": sum(losses) / len(losses),
                          "credit/value_mean": float(targets.mean()) if len(targets) else 0.0}
         return per_turn
 
 
-@ESTIMATORS.register("archer")
+@ESTIMATORS.register("archer", level="turn",
+                     options=(*CRITIC_OPTIONS, "tau", "replay_episodes"))
 class ArCHer(_TurnCritic):
     """ArCHer's turn-level double-Q critic trained by TD from a replay buffer; A = Q - V."""
 
-    def __init__(self, algo: AlgoConfig, hidden_size: int, seed: int = 0,
-                 credit: CreditConfig | None = None) -> None:
-        super().__init__(algo, hidden_size, seed, credit)
-        self.replay = ReplayBuffer(algo.replay_episodes)
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, settings: EstimatorSettings) -> None:
+        super().__init__(settings)
+        self.replay = ReplayBuffer(self.options.replay_episodes)
+        self.generator = torch.Generator().manual_seed(settings.seed)
 
     def per_turn(self, episodes: Sequence[Episode],
                  features: list[TurnFeatures]) -> list[Tensor]:
@@ -348,8 +351,8 @@ class ArCHer(_TurnCritic):
             self.replay.add(transitions)
         stats = [archer_critic_step(critic, self.optimizer,
                                     self.replay.sample(CRITIC_BATCH, self.generator),
-                                    self.algo.gamma, self.algo.critic_tau)
-                 for _ in range(self.algo.critic_updates)] if len(self.replay) else []
+                                    self.options.gamma, self.options.tau)
+                 for _ in range(self.options.updates)] if len(self.replay) else []
         self.updates += len(stats)
         self.updates_at_scoring = self.updates  # scored with the critic after this batch's steps
         with torch.no_grad():

@@ -1,6 +1,6 @@
 """Exploration and stability options: small pure functions, and the stage that applies them.
 
-Each option is a config flag in the ``explore`` section (turnrl/config_explore.py), off by
+Each option is a config flag in the ``explore`` section (turnrl/config/explore.py), off by
 default, and each is a pure function here with its paper; ``Exploration`` applies the ones
 switched on inside the one ``rl_step`` (and the sync collector, for dynamic sampling and the
 temperature schedule), and keeps what must survive a resume (``state_dict``).
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from turnrl.algorithms.advantages import _group_sum
-from turnrl.config_explore import ExploreConfig
+from turnrl.config import ExploreConfig
 from turnrl.types import Episode
 
 # ---- dynamic sampling (DAPO) ----------------------------------------------------------------
@@ -342,8 +342,8 @@ class Exploration:
         c = self.cfg
         if c.pass_k:
             if advantages.dim() != 1:
-                raise ValueError("explore.pass_k needs an outcome-level algo.advantage "
-                                 "(grpo, dr_grpo, rloo, reinforce_pp)")
+                raise ValueError("explore.pass_k needs an episode-level algo.advantage (one "
+                                 "advantage per episode)")
             advantages = passk_advantages(torch.tensor([ep.success for ep in episodes]),
                                           torch.tensor([ep.group for ep in episodes]), c.pass_k)
         if c.positive_weight != 1 or c.negative_weight != 1:

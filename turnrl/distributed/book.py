@@ -18,7 +18,7 @@ from turnrl.rollout.loop import Group
 
 def in_flight_groups(cfg: Config) -> int:
     """Groups the workers play at once: ``overprovision`` times a step's need."""
-    return math.ceil(cfg.staleness.overprovision * cfg.rollout.groups_per_step)
+    return math.ceil(cfg.pool.overprovision * cfg.rollout.groups_per_step)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Pure (no Ray, no torch): ``SizingController.update`` reads ``MeasuredRates``
 (turnrl/distributed/rates.py) once per learner step and returns the pool, the queue and the
-bound to use next. ``RaySource`` applies them (``staleness.auto``, on by default).
+bound to use next. ``RaySource`` applies them (``pool.auto``, on by default).
 
 **Pool: Little's law** (Little 1961, "A proof for the queuing formula L = lambda W",
 Operations Research 9(3)). Episodes in flight = the rate at which they must take turns x the

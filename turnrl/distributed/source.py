@@ -1,8 +1,8 @@
 """Ray rollout workers as the learner's rollout source (``run.mode: async``).
 
 ``RaySource`` implements ``turnrl.trainer.learn.RolloutSource`` over a ``Fleet`` of
-``RolloutWorker`` actors: it keeps about ``staleness.overprovision * groups_per_step``
-assignments in play (plus ``staleness.queued_groups`` per worker waiting to start the moment
+``RolloutWorker`` actors: it keeps about ``pool.overprovision * groups_per_step``
+assignments in play (plus ``pool.queued_groups`` per worker waiting to start the moment
 a pool has room: a group is only started whole, and one slow episode holds its group open),
 hands the learner the first fresh groups that finish (groups finished beyond a step's need
 wait in the staleness buffer, trainer/buffer.py, for the next step), drops or regenerates
@@ -10,7 +10,7 @@ stale ones (``on_stale``), and
 writes ``assignments.jsonl``: per step, which (assignment, seed) pairs were trained on and
 which were dropped, regenerated or re-issued. With ``staleness.adaptive`` the staleness
 bound follows the effective sample size of the behaviour importance weights. With
-``staleness.auto`` (the default) a ``SizingController`` (sizing.py) resizes the pool, the queue
+``pool.auto`` (the default) a ``SizingController`` (sizing.py) resizes the pool, the queue
 and the bound every step from the rates measured here (rates.py), all logged as metrics.
 """
 
@@ -83,10 +83,10 @@ class RaySource(SourceDefaults):
         self.learner_threads = learner_threads(cfg)
         self.ledger = ledger if ledger is not None else io.StringIO()
         # In flight (the workers' pools) plus queued behind them, buffered groups included.
-        self.target = in_flight_groups(cfg) + cfg.staleness.queued_groups * cfg.ray.num_workers
+        self.target = in_flight_groups(cfg) + cfg.pool.queued_groups * cfg.ray.num_workers
         self.rates = MeasuredRates()
         self.sizing: SizingController | None = None
-        if cfg.staleness.auto:
+        if cfg.pool.auto:
             self.sizing = SizingController.start(
                 group_size=cfg.rollout.group_size, groups_per_step=cfg.rollout.groups_per_step,
                 workers=cfg.ray.num_workers, bound=cfg.staleness.max_versions,
@@ -268,7 +268,7 @@ class RaySource(SourceDefaults):
                                   float(np.mean([len(ep.token_ids) for ep in episodes])))
 
     def _resize(self, update_metrics: dict[str, float], dropped: int) -> dict[str, float]:
-        """After a step: the learner's rates, then (``staleness.auto``) the new pool, queue and
+        """After a step: the learner's rates, then (``pool.auto``) the new pool, queue and
         bound; the rates and the decision as metrics."""
         now = time.perf_counter()
         step_s = now - (self.step_clock or now)
@@ -279,7 +279,7 @@ class RaySource(SourceDefaults):
         if self.sizing is None:
             return metrics
         cap = pool_memory_cap(self.kv_bytes_per_token, self.rates.tokens.value,
-                              available_memory_bytes(), self.cfg.staleness.pool_memory_fraction)
+                              available_memory_bytes(), self.cfg.pool.memory_fraction)
         decision = self.sizing.update(self.rates, self.arrived,
                                       dropped + len(self.step_events["regenerated"]),
                                       max_pool=cap,
@@ -302,7 +302,7 @@ class RaySource(SourceDefaults):
         pool = self.sizing.presize(self.rates)
         if pool is None or pool == before:
             return
-        self._apply_pool(pool, self.sizing.queued or self.cfg.staleness.queued_groups)
+        self._apply_pool(pool, self.sizing.queued or self.cfg.pool.queued_groups)
         self.top_up()
 
     def _apply_pool(self, pool: int, queued_groups: int) -> None:

@@ -197,7 +197,7 @@ class RolloutWorker:
                             reset_latencies=_drained(self.rollout.reset_latencies))
 
     def resize(self, pool_size: int) -> int:
-        """A new target of live episodes (``staleness.auto``); the loop admits or lets drain
+        """A new target of live episodes (``pool.auto``); the loop admits or lets drain
         from its next iteration, and the HF engine keeps that many episodes' caches."""
         self.rollout.pool_size = max(1, pool_size)
         if self.model is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from turnrl.config import translate_stored
 from turnrl.metrics import read_metrics
 from turnrl.report.svg import PALETTE, Series, line_chart
 from turnrl.types import read_episodes
@@ -75,7 +76,7 @@ def load_run(run_dir: str | Path) -> RunData:
     path = Path(run_dir)
     if not (path / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {path}; is this a TurnRL run directory?")
-    config = yaml.safe_load((path / "config.yaml").read_text()) \
+    config = translate_stored(yaml.safe_load((path / "config.yaml").read_text())) \
         if (path / "config.yaml").is_file() else {}
     evals = {k: d for k in ("before", "after") if (d := _json(path / f"eval_{k}.json"))}
     return RunData(path.resolve().name, path, config or {}, read_metrics(path / "metrics.jsonl"),

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from turnrl.config import Config
-from turnrl.config_serve import ServeConfig
+from turnrl.config import Config, ServeConfig
 from turnrl.policy import Policy, load_policy
 from turnrl.rollout import ChatFormat, Completion, SamplingParams
 from turnrl.serve.batcher import Batcher

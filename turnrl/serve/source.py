@@ -36,6 +36,7 @@ import torch
 from turnrl.config import Config, ConfigError
 from turnrl.evaluation import EvalResult
 from turnrl.policy import load_policy
+from turnrl.registry import ESTIMATORS, estimator_level
 from turnrl.rollout.loop import Group
 from turnrl.serve.agents import Judge, Rollout, evaluate_agent, play_groups, self_judge
 from turnrl.serve.app import RunningServer
@@ -73,10 +74,6 @@ class PerEpisodeAdvantages:
         for s, i in zip(segments, index, strict=True):
             firsts.setdefault(i, s)
         values = self.inner.advantages([firsts[i] for i in range(len(owners))], model, pad_id)
-        if values.dim() != 1:
-            raise ConfigError("train_agent needs an outcome-level algo.advantage (grpo, rloo, "
-                              "dr_grpo, ...): recorded episodes carry no env states or turns "
-                              "for turn-level credit")
         return values[torch.tensor(index)]
 
     def metrics(self) -> dict[str, float]:
@@ -106,6 +103,12 @@ class ServedSource(SourceDefaults):
                  judge: Judge | str | None = None) -> None:
         if not tasks:
             raise ConfigError("train_agent needs at least one task")
+        if (level := estimator_level(cfg.algo.advantage)) != "episode":
+            episode_level = [n for n, e in ESTIMATORS.items() if e.level == "episode"]
+            raise ConfigError(f"train_agent needs an episode-level algo.advantage "
+                              f"({', '.join(episode_level)}); {cfg.algo.advantage} is "
+                              f"{level}-level, and recorded episodes carry no env states or "
+                              "turns for its credit")
         self.off_policy = cfg.run.mode == "async"
         if self.off_policy and cfg.staleness.on_stale != "drop":
             raise ConfigError("train_agent in run.mode async drops stale groups (their tasks "

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import yaml
 
-from turnrl.algorithms.estimators import AdvantageEstimator, make_estimator
+from turnrl.algorithms.estimators import AdvantageEstimator, EstimatorSettings, make_estimator
 from turnrl.algorithms.exploration import Exploration
 from turnrl.checkpoint import (
     latest_checkpoint,
@@ -42,12 +42,12 @@ from turnrl.checkpoint import (
 from turnrl.config import (
     Config,
     ConfigError,
+    ExploreConfig,
     changed_keys,
     config_from_dict,
     config_to_dict,
     save_config,
 )
-from turnrl.config_explore import ExploreConfig
 from turnrl.evaluation import COLUMNS, EvalResult, episode_transcript, summarize
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import configure_torch
@@ -168,31 +168,14 @@ def build_learner(cfg: Config, policy: Policy, *, decoupled: bool = False) -> Le
                           entropy_coef=cfg.algo.entropy_coef,
                           max_policy_tokens=cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
     return Learner(model, make_optimizer(model, cfg.optim), settings,
-                   make_estimator(cfg.algo, model.config.hidden_size, seed=cfg.run.seed,
-                                  credit=cfg.credit),
+                   make_estimator(EstimatorSettings.from_config(cfg, model.config.hidden_size)),
                    policy.tokenizer.pad_token_id,
                    copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None, explore)
-
-
-def check_explore(cfg: Config) -> None:
-    """Refuse ``explore`` options the run's mode or estimator cannot honour."""
-    e = cfg.explore
-    if cfg.run.mode == "async" and (e.dynamic_sampling or e.temperature_schedule != "constant"):
-        raise ConfigError("explore.dynamic_sampling and explore.temperature_schedule work in "
-                          "run.mode sync only (rollout workers sample on their own); turn them "
-                          "off or use sync mode")
-    if e.pass_k > cfg.rollout.group_size:
-        raise ConfigError(f"explore.pass_k {e.pass_k} exceeds rollout.group_size "
-                          f"{cfg.rollout.group_size}; lower it or raise the group size")
-    if e.pass_k and cfg.algo.advantage in ("gigpo", "turn_gae", "archer"):
-        raise ConfigError("explore.pass_k replaces outcome advantages: use algo.advantage "
-                          "grpo, dr_grpo, rloo or reinforce_pp with it")
 
 
 def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
               decoupled: bool = False) -> Run:
     """Open the run directory, seed, load the policy and learner, restore a checkpoint."""
-    check_explore(cfg)
     cfg, checkpoint = prepare_run_dir(cfg, resume)
     run_dir = Path(cfg.run.out_dir)
     configure_torch(cfg.run.threads if threads is None else threads)

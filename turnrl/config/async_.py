@@ -1,7 +1,5 @@
-"""Config sections of async mode: the Ray cluster and its workers, bounded staleness.
-
-Part of the one config (``turnrl.config.Config``); a module of its own so the async settings
-grow without crowding the core sections.
+"""Config sections of async mode: the Ray cluster and its workers, bounded staleness, and the
+pool of live episodes (its size, the queue behind it, the rate-driven sizing; docs/async.md).
 """
 
 from __future__ import annotations
@@ -9,12 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from turnrl.config_types import ConfigError
-from turnrl.config_types import Section as _Section
+from turnrl.config.types import ConfigError, Section
 
 
 @dataclass(frozen=True)
-class RayConfig(_Section):
+class RayConfig(Section):
     address: str = ""
     """'' starts a local Ray cluster; 'auto' or HOST:PORT joins an existing one"""
     num_workers: int = 1
@@ -41,9 +38,9 @@ class RayConfig(_Section):
 
 
 @dataclass(frozen=True)
-class StalenessConfig(_Section):
+class StalenessConfig(Section):
     max_versions: int = 2
-    """async: train on an episode only if its oldest token is at most this many policy
+    """train on an episode only if its oldest token is at most this many policy
     versions behind the learner"""
     on_stale: Literal["drop", "regenerate"] = "drop"
     """what happens to a too-stale episode: dropped, or its seed played again"""
@@ -57,25 +54,35 @@ class StalenessConfig(_Section):
     """adaptive: never grow the bound past this"""
     partial_rollouts: bool = True
     """keep unfinished episodes across weight updates and continue them (APRIL)"""
-    overprovision: float = 1.5
-    """async: keep this many times a step's episodes in flight; train on the first finished"""
-    queued_groups: int = 0
-    """async: groups queued at each worker beyond its pool of live episodes, started the moment
-    the pool has room (a group held open by one slow episode then leaves no slots idle)"""
     keep_kv_cache: bool = True
-    """async: workers keep live episodes' keys/values across a weight update instead of
+    """workers keep live episodes' keys/values across a weight update instead of
     re-reading them with the new weights (PipelineRL); faster, slightly more off-policy
     (docs/benchmarks.md: measured side by side with false)"""
-    auto: bool = True
-    """async: size the pool (Little's law), the queue and the staleness bound (the throughput
-    it needs, capped by the ESS) from rates measured at run time; overprovision and
-    max_versions are then only where it starts. false pins them (adaptive: the ESS-only bound)"""
-    pool_memory_fraction: float = 0.25
-    """auto: live episodes' keys/values may take at most this share of the memory available"""
 
     def _check(self) -> None:
-        self._at_least(0, "max_versions", "queued_groups")
-        self._at_least(1, "max_versions_limit", "overprovision")
-        self._require("pool_memory_fraction", 0 < self.pool_memory_fraction <= 1, "in (0, 1]")
+        self._at_least(0, "max_versions")
+        self._at_least(1, "max_versions_limit")
         self._require("ess_low", 0 < self.ess_low <= self.ess_high <= 1,
                       "in (0, ess_high] with ess_high <= 1")
+
+
+@dataclass(frozen=True)
+class PoolConfig(Section):
+    overprovision: float = 1.5
+    """keep this many times a step's episodes in flight; train on the first finished"""
+    queued_groups: int = 0
+    """groups queued at each worker beyond its pool of live episodes, started the moment
+    the pool has room (a group held open by one slow episode then leaves no slots idle)"""
+    auto: bool = True
+    """size the pool (Little's law), the queue and the staleness bound (the throughput it
+    needs, capped by the ESS) from rates measured at run time; overprovision, queued_groups and
+    staleness.max_versions are then only where it starts. false pins them (with
+    staleness.adaptive: the ESS-only bound)"""
+    memory_fraction: float = 0.25
+    """with auto: live episodes' keys/values may take at most this share of the memory
+    available"""
+
+    def _check(self) -> None:
+        self._at_least(0, "queued_groups")
+        self._at_least(1, "overprovision")
+        self._require("memory_fraction", 0 < self.memory_fraction <= 1, "in (0, 1]")

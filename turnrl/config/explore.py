@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from turnrl.config_types import Section
+from turnrl.config.types import Section
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,5 @@
 """Config section of ``turnrl serve``: where the OpenAI-compatible endpoint listens and how it
 batches and records (docs/serving.md).
-
-Part of the one config (``turnrl.config.Config``); a module of its own, as the async sections.
 """
 
 from __future__ import annotations
@@ -9,12 +7,11 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from turnrl.config_types import ConfigError
-from turnrl.config_types import Section as _Section
+from turnrl.config.types import ConfigError, Section
 
 
 @dataclass(frozen=True)
-class ServeConfig(_Section):
+class ServeConfig(Section):
     host: str = "127.0.0.1"
     """address to bind; anything but a loopback address needs serve.api_key"""
     port: int = 8000

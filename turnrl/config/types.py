@@ -1,6 +1,7 @@
-"""Turning config values into their annotated types, with one-line errors (used by config.py).
+"""Turning config values into their annotated types, with one-line errors; the base of every
+section.
 
-Kept apart from the sections so ``config.py`` reads as the list of options it is.
+Kept apart from the sections so they read as the lists of options they are.
 """
 
 from __future__ import annotations
@@ -113,20 +114,6 @@ def type_name(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return "{" + ",".join(get_args(tp)) + "}"
     return (get_origin(tp) or tp).__name__.upper()
-
-
-VLLM_TEMPERATURES = (0.01, 2.0)
-"""vLLM raises a temperature in (0, 0.01) to 0.01 and rejects one above 2."""
-
-
-def check_vllm_temperature(temperature: float) -> None:
-    """The sampler and the learner must agree on the temperature: refuse what vLLM changes."""
-    low, high = VLLM_TEMPERATURES
-    if 0 < temperature < low or temperature > high:
-        raise ConfigError(f"rollout.temperature {temperature} with ray.engine vllm: vLLM "
-                          f"samples only at 0 (greedy) or in [{low}, {high}] (it would silently "
-                          "change the value, and the learner would score another policy); "
-                          "choose a temperature in that range")
 
 
 class Section:

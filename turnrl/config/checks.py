@@ -1,0 +1,81 @@
+"""Every check that reads more than one config section, in one place (run when a ``Config`` is
+built). A check within one section lives in that section's ``_check``.
+
+Each check raises a one-line ``ConfigError`` naming the keys and the fix. Estimator facts
+(level, critic options read) come from the registry, never from a list of names here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from turnrl.config.critic import CriticConfig
+from turnrl.config.types import ConfigError
+from turnrl.registry import ESTIMATORS
+
+if TYPE_CHECKING:
+    from turnrl.config.root import Config
+
+
+VLLM_TEMPERATURES = (0.01, 2.0)
+"""vLLM raises a temperature in (0, 0.01) to 0.01 and rejects one above 2."""
+
+
+def check_vllm_temperature(temperature: float) -> None:
+    """The sampler and the learner must agree on the temperature: refuse what vLLM changes."""
+    low, high = VLLM_TEMPERATURES
+    if 0 < temperature < low or temperature > high:
+        raise ConfigError(f"rollout.temperature {temperature} with ray.engine vllm: vLLM "
+                          f"samples only at 0 (greedy) or in [{low}, {high}] (it would silently "
+                          "change the value, and the learner would score another policy); "
+                          "choose a temperature in that range")
+
+
+def _readers(option: str) -> list[str]:
+    """Registered estimators that read ``critic.<option>``."""
+    return [name for name, entry in ESTIMATORS.items() if option in entry.options]
+
+
+def check_critic_options(advantage: str, critic: CriticConfig) -> None:
+    """Refuse a ``critic`` option that ``advantage`` would silently ignore, and an estimator
+    that declares an option the section does not have."""
+    fields = [f.name for f in dataclasses.fields(CriticConfig)]
+    declared = ESTIMATORS.options(advantage)
+    unknown = [name for name in declared if name not in fields]
+    if unknown:
+        raise ConfigError(f"estimator '{advantage}' declares critic option '{unknown[0]}', which "
+                          f"the critic section does not have; declare some of: "
+                          f"{', '.join(fields)}")
+    default = CriticConfig()
+    for name in fields:
+        if getattr(critic, name) != getattr(default, name) and name not in declared:
+            readers = ", ".join(_readers(name)) or "no registered estimator"
+            raise ConfigError(f"critic.{name} is not read by algo.advantage {advantage} (read "
+                              f"by: {readers}); drop it or change the estimator")
+
+
+def check_explore(cfg: Config) -> None:
+    """``explore`` options the run's mode, group size or estimator cannot honour."""
+    e = cfg.explore
+    if cfg.run.mode == "async" and (e.dynamic_sampling or e.temperature_schedule != "constant"):
+        raise ConfigError("explore.dynamic_sampling and explore.temperature_schedule work in "
+                          "run.mode sync only (rollout workers sample on their own); turn them "
+                          "off or use sync mode")
+    if e.pass_k > cfg.rollout.group_size:
+        raise ConfigError(f"explore.pass_k {e.pass_k} exceeds rollout.group_size "
+                          f"{cfg.rollout.group_size}; lower it or raise the group size")
+    if e.pass_k and ESTIMATORS.level(cfg.algo.advantage) != "episode":
+        episode_level = [n for n, entry in ESTIMATORS.items() if entry.level == "episode"]
+        raise ConfigError(f"explore.pass_k replaces episode-level advantages, and "
+                          f"algo.advantage {cfg.algo.advantage} is "
+                          f"{ESTIMATORS.level(cfg.algo.advantage)}-level: use one of "
+                          f"{', '.join(episode_level)} with it")
+
+
+def check_across(cfg: Config) -> None:
+    """Every cross-section check, in the order of the sections they start from."""
+    if cfg.ray.engine == "vllm":
+        check_vllm_temperature(cfg.rollout.temperature)
+    check_critic_options(cfg.algo.advantage, cfg.critic)
+    check_explore(cfg)

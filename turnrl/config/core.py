@@ -1,0 +1,195 @@
+"""The core config sections: the policy model, the environment, episode collection, the RL
+objective, the optimiser, held-out evaluation and run bookkeeping.
+
+Each field's docstring sits on the line after it (an attribute docstring); ``field_docs`` reads
+them back so ``--help`` never drifts from the code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from turnrl.config.types import ConfigError, Section
+from turnrl.registry import ESTIMATORS, UnknownName
+
+# Named because the literal is too long to sit beside its field.
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    name: str = "smollm2-135m-instruct"
+    """policy model: built-in 'smollm2-135m-instruct' or 'tiny', or a local Hugging Face model dir"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """parameter dtype of the policy (and reference) model"""
+    cache_dir: str = ""
+    """where the converted offline model is cached; '' means ~/.cache/turnrl"""
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'"""
+    chat_template: str = ""
+    """a Jinja chat template file replacing the tokenizer's ('' keeps it): for models whose
+    own template rewrites earlier turns (start-up says so)"""
+
+    def _check(self) -> None:
+        self._require("name", bool(self.name), "a model name or path")
+        self._require("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+                      "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        self._require("chat_template", not self.chat_template
+                      or Path(self.chat_template).expanduser().is_file(), "an existing file")
+
+
+@dataclass(frozen=True)
+class EnvConfig(Section):
+    name: str = "guess-number"
+    """registered environment name"""
+    options: dict[str, Any] = field(default_factory=dict)
+    """keyword arguments for the environment's constructor, e.g. --env.options.high 20"""
+
+    def _check(self) -> None:
+        self._require("name", bool(self.name), "a registered environment name")
+
+
+@dataclass(frozen=True)
+class RolloutConfig(Section):
+    group_size: int = 8
+    """episodes per prompt/seed (the GRPO group)"""
+    groups_per_step: int = 4
+    """groups collected per training step"""
+    max_new_tokens: int = 8
+    """tokens generated per policy turn"""
+    max_turns: int = 8
+    """hard cap on policy turns per episode, on top of the environment's own"""
+    temperature: float = 1.0
+    """sampling temperature (0 = greedy)"""
+    top_p: float = 1.0
+    """nucleus sampling probability mass"""
+    env_timeout_s: float = 30.0
+    """an environment step slower than this many seconds fails the episode"""
+    reuse_cache: bool = True
+    """keep each episode's KV cache across turns, so a turn prefills only its new tokens"""
+
+    def _check(self) -> None:
+        self._at_least(1, "group_size", "groups_per_step", "max_new_tokens", "max_turns")
+        self._at_least(0, "temperature")
+        self._require("top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        self._require("env_timeout_s", self.env_timeout_s > 0, "> 0")
+
+
+@dataclass(frozen=True)
+class AlgoConfig(Section):
+    advantage: str = "grpo"
+    """advantage estimator, a name in turnrl.registry.ESTIMATORS: grpo, dr_grpo, rloo,
+    reinforce_pp (per episode), gigpo, turn_gae, archer (per turn), or one you registered;
+    the turn-level ones read the critic section"""
+    clip_low: float = 0.2
+    """lower PPO clip: the ratio is kept above 1 - clip_low"""
+    clip_high: float = 0.28
+    """upper clip: the ratio is kept below 1 + clip_high (clip-higher, DAPO)"""
+    dual_clip: float = 0.0
+    """dual-clip PPO (Ye et al. 2020): 0 = off, else c > 1 bounds a negative-advantage
+    token's loss by c * |A| (verl uses 3)"""
+    loss_agg: LossAgg = "token_mean"
+    """how per-token losses are reduced to one number"""
+    loss_agg_constant: int = 0
+    """divisor of seq_mean_token_sum_norm; 0 means max_new_tokens * max_turns"""
+    kl_coef: float = 0.0
+    """KL penalty towards the reference model; 0 skips the reference model entirely"""
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    """KL estimator (Schulman's k1/k2/k3, or |log ratio|)"""
+    entropy_coef: float = 0.0
+    """entropy bonus coefficient"""
+    epochs: int = 1
+    """optimisation passes over each batch"""
+    decoupled: bool = False
+    """decoupled PPO (AReaL): importance weights against the behaviour policy, trust region
+    around the proximal (pre-update) policy; always on in async mode"""
+    is_cap: float = 5.0
+    """truncate behaviour importance weights at this value (0 = no truncation)"""
+
+    def _check(self) -> None:
+        try:
+            ESTIMATORS.check(self.advantage)
+        except UnknownName as err:
+            raise ConfigError(f"algo.advantage: {err}") from None
+        self._at_least(0, "clip_low", "clip_high", "loss_agg_constant", "kl_coef", "entropy_coef",
+                       "is_cap")
+        self._at_least(1, "epochs")
+        self._require("clip_low", self.clip_low < 1, "< 1 (the ratio's floor 1 - clip_low must "
+                      "stay above 0)")
+        self._require("dual_clip", self.dual_clip == 0 or self.dual_clip > 1,
+                      "0 (off) or > 1")
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    lr: float = 4e-5
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping threshold (0 = no clipping)"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward; the batch is split and gradients accumulated"""
+    memory_budget_mb: int = 0
+    """size micro-batches so activations stay under this many MB (0 = micro_batch_size rows)"""
+    shared_prefix: bool = True
+    """compute the prompt a group shares once in the update's forward and backward"""
+
+    def _check(self) -> None:
+        self._require("lr", self.lr > 0, "> 0")
+        self._at_least(0, "weight_decay", "max_grad_norm", "memory_budget_mb")
+        self._at_least(1, "micro_batch_size")
+
+
+@dataclass(frozen=True)
+class EvalConfig(Section):
+    episodes: int = 64
+    """held-out episodes for the before/after evaluation (0 = skip evaluation)"""
+    every: int = 0
+    """evaluate every N steps; 0 = only before and after training"""
+    temperature: float = 1.0
+    """evaluation sampling temperature (0 = greedy)"""
+    seed_offset: int = 1_000_000
+    """held-out seeds start here, disjoint from training seeds"""
+
+    def _check(self) -> None:
+        self._at_least(0, "episodes", "every", "temperature")
+        self._at_least(1, "seed_offset")
+
+
+@dataclass(frozen=True)
+class RunConfig(Section):
+    steps: int = 12
+    """training steps"""
+    seed: int = 0
+    """global random seed (training episode seeds derive from it)"""
+    out_dir: str = ""
+    """run directory for metrics, samples and checkpoints; '' = runs/<env>-<date>-<time>"""
+    checkpoint_every: int = 4
+    """save a checkpoint every N steps (0 = only at the end)"""
+    keep_checkpoints: int = 2
+    """how many recent checkpoints to keep on disk"""
+    sample_episodes: int = 4
+    """episodes per step written to the run directory for inspection"""
+    threads: int = 2
+    """torch CPU threads (0 = torch default)"""
+    tensorboard: bool = True
+    """log to TensorBoard when it is installed"""
+    wandb: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "turnrl"
+    """Weights & Biases project name"""
+    progress: bool = True
+    """show a rich progress bar"""
+    mode: Literal["sync", "async"] = "sync"
+    """which rollout source feeds the learner: 'sync' = lock-step, each step's episodes from
+    the current weights (turnrl train: this process's engine; train_agent: the step's tasks
+    against the served weights); 'async' = generation goes on while the learner trains
+    (turnrl train: Ray rollout workers; train_agent: agents keep playing), groups at most
+    staleness.max_versions behind, decoupled PPO"""
+
+    def _check(self) -> None:
+        self._at_least(1, "steps", "keep_checkpoints")
+        self._at_least(0, "seed", "checkpoint_every", "sample_episodes", "threads")

@@ -1,0 +1,59 @@
+"""``Config``: the sections, in the order ``--help`` lists them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from turnrl.config.async_ import PoolConfig, RayConfig, StalenessConfig
+from turnrl.config.checks import check_across
+from turnrl.config.core import (
+    AlgoConfig,
+    EnvConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    RunConfig,
+)
+from turnrl.config.critic import CriticConfig
+from turnrl.config.explore import ExploreConfig
+from turnrl.config.serve import ServeConfig
+from turnrl.config.types import type_hints
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """the policy model: which, its dtype and device"""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """the environment and its constructor options"""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """episode collection: group sizes, turns, sampling"""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """the RL objective: estimator, clipping, KL, entropy"""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """turn-level credit: discount, the turn-level critic, GiGPO weights"""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """the optimiser and micro-batching"""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """held-out evaluation before, during and after training"""
+    run: RunConfig = field(default_factory=RunConfig)
+    """run bookkeeping: steps, seed, directory, checkpoints, logging, mode"""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """async mode: the Ray cluster and its rollout workers"""
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    """async mode: how old a trained episode may be, partial rollouts"""
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    """async mode: how many episodes are in flight, sized at run time"""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """the OpenAI-compatible endpoint (turnrl serve, train_agent)"""
+    explore: ExploreConfig = field(default_factory=ExploreConfig)
+    """exploration and stability options, all off by default"""
+
+    def __post_init__(self) -> None:
+        check_across(self)
+
+
+def sections() -> dict[str, type]:
+    """Section name -> its dataclass, in declaration order."""
+    return dict(type_hints(Config))
