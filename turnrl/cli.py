@@ -15,7 +15,7 @@ turnrl eval   RUN_DIR [RUN_DIR ...] [--samples N] [--out FILE.json] ...  (seeds 
 turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.port P]
               [--serve.api_key KEY] [--serve.checkpoint DIR] [--section.key VALUE ...]
 turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] [--html FILE.html]
-turnrl envs
+turnrl envs   [NAME]                                 (every env, or one in full)
 
 Every config field is an option: --section.key VALUE."""
 
