@@ -1,7 +1,10 @@
 """Learning-curve report: one PNG summarising a run's ``metrics.jsonl``.
 
 Uses matplotlib's object API with the Agg canvas directly (no pyplot), so it needs no display
-and does not change the global backend of a process that also plots interactively.
+and does not change the global backend of a process that also plots interactively. The axes
+take their ticks from :mod:`turnrl.report.svg` (as the HTML page does), so a constant curve,
+one point or values near the largest float draw too (matplotlib's own locator fails on
+spans past 1e308); NaN and inf are left out and a metric with no finite value says "no data".
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from turnrl.metrics import read_metrics
+from turnrl.report.data import finite, read_run_metrics, require_run_dir
+from turnrl.report.svg import nice_ticks, tick_labels
 
 __all__ = ["PREFERRED_METRICS", "write_report"]
 
@@ -31,27 +36,31 @@ _EVAL = "eval/success"
 _NCOLS = 3
 
 
-def _number(value: Any) -> float | None:
-    """A finite float, or None for missing, null (NaN when logged), or non-numeric values."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    points = [(r["step"], _number(r.get(key))) for r in records]
-    points = [(s, v) for s, v in points if v is not None]
+    """The finite (step, value) points of ``key``, by step."""
+    points = sorted((finite(r["step"]), v) for r in records
+                    if (v := finite(r.get(key))) is not None)
     return [s for s, _ in points], [v for _, v in points]
 
 
 def _rolling_mean(values: list[float], window: int) -> list[float]:
+    # Sums of value / window: a window of values near the largest float does not overflow.
     out, total = [], 0.0
     for i, v in enumerate(values):
-        total += v
+        total += v / window
         if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+            total -= values[i - window] / window
+        out.append(total * (window / min(i + 1, window)))
     return out
+
+
+def _set_axes(ax: Any, xs: list[float], ys: list[float]) -> None:
+    """Limits and labelled ticks from the page's tick maths (steps are whole numbers)."""
+    for ticks, set_lim, set_ticks in (
+            (nice_ticks(min(xs), max(xs), count=6, min_step=1.0), ax.set_xlim, ax.set_xticks),
+            (nice_ticks(min(ys), max(ys)), ax.set_ylim, ax.set_yticks)):
+        set_lim(ticks[0], ticks[-1])
+        set_ticks(ticks, labels=tick_labels(ticks))
 
 
 def _plot_curve(ax: Any, steps: list[float], values: list[float], key: str) -> None:
@@ -69,44 +78,55 @@ def _plot_curve(ax: Any, steps: list[float], values: list[float], key: str) -> N
         ax.legend(fontsize="small")
     else:
         ax.plot(steps, values, color="C0", marker="o", markersize=3)
+    _set_axes(ax, steps, values)
     ax.set_title(key)
 
 
 def _plot_eval(ax: Any, records: list[dict[str, Any]]) -> None:
     steps, values, below, above = [], [], [], []
-    for r in records:
-        value = _number(r.get(_EVAL))
+    for r in sorted(records, key=lambda r: finite(r["step"])):
+        value = finite(r.get(_EVAL))
         if value is None:
             continue
-        lo, hi = _number(r.get(f"{_EVAL}_lo")), _number(r.get(f"{_EVAL}_hi"))
-        steps.append(r["step"])
+        lo, hi = finite(r.get(f"{_EVAL}_lo")), finite(r.get(f"{_EVAL}_hi"))
+        steps.append(finite(r["step"]))
         values.append(value)
         # A point without an interval gets a zero-length bar rather than being dropped.
         below.append(max(0.0, value - lo) if lo is not None else 0.0)
         above.append(max(0.0, hi - value) if hi is not None else 0.0)
     ax.errorbar(steps, values, yerr=[below, above], fmt="o-", color="C1", capsize=4)
+    _set_axes(ax, steps, [v - b for v, b in zip(values, below, strict=True)]
+              + [v + a for v, a in zip(values, above, strict=True)])
     ax.set_title(f"{_EVAL} (with CI)" if any(below) or any(above) else _EVAL)
 
 
 def _panels(records: list[dict[str, Any]]) -> list[str]:
-    present = [k for k in PREFERRED_METRICS if _series(records, k)[0]]
-    if any(_number(r.get(_EVAL)) is not None for r in records):
-        present.append(_EVAL)
-    return present
+    """The metrics logged at all (a panel each; one never finite says "no data")."""
+    return [k for k in (*PREFERRED_METRICS, _EVAL) if any(k in r for r in records)]
+
+
+def _plot_panel(ax: Any, records: list[dict[str, Any]], key: str) -> None:
+    steps, values = _series(records, key)
+    if not steps:
+        ax.text(0.5, 0.5, "no data: never a finite number", ha="center", va="center",
+                transform=ax.transAxes, color="0.5")
+        ax.set_title(key)
+    elif key == _EVAL:
+        _plot_eval(ax, records)
+    else:
+        _plot_curve(ax, steps, values, key)
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw the learning curves of ``run_dir/metrics.jsonl`` into a PNG and return its path.
 
-    The default output is ``run_dir/report.png``. A run with no plottable metrics yet still
-    gets a PNG, saying so, rather than an error.
+    The default output is ``run_dir/report.png``. A run with no plottable metrics yet (or
+    no ``metrics.jsonl``: stopped before its first step) still gets a PNG, saying so, rather
+    than an error; unreadable lines of ``metrics.jsonl`` are left out.
     """
-    run_dir = Path(run_dir)
-    metrics_path = run_dir / "metrics.jsonl"
-    if not metrics_path.is_file():
-        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}; is this a TurnRL run directory?")
+    run_dir = require_run_dir(run_dir)
     out_path = Path(out) if out is not None else run_dir / "report.png"
-    records = read_metrics(metrics_path)
+    records = read_run_metrics(run_dir).records
     panels = _panels(records)
 
     ncols = min(_NCOLS, max(1, len(panels)))
@@ -116,10 +136,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.suptitle(f"TurnRL run: {run_dir.resolve().name}")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, key in zip(axes, panels, strict=False):
-        if key == _EVAL:
-            _plot_eval(ax, records)
-        else:
-            _plot_curve(ax, *_series(records, key), key)
+        _plot_panel(ax, records, key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     for ax in axes[len(panels) :]:
@@ -128,5 +145,6 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         axes[0].text(0.5, 0.5, "no metrics logged yet", ha="center", va="center")
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, format="png", dpi=100)
+    with np.errstate(over="ignore", invalid="ignore"):  # spans near 1e308 overflow, harmlessly
+        fig.savefig(out_path, format="png", dpi=100)
     return out_path
