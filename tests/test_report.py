@@ -51,6 +51,14 @@ def test_write_report_with_no_plottable_metrics(tmp_path):
     assert write_report(tmp_path).read_bytes().startswith(PNG_MAGIC)
 
 
-def test_write_report_missing_metrics(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no metrics.jsonl in .*TurnRL run directory"):
+def test_write_report_of_what_is_no_run_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl .*in .*TurnRL run directory"):
         write_report(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no run directory .*--run.out_dir"):
+        write_report(tmp_path / "nowhere")
+
+
+def test_write_report_of_a_run_stopped_before_its_first_step(tmp_path):
+    """`turnrl train` writes config.yaml first; killed then, the run has no metrics.jsonl."""
+    (tmp_path / "config.yaml").write_text("run: {steps: 2}\n")
+    assert write_report(tmp_path).read_bytes().startswith(PNG_MAGIC)

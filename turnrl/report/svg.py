@@ -22,6 +22,9 @@ DIGIT_PX = 6.5
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2")
 FLAT = 1e-9
 """Relative spread under which a curve is drawn as constant (float noise, not a trend)."""
+DUST = 1e-290
+"""Absolute spread (and size) under which numbers are drawn as zero: near the subnormals,
+halving a span (to keep it from overflowing) would round it to nothing."""
 _BIGGEST = sys.float_info.max
 
 
@@ -51,10 +54,10 @@ def drawable(series: Series) -> Series:
 
 def _padded(lo: float, hi: float) -> tuple[float, float]:
     """[lo, hi] widened around a constant (or float-noise) range so it has a height."""
-    if hi - lo > FLAT * max(abs(lo), abs(hi)):
+    if hi - lo > max(FLAT * max(abs(lo), abs(hi)), DUST):
         return lo, hi
     middle = lo / 2 + hi / 2
-    pad = abs(middle) / 10 or 0.5  # 10% of the value; +-0.5 around zero (or a subnormal)
+    pad = abs(middle) / 10 if abs(middle) > DUST else 0.5  # 10% of the value; +-0.5 near 0
     return max(middle - pad, -_BIGGEST), min(middle + pad, _BIGGEST)
 
 
