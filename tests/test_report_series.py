@@ -145,9 +145,10 @@ def test_line_chart_draws_every_generated_series_inside_its_box():
         assert len(facts["paths"]) == sum(1 for e in expected if e)
         for path, points in zip(facts["paths"], [e for e in expected if e], strict=True):
             assert len(path) == len(points), case
-            for (x, y), (_, value) in zip(path, points, strict=True):
+            for x, y in path:
                 assert facts["left"] - 0.1 <= x <= WIDTH - RIGHT + 0.1, (case, x)
                 assert TOP - 0.1 <= y <= HEIGHT - BOTTOM + 0.1, (case, y)
+            assert all(a[0] <= b[0] for a, b in zip(path, path[1:], strict=False)), case
             # a larger value is never drawn lower (SVG y grows downwards)
             for (_, ya), (_, a), in zip(path, points, strict=True):
                 for (_, yb), (_, b) in zip(path, points, strict=True):

@@ -129,11 +129,20 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_run_metrics(run_dir).records
     panels = _panels(records)
 
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    # Autoscaling a span near 1e308 overflows in numpy before our limits replace it: harmless.
+    with np.errstate(over="ignore", invalid="ignore"):
+        _figure(run_dir.resolve().name, records, panels).savefig(out_path, format="png",
+                                                                 dpi=100)
+    return out_path
+
+
+def _figure(name: str, records: list[dict[str, Any]], panels: list[str]) -> Figure:
     ncols = min(_NCOLS, max(1, len(panels)))
     nrows = max(1, math.ceil(len(panels) / ncols))
     fig = Figure(figsize=(4.5 * ncols, 3.2 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    fig.suptitle(f"TurnRL run: {run_dir.resolve().name}")
+    fig.suptitle(f"TurnRL run: {name}")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, key in zip(axes, panels, strict=False):
         _plot_panel(ax, records, key)
@@ -143,8 +152,4 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.set_axis_off()
     if not panels:
         axes[0].text(0.5, 0.5, "no metrics logged yet", ha="center", va="center")
-
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with np.errstate(over="ignore", invalid="ignore"):  # spans near 1e308 overflow, harmlessly
-        fig.savefig(out_path, format="png", dpi=100)
-    return out_path
+    return fig
