@@ -18,11 +18,13 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from turnrl.cli import main
 from turnrl.report import write_html_report, write_report
 from turnrl.report.html import CURVES
+from turnrl.report.png import PREFERRED_METRICS, curves_figure
 from turnrl.report.svg import (
     BOTTOM,
     HEIGHT,
@@ -330,3 +332,30 @@ def test_a_chart_that_fails_to_draw_says_no_data_and_the_page_goes_on(tmp_path, 
     assert [(c["metric"], c["nodata"]) for c in page.charts] == [("reward/mean", False),
                                                                  ("entropy", True)]
     assert "ZeroDivisionError: injected" in (run / "report.html").read_text()
+
+
+def test_png_panels_draw_every_generated_series_inside_their_axes():
+    """matplotlib is given limits and ticks it can transform: every plotted point lands
+    inside its panel, finite, and a larger value is never drawn lower."""
+    rng = random.Random(11)
+    for case in range(30):
+        n = random_length(rng) or 1
+        steps = random_steps(rng, n)
+        keys = rng.sample(PREFERRED_METRICS, 3)
+        values = {k: random_values(rng, n, junk=rng.choice((0.0, 0.3))) for k in keys}
+        records = [{"step": s, **{k: values[k][i] for k in keys}}
+                   for i, s in enumerate(steps) if _finite(s)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fig = curves_figure(records, f"case {case}")
+            fig.canvas.draw()
+        for ax in fig.axes:
+            box = ax.get_window_extent()
+            for line in ax.get_lines():
+                data = line.get_xydata()
+                shown = ax.transData.transform(data)
+                assert np.isfinite(shown).all(), (case, ax.get_title(), data)
+                assert (shown[:, 0] >= box.x0 - 1).all() and (shown[:, 0] <= box.x1 + 1).all()
+                assert (shown[:, 1] >= box.y0 - 1).all() and (shown[:, 1] <= box.y1 + 1).all()
+                order = np.argsort(data[:, 1], kind="stable")
+                assert (np.diff(shown[order, 1]) >= -0.5).all(), (case, ax.get_title())

@@ -13,14 +13,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from turnrl.report.data import finite, read_run_metrics, require_run_dir
 from turnrl.report.svg import nice_ticks, tick_labels
 
-__all__ = ["PREFERRED_METRICS", "write_report"]
+__all__ = ["PREFERRED_METRICS", "curves_figure", "write_report"]
 
 PREFERRED_METRICS = (
     "reward/mean",
@@ -54,16 +53,33 @@ def _rolling_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _set_axes(ax: Any, xs: list[float], ys: list[float]) -> None:
-    """Limits and labelled ticks from the page's tick maths (steps are whole numbers)."""
-    for ticks, set_lim, set_ticks in (
-            (nice_ticks(min(xs), max(xs), count=6, min_step=1.0), ax.set_xlim, ax.set_xticks),
-            (nice_ticks(min(ys), max(ys)), ax.set_ylim, ax.set_yticks)):
-        set_lim(ticks[0], ticks[-1])
-        set_ticks(ticks, labels=tick_labels(ticks))
+def _unit(values: list[float]) -> float:
+    """A power of two bringing values past 1e100 near 1, else 1: matplotlib's transforms
+    overflow on spans past the largest float, and a power of two scales exactly."""
+    biggest = max(map(abs, values))
+    return 2.0 ** -math.frexp(biggest)[1] if biggest > 1e100 else 1.0
+
+
+def _scaled(values: list[float], unit: float) -> list[float]:
+    return [v * unit for v in values]
+
+
+def _set_axes(ax: Any, xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Limits and labelled ticks from the page's tick maths (steps are whole numbers); the
+    units (:func:`_unit`) to plot x and y in, with the labels in the values' own units."""
+    units = _unit(xs), _unit(ys)
+    for ticks, unit, set_lim, set_ticks in (
+            (nice_ticks(min(xs), max(xs), count=6, min_step=1.0), units[0], ax.set_xlim,
+             ax.set_xticks),
+            (nice_ticks(min(ys), max(ys)), units[1], ax.set_ylim, ax.set_yticks)):
+        set_lim(ticks[0] * unit, ticks[-1] * unit)
+        set_ticks(_scaled(ticks, unit), labels=tick_labels(ticks))
+    return units
 
 
 def _plot_curve(ax: Any, steps: list[float], values: list[float], key: str) -> None:
+    x_unit, y_unit = _set_axes(ax, steps, values)
+    steps, values = _scaled(steps, x_unit), _scaled(values, y_unit)
     # Per-step RL metrics are noisy: show the raw curve faintly under a smoothed one.
     if len(values) >= 20:
         ax.plot(steps, values, color="C0", alpha=0.3, linewidth=1)
@@ -78,12 +94,11 @@ def _plot_curve(ax: Any, steps: list[float], values: list[float], key: str) -> N
         ax.legend(fontsize="small")
     else:
         ax.plot(steps, values, color="C0", marker="o", markersize=3)
-    _set_axes(ax, steps, values)
     ax.set_title(key)
 
 
 def _plot_eval(ax: Any, records: list[dict[str, Any]]) -> None:
-    steps, values, below, above = [], [], [], []
+    steps, values, lows, highs = [], [], [], []
     for r in sorted(records, key=lambda r: finite(r["step"])):
         value = finite(r.get(_EVAL))
         if value is None:
@@ -92,11 +107,14 @@ def _plot_eval(ax: Any, records: list[dict[str, Any]]) -> None:
         steps.append(finite(r["step"]))
         values.append(value)
         # A point without an interval gets a zero-length bar rather than being dropped.
-        below.append(max(0.0, value - lo) if lo is not None else 0.0)
-        above.append(max(0.0, hi - value) if hi is not None else 0.0)
-    ax.errorbar(steps, values, yerr=[below, above], fmt="o-", color="C1", capsize=4)
-    _set_axes(ax, steps, [v - b for v, b in zip(values, below, strict=True)]
-              + [v + a for v, a in zip(values, above, strict=True)])
+        lows.append(value if lo is None else min(lo, value))
+        highs.append(value if hi is None else max(hi, value))
+    x_unit, y_unit = _set_axes(ax, steps, lows + highs)
+    values, lows, highs = (_scaled(v, y_unit) for v in (values, lows, highs))
+    below = [v - lo for v, lo in zip(values, lows, strict=True)]
+    above = [hi - v for v, hi in zip(values, highs, strict=True)]
+    ax.errorbar(_scaled(steps, x_unit), values, yerr=[below, above], fmt="o-", color="C1",
+                capsize=4)
     ax.set_title(f"{_EVAL} (with CI)" if any(below) or any(above) else _EVAL)
 
 
@@ -127,17 +145,15 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = require_run_dir(run_dir)
     out_path = Path(out) if out is not None else run_dir / "report.png"
     records = read_run_metrics(run_dir).records
-    panels = _panels(records)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    # Autoscaling a span near 1e308 overflows in numpy before our limits replace it: harmless.
-    with np.errstate(over="ignore", invalid="ignore"):
-        _figure(run_dir.resolve().name, records, panels).savefig(out_path, format="png",
-                                                                 dpi=100)
+    curves_figure(records, run_dir.resolve().name).savefig(out_path, format="png", dpi=100)
     return out_path
 
 
-def _figure(name: str, records: list[dict[str, Any]], panels: list[str]) -> Figure:
+def curves_figure(records: list[dict[str, Any]], name: str) -> Figure:
+    """The figure of ``write_report``: a panel per metric of ``records`` that it draws."""
+    panels = _panels(records)
     ncols = min(_NCOLS, max(1, len(panels)))
     nrows = max(1, math.ceil(len(panels) / ncols))
     fig = Figure(figsize=(4.5 * ncols, 3.2 * nrows), layout="constrained")
