@@ -76,6 +76,17 @@ def random_steps(rng: random.Random, n: int) -> list[Any]:
     return steps
 
 
+@pytest.fixture(params=[False, True], ids=["denormals", "flush-to-zero"])
+def flush_denormals(request):
+    """Both float modes a report meets: `turnrl train` sets torch's flush-to-zero (models.py),
+    so a report drawn in a process that trained computes with subnormals as 0."""
+    import torch
+
+    torch.set_flush_denormal(request.param)
+    yield request.param
+    torch.set_flush_denormal(False)
+
+
 def _finite(value: Any) -> bool:
     return (isinstance(value, int | float) and not isinstance(value, bool)
             and abs(value) <= sys.float_info.max)  # NaN compares false
@@ -84,7 +95,7 @@ def _finite(value: Any) -> bool:
 # ------------------------------------------------------------------------------ axis maths
 
 
-def test_ticks_cover_any_finite_range_with_distinct_labels():
+def test_ticks_cover_any_finite_range_with_distinct_labels(flush_denormals):
     rng = random.Random(37)
     pairs = [(v, v) for v in (0.0, -0.0, 5e-324, -1.7976931348623157e308, 1.7976931348623157e308,
                               0.053125, 1e20, -3.0)]
@@ -128,7 +139,7 @@ def _chart_facts(svg: str) -> dict:
             "x_labels": [t.text for t in ticks if t.get("text-anchor") == "middle"][:-1]}
 
 
-def test_line_chart_draws_every_generated_series_inside_its_box():
+def test_line_chart_draws_every_generated_series_inside_its_box(flush_denormals):
     rng = random.Random(2026)
     for case in range(400):
         series, expected = [], []
@@ -334,7 +345,7 @@ def test_a_chart_that_fails_to_draw_says_no_data_and_the_page_goes_on(tmp_path, 
     assert "ZeroDivisionError: injected" in (run / "report.html").read_text()
 
 
-def test_png_panels_draw_every_generated_series_inside_their_axes():
+def test_png_panels_draw_every_generated_series_inside_their_axes(flush_denormals):
     """matplotlib is given limits and ticks it can transform: every plotted point lands
     inside its panel, finite, and a larger value is never drawn lower."""
     rng = random.Random(11)

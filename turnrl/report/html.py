@@ -103,8 +103,8 @@ def load_run(run_dir: str | Path) -> RunData:
     path = require_run_dir(run_dir)
     metrics = read_run_metrics(path)
     config, notes = _config(path)
-    evals = {k: d for k in ("before", "after") if isinstance(d := _json(path / f"eval_{k}.json"),
-                                                             dict)}
+    evals = {k: d for k in ("before", "after")
+             if isinstance(d := _json(path / f"eval_{k}.json"), dict)}
     passk = _json(path / "eval.json")
     return RunData(path.resolve().name, path, config, metrics.records, evals,
                    passk if isinstance(passk, dict) else None, _samples(path),
@@ -141,8 +141,8 @@ def _chart(runs: list[RunData], key: str, colors: list[str]) -> str:
     if not logged:
         return ""
     try:
-        chart = line_chart(title, [_series(run, key, c) for run, c in zip(runs, colors,
-                                                                           strict=True)])
+        series = [_series(run, key, color) for run, color in zip(runs, colors, strict=True)]
+        chart = line_chart(title, series)
     except Exception as err:  # one chart's failure must not take the whole page with it
         return empty_chart(title, f"could not draw it ({type(err).__name__}: {err})")
     return chart or empty_chart(title, f"logged {logged} time(s), never a finite number")

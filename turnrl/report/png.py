@@ -54,10 +54,12 @@ def _rolling_mean(values: list[float], window: int) -> list[float]:
 
 
 def _unit(values: list[float]) -> float:
-    """A power of two bringing values past 1e100 near 1, else 1: matplotlib's transforms
-    overflow on spans past the largest float, and a power of two scales exactly."""
+    """A power of two bringing values past 1e100 under 4, else 1: matplotlib's transforms
+    overflow on spans past the largest float, and a power of two scales exactly. The unit
+    stays a normal float (2**-1022 at least): where torch has set flush-to-zero, a
+    subnormal one would be 0."""
     biggest = max(map(abs, values))
-    return 2.0 ** -math.frexp(biggest)[1] if biggest > 1e100 else 1.0
+    return 2.0 ** (2 - math.frexp(biggest)[1]) if biggest > 1e100 else 1.0
 
 
 def _scaled(values: list[float], unit: float) -> list[float]:

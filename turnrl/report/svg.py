@@ -2,8 +2,9 @@
 
 Every text that reaches the markup goes through ``html.escape`` (metric and run names come
 from files a user or an environment wrote). The axis maths takes any finite numbers: one
-point, a constant curve, zeros, negatives, magnitudes from 1e-300 to 1e308; NaN and inf are
-left out of a chart, and a chart left with no point says "no data" (:func:`empty_chart`).
+point, a constant curve (float noise included), zeros, negatives, magnitudes up to the largest
+float (spreads under 1e-290 are drawn flat); NaN and inf are left out of a chart, and the page
+puts :func:`empty_chart` ("no data") where a logged metric has no finite value.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ _BIGGEST = sys.float_info.max
 
 @dataclass
 class Series:
-    """One run's curve: (x, y) points, and optional (x, y, lo, hi) points with intervals."""
+    """One run's curve: (x, y) points, and optional (x, y, lo, hi) points with intervals.
+
+    Entries may be anything a metrics file holds: :func:`drawable` keeps the finite numbers.
+    """
 
     name: str
     color: str
@@ -107,8 +111,8 @@ def _label(value: float) -> str:
     return f"{value:.4g}"
 
 
-def _open(title: str) -> list[str]:
-    return [f'<svg class="chart" data-metric="{escape(title)}" viewBox="0 0 {WIDTH} {HEIGHT}" '
+def _open(title: str, css_class: str = "chart") -> list[str]:
+    return [f'<svg class="{css_class}" data-metric="{escape(title)}" viewBox="0 0 {WIDTH} {HEIGHT}" '
             f'width="{WIDTH}" height="{HEIGHT}" role="img" xmlns="http://www.w3.org/2000/svg">',
             f'<title>{escape(title)}</title>',
             f'<text class="title" x="{LEFT}" y="18">{escape(title)}</text>']
@@ -116,7 +120,7 @@ def _open(title: str) -> list[str]:
 
 def empty_chart(title: str, reason: str) -> str:
     """The place of a chart that has nothing to draw: its title and "no data: ``reason``"."""
-    return "".join(_open(title)).replace('class="chart"', 'class="chart nodata"', 1) + (
+    return "".join(_open(title, "chart nodata")) + (
         f'<text class="nodata" x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle">'
         f"no data: {escape(reason)}</text></svg>")
 
