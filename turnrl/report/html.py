@@ -4,7 +4,9 @@ Learning curves (inline SVG, one line per run), the evaluation table (before/aft
 training, and the pass@k of ``turnrl eval --out RUN_DIR/eval.json`` when present) and a few
 sample episodes as conversations, policy and environment turns told apart. No external
 file, font or script: the page opens offline. Its one inline script only checks, in the
-browser, that every chart drew a line, and says so at the bottom of the page.
+browser, that every chart drew its line or points, and says so at the bottom of the page.
+Any run directory makes a page: what cannot be drawn or read says so where it would have
+been ("no data" charts, notes under the run) instead of stopping the report.
 """
 
 from __future__ import annotations
