@@ -142,3 +142,84 @@ def test_report_of_a_real_run_in_chromium_and_its_screenshot(tmp_path):
     blue = np.all(np.abs(pixels - np.array([0x1F, 0x77, 0xB4]) / 255) < 0.05, axis=-1)
     assert blue.sum() > 500  # the curves' colour, drawn
     assert pixels.std() > 0.05  # not a blank page
+
+
+def _page_check(dom: _Dom) -> tuple[dict, list[dict]]:
+    """What the page's script found (body attributes) and the charts it measured."""
+    body = dom.find("body")[0]["attrs"]
+    assert "data-charts" in body, "the page's script did not run"
+    return body, dom.find("svg", "chart")
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_report_of_a_one_and_two_step_run_in_chromium(tmp_path, steps, capsys):
+    """Issue 37: a 2-step run's near-equal floats stopped `turnrl report` (math domain
+    error) after report.png and before report.html."""
+    run = tmp_path / f"run-{steps}"
+    assert main(["train", *TINY, "--run.steps", str(steps), "--eval.episodes", "2",
+                 "--rollout.groups_per_step", "2", "--rollout.group_size", "2",
+                 "--run.sample_episodes", "1", "--run.out_dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    assert capsys.readouterr().out.split() == [str(run / "report.png"), str(run / "report.html")]
+    assert (run / "report.png").read_bytes().startswith(b"\x89PNG")
+    body, charts = _page_check(_rendered(run / "report.html"))
+    assert len(charts) >= 5 and not any("nodata" in c["attrs"]["class"] for c in charts)
+    assert body["data-charts-drawn"] == body["data-charts"] == str(len(charts))
+    for chart in charts:
+        if steps == 1:  # one point a line: no length, its marker drawn
+            assert int(chart["attrs"]["data-marks"]) >= 1
+        else:
+            assert float(chart["attrs"]["data-drawn"]) > 0
+
+
+def _metrics(run_dir: Path, lines: list[str]) -> None:
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("run: {steps: 5}\n")
+    if lines:
+        (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def _records(rows: list[dict]) -> list[str]:
+    return [json.dumps({"step": i + 1, **row}) for i, row in enumerate(rows)]
+
+
+EDGE_RUNS = {  # name: (metrics.jsonl lines, charts drawn, charts saying "no data")
+    "one-point": (_records([{"reward/mean": 0.5, "entropy": 0.0, "kl": -2e-9,
+                             "grad_norm": 1e300}]), 4, 0),
+    # the issue's run: 0.053125 then 0.053125000000000006 (one float apart)
+    "constant": (_records([{"reward/mean": (0.053125, 0.053125000000000006)[i % 2],
+                            "clip_fraction": 0.0, "entropy": -3.0, "kl": 5e-324}
+                           for i in range(6)]), 4, 0),
+    "extreme": (_records([{"reward/mean": (-1) ** i * 1.7e308, "entropy": 1e-300 * i,
+                           "kl": 10.0 ** (i * 60 - 150), "grad_norm": 1e20 + i}
+                          for i in range(6)]), 4, 0),
+    "nan-and-inf": (_records([{"reward/mean": float("nan"), "entropy": float("inf"),
+                               "kl": [None, 1.0, float("-inf")][i % 3],
+                               "grad_norm": "12"} for i in range(6)]), 1, 3),
+    "killed-before-first-metric": ([], 0, 0),
+    "only-a-torn-line": (['{"step": 1, "reward/me'], 0, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(EDGE_RUNS))
+def test_edge_case_runs_draw_or_say_no_data_in_chromium(tmp_path, case):
+    lines, drawn, empty = EDGE_RUNS[case]
+    run = tmp_path / case
+    _metrics(run, lines)
+    assert main(["report", str(run)]) == 0
+    assert (run / "report.png").read_bytes().startswith(b"\x89PNG")
+    dom = _rendered(run / "report.html")
+    body, charts = _page_check(dom)
+    assert (body["data-charts-drawn"], body["data-charts-empty"]) == (str(drawn), str(empty))
+    assert len(charts) == drawn + empty
+    for chart in charts:
+        if "nodata" in chart["attrs"]["class"]:
+            assert "no data: logged 6 time(s), never a finite number" in chart["text"]
+        else:
+            assert float(chart["attrs"]["data-drawn"]) > 0 or int(chart["attrs"]["data-marks"])
+            assert not any(w in chart["text"].lower() for w in ("nan", "inf")), chart["text"]
+    if not drawn + empty:
+        assert "No metrics logged yet." in dom.find("div", "charts")[0]["text"]
+        assert ("no metrics.jsonl yet" if not lines else "last line is cut short") in \
+            dom.find("ul", "notes")[0]["text"]

@@ -4,13 +4,14 @@ Learning curves (inline SVG, one line per run), the evaluation table (before/aft
 training, and the pass@k of ``turnrl eval --out RUN_DIR/eval.json`` when present) and a few
 sample episodes as conversations, policy and environment turns told apart. No external
 file, font or script: the page opens offline. Its one inline script only checks, in the
-browser, that every chart drew a line, and says so at the bottom of the page.
+browser, that every chart drew its line or points, and says so at the bottom of the page.
+Any run directory makes a page: what cannot be drawn or read says so where it would have
+been ("no data" charts, notes under the run) instead of stopping the report.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -19,8 +20,8 @@ from typing import Any
 import yaml
 
 from turnrl.config import translate_stored
-from turnrl.metrics import read_metrics
-from turnrl.report.svg import PALETTE, Series, line_chart
+from turnrl.report.data import finite, read_run_metrics, require_run_dir
+from turnrl.report.svg import PALETTE, Series, empty_chart, line_chart
 from turnrl.types import read_episodes
 
 CURVES = ("reward/mean", "success/rate", "entropy", "clip_fraction", "kl", "loss/policy",
@@ -41,6 +42,8 @@ class RunData:
     """What ``turnrl eval --out RUN_DIR/eval.json`` wrote, if it did."""
     samples: list[tuple[str, dict]] = field(default_factory=list)
     """(where from, transcript) pairs: decoded parts with their role."""
+    notes: list[str] = field(default_factory=list)
+    """What the page left out of this run and why (unreadable lines or files)."""
 
 
 def _json(path: Path) -> Any:
@@ -48,6 +51,17 @@ def _json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _dicts(value: Any) -> list[dict]:
+    """The objects of a JSON list (a sample file edited or cut short may hold anything)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _setting(config: dict, section: str, key: str) -> Any:
+    """``config[section][key]``, or None where the saved config lacks it or is not a mapping."""
+    part = config.get(section) if isinstance(config, dict) else None
+    return part.get(key) if isinstance(part, dict) else None
 
 
 def _first_and_last(paths: list[Path]) -> list[Path]:
@@ -59,11 +73,15 @@ def _samples(run_dir: Path) -> list[tuple[str, dict]]:
     before transcripts were saved, the turns (action, observation) of the episode files."""
     chosen = _first_and_last(sorted((run_dir / "samples").glob("step-*.json")))
     chosen += [p for p in [run_dir / "samples" / "eval_after.json"] if p.is_file()]
-    found = [(p.stem, t) for p in chosen for t in (_json(p) or [])[:2]]
+    found = [(p.stem, t) for p in chosen for t in _dicts(_json(p))[:2]]
     if found:
         return found[:SAMPLES_PER_RUN]
     for path in _first_and_last(sorted((run_dir / "episodes").glob("step-*.jsonl"))):
-        for ep in read_episodes(path)[:2]:
+        try:
+            episodes = read_episodes(path)[:2]
+        except (OSError, ValueError, TypeError, KeyError):  # cut short by a kill, or older
+            continue
+        for ep in episodes:
             parts = [{"role": role, "text": text} for t in ep.turns
                      for role, text in (("policy", t.action), ("env", t.observation)) if text]
             found.append((path.stem, {"seed": ep.seed, "reward": ep.reward, "status": ep.status,
@@ -72,69 +90,110 @@ def _samples(run_dir: Path) -> list[tuple[str, dict]]:
     return found[:SAMPLES_PER_RUN]
 
 
+def _config(path: Path) -> tuple[dict, list[str]]:
+    """The saved config (empty when absent), and a note when it cannot be read."""
+    if not (path / "config.yaml").is_file():
+        return {}, []
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text(errors="replace"))
+    except (OSError, yaml.YAMLError):
+        return {}, ["config.yaml could not be read; the run's settings are not shown"]
+    return (translate_stored(config), []) if isinstance(config, dict) else ({}, [])
+
+
 def load_run(run_dir: str | Path) -> RunData:
-    path = Path(run_dir)
-    if not (path / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"no metrics.jsonl in {path}; is this a TurnRL run directory?")
-    config = translate_stored(yaml.safe_load((path / "config.yaml").read_text())) \
-        if (path / "config.yaml").is_file() else {}
-    evals = {k: d for k in ("before", "after") if (d := _json(path / f"eval_{k}.json"))}
-    return RunData(path.resolve().name, path, config or {}, read_metrics(path / "metrics.jsonl"),
-                   evals, _json(path / "eval.json"), _samples(path))
-
-
-def _finite(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
+    """Everything the page shows of ``run_dir``; what cannot be read becomes a note."""
+    path = require_run_dir(run_dir)
+    metrics = read_run_metrics(path)
+    config, notes = _config(path)
+    evals = {k: d for k in ("before", "after")
+             if isinstance(d := _json(path / f"eval_{k}.json"), dict)}
+    passk = _json(path / "eval.json")
+    return RunData(path.resolve().name, path, config, metrics.records, evals,
+                   passk if isinstance(passk, dict) else None, _samples(path),
+                   metrics.notes + notes)
 
 
 def _series(run: RunData, key: str, color: str) -> Series:
+    """The finite (step, value) points of ``key``; NaN, inf and null values are left out."""
     s = Series(run.name, color, [(r["step"], v) for r in run.records
-                                 if (v := _finite(r.get(key))) is not None])
+                                 if (v := finite(r.get(key))) is not None])
     if key == "success/rate":  # held-out points with their intervals on the same axes
         for r in run.records:
-            v = _finite(r.get("eval/success"))
+            v = finite(r.get("eval/success"))
             if v is not None:
-                lo, hi = _finite(r.get("eval/success_lo")), _finite(r.get("eval/success_hi"))
-                s.intervals.append((r["step"], v, v if lo is None else lo, v if hi is None
-                                    else hi))
-        after, steps = run.evals.get("after"), [r["step"] for r in run.records]
-        if after and steps:
-            s.intervals.append((max(steps), after["success_rate"], after["ci_lo"],
-                                after["ci_hi"]))
+                s.intervals.append((r["step"], v, r.get("eval/success_lo"),
+                                    r.get("eval/success_hi")))
+        after, steps = run.evals.get("after", {}), [r["step"] for r in run.records]
+        if finite(after.get("success_rate")) is not None and steps:
+            s.intervals.append((max(steps), after["success_rate"], after.get("ci_lo"),
+                                after.get("ci_hi")))  # line_chart mends a missing end
     return s
 
 
+def _logged(runs: list[RunData], key: str) -> int:
+    """How many records carry ``key`` at all (a value, null, NaN or anything else)."""
+    return sum(key in r for run in runs for r in run.records)
+
+
+def _chart(runs: list[RunData], key: str, colors: list[str]) -> str:
+    """``key``'s chart; "no data" in its place when nothing finite was logged or it
+    cannot be drawn; '' when no run logged ``key`` at all."""
+    title = key + (" (squares: held-out, 95% CI)" if key == "success/rate" else "")
+    logged = _logged(runs, key) + (_logged(runs, "eval/success") if key == "success/rate" else 0)
+    if not logged:
+        return ""
+    try:
+        series = [_series(run, key, color) for run, color in zip(runs, colors, strict=True)]
+        chart = line_chart(title, series)
+    except Exception as err:  # one chart's failure must not take the whole page with it
+        return empty_chart(title, f"could not draw it ({type(err).__name__}: {err})")
+    return chart or empty_chart(title, f"logged {logged} time(s), never a finite number")
+
+
 def _charts(runs: list[RunData]) -> str:
-    colors = {run.name + str(i): PALETTE[i % len(PALETTE)] for i, run in enumerate(runs)}
-    charts = []
-    for key in CURVES:
-        series = [_series(run, key, colors[run.name + str(i)]) for i, run in enumerate(runs)]
-        title = key + (" (squares: held-out, 95% CI)" if key == "success/rate" else "")
-        charts.append(line_chart(title, [s for s in series if s.points or s.intervals]))
-    return "".join(c for c in charts if c) or "<p>No metrics logged yet.</p>"
+    colors = [PALETTE[i % len(PALETTE)] for i in range(len(runs))]
+    return "".join(_chart(runs, key, colors) for key in CURVES) or \
+        "<p>No metrics logged yet.</p>"
 
 
 def _pct(value: float, lo: float, hi: float) -> str:
     return f"{100 * value:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
+def _summary_row(d: dict) -> list[str]:
+    return [_pct(d["success_rate"], d["ci_lo"], d["ci_hi"]), f"{d['mean_reward']:.3f}",
+            f"{d['mean_turns']:.2f}", str(d["episodes"]), str(d["failed"])]
+
+
+def _passk_row(res: dict) -> list[str]:
+    passes = ", ".join(f"pass@{k} {_pct(e['value'], e['lo'], e['hi'])}"
+                       for k, e in res["pass_at_k"].items())
+    return [passes, f"{res['mean_reward']:.3f}", f"{res['mean_turns']:.2f}",
+            f"{res['tasks']} x {res['samples']}", str(res["failures"])]
+
+
+def _row(run: RunData, label: str, make: Any, data: Any, source: str) -> list[str]:
+    """One table row; a file from another version or edited by hand gets a row saying it
+    could not be read, instead of stopping the page."""
+    try:
+        return [run.name, label, *make(data)]
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        return [run.name, label, f"{source} could not be read ({type(err).__name__}: {err})",
+                "", "", "", ""]
+
+
 def _eval_rows(run: RunData) -> list[list[str]]:
-    steps = run.config.get("run", {}).get("steps", "?")
-    rows = []
-    for key, label in (("before", "before training"), ("after", f"after {steps} steps")):
-        if d := run.evals.get(key):
-            rows.append([run.name, label, _pct(d["success_rate"], d["ci_lo"], d["ci_hi"]),
-                         f"{d['mean_reward']:.3f}", f"{d['mean_turns']:.2f}",
-                         str(d["episodes"]), str(d["failed"])])
-    results = (run.passk or {}).get("results") or [(run.passk or {}).get("result")]
-    for res in filter(None, results):
-        passes = ", ".join(f"pass@{k} {_pct(e['value'], e['lo'], e['hi'])}"
-                           for k, e in res["pass_at_k"].items())
-        rows.append([run.name, f"turnrl eval: {res['label']}", passes, f"{res['mean_reward']:.3f}",
-                     f"{res['mean_turns']:.2f}", f"{res['tasks']} x {res['samples']}",
-                     str(res["failures"])])
+    steps = _setting(run.config, "run", "steps") or "?"
+    rows = [_row(run, label, _summary_row, run.evals[key], f"eval_{key}.json")
+            for key, label in (("before", "before training"), ("after", f"after {steps} steps"))
+            if key in run.evals]
+    passk = run.passk or {}
+    results = passk.get("results") or [passk.get("result")]
+    for res in filter(None, results if isinstance(results, list) else [results]):
+        label = f"turnrl eval: {res.get('label', '?')}" if isinstance(res, dict) else \
+            "turnrl eval"
+        rows.append(_row(run, label, _passk_row, res, "eval.json"))
     return rows
 
 
@@ -152,12 +211,14 @@ def _table(runs: list[RunData]) -> str:
 
 def _conversation(origin: str, t: dict, open_: bool) -> str:
     verdict = "solved" if t.get("success") else "not solved"
-    head = (f"{origin}, seed {t.get('seed')}: {verdict}, reward {t.get('reward', 0):.3f}, "
+    reward = finite(t.get("reward"))
+    head = (f"{origin}, seed {t.get('seed')}: {verdict}, reward "
+            f"{'?' if reward is None else f'{reward:.3f}'}, "
             f"{t.get('turns', '?')} turns, {t.get('status', '?')}")
     parts = "".join(
         f'<div class="msg {"policy" if s.get("role") == "policy" else "env"}">'
         f'<span class="who">{"policy" if s.get("role") == "policy" else "environment"}</span>'
-        f'<pre>{escape(str(s.get("text", "")))}</pre></div>' for s in t.get("segments", []))
+        f'<pre>{escape(str(s.get("text", "")))}</pre></div>' for s in _dicts(t.get("segments")))
     return (f'<details class="episode"{" open" if open_ else ""}><summary>{escape(head)}'
             f"</summary>{parts}</details>")
 
@@ -165,14 +226,17 @@ def _conversation(origin: str, t: dict, open_: bool) -> str:
 def _run_section(run: RunData) -> str:
     cfg = run.config
     facts = ", ".join(f"{k} {escape(str(v))}" for k, v in (
-        ("env", cfg.get("env", {}).get("name")), ("model", cfg.get("model", {}).get("name")),
-        ("advantage", cfg.get("algo", {}).get("advantage")),
-        ("steps", cfg.get("run", {}).get("steps")), ("seed", cfg.get("run", {}).get("seed")))
+        ("env", _setting(cfg, "env", "name")), ("model", _setting(cfg, "model", "name")),
+        ("advantage", _setting(cfg, "algo", "advantage")),
+        ("steps", _setting(cfg, "run", "steps")), ("seed", _setting(cfg, "run", "seed")))
         if v is not None)
+    notes = "".join(f'<li>{escape(n)}</li>' for n in run.notes)
     samples = "".join(_conversation(o, t, i == 0) for i, (o, t) in enumerate(run.samples)) or \
         "<p>No sample episodes saved (run.sample_episodes 0?).</p>"
     return (f'<section class="run"><h2>{escape(run.name)}</h2><p class="facts">'
-            f'{escape(str(run.path))}: {facts}</p><h3>Sample episodes</h3>{samples}</section>')
+            f'{escape(str(run.path))}: {facts}</p>'
+            + (f'<ul class="notes">{notes}</ul>' if notes else "")
+            + f"<h3>Sample episodes</h3>{samples}</section>")
 
 
 STYLE = """
@@ -191,20 +255,26 @@ details.episode{border:1px solid #ddd;margin:6px 0;padding:4px 8px}
 .msg .who{font-size:11px;text-transform:uppercase;color:#555}
 .msg pre{white-space:pre-wrap;word-break:break-word;margin:2px 0;font:13px/1.35 monospace}
 #check{color:#555;font-size:12px;margin-top:24px}
+svg text.nodata{font-size:13px;fill:#888}ul.notes{color:#8a5a00}
 """
 
-# Runs after layout: measures each chart's lines in the browser and writes what it found
-# (data-drawn on each chart, a line at the bottom), so a reader and a test can see it.
+# Runs after layout: measures each chart's lines and visible points in the browser and
+# writes what it found (data-drawn and data-marks on each chart, a line at the bottom), so a
+# reader and a test can see it. A one-step run has points and no line length.
 CHECK = """
-const charts=[...document.querySelectorAll('svg.chart')];let drawn=0;
+const charts=[...document.querySelectorAll('svg.chart:not(.nodata)')];let drawn=0;
 for(const c of charts){let length=0;
 for(const p of c.querySelectorAll('path.line'))length+=p.getTotalLength();
-const box=c.getBoundingClientRect();const ok=length>0&&box.width>0&&box.height>0;
-c.dataset.drawn=ok?length.toFixed(0):'0';if(ok)drawn++;}
+const marks=[...c.querySelectorAll('.mark')].filter(m=>m.getBoundingClientRect().width>0);
+const box=c.getBoundingClientRect();
+const ok=(length>0||marks.length>0)&&box.width>0&&box.height>0;
+c.dataset.drawn=ok?length.toFixed(0):'0';c.dataset.marks=marks.length;if(ok)drawn++;}
+const empty=document.querySelectorAll('svg.chart.nodata').length;
 const rows=document.querySelectorAll('table.eval tbody tr').length;
-document.getElementById('check').textContent=
-`page check: ${drawn} of ${charts.length} charts drew their lines; ${rows} evaluation rows.`;
-document.body.dataset.chartsDrawn=drawn;document.body.dataset.evalRows=rows;
+document.getElementById('check').textContent=`page check: ${drawn} of ${charts.length} `+
+`charts drew their lines or points, ${empty} say no data; ${rows} evaluation rows.`;
+Object.assign(document.body.dataset,{charts:charts.length,chartsDrawn:drawn,
+chartsEmpty:empty,evalRows:rows});
 """
 
 
