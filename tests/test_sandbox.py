@@ -538,7 +538,7 @@ def test_the_python_tool_survives_tree_attacks_through_the_tool_env(workdir_kind
     box = Sandbox("bwrap" if not bwrap_problem() else "fallback", TREE_LIMITS)
     for attack in TREE_ATTACKS.values():
         env = ToolEnv(lambda seed: Task("Make a tree.", 1), [python_tool(box)],
-                      lambda reply, answer: integer_match(reply, answer))
+                      lambda reply, answer: integer_match(reply, answer), call_timeout_s=60.0)
         asyncio.run(env.reset(0))
         action = ('<tool_call>' + json.dumps({"name": "python", "arguments": {
             "code": textwrap.dedent(attack)}}) + '</tool_call>')
