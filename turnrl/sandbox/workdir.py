@@ -123,8 +123,9 @@ def _open_dir(name: str, parent: int | None) -> int | None:
     return fd
 
 
-def _empty_files(fd: int) -> tuple[int, list[str]]:
-    """Unlink every non-directory in ``fd``; return (how many, the subdirectories' names)."""
+def _empty_files(fd: int, problems: list[str]) -> tuple[int, list[str]]:
+    """Unlink every non-directory in ``fd``; return (how many, the subdirectories' names).
+    What cannot be unlinked is added to ``problems`` and the rest goes on."""
     removed, subdirs = 0, []
     with os.scandir(fd) as entries:
         for entry in entries:
@@ -136,7 +137,14 @@ def _empty_files(fd: int) -> tuple[int, list[str]]:
                 removed += 1
             except FileNotFoundError:
                 pass
+            except OSError as err:
+                problems.append(f"{entry.name[:60]}: {err.strerror}")
     return removed, subdirs
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
 
 
 def _remove_tree(path: str) -> Removal:
@@ -150,11 +158,12 @@ def _remove_tree(path: str) -> Removal:
         return Removal(path, 0, left="" if not os.path.lexists(path) else f"{path} is not a dir")
     entries, problems = 0, []
     try:
-        removed, subdirs = _empty_files(fd)
+        removed, subdirs = _empty_files(fd, problems)
         entries += removed
-        stack: list[tuple[str, list[str]]] = [("", subdirs)]
+        # (name in its parent, subdirectories still to visit, its identity to climb back to)
+        stack: list[tuple[str, list[str], tuple[int, int]]] = [("", subdirs, _identity(fd))]
         while stack:
-            name, pending = stack[-1]
+            name, pending, _ = stack[-1]
             if pending:
                 child_name = pending.pop()
                 child = _open_dir(child_name, fd)
@@ -167,9 +176,9 @@ def _remove_tree(path: str) -> Removal:
                     continue
                 os.close(fd)
                 fd = child
-                removed, subdirs = _empty_files(fd)
+                removed, subdirs = _empty_files(fd, problems)
                 entries += removed
-                stack.append((child_name, subdirs))
+                stack.append((child_name, subdirs, _identity(fd)))
                 continue
             stack.pop()
             if not stack:
@@ -177,11 +186,14 @@ def _remove_tree(path: str) -> Removal:
             parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = parent
+            if _identity(fd) != stack[-1][2]:  # moved under us (a surviving process)
+                problems.append("the tree changed while it was removed; stopped")
+                break
             try:
                 os.rmdir(name, dir_fd=fd)
                 entries += 1
             except OSError as err:
-                problems.append(f"{name}: {err}")
+                problems.append(f"{name[:60]}: {err.strerror}")
     finally:
         os.close(fd)
     try:
