@@ -209,3 +209,14 @@ def test_the_probe_is_cheap_at_start_up():
     for _ in range(3):
         chat.check()
     assert (time.process_time() - started) / 3 < 1.0  # ~0.03 s CPU measured
+
+
+def test_a_template_refusing_the_system_role_is_probed_without_one():
+    """Gemma-style: the template raises for a system message; the probe must not refuse it
+    for that (rollouts without a system prompt work), and still checks everything else."""
+    refuses_system = ("{% if messages[0].role == 'system' %}"
+                      "{{ raise_exception('System role not supported') }}{% endif %}" + CHATML
+                      ).replace("{{ CONTENT }}", "{{ m.content }}")
+    _chat(refuses_system).check()
+    with pytest.raises(TemplateError, match="renders the date or time"):
+        _chat("{{ strftime_now('%d') }}" + refuses_system).check()

@@ -164,7 +164,7 @@ class ChatFormat:
         """Play ``turns`` (action, user reply, tool results) as one conversation; a template
         without the tool role gets the results as the user reply, as rollouts do."""
         tools = _SHAPE_SCHEMAS if self.tool_role else None
-        messages = [{"role": "system", "content": "You are a careful assistant."},
+        messages = [*self._probe_system,
                     {"role": "user", "content": "Solve the task; use the tools when they help."}]
         rendered = self.render(messages, True, tools)
         try:
@@ -184,13 +184,23 @@ class ChatFormat:
                 f"({type(err).__name__}: {str(err)[:200]}); rollouts produce such "
                 f"conversations: {_FIX}") from None
 
+    @functools.cached_property
+    def _probe_system(self) -> list[dict]:
+        """A system message for the probes, or none where the template refuses the role
+        (Gemma-style templates raise for it; rollouts then have none either)."""
+        system = [{"role": "system", "content": "You are a careful assistant."}]
+        try:
+            self.render([*system, {"role": "user", "content": "Hi"}], True)
+            return system
+        except Exception:  # noqa: BLE001 - the template's own refusal
+            return []
+
     def _check_deterministic(self) -> None:
         """Render one conversation under clocks far apart and across midnight (through the
         date helpers templates can call, ``strftime_now``) and under different random
         states (Jinja's ``random`` filter, ``lipsum``): a render that changes would change
         the prompt mid-run (a date at midnight, a random id every turn)."""
-        messages = [{"role": "system", "content": "You are a careful assistant."},
-                    {"role": "user", "content": "What is 2+2?"},
+        messages = [*self._probe_system, {"role": "user", "content": "What is 2+2?"},
                     {"role": "assistant", "content": "4"},
                     {"role": "user", "content": "Thanks."}]
 
