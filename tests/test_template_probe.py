@@ -92,6 +92,14 @@ REFUSED = {
                "m.content | length > 2000 else m.content"),
         "a long assistant turn"),
     # by position: only after k turns, or only older tool calls
+    "drops the first messages once the conversation passes 60,000 characters": (
+        "{% set ns = namespace(total=0) %}{% for m in messages %}"
+        "{% set ns.total = ns.total + m.content | length %}{% endfor %}"
+        + CHATML.replace("{% for m in messages %}", "{% for m in messages %}"
+                         "{% if not (ns.total > 60000 and loop.index0 < 2) %}"
+                         ).replace("{% endfor %}", "{% endif %}{% endfor %}"
+                                   ).replace("{{ CONTENT }}", "{{ m.content }}"),
+        "a long history"),
     "keeps a window of the last 30 messages": (
         CHATML.replace("{% for m in messages %}", "{% for m in messages[-30:] %}"
                        ).replace("{{ CONTENT }}", "{{ m.content }}"),

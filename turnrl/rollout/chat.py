@@ -5,7 +5,10 @@ conversation is never re-tokenised; each environment reply is rendered with the 
 template and only the *new* text is tokenised and appended. That is sound only when the
 template renders earlier turns unchanged as the conversation grows, which
 ``ChatFormat.check`` verifies at start-up (templates that strip whitespace, drop reasoning
-or move a system prompt break it silently in other frameworks).
+or move a system prompt break it silently in other frameworks): with the contents policies
+write, with the sizes and shapes of real episodes (long tool results, several tools, long
+turns and histories, many turns), and under different clocks and random states (a date in
+the system prompt changes at midnight; a random id every render). ~20 ms CPU.
 """
 
 from __future__ import annotations
@@ -352,6 +355,10 @@ _LONG_REPLY = ("Let me work through this step by step.\n\n" + "".join(
     "So the answer is 45150.  \n")
 _LONG_QUESTION = "Here is the data:\n" + "; ".join(f"item {i} costs {i % 97} coins"
                                                    for i in range(800)) + "\nWhat is the total?"
+# Turns of ~3,000 characters each: under the long-turn shapes above, a long history in all.
+_HISTORY = tuple((f"Draft {i}:\n" + _LONG_REPLY[:1500], f"Notes on draft {i}:\n"
+                  + _LONG_QUESTION[:1500], None) for i in range(30))
+_HISTORY_CHARS = sum(len(a) + len(r) for a, r, _ in _HISTORY)
 _FINISH = (("The answer is 4.", "Correct. One more: 3+3?", None), ("6", "Thanks.", None))
 _RUN = _call("python", code="for i in range(2000): print(i)")
 
@@ -365,14 +372,18 @@ SHAPES = (
      ((_LONG_REPLY, "Please check it.", None), *_FINISH)),
     (f"a long user message ({len(_LONG_QUESTION)} characters)",
      (("Send the data.", _LONG_QUESTION, None), *_FINISH)),
-    (f"a long tool result ({len(_LONG_OUTPUT)} characters)",
-     ((_RUN, "", [{"name": "python", "content": _LONG_OUTPUT}]), *_FINISH)),
     ("many turns (40)",
      tuple((f"Guess {i}.", f"Wrong, try again ({i}).", None) for i in range(40))),
+    (f"a long history ({len(_HISTORY)} turns, {_HISTORY_CHARS} characters)", _HISTORY),
+    (f"a long tool result ({len(_LONG_OUTPUT)} characters)",
+     ((_RUN, "", [{"name": "python", "content": _LONG_OUTPUT}]), *_FINISH)),
     ("many tool calls over many turns (20 calls)",
      tuple((_call("add", a=i, b=i), "", [{"name": "add", "content": str(2 * i)}])
            for i in range(20)) + _FINISH),
 )
 """(what it is, turns of (action, the user's reply, tool results or None)): the sizes and
 shapes of real episodes, each alone so that a refusal names it. Templates rewrite history
-by length (truncating long results or turns) or by position (after k turns, older calls)."""
+by length (truncating long results or turns, trimming a long conversation) or by position
+(after k turns, older calls). Single long contents and many short turns come before the
+long history, so a template that truncates one long message, or rewrites by position, is
+named for that, not for the history."""
