@@ -613,3 +613,12 @@ def test_removal_of_a_very_deep_and_wide_tree_holds_one_descriptor(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert removal.left == "" and not top.exists()
     assert removal.entries == 5 + 5_000 + 30_000
+
+
+def test_given_files_over_the_directory_cap_are_a_named_sandbox_error(workdir_kind):
+    if workdir_kind != "tmpfs":
+        pytest.skip("a plain directory has no size cap")
+    sandbox = Sandbox("fallback", Limits(wall_s=2.0, dir_mb=1))
+    result = sandbox.run_sync("print('ran')", files={"data.txt": "x" * (2 << 20)})
+    assert result.status == "sandbox_error" and "Limits.dir_mb=1" in result.reason
+    assert result.stdout == "" and not os.path.lexists(result.details["workdir"]["path"])
