@@ -622,3 +622,24 @@ def test_given_files_over_the_directory_cap_are_a_named_sandbox_error(workdir_ki
     result = sandbox.run_sync("print('ran')", files={"data.txt": "x" * (2 << 20)})
     assert result.status == "sandbox_error" and "Limits.dir_mb=1" in result.reason
     assert result.stdout == "" and not os.path.lexists(result.details["workdir"]["path"])
+
+
+def test_a_deep_closed_tree_in_tmp_is_swept_after_a_root_fallback_run():
+    """The root fallback's code may write in /tmp: what its id leaves there, however deep or
+    closed, is removed with its private directory."""
+    sandbox = Sandbox("fallback", TREE_LIMITS)
+    if "writes_except_world_writable" not in sandbox.guarantees:
+        pytest.skip("the fallback sweeps /tmp only as root (its code has an id of its own)")
+    name = f"/tmp/turnrl-sandbox-test-{uuid.uuid4().hex}"
+    result = run(sandbox, f"""
+        import os
+        os.mkdir({name!r}); os.chdir({name!r})
+        os.mkfifo("fifo"); os.symlink("/", "root")
+        for _ in range(2000):
+            os.mkdir("d"); os.chdir("d")
+        os.chmod(".", 0)
+        os.chdir({name!r}); os.chmod(".", 0o500)
+        print("made")
+    """)
+    assert result.ok and result.stdout.strip() == "made", result.reason
+    assert not os.path.lexists(name)
