@@ -130,6 +130,9 @@ CLOCK_OR_RANDOM = {
         chatml(before="{% if strftime_now('%d') == '01' %}New month.\n{% endif %}"),
         "renders the date or time"),
     "Llama-3.2-style default date from the clock": (LLAMA_TODAY, "renders the date or time"),
+    "the date only next to the tools": (
+        QWEN_STYLE.replace("<tools>' }}", "<tools>' }}{{ '(as of ' + strftime_now('%Y-%m') "
+                                          "+ ')' }}"), "renders the date or time"),
     "a random conversation id": (
         chatml(before="<|im_start|>system\nid {{ range(100000) | random }}<|im_end|>\n"),
         "uses random numbers"),
@@ -158,6 +161,8 @@ def test_a_template_rewriting_history_by_length_or_position_is_refused_with_its_
 @pytest.mark.parametrize("variant", sorted(CLOCK_OR_RANDOM))
 def test_a_template_depending_on_the_clock_or_random_state_is_refused_with_its_cause(variant):
     template, cause = CLOCK_OR_RANDOM[variant]
+    assert template.count("strftime_now") + template.count("random") + template.count(
+        "lipsum") == 1  # the variant really has its one source of change
     with pytest.raises(TemplateError, match=cause) as refused:
         _chat(template).check()
     message = str(refused.value)

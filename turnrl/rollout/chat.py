@@ -207,9 +207,12 @@ class ChatFormat:
                     {"role": "assistant", "content": "4"},
                     {"role": "user", "content": "Thanks."}]
 
+        tools = _SHAPE_SCHEMAS if self.native_tools else None  # some show a date with tools
+
         def render(clock: datetime.datetime, seed: int) -> str:
             with _fixed_clock_and_random(clock, seed):
-                return self.render(messages, True)
+                with_tools = self.render(messages, True, tools) if tools else ""
+                return self.render(messages, True) + with_tools
 
         first = render(_CLOCKS[0], 0)
         for clock in _CLOCKS[1:]:
@@ -254,7 +257,7 @@ def _first_difference(a: str, b: str) -> str:
 
 _CLOCKS = (datetime.datetime(2024, 1, 15, 10, 0, 0),
            datetime.datetime(2031, 7, 4, 23, 59, 59, 900000),
-           datetime.datetime(2031, 7, 5, 0, 0, 1),  # 0.1 s past midnight, then the next day
+           datetime.datetime(2031, 7, 5, 0, 0, 1),  # 1.1 s later: past midnight
            datetime.datetime(2024, 2, 29, 0, 0, 0),
            *(datetime.datetime(2025 + day % 7, (1, 3, 5, 7, 8, 10, 12)[day % 7], day,
                                day * 7 % 24, day * 13 % 60, day * 29 % 60)
@@ -268,7 +271,8 @@ renders differently under some pair (~30 small renders: a few milliseconds)."""
 @contextlib.contextmanager
 def _fixed_clock_and_random(clock: datetime.datetime, seed: int):
     """Within: the template helpers' ``datetime.now()`` (and ``today``, ``utcnow``) return
-    ``clock``, and Python's random module is seeded with ``seed``; both restored after."""
+    ``clock``, and Python's random module is seeded with ``seed``; both restored after.
+    For the start-up probe only: a render on another thread meanwhile would see them too."""
     fixed = _fixed_datetime(clock)
     patched = [m for m in _clock_modules() if getattr(m, "datetime", None) is not None]
     saved = [m.datetime for m in patched]
