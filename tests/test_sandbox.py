@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -318,3 +319,327 @@ def test_interleaved_tracebacks_of_many_processes_still_name_the_process_cap():
     assert status == "processes" and "BlockingIOError" in reason
     status, _ = _classify(1, b"ValueError: bad\n", report, None, Limits())
     assert status == "error"
+
+
+# ---- whatever tree the code leaves, the host removes it and run() returns (issue 31) --------
+
+TREE_ATTACKS = {
+    "deep": """
+        import os
+        for _ in range(3000):
+            os.mkdir("d"); os.chdir("d")
+        print("made")
+    """,
+    "long_names_past_path_max": """
+        import os
+        for i in range(40):  # 40 x 255 chars: far past PATH_MAX (4096)
+            name = str(i % 10) * 255
+            os.mkdir(name); os.chdir(name)
+            open("f" * 200, "w").write("x")
+        print("made")
+    """,
+    "fifos_sockets_and_links": """
+        import os, socket
+        os.mkfifo("fifo")
+        s = socket.socket(socket.AF_UNIX); s.bind("sock")
+        os.symlink("loop_b", "loop_a"); os.symlink("loop_a", "loop_b")
+        os.symlink(".", "self"); os.symlink("/", "root")
+        os.mkdir("sub"); os.symlink("..", "sub/up")
+        print("made")
+    """,
+    "closed_modes": """
+        import os
+        for mode in (0o000, 0o100, 0o400, 0o500, 0o200):
+            d = f"closed_{mode:o}"
+            os.makedirs(f"{d}/inner/deeper")
+            open(f"{d}/inner/file", "w").write("x")
+            os.chmod(f"{d}/inner/file", 0)
+            os.chmod(f"{d}/inner", mode)
+            os.chmod(d, mode)
+        os.chmod(".", 0o500)  # its own directory too
+        print("made")
+    """,
+    "wide": """
+        import os
+        for d in range(20):
+            os.mkdir(f"d{d}")
+            for f in range(100):
+                open(f"d{d}/f{f}", "w").close()
+        print("made")
+    """,
+}
+
+
+# creating thousands of entries on a busy machine's disk takes CPU seconds: loose limits
+TREE_LIMITS = Limits(wall_s=30.0, cpu_s=10.0, memory_mb=512, processes=16, file_mb=1)
+
+
+@pytest.fixture(params=["tmpfs", "plain"])
+def workdir_kind(request, monkeypatch):
+    """The run's directory as a capped tmpfs (where the trainer may mount) or as a plain
+    directory (where it may not): both removal paths run for every backend."""
+    from turnrl.sandbox import workdir
+    if request.param == "tmpfs" and not workdir.can_mount_tmpfs():
+        pytest.skip("this process may not mount a tmpfs (not root)")
+    if request.param == "plain":
+        monkeypatch.setattr(workdir, "can_mount_tmpfs", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("attack", sorted(TREE_ATTACKS))
+def test_any_tree_the_code_leaves_is_removed_and_run_returns(sandbox, workdir_kind, attack):
+    result = run(sandbox, TREE_ATTACKS[attack], limits=TREE_LIMITS)
+    assert result.ok, result.reason
+    assert result.stdout.strip() == "made"
+    where = result.details["workdir"]
+    assert where["tmpfs"] == (workdir_kind == "tmpfs") and where["left"] == ""
+    assert where["entries"] > 1
+    assert not os.path.lexists(where["path"])
+
+
+def test_a_link_out_of_the_directory_is_removed_not_followed(sandbox, workdir_kind, tmp_path):
+    """A link to a host directory the code may not touch: removing the run's directory
+    removes the link, never what it points to."""
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "precious").write_text("kept")
+    keep.chmod(0o755)
+    tmp_path.chmod(0o755)
+    result = run(sandbox, f"""
+        import os
+        os.symlink({str(keep)!r}, "host_dir")
+        os.symlink({str(keep / 'precious')!r}, "host_file")
+        os.mkdir("d"); os.symlink({str(keep)!r}, "d/inner_link")
+        print("made")
+    """)
+    assert result.ok, result.reason
+    assert (keep / "precious").read_text() == "kept"
+    assert not os.path.lexists(result.details["workdir"]["path"])
+
+
+def test_replacing_its_own_directory_with_a_link_leaves_nothing(workdir_kind, tmp_path):
+    """The root fallback's code owns its directory: it may move it away and leave a link to a
+    host directory in its place. The link goes, the host directory stays, the moved
+    directory is swept with the rest of the run's id."""
+    sandbox = Sandbox("fallback", FAST)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "precious").write_text("kept")
+    result = run(sandbox, f"""
+        import os
+        here = os.getcwd()
+        try:
+            os.rename(here, here + "-moved")
+            os.symlink({str(keep)!r}, here)
+            print("replaced")
+        except OSError as err:
+            print("refused", err.strerror)
+    """)
+    assert result.ok, result.reason
+    path = result.details["workdir"]["path"]
+    # a tmpfs is a mount point: it cannot be renamed; a plain directory can
+    assert result.stdout.split()[0] == ("refused" if workdir_kind == "tmpfs" else "replaced")
+    assert (keep / "precious").read_text() == "kept"
+    assert not os.path.lexists(path)
+    if backends_is_root():
+        assert not os.path.lexists(path + "-moved")
+
+
+def backends_is_root() -> bool:
+    from turnrl.sandbox.backends import is_root
+    return is_root()
+
+
+def test_the_file_count_cap_fails_the_run_with_its_reason(sandbox, workdir_kind):
+    limits = Limits(wall_s=10.0, cpu_s=5.0, files=300)
+    result = sandbox.run_sync(textwrap.dedent("""
+        import os
+        made = 0
+        try:
+            for i in range(2000):
+                open(f"f{i}", "w").close(); made += 1
+        except OSError as err:
+            print("stopped", made, err.strerror)
+        else:
+            print("made", made)
+    """), limits=limits)
+    assert result.status == "files_limit"
+    assert "file-count cap of 300 reached in the run's directory" in result.reason
+    words = result.stdout.split()
+    if workdir_kind == "tmpfs":  # enforced by the kernel during the run
+        assert words[:2] == ["stopped", "300"] and "No space left" in result.stdout
+    else:  # counted after it
+        assert words == ["made", "2000"] and "2000 counted after the run" in result.reason
+    assert not os.path.lexists(result.details["workdir"]["path"])
+
+
+def test_the_tmpfs_directory_is_size_capped(workdir_kind):
+    if workdir_kind != "tmpfs":
+        pytest.skip("a plain directory has no size cap (RLIMIT_FSIZE per file only)")
+    sandbox = Sandbox("fallback", Limits(wall_s=10.0, cpu_s=5.0, file_mb=8, dir_mb=4))
+    result = run(sandbox, "for i in range(3): open(f'f{i}', 'wb').write(b'x' * 3 * 2**20)")
+    assert result.status == "files_limit"
+    assert "size cap of 4 MB reached" in result.reason
+
+
+def test_removal_copes_with_closed_modes_as_an_unprivileged_user():
+    """Root reads and writes any mode; an unprivileged trainer (the non-root backends) must
+    reopen what the code closed. Runs ``workdir.remove`` as user 65534 on a tree it built."""
+    from turnrl.sandbox import backends, workdir
+    if not backends.is_root():
+        pytest.skip("needs root to start a process as another user")
+    python = next((p for p in ("/usr/bin/python3", sys.executable)
+                   if os.path.exists(p) and backends.reachable_by_others(p)), None)
+    if python is None:
+        pytest.skip("no python that user 65534 can run")
+    top = Path(tempfile.mkdtemp(prefix="turnrl-test-"))  # pytest's tmp_path is root's alone
+    os.chown(top, 65534, 65534)
+    source = Path(workdir.__file__).read_text()
+    build = textwrap.dedent(f"""
+        import os, sys
+        os.chdir({str(top)!r})
+        os.mkdir("run"); os.chdir("run")
+        for mode in (0o000, 0o100, 0o400, 0o500):
+            d = f"closed_{{mode:o}}"
+            os.makedirs(f"{{d}}/inner"); open(f"{{d}}/inner/file", "w").close()
+            os.chmod(f"{{d}}/inner", mode); os.chmod(d, mode)
+        os.mkfifo("fifo"); os.symlink("loop", "loop")
+        for _ in range(1500):
+            os.mkdir("d"); os.chdir("d")
+        os.chmod(".", 0)
+        os.chdir({str(top)!r}); os.chmod("run", 0o500)
+        space = {{}}
+        exec({source!r}, space)
+        removal = space["remove"]({str(top / "run")!r}, False)
+        print(removal.left or "removed", removal.entries, os.path.lexists("run"))
+    """)
+    try:
+        done = subprocess.run([python, "-I", "-c", build], user=65534, group=65534,
+                              extra_groups=[], capture_output=True, text=True, timeout=120)
+    finally:
+        workdir.remove(str(top), mounted=False)  # as root: whatever the test left
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["removed", str(4 * 3 + 2 + 1500), "False"]
+
+
+def test_the_code_reward_survives_tree_attacks(workdir_kind):
+    from turnrl.rewards import code_tests
+    box = Sandbox("bwrap" if not bwrap_problem() else "fallback", TREE_LIMITS)
+    for attack in TREE_ATTACKS.values():
+        program = textwrap.dedent(attack) + "\ndef add(a, b):\n    return a + b\n"
+        reply = f"```python\n{program}```"
+        assert code_tests(reply, ["assert add(2, 3) == 5", "assert add(1, 1) == 3"], box) == 0.5
+
+
+def test_the_python_tool_survives_tree_attacks_through_the_tool_env(workdir_kind):
+    from turnrl.envs.tool_env import Task, ToolEnv
+    from turnrl.rewards import integer_match
+    from turnrl.tools import python_tool
+    box = Sandbox("bwrap" if not bwrap_problem() else "fallback", TREE_LIMITS)
+    for attack in TREE_ATTACKS.values():
+        env = ToolEnv(lambda seed: Task("Make a tree.", 1), [python_tool(box)],
+                      lambda reply, answer: integer_match(reply, answer), call_timeout_s=60.0)
+        asyncio.run(env.reset(0))
+        action = ('<tool_call>' + json.dumps({"name": "python", "arguments": {
+            "code": textwrap.dedent(attack)}}) + '</tool_call>')
+        step = asyncio.run(env.step(action))
+        assert not step.done
+        assert step.info["tool_results"] == [{"name": "python", "content": "made\n"}]
+
+
+# ---- a failed python tool call says why, to the model and to the record ------------------
+
+FAILURES = {
+    "SIGKILL": ("import os, signal; print('before'); os.kill(os.getpid(), signal.SIGKILL)",
+                "[error] killed by signal SIGKILL"),
+    "SIGSEGV": ("import ctypes; ctypes.string_at(0)", "[error] killed by signal SIGSEGV"),
+    "SIGTERM": ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+                "[error] killed by signal SIGTERM"),
+    "exit code": ("import sys; sys.exit(3)", "[error] exit code 3"),
+    "exception": ("raise KeyError('missing')", "KeyError: 'missing'"),
+    "wall clock": ("import time; time.sleep(60)", "[timeout] wall-clock limit of 2 s"),
+    "memory": ("x = bytearray(10 * 1024**3)", "[memory] memory cap of 512 MB"),
+    "output": ("print('x' * 10**6)", "[output_limit] output over 10000 bytes"),
+    "files": ("for i in range(500): open(f'f{i}', 'w').close()",
+              "[files_limit] file-count cap of 100"),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_failed_python_call_carries_its_reason(sandbox, failure):
+    from turnrl.envs.tool_env import Task, ToolEnv
+    from turnrl.rewards import integer_match
+    from turnrl.tools import python_tool
+    sandbox.limits = Limits(**{**FAST.__dict__, "files": 100})
+    code, said = FAILURES[failure]
+    env = ToolEnv(lambda seed: Task("Run it.", 1), [python_tool(sandbox)],
+                  lambda reply, answer: integer_match(reply, answer))
+    asyncio.run(env.reset(0))
+    step = asyncio.run(env.step(
+        '<tool_call>' + json.dumps({"name": "python", "arguments": {"code": code}})
+        + '</tool_call>'))
+    [record] = step.info["tool_results"]
+    assert set(record) == {"name", "error"} and said in record["error"], record
+    shown = json.loads(step.observation.split("\n")[1])  # the model's <tool_response> body
+    assert shown == record
+    if failure == "SIGKILL":
+        assert "stdout:\nbefore" in record["error"]  # what it printed before it died
+
+
+def test_removal_of_a_very_deep_and_wide_tree_holds_one_descriptor(tmp_path):
+    """Depth 30,000 and 5,000 files, built here (faster than through a run): removed with no
+    recursion and no descriptor per level (the open-file limit is lowered to prove it)."""
+    import resource
+
+    from turnrl.sandbox import workdir
+    # in memory where there is /dev/shm: this disk takes ~1 ms per entry created or removed
+    top = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path))
+    for i in range(5):
+        (top / f"w{i}").mkdir()
+        for j in range(1000):
+            (top / f"w{i}" / f"f{j}").touch()
+    deep = os.open(top, os.O_RDONLY)
+    for _ in range(30_000):
+        os.mkdir("d", dir_fd=deep)
+        below = os.open("d", os.O_RDONLY, dir_fd=deep)
+        os.close(deep)
+        deep = below
+    os.close(deep)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        removal = workdir.remove(str(top), mounted=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert removal.left == "" and not top.exists()
+    assert removal.entries == 5 + 5_000 + 30_000
+
+
+def test_given_files_over_the_directory_cap_are_a_named_sandbox_error(workdir_kind):
+    if workdir_kind != "tmpfs":
+        pytest.skip("a plain directory has no size cap")
+    sandbox = Sandbox("fallback", Limits(wall_s=2.0, dir_mb=1))
+    result = sandbox.run_sync("print('ran')", files={"data.txt": "x" * (2 << 20)})
+    assert result.status == "sandbox_error" and "Limits.dir_mb=1" in result.reason
+    assert result.stdout == "" and not os.path.lexists(result.details["workdir"]["path"])
+
+
+def test_a_deep_closed_tree_in_tmp_is_swept_after_a_root_fallback_run():
+    """The root fallback's code may write in /tmp: what its id leaves there, however deep or
+    closed, is removed with its private directory."""
+    sandbox = Sandbox("fallback", TREE_LIMITS)
+    if "writes_except_world_writable" not in sandbox.guarantees:
+        pytest.skip("the fallback sweeps /tmp only as root (its code has an id of its own)")
+    name = f"/tmp/turnrl-sandbox-test-{uuid.uuid4().hex}"
+    result = run(sandbox, f"""
+        import os
+        os.mkdir({name!r}); os.chdir({name!r})
+        os.mkfifo("fifo"); os.symlink("/", "root")
+        for _ in range(2000):
+            os.mkdir("d"); os.chdir("d")
+        os.chmod(".", 0)
+        os.chdir({name!r}); os.chmod(".", 0o500)
+        print("made")
+    """)
+    assert result.ok and result.stdout.strip() == "made", result.reason
+    assert not os.path.lexists(name)

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from turnrl.sandbox.workdir import can_mount_tmpfs
+
 LAUNCHER = (Path(__file__).with_name("launcher.py")).read_text()
 
 SANDBOX_DIR = "/sandbox"
@@ -40,6 +42,13 @@ GUARANTEES = {
                                     "writable directories (/tmp, /var/tmp, /dev/shm: swept)",
     "reads": "only the system directories and the interpreter are visible",
     "cleanup": "no process the code started is alive after run() returns",
+    "workdir_removed": "the run's directory is removed whatever tree the code leaves in it "
+                       "(any depth, names, modes, fifos, sockets, link loops)",
+    "file_count": "the run's directory is a tmpfs of its own: its entries (nr_inodes) and "
+                  "bytes are capped by the kernel during the run",
+    "file_count_after_run": "the entries the code leaves in its directory are counted after "
+                            "the run: over the cap fails it (files_limit), nothing stops it "
+                            "during the run",
     "cleanup_unless_supervisor_killed": "clean-up by a subreaper supervisor, which code of "
                                         "the same user id could kill first",
 }
@@ -81,7 +90,8 @@ def unshare_network_works() -> bool:
 def guarantees(backend: str) -> frozenset[str]:
     """What ``backend`` enforces on this machine, as ``GUARANTEES`` keys."""
     always = {"wall_clock", "cpu_time", "memory", "processes", "file_size", "output",
-              "environment"}
+              "environment", "workdir_removed",
+              "file_count" if can_mount_tmpfs() else "file_count_after_run"}
     if backend == "bwrap":
         return frozenset(always | {"trainer_environ", "network", "writes", "reads", "cleanup"})
     extra = {"network"} if unshare_network_works() else set()

@@ -1,6 +1,7 @@
 """Run untrusted Python (model-written code) under stated limits: ``Sandbox.run(code)``.
 
-One run = a private temporary directory (deleted afterwards), a supervisor started in a
+One run = a private temporary directory (a capped tmpfs where the trainer may mount one;
+removed afterwards whatever the code left in it: ``workdir.py``), a supervisor started in a
 new session with a minimal environment, the code as ``python -I -u main.py`` under
 rlimits, its stdout/stderr read up to a cap. Everything the run ends with is a
 ``SandboxResult``: it never raises for anything the code does.
@@ -15,20 +16,20 @@ it, and, when run as root, a user id of its own). "auto" takes bwrap when it wor
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from turnrl.sandbox import backends
+from turnrl.sandbox import backends, workdir
 
-STATUSES = ("ok", "error", "timeout", "memory", "processes", "output_limit", "sandbox_error")
+STATUSES = ("ok", "error", "timeout", "memory", "processes", "output_limit", "files_limit",
+            "sandbox_error")
 
 _MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -53,10 +54,15 @@ class Limits:
     """open file descriptors per process (RLIMIT_NOFILE)"""
     tmp_mb: int = 64
     """size of bwrap's private /tmp (in memory); the fallback's /tmp is the host's"""
+    files: int = 10_000
+    """files, directories, links, fifos the code may create in its directory: a tmpfs's
+    inode cap where the trainer may mount (root), else counted after the run"""
+    dir_mb: int = 256
+    """size of the run's directory where it is a tmpfs (in memory; root only)"""
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s", "memory_mb", "processes", "output_bytes", "file_mb",
-                     "open_files", "tmp_mb"):
+                     "open_files", "tmp_mb", "files", "dir_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sandbox Limits.{name} must be > 0, got {getattr(self, name)}")
 
@@ -77,7 +83,8 @@ class SandboxResult:
     exit_code: int | None
     """the code's exit status; -N when signal N ended it; None when it never ran"""
     status: str
-    """one of STATUSES: ok, error, timeout, memory, processes, output_limit, sandbox_error"""
+    """one of STATUSES: ok, error, timeout, memory, processes, output_limit, files_limit,
+    sandbox_error"""
     reason: str
     """one line saying why the status is not ok ("" when ok)"""
     backend: str
@@ -122,15 +129,33 @@ class Sandbox:
         """Run ``code`` as ``main.py`` in a fresh directory holding ``files`` (relative path
         -> text); ``stdin`` is its standard input."""
         limits = limits or self.limits
+        given = {"main.py": code, **(files or {})}
+        given_entries = _entry_count(given)  # raises ValueError for a bad name, before any work
         run_id = backends.fresh_id() if backends.is_root() else None
-        workdir = tempfile.mkdtemp(prefix="turnrl-sandbox-")
+        path, mounted = workdir.make(limits.files + given_entries, limits.dir_mb)
         try:
-            _write_files(Path(workdir), {"main.py": code, **(files or {})}, run_id)
-            return await self._run_in(workdir, stdin, limits, run_id)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-            if run_id is not None and self.backend == "fallback":
-                _sweep_world_writable(run_id)
+            try:
+                _write_files(Path(path), given, run_id)
+            except OSError as err:
+                result = SandboxResult("", "", None, "sandbox_error",
+                                       f"could not write the run's files: {err} (larger than "
+                                       f"Limits.dir_mb={limits.dir_mb}?)", self.backend, 0.0)
+            else:
+                result = await self._run_in(path, stdin, limits, run_id)
+        except BaseException:  # cancelled: still leave nothing behind
+            self._clean_up(path, mounted, run_id)
+            raise
+        # a thread: removing a large tree must not stall other runs on this event loop
+        removal = await asyncio.to_thread(self._clean_up, path, mounted, run_id)
+        return _with_workdir(result, removal, given_entries, mounted, limits)
+
+    def _clean_up(self, path: str, mounted: bool, run_id: int | None) -> workdir.Removal:
+        """Remove the run's directory (and, for the root fallback, what its id left in the
+        world-writable directories); never raises."""
+        removal = workdir.remove(path, mounted)
+        if run_id is not None and self.backend == "fallback":
+            _sweep_world_writable(run_id)
+        return removal
 
     async def _run_in(self, workdir: str, stdin: str, limits: Limits,
                       run_id: int | None) -> SandboxResult:
@@ -243,14 +268,41 @@ def _kill_all_of(uid: int, python: str) -> None:
                    extra_groups=[], env={}, timeout=10)
 
 
-def _write_files(root: Path, files: dict[str, str], owner: int | None) -> None:
-    os.chmod(root, 0o700)
-    for name, text in files.items():
+def _entry_count(files: dict[str, str]) -> int:
+    """Entries ``files`` make in the run's directory (files and their parent directories);
+    a name that is not a relative path inside it is a ValueError."""
+    entries = set()
+    for name in files:
         rel = PurePosixPath(name)
         if rel.is_absolute() or ".." in rel.parts or not rel.parts:
             raise ValueError(f"sandbox file name '{name}' must be a relative path inside the "
                              f"run's directory (no '..', not absolute)")
-        path = root / rel
+        entries |= {rel, *list(rel.parents)[:-1]}
+    return len(entries)
+
+
+def _with_workdir(result: SandboxResult, removal: workdir.Removal, given: int, mounted: bool,
+                  limits: Limits) -> SandboxResult:
+    """The result with what the code left in its directory: a run that filled its directory
+    (or, where nothing capped it, left more entries than the cap) fails with "files_limit"."""
+    made = removal.entries - given
+    details = {**result.details, "workdir": {"path": removal.path, "entries": made,
+                                             "tmpfs": mounted, "left": removal.left}}
+    reason = ""
+    if removal.full == "files" or (not mounted and made > limits.files):
+        how = "" if mounted else f" ({made} counted after the run)"
+        reason = f"file-count cap of {limits.files} reached in the run's directory{how}"
+    elif removal.full == "bytes":
+        reason = f"size cap of {limits.dir_mb} MB reached in the run's directory"
+    if reason and result.status in ("ok", "error"):
+        return dataclasses.replace(result, status="files_limit", reason=reason, details=details)
+    return dataclasses.replace(result, details=details)
+
+
+def _write_files(root: Path, files: dict[str, str], owner: int | None) -> None:
+    os.chmod(root, 0o700)
+    for name, text in files.items():
+        path = root / PurePosixPath(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     if owner is not None:  # the code's own id must be able to write its directory
@@ -270,7 +322,7 @@ def _sweep_world_writable(uid: int) -> None:
                 if entry.stat(follow_symlinks=False).st_uid != uid:
                     continue
                 if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
+                    workdir.remove(entry.path, mounted=False)
                 else:
                     os.unlink(entry.path)
             except OSError:
