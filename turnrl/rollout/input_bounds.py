@@ -1,0 +1,56 @@
+"""Refuse env text that cannot fit the context before rendering or tokenising it.
+
+The turn loop's context check counts tokens, so it runs after the chat template rendered the
+env's text and the tokenizer encoded it: for a multi-megabyte observation that is gigabytes
+of memory and tens of seconds, spent on text that is then thrown away. A character count is
+free, and it bounds the token count from below: no token of a tokenizer covers more
+characters than its longest vocabulary entry, so ``n`` characters take at least
+``n / max_chars_per_token`` tokens. Text longer than ``room * max_chars_per_token``
+(``room``: the tokens left in the context after the episode so far and a whole reply) is
+certain to overflow; the episode ends there, as the context check would have ended it
+(status ``truncated``), with ``end_reason`` ``input_too_large`` and the sizes in its reason.
+
+Why the vocabulary's longest entry is an upper bound: byte-level BPE vocabularies (GPT-2,
+Llama 3, Qwen, SmolLM) spell each token one character per byte, and a UTF-8 character is
+at least one byte; SentencePiece spells a token with its characters (``▁`` for a space,
+``<0xNN>`` for a fallback byte, six characters for one). Special tokens are longer than
+any text they match. It does not hold for a tokenizer whose normaliser deletes text
+(collapsing runs of spaces, as T5's does) or that maps a whole unknown word to one token
+(WordPiece's ``[UNK]``): none of the chat models TurnRL trains has either.
+
+The cost: one pass over the vocabulary per tokenizer (cached), and text up to the bound is
+still rendered and tokenised before the exact check.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+_CHARS_PER_TOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` can stand for (its longest vocabulary
+    entry, at least 1); computed once per tokenizer."""
+    known = _CHARS_PER_TOKEN.get(tokenizer)
+    if known is None:
+        known = max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
+        _CHARS_PER_TOKEN[tokenizer] = known
+    return known
+
+
+def text_chars(texts: list[Any]) -> int:
+    """Characters of ``texts`` that a chat template keeps (it may strip the ends of each)."""
+    return sum(len(text.strip()) if isinstance(text, str) else 0 for text in texts)
+
+
+def too_large(texts: list[Any], room_tokens: int, chars_per_token: int, what: str) -> str | None:
+    """A one-line reason when ``texts`` are certain not to fit ``room_tokens``; else None."""
+    chars = text_chars(texts)
+    limit = max(0, room_tokens) * chars_per_token
+    if chars <= limit:
+        return None
+    return (f"input too large: {what} of {chars:,} chars cannot fit the {max(0, room_tokens):,} "
+            f"tokens left in the context (at most {chars_per_token} chars a token: "
+            f"{limit:,} chars); shorten it or raise the model's context")
