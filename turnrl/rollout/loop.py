@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from turnrl import leftovers
 from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, Engine, SamplingParams
@@ -158,6 +159,7 @@ class TurnLoop:
         self.group_size = group_size
         self.pool_size = pool_size
         self.env_name = env_name
+        leftovers.ENVS_PLAYED.add(env_name)  # named if it leaves threads or processes behind
         self.max_turns = max_turns
         self.max_context = max_context
         self.env_timeout_s = env_timeout_s
