@@ -103,7 +103,10 @@ def _safe(value: Any, budget: _Budget, path: tuple[int, ...], depth: int) -> Any
     array = _as_array(value)
     if array is not None:
         return _array(array, type(value).__name__, budget, path, depth)
-    return budget.take(f"<{type(value).__name__}: {safe_repr(value)}>")
+    text = safe_repr(value)
+    if not text.startswith(f"<{type(value).__name__}: repr raised"):
+        text = f"<{type(value).__name__}: {text}>"
+    return budget.take(text)
 
 
 def _container(value: Any, budget: _Budget, path: tuple[int, ...], depth: int) -> Any:
