@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
     {"registry", "types", "config", "config_types", "config_async", "config_serve",
      "config_explore", "config_credit",
-     "stats"},
+     "stats", "safe_json", "leftovers"},
     {"models", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
      "evaluation"},
     {"algorithms", "policy"},

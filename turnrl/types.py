@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from turnrl.safe_json import json_safe
+
 ENV_VERSION = -1
 """Version tag of tokens the policy did not sample (prompt, template, environment)."""
 
@@ -97,14 +99,12 @@ class Episode:
 
     def to_json(self) -> str:
         """One JSON line. ``info`` is made JSON-safe where an env's values enter it
-        (``rollout.safe_json``); should code after that have put something else there, it
+        (``safe_json``); should code after that have put something else there, it
         is made safe here too rather than failing the write."""
         data = asdict(self)
         try:
             return json.dumps(data)
         except (TypeError, ValueError, RecursionError):
-            from turnrl.rollout.safe_json import json_safe
-
             data["info"] = json_safe(self.info)
             return json.dumps(data)
 

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs.base import StepResult
-from turnrl.rollout.safe_json import json_safe, safe_repr, safe_text
+from turnrl.safe_json import json_safe, safe_repr, safe_text
 from turnrl.types import Episode, Turn
 
 

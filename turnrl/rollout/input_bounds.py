@@ -27,6 +27,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from turnrl.safe_json import cut
+
 _CHARS_PER_TOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -54,3 +56,43 @@ def too_large(texts: list[Any], room_tokens: int, chars_per_token: int, what: st
     return (f"input too large: {what} of {chars:,} chars cannot fit the {max(0, room_tokens):,} "
             f"tokens left in the context (at most {chars_per_token} chars a token: "
             f"{limit:,} chars); shorten it or raise the model's context")
+
+
+class InputBound:
+    """The checks of one turn loop: its tokenizer, context and reply length."""
+
+    def __init__(self, chat: Any, max_context: int | None, max_new_tokens: int) -> None:
+        self.chat, self.max_context, self.max_new_tokens = chat, max_context, max_new_tokens
+
+    def reason(self, tokens: int, texts: list[Any], what: str) -> str | None:
+        """Why ``texts`` cannot fit after ``tokens`` tokens and a whole reply; None when they
+        might (or the context is unknown)."""
+        if not self.max_context:
+            return None
+        room = self.max_context - tokens - self.max_new_tokens
+        return too_large(texts, room, max_chars_per_token(self.chat.tokenizer), what)
+
+    def start_refused(self, first: str, system_prompt: Any, env: str
+                      ) -> tuple[str, str, str] | None:
+        """(status, end reason, detail) ending an episode before its first prompt is
+        rendered: a system prompt that is not text, or one that, with the first prompt,
+        cannot fit; None to go on."""
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            return ("error", "env_error", f"env '{env}' system_prompt is "
+                    f"{type(system_prompt).__name__}; make it a str or None")
+        reason = self.reason(0, [first, system_prompt or self.chat.system_prompt],
+                             "the first prompt and system prompt")
+        return None if reason is None else ("truncated", "input_too_large", reason)
+
+    def step_refused(self, tokens: int, result: Any, tools: list | None
+                     ) -> tuple[str | None, str | None]:
+        """(why the env's reply cannot fit or None, a preview of its observation to store
+        instead of one too large to keep or None): what the template would render of it,
+        its tool results where it renders those, else the observation."""
+        results = (result.info or {}).get("tool_results")
+        rendered = ([r.get("content", r.get("error")) for r in results]
+                    if results and tools is not None and self.chat.tool_role
+                    else [result.observation])
+        reason = self.reason(tokens, rendered, "the env's reply")
+        too_long = self.reason(tokens, [result.observation], "") is not None
+        return reason, cut(result.observation) if too_long else None

@@ -28,9 +28,8 @@ partial rollouts the pool is filled in waves, weights swapped only between them.
 Environment calls run on each env's own thread (``env_calls.EnvRunner``) under
 ``env_timeout_s``, and what they return is checked: a blocking, raising, stuck or malformed
 environment fails its own episode (status "timeout" or "error", the reason in ``info``) and
-never stalls the loop. Env text that cannot fit the context (a huge prompt, system prompt,
-observation or tool result, or many that add up) ends its episode before it is rendered or
-tokenised (``input_bounds``). Envs that declare ``cooperative = True`` share one thread instead
+never stalls the loop; env text that cannot fit the context ends its episode before it is
+rendered or tokenised (``input_bounds``). Envs that declare ``cooperative = True`` share one thread instead
 (one that blocks anyway also holds up its loop-mates until their timeouts: ``EnvThreads``).
 Plain asyncio: a Ray ``RolloutWorker`` runs it in a thread; ``submit``,
 ``take_groups``, ``known_assignments`` and ``stop`` may be called from any thread.
@@ -58,9 +57,8 @@ from turnrl.rollout.env_calls import (
     fail_episode,
     state_text,
 )
-from turnrl.rollout.input_bounds import max_chars_per_token, too_large
+from turnrl.rollout.input_bounds import InputBound
 from turnrl.rollout.loop_stats import LoopStats
-from turnrl.rollout.safe_json import cut
 from turnrl.types import ENV_VERSION, Episode
 
 
@@ -162,6 +160,7 @@ class TurnLoop:
         leftovers.ENVS_PLAYED.add(env_name)  # named if it leaves threads or processes behind
         self.max_turns = max_turns
         self.max_context = max_context
+        self.bound = InputBound(chat, max_context, params.max_new_tokens)  # input_bounds
         self.env_timeout_s = env_timeout_s
         self.before_generate = before_generate
         self.partial_rollouts = partial_rollouts
@@ -406,14 +405,8 @@ class TurnLoop:
             fail_episode(slot.episode, error, "reset")
             return
         system_prompt, slot.tools = self.chat.env_prompt(slot.env)
-        if system_prompt is not None and not isinstance(system_prompt, str):
-            slot.episode.end("error", "env_error", f"env '{self.env_name}' system_prompt is "
-                             f"{type(system_prompt).__name__}; make it a str or None")
-            return
-        if reason := self._too_large(slot.episode, [first, system_prompt or
-                                                    self.chat.system_prompt],
-                                     "the first prompt and system prompt"):
-            slot.episode.end("truncated", "input_too_large", reason)
+        if refused := self.bound.start_refused(first, system_prompt, self.env_name):
+            slot.episode.end(*refused)
             return
         slot.messages, slot.rendered, ids = self.chat.start(first, system_prompt, slot.tools)
         if self._overflows(slot.episode, ids):
@@ -428,23 +421,14 @@ class TurnLoop:
         completion, text, start, end = slot.turn
         slot.turn = None
         episode = slot.episode
-        reason = kept = None
-        if error is None:
-            # Checked before anything is stored or rendered: what the template would render.
-            tool_results = (result.info or {}).get("tool_results")
-            rendered = ([r.get("content", r.get("error")) for r in tool_results]
-                        if tool_results and slot.tools is not None and self.chat.tool_role
-                        else [result.observation])
-            reason = self._too_large(episode, rendered, "the env's reply")
-            if self._too_large(episode, [result.observation], "") is not None:
-                kept = cut(result.observation)  # a preview is stored, not megabytes
+        reason, kept = (None, None) if error is not None else self.bound.step_refused(
+            len(episode.token_ids), result, slot.tools)  # before it is stored or rendered
         next_state = end_turn(episode, error if error is not None else result, start, end,
                               text, completion.finish_reason, slot.state, self.max_turns,
                               observation=kept)
-        if next_state is None:
-            return
-        if reason is not None:
+        if next_state is not None and reason is not None:  # going on, but the reply can't fit
             episode.end("truncated", "input_too_large", reason)
+        if episode.status != "running":
             return
         slot.state = next_state
         slot.rendered, ids = self.chat.continue_after(
@@ -454,14 +438,6 @@ class TurnLoop:
             return
         episode.append(ids, policy=False)
         slot.phase = _POLICY
-
-    def _too_large(self, episode: Episode, texts: list, what: str) -> str | None:
-        """Why ``texts`` cannot fit what is left of the context (``input_bounds``), found
-        from their length alone; None when they might fit (or no context is known)."""
-        if not self.max_context:
-            return None
-        room = self.max_context - len(episode.token_ids) - self.params.max_new_tokens
-        return too_large(texts, room, max_chars_per_token(self.chat.tokenizer), what)
 
     def _overflows(self, episode: Episode, ids: list[int]) -> bool:
         """End ``episode`` as truncated if ``ids`` and a whole next reply would not fit the
