@@ -610,3 +610,13 @@ def test_every_ended_episode_carries_its_reason_and_evaluation_counts_them(tiny,
     # Files from before end reasons existed count by their status.
     old = Episode("e", 0, 0, status="truncated")
     assert count_end_reasons([old, back[0]]) == {"done": 1, "truncated": 1}
+
+
+def test_a_huge_state_key_is_kept_as_a_bounded_digest_that_still_tells_states_apart():
+    from turnrl.rollout.env_calls import MAX_STATE_CHARS, state_text
+
+    a, b = "s" * 1_000_000 + "a", "s" * 1_000_000 + "b"
+    assert len(state_text(a)) < 300 and state_text(a) != state_text(b)
+    assert state_text(a) == state_text("s" * 1_000_000 + "a")  # equal states stay equal
+    assert state_text("small") == "small" and len("x" * MAX_STATE_CHARS) == MAX_STATE_CHARS
+    assert state_text(Weird()) == "<Weird>"

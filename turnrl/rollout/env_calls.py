@@ -34,6 +34,7 @@ ended episode carries its ``end_reason`` (``turnrl.types.END_REASONS``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import math
 import numbers
@@ -320,12 +321,22 @@ def fail_episode(episode: Episode, error: BaseException, where: str) -> None:
                     f"env {where} raised {type(error).__name__}: {safe_text(error)}")
 
 
+MAX_STATE_CHARS = 1_000
+"""A longer state key is kept as its start and a digest of the whole: every turn stores its
+state, and keys are only compared for equality (GiGPO's groups), which the digest keeps."""
+
+
 def state_text(value: Any) -> str:
-    """A state key as text (``str``, which env code may make raise: then its type)."""
+    """A state key as text (``str``, which env code may make raise: then its type), bounded
+    (``MAX_STATE_CHARS``)."""
     try:
-        return value if isinstance(value, str) else str(value)
+        text = value if isinstance(value, str) else str(value)
     except Exception:  # noqa: BLE001 - user objects may raise anything here
         return f"<{type(value).__name__}>"
+    if len(text) <= MAX_STATE_CHARS:
+        return text
+    digest = hashlib.blake2b(text.encode(errors="surrogatepass"), digest_size=16).hexdigest()
+    return f"{text[:200]}...[{len(text)} chars, blake2b {digest}]"
 
 
 def end_turn(episode: Episode, outcome: StepResult | BaseException, start: int, end: int,
