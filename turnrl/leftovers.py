@@ -41,6 +41,10 @@ FRAMEWORK_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forks
                       "raylet", "gcs_server", "ray::", "ray/_private")
 """Command-line marks of child processes that runtimes the framework uses start and stop."""
 
+FRAMEWORK_FILES = ("/ray/session_", "/wandb/")
+"""Path marks of files that runtimes the framework uses keep open to the end (Ray's driver
+logs, Weights & Biases)."""
+
 ENVS_PLAYED: set[str] = set()
 """Names of the envs the turn loops of this process played (``TurnLoop`` adds them)."""
 
@@ -172,7 +176,8 @@ def open_files() -> dict[int, str]:
 def new_files(before: Snapshot) -> list[str]:
     """Regular files opened since ``before`` and still open (Python's own imports aside)."""
     return sorted({path for path in open_files().values()
-                   if path not in before.files and not path.endswith((".py", ".pyc", ".so"))})
+                   if path not in before.files and not path.endswith((".py", ".pyc", ".so"))
+                   and not any(mark in path for mark in FRAMEWORK_FILES)})
 
 
 # ---- threads ------------------------------------------------------------------------------
