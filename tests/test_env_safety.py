@@ -90,8 +90,9 @@ def _play(tiny, how, timeout_s=0.5, env_class=Env):
     engine = HFEngine(model, tok.pad_token_id, seed=0)
     params = SamplingParams(3, 1.0, 1.0, stop_token_ids=(chat.end_of_turn,))
     started = time.monotonic()
+    name = "attrs" if env_class is Attributes else "flaky"
     episodes = run_sync(run_episodes(lambda: env_class(how), [(0, 0), (BAD_SEED, 1), (2, 2)],
-                                     engine, chat, params, env_name="flaky",
+                                     engine, chat, params, env_name=name,
                                      env_timeout_s=timeout_s))
     return episodes, time.monotonic() - started
 
@@ -620,3 +621,47 @@ def test_a_huge_state_key_is_kept_as_a_bounded_digest_that_still_tells_states_ap
     assert state_text(a) == state_text("s" * 1_000_000 + "a")  # equal states stay equal
     assert state_text("small") == "small" and len("x" * MAX_STATE_CHARS) == MAX_STATE_CHARS
     assert state_text(Weird()) == "<Weird>"
+
+
+class Attributes:
+    """Seed 1's env makes an attribute the loop reads after reset raise or mistyped."""
+
+    def __init__(self, how):
+        self.how = how
+
+    async def reset(self, seed):
+        self.seed = seed
+        return "Say a digit."
+
+    @property
+    def system_prompt(self):
+        if self.seed == BAD_SEED and self.how == "system_prompt raises":
+            raise RuntimeError("no prompt today")
+        if self.seed == BAD_SEED and self.how == "system_prompt not text":
+            return ["Be brief."]
+        return None
+
+    @property
+    def state_key(self):
+        if self.seed == BAD_SEED and self.how == "state_key raises":
+            raise KeyError("board")
+        return f"start-{self.seed}"
+
+    async def step(self, action):
+        return StepResult("", 1.0, True, {"success": True})
+
+
+@pytest.mark.parametrize(("how", "reason"), [
+    ("system_prompt raises", "env 'attrs' system_prompt, tool_prompt or state_key raised "
+                             "RuntimeError: no prompt today"),
+    ("state_key raises", "raised KeyError: 'board'"),
+    ("system_prompt not text", "env 'attrs' system_prompt is list; make it a str or None"),
+])
+def test_an_env_attribute_that_raises_or_is_mistyped_fails_its_episode_not_the_run(tiny, how,
+                                                                                   reason):
+    """Before, the loop read these bare, so a raising property crashed the whole run."""
+    episodes, _ = _play(tiny, how, timeout_s=5, env_class=Attributes)
+    bad = episodes[1]
+    assert (bad.status, bad.end_reason) == ("error", "env_error")
+    assert reason in bad.info["reason"], bad.info
+    assert [ep.status for ep in (episodes[0], episodes[2])] == ["done", "done"]

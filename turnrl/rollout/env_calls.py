@@ -321,6 +321,24 @@ def fail_episode(episode: Episode, error: BaseException, where: str) -> None:
                     f"env {where} raised {type(error).__name__}: {safe_text(error)}")
 
 
+def env_prompt(chat: Any, env: Any, first: str, name: str
+               ) -> tuple[str | None, list[dict] | None, str]:
+    """(system prompt, tool schemas, start state key) of a freshly reset env: attributes
+    that env code computes (a property, ``tool_prompt``) and may make raise, or make the
+    wrong type; ``EnvError`` then, with a one-line reason. The env's own ``state_key``, when
+    it has one, names the start state, so a later return to it matches."""
+    try:
+        system_prompt, tools = chat.env_prompt(env)
+        state = state_text(getattr(env, "state_key", first))
+    except Exception as err:  # noqa: BLE001 - user code: its failure fails the episode
+        raise EnvError(f"env '{name}' system_prompt, tool_prompt or state_key raised "
+                       f"{type(err).__name__}: {safe_text(err)}") from None
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise EnvError(f"env '{name}' system_prompt is {type(system_prompt).__name__}; make "
+                       "it a str or None")
+    return system_prompt, tools, state
+
+
 MAX_STATE_CHARS = 1_000
 """A longer state key is kept as its start and a digest of the whole: every turn stores its
 state, and keys are only compared for equality (GiGPO's groups), which the digest keeps."""

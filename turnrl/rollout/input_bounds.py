@@ -72,23 +72,21 @@ class InputBound:
         room = self.max_context - tokens - self.max_new_tokens
         return too_large(texts, room, max_chars_per_token(self.chat.tokenizer), what)
 
-    def start_refused(self, first: str, system_prompt: Any, env: str
-                      ) -> tuple[str, str, str] | None:
-        """(status, end reason, detail) ending an episode before its first prompt is
-        rendered: a system prompt that is not text, or one that, with the first prompt,
-        cannot fit; None to go on."""
-        if system_prompt is not None and not isinstance(system_prompt, str):
-            return ("error", "env_error", f"env '{env}' system_prompt is "
-                    f"{type(system_prompt).__name__}; make it a str or None")
-        reason = self.reason(0, [first, system_prompt or self.chat.system_prompt],
-                             "the first prompt and system prompt")
-        return None if reason is None else ("truncated", "input_too_large", reason)
+    def start_refused(self, first: str, system_prompt: str | None) -> str | None:
+        """Why the first prompt with the system prompt (the env's, else the chat's) cannot
+        fit; None when they might."""
+        return self.reason(0, [first, system_prompt or self.chat.system_prompt],
+                           "the first prompt and system prompt")
 
-    def step_refused(self, tokens: int, result: Any, tools: list | None
-                     ) -> tuple[str | None, str | None]:
+    def step_refused(self, episode: Any, error: BaseException | None, result: Any,
+                     tools: list | None) -> tuple[str | None, str | None]:
         """(why the env's reply cannot fit or None, a preview of its observation to store
-        instead of one too large to keep or None): what the template would render of it,
-        its tool results where it renders those, else the observation."""
+        instead of one too large to keep or None), before either is stored or rendered:
+        what the template would render of it, its tool results where it renders those, else
+        the observation. (None, None) for a step that failed."""
+        if error is not None:
+            return None, None
+        tokens = len(episode.token_ids)
         results = (result.info or {}).get("tool_results")
         rendered = ([r.get("content", r.get("error")) for r in results]
                     if results and tools is not None and self.chat.tool_role

@@ -49,13 +49,14 @@ from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, Engine, SamplingParams
 from turnrl.rollout.env_calls import (
+    EnvError,
     EnvRunner,
     EnvThreads,
     checked_observation,
     checked_step,
     end_turn,
+    env_prompt,
     fail_episode,
-    state_text,
 )
 from turnrl.rollout.input_bounds import InputBound
 from turnrl.rollout.loop_stats import LoopStats
@@ -404,25 +405,24 @@ class TurnLoop:
         if error is not None:
             fail_episode(slot.episode, error, "reset")
             return
-        system_prompt, slot.tools = self.chat.env_prompt(slot.env)
-        if refused := self.bound.start_refused(first, system_prompt, self.env_name):
-            slot.episode.end(*refused)
-            return
+        try:
+            system_prompt, slot.tools, state = env_prompt(self.chat, slot.env, first, self.env_name)
+        except EnvError as err:
+            return fail_episode(slot.episode, err, "reset")
+        if reason := self.bound.start_refused(first, system_prompt):
+            return slot.episode.end("truncated", "input_too_large", reason)
         slot.messages, slot.rendered, ids = self.chat.start(first, system_prompt, slot.tools)
         if self._overflows(slot.episode, ids):
             return
         slot.episode.append(ids, policy=False)
-        # An env's own state key names the start state, so a later return to it matches.
-        slot.state = state_text(getattr(slot.env, "state_key", first))
-        slot.phase = _POLICY
+        slot.state, slot.phase = state, _POLICY
 
     def _after_step(self, slot: _Slot, error: BaseException | None, result) -> None:
         """Record the turn; end the episode, or render the env's reply for the next turn."""
         completion, text, start, end = slot.turn
         slot.turn = None
         episode = slot.episode
-        reason, kept = (None, None) if error is not None else self.bound.step_refused(
-            len(episode.token_ids), result, slot.tools)  # before it is stored or rendered
+        reason, kept = self.bound.step_refused(episode, error, result, slot.tools)
         next_state = end_turn(episode, error if error is not None else result, start, end,
                               text, completion.finish_reason, slot.state, self.max_turns,
                               observation=kept)
