@@ -100,8 +100,12 @@ def _safe(value: Any, budget: _Budget, path: tuple[int, ...], depth: int) -> Any
     if isinstance(value, bytes | bytearray | memoryview):
         data = bytes(value)
         return budget.take(f"<bytes: {len(data)}> {safe_repr(data[:64], 300)}")
+    if _many_elements(value):  # its shape, without copying it (off a GPU, say)
+        dtype = str(getattr(value, "dtype", "?")).removeprefix("torch.")
+        return budget.take(f"<{type(value).__name__} shape={tuple(value.shape)} "
+                           f"dtype={dtype}>")
     array = _as_array(value)
-    if array is not None:
+    if array is not None and array.dtype.kind in "biufU":  # numbers or text
         return _array(array, type(value).__name__, budget, path, depth)
     text = safe_repr(value)
     if not text.startswith(f"<{type(value).__name__}: repr raised"):
@@ -140,6 +144,18 @@ def _container(value: Any, budget: _Budget, path: tuple[int, ...], depth: int) -
     return out
 
 
+def _many_elements(value: Any) -> bool:
+    """A numpy array or torch tensor of over ``MAX_ITEMS`` elements."""
+    module = type(value).__module__ or ""
+    if not (module.startswith("numpy") or module.startswith("torch")):
+        return False
+    try:
+        count = value.numel() if module.startswith("torch") else value.size
+        return int(count) > MAX_ITEMS and hasattr(value, "shape")
+    except Exception:  # noqa: BLE001 - not an array after all
+        return False
+
+
 def _as_array(value: Any) -> Any:
     """A numpy array for numpy scalars/arrays and torch tensors; else None."""
     module = type(value).__module__ or ""
@@ -149,13 +165,12 @@ def _as_array(value: Any) -> Any:
         import numpy as np
 
         if module.startswith("torch"):
-            value = value.detach().cpu().numpy()
+            value = value.detach().cpu()
+            value = (value.float() if value.is_floating_point() else value).numpy()
         return np.asarray(value)
     except Exception:  # noqa: BLE001 - an odd tensor type: named by type instead
         return None
 
 
 def _array(array: Any, name: str, budget: _Budget, path: tuple[int, ...], depth: int) -> Any:
-    if array.size > MAX_ITEMS or array.dtype.kind not in "biufU":
-        return budget.take(f"<{name} shape={tuple(array.shape)} dtype={array.dtype}>")
     return _safe(array.tolist(), budget, path, depth)
