@@ -43,6 +43,9 @@ def test_eval_json_has_pass_at_k_intervals_and_failures(runs, tmp_path, capsys):
     successes = sum(t["successes"] for t in result["per_task"])
     assert values[0] == pytest.approx(successes / 20)
     assert sum(result["statuses"].values()) == 20  # every episode counted, none dropped
+    # ... and by why it ended: say-digit ends done after its one turn
+    assert result["end_reasons"] == {"done": 20}
+    assert "ended: done 20" in printed
     assert result["failures"] == sum(result["statuses"].get(s, 0)
                                      for s in ("truncated", "timeout", "error"))
     for key in ("mean_turns", "mean_tokens", "mean_policy_tokens", "mean_reward"):

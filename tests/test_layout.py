@@ -12,7 +12,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
-    {"registry", "types", "config", "stats"},
+    {"registry", "types", "config", "stats", "safe_json", "leftovers"},
     {"models", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
      "evaluation"},
     {"algorithms", "policy"},

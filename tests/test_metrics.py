@@ -199,3 +199,21 @@ def test_print_table_returns_plain_text():
         assert cell in text
     assert "\x1b[" not in text
     assert "trained" in console.file.getvalue()
+
+
+def test_values_that_are_not_numbers_are_written_as_bounded_text(tmp_path):
+    """A metric that is a vector, an object or an object whose str raises never fails the
+    step's log line (before: float() raised inside log, and the step was lost)."""
+    import torch
+
+    class Weird:
+        def __str__(self):
+            raise ValueError("no str")
+
+    with MetricsLogger(tmp_path) as logger:
+        logger.log(1, {"vector": torch.tensor([1.0, 2.0]), "weird": Weird(),
+                       "complex": complex(1, 2), "long": "x" * 10_000})
+    [record] = read_metrics(tmp_path)
+    assert record["vector"].startswith("tensor([1., 2.])")
+    assert record["weird"] == "<Weird: str raised ValueError>"
+    assert record["complex"] == "(1+2j)" and len(record["long"]) == 10_000

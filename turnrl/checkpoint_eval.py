@@ -20,6 +20,7 @@ from turnrl.evaluation import (
     SampledEval,
     aggregate_seeds,
     compare,
+    end_reasons_line,
     evaluate,
     sampled_columns,
     sampled_row,
@@ -103,6 +104,12 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     _print_table(title, columns, rows, console=console)
 
 
+def print_end_reasons(results: list[SampledEval]) -> None:
+    """Why each policy's episodes ended (``turnrl.types.END_REASONS``), a line each."""
+    for result in results:
+        print(f"{result.label}: {end_reasons_line(result.end_reasons or {})}")
+
+
 def _label(checkpoint: Path) -> str:
     return f"{checkpoint.parent.parent.name}/{checkpoint.name}"
 
@@ -124,6 +131,7 @@ def eval_one(target: str | None, config_path: str | None, overrides: list[str],
     print_table(f"{cfg.env.name}: {cfg.eval.episodes} held-out tasks x {samples} samples "
                 f"({result.episodes} episodes)",
                 sampled_columns(result.ks()), [sampled_row(result)])
+    print_end_reasons([result])
     return {"kind": "single", "env": cfg.env.name, "model": cfg.model.name,
             "result": result.to_dict()}
 
@@ -145,6 +153,7 @@ def eval_compare(a: str, b: str, config_path: str | None, overrides: list[str],
     print_table(f"{evaluator.cfg.env.name}: {evaluator.cfg.eval.episodes} held-out tasks x "
                 f"{samples} samples, same tasks and sampler seed",
                 sampled_columns(results[0].ks()), [sampled_row(r) for r in results])
+    print_end_reasons(results)
     d = outcome.difference
     verdict = "differ" if outcome.p_value < 0.05 else "do not differ detectably"
     print(f"pass@1 {outcome.a} - {outcome.b}: {100 * d.value:+.1f} points "
@@ -175,6 +184,7 @@ def eval_seeds(run_dirs: list[str], config_path: str | None, overrides: list[str
                 f"{configs[0].eval.episodes} tasks x {samples} samples each "
                 "(pooled row: t-interval over seed means)",
                 sampled_columns(results[0].ks()), rows)
+    print_end_reasons(results)
     return {"kind": "seeds", "env": configs[0].env.name, "model": configs[0].model.name,
             "results": [r.to_dict() for r in results],
             "pooled": {k: vars(e) for k, e in pooled.items()}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -176,7 +177,43 @@ def print_help(rest: list[str]) -> int:
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "serve": cmd_serve, "report": cmd_report, "envs": cmd_envs}
 
 
+LEFTOVERS_WATCHED = ("train", "eval")
+"""Commands that run envs: what those leave behind must not keep the program running."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``turnrl`` program (``argv`` None: the command line). As the program, ``train``
+    and ``eval`` end what their envs left behind (``turnrl.leftovers``); a Python caller
+    passing ``argv`` keeps its own process as it is."""
+    if argv is None and sys.argv[1:2] and sys.argv[1] in LEFTOVERS_WATCHED:
+        from turnrl import leftovers
+
+        before = leftovers.snapshot()
+        code = _main_reporting_crashes(sys.argv[1:])
+        leftovers.settle(before, code)
+        return code
+    return _main(argv)
+
+
+def _main_reporting_crashes(argv: list[str]) -> int:
+    """``_main``, a crash printed as Python would and turned into exit code 1 (130 on
+    Ctrl-C), so that the leftovers are still dealt with after it."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("turnrl: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as err:
+        if isinstance(err.code, int) or err.code is None:
+            return err.code or 0
+        print(err.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - printed in full, as an uncaught one would be
+        traceback.print_exc()
+        return 1
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = ["train"]  # `turnrl` alone runs the embedded default

@@ -38,6 +38,8 @@ class EvalResult:
     mean_turns: float
     failed: int
     """Episodes that ended by an env timeout or error: counted as failures, not dropped."""
+    end_reasons: dict[str, int] | None = None
+    """Episodes per ``Episode.end_reason`` (``turnrl.types.END_REASONS``)."""
 
     @property
     def success_rate(self) -> float:
@@ -64,7 +66,23 @@ def summarize(episodes: Sequence[Episode]) -> EvalResult:
         mean_reward=sum(ep.reward for ep in episodes) / max(n, 1),
         mean_turns=sum(len(ep.turns) for ep in episodes) / max(n, 1),
         failed=sum(ep.status in ("timeout", "error") for ep in episodes),
+        end_reasons=count_end_reasons(episodes),
     )
+
+
+def count_end_reasons(episodes: Sequence[Episode]) -> dict[str, int]:
+    """Episodes per reason they ended (``turnrl.types.END_REASONS``), most common first; an
+    episode from a file written before reasons were recorded counts under its status."""
+    counts: dict[str, int] = {}
+    for ep in episodes:
+        reason = ep.end_reason or ep.status
+        counts[reason] = counts.get(reason, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def end_reasons_line(counts: dict[str, int]) -> str:
+    """``ended: done 28, turn_limit 3, env_timeout 1`` for a summary."""
+    return "ended: " + ", ".join(f"{reason} {n}" for reason, n in counts.items())
 
 
 def evaluate(make: Callable[[], Env], seeds: Sequence[int], engine: Engine, chat: ChatFormat,
@@ -116,6 +134,8 @@ class SampledEval:
     mean_reward: float
     statuses: dict[str, int]
     """Episodes per ending: done, truncated (out of turns or context), timeout, error."""
+    end_reasons: dict[str, int] | None = None
+    """Episodes per reason they ended (``count_end_reasons``): the statuses, finer."""
 
     @property
     def episodes(self) -> int:
@@ -154,6 +174,7 @@ class SampledEval:
                 "mean_turns": self.mean_turns, "mean_tokens": self.mean_tokens,
                 "mean_policy_tokens": self.mean_policy_tokens, "mean_reward": self.mean_reward,
                 "failures": self.failures, "statuses": self.statuses,
+                "end_reasons": self.end_reasons or {},
                 "per_task": [{"seed": s, "successes": c}
                              for s, c in zip(self.seeds, self.successes, strict=True)]}
 
@@ -175,7 +196,8 @@ def summarize_samples(label: str, episodes: Sequence[Episode], samples: int) -> 
         mean_turns=sum(len(ep.turns) for ep in episodes) / n,
         mean_tokens=sum(len(ep.token_ids) for ep in episodes) / n,
         mean_policy_tokens=sum(ep.num_policy_tokens for ep in episodes) / n,
-        mean_reward=sum(ep.reward for ep in episodes) / n, statuses=statuses)
+        mean_reward=sum(ep.reward for ep in episodes) / n, statuses=statuses,
+        end_reasons=count_end_reasons(episodes))
 
 
 def sampled_columns(ks: Sequence[int]) -> list[str]:
@@ -264,4 +286,5 @@ def episode_transcript(episode: Episode, decode: Callable[[list[int]], str]) -> 
             start = i
     return {"env": episode.env, "seed": episode.seed, "reward": episode.reward,
             "success": episode.success, "status": episode.status,
+            "end_reason": episode.end_reason, "reason": episode.info.get("reason"),
             "turns": len(episode.turns), "segments": segments}

@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from turnrl.safe_json import safe_text
+
 __all__ = [
     "METRICS_FILE",
     "MetricsLogger",
@@ -48,10 +50,16 @@ def _warn(message: str) -> None:
 def _clean_value(value: Any) -> Any:
     """Make a metric JSON-safe: unwrap tensor/numpy scalars, turn NaN/inf into None."""
     if hasattr(value, "item"):  # 0-d torch tensors and numpy scalars
-        value = value.item()
+        try:
+            value = value.item()
+        except (TypeError, ValueError, RuntimeError):  # more than one element: text below
+            pass
     if value is None or isinstance(value, bool | int | str):
         return value
-    value = float(value)
+    try:
+        value = float(value)
+    except (TypeError, ValueError, OverflowError):  # not a number: kept as bounded text
+        return safe_text(value, 200)
     return value if math.isfinite(value) else None
 
 

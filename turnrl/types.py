@@ -9,14 +9,29 @@ tokens have mask 0, log-probability 0.0 and version -1.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from turnrl.safe_json import json_safe
+
 ENV_VERSION = -1
 """Version tag of tokens the policy did not sample (prompt, template, environment)."""
+
+END_REASONS = {
+    "done": "the env said done",
+    "turn_limit": "rollout.max_turns turns were played",
+    "context_length": "the next env reply and a whole reply would not fit the model's context",
+    "input_too_large": "an env text (prompt, system prompt, observation, tool results) was "
+                       "longer than the context could hold, so it was refused before "
+                       "rendering or tokenising",
+    "env_timeout": "an env reset or step ran past rollout.env_timeout_s",
+    "env_error": "an env reset or step raised, or returned a malformed value",
+}
+"""``Episode.end_reason`` values: why an episode ended (details in ``info["reason"]``)."""
 
 
 @dataclass
@@ -55,6 +70,15 @@ class Episode:
     success: bool = False
     status: str = "running"  # running | done | truncated | timeout | error
     info: dict = field(default_factory=dict)
+    end_reason: str = ""
+    """Why the episode ended, one of ``END_REASONS`` ("" while running, and in files written
+    before it existed); the details, when there are any, are in ``info["reason"]``."""
+
+    def end(self, status: str, end_reason: str, detail: str | None = None) -> None:
+        """End the episode: its status, why (``END_REASONS``) and, if given, the details."""
+        self.status, self.end_reason = status, end_reason
+        if detail is not None:
+            self.info["reason"] = detail
 
     def append(self, ids: Sequence[int], *, policy: bool, logprobs: Sequence[float] = (),
                version: int = ENV_VERSION) -> tuple[int, int]:
@@ -74,7 +98,15 @@ class Episode:
         return sum(self.loss_mask)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """One JSON line. ``info`` is made JSON-safe where an env's values enter it
+        (``safe_json``); should code after that have put something else there, it
+        is made safe here too rather than failing the write."""
+        data = asdict(self)
+        try:
+            return json.dumps(data)
+        except (TypeError, ValueError, RecursionError):
+            data["info"] = json_safe(self.info)
+            return json.dumps(data)
 
     @classmethod
     def from_json(cls, line: str) -> Episode:
@@ -84,15 +116,34 @@ class Episode:
 
 
 def write_episodes(path: str | Path, episodes: Iterable[Episode]) -> None:
-    """Write episodes as JSONL (one episode a line), readable with ``read_episodes``."""
-    with open(path, "w") as f:
-        for ep in episodes:
-            f.write(ep.to_json() + "\n")
+    """Write episodes as JSONL (one episode a line), readable with ``read_episodes``.
+
+    All or nothing: every line is serialised before anything is written, into a temporary
+    file that replaces ``path`` once complete, so a crash never leaves a partial record."""
+    path = Path(path)
+    text = "".join(ep.to_json() + "\n" for ep in episodes)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_episodes(path: str | Path) -> list[Episode]:
-    with open(path) as f:
-        return [Episode.from_json(line) for line in f if line.strip()]
+    """Episodes of a JSONL file; an unreadable last line (torn by a crash while a run from
+    before writes were atomic was writing it) is skipped, corruption elsewhere raises."""
+    lines = [line for line in Path(path).read_text(errors="replace").splitlines()
+             if line.strip()]
+    episodes = []
+    for number, line in enumerate(lines, 1):
+        try:
+            episodes.append(Episode.from_json(line))
+        except (ValueError, TypeError, KeyError):
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: corrupt episode line") from None
+    return episodes
 
 
 @dataclass

@@ -22,13 +22,19 @@ stalls the others until their timeouts; the turn loop then stops sharing.
 Validation: ``reset`` must return a ``str``; ``step`` a ``StepResult`` with a ``str``
 observation, a finite number as reward (a NaN or infinite reward fails the episode here and
 never reaches the advantages), a ``bool`` done and a ``dict`` (or ``None``) info. Anything
-else fails the episode with a one-line reason naming the environment and the field.
-``end_turn`` records a policy turn with the env's answer (or failure) on the episode.
+else fails the episode with a one-line reason naming the environment and the field. An
+``info["success"]`` that cannot be read as a bool, or ``tool_results`` that are not a list
+of dicts, fail it too. What ``info`` holds enters the episode JSON-safe and bounded
+(``safe_json.json_safe``: an env's sets, tensors or custom objects never crash the write of
+the episode file).
+``end_turn`` records a policy turn with the env's answer (or failure) on the episode; every
+ended episode carries its ``end_reason`` (``turnrl.types.END_REASONS``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import math
 import numbers
@@ -41,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs.base import StepResult
+from turnrl.safe_json import json_safe, safe_repr, safe_text
 from turnrl.types import Episode, Turn
 
 
@@ -259,6 +266,7 @@ async def _invoke(method: Callable[[Any], Any], arg: Any) -> Any:
 
 
 def checked_observation(value: Any, env: str) -> str:
+    """``value`` if it is a ``str``; else ``EnvError``."""
     if not isinstance(value, str):
         raise EnvError(f"env '{env}' reset returned {type(value).__name__}, not str; return the "
                        "first observation as text")
@@ -276,53 +284,110 @@ def checked_step(value: Any, env: str) -> StepResult:
                        f"{type(observation).__name__}; return a str")
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) \
             or not math.isfinite(reward):
-        raise EnvError(f"env '{env}' step returned reward {reward!r}; return a finite number")
+        raise EnvError(f"env '{env}' step returned reward {safe_repr(reward)}; return a finite "
+                       "number")
     if not isinstance(done, bool | np.bool_):
         raise EnvError(f"env '{env}' step returned done of type {type(done).__name__}; "
                        "return a bool")
     if info is not None and not isinstance(info, dict):
         raise EnvError(f"env '{env}' step returned info of type {type(info).__name__}; "
                        "return a dict or None")
+    if info and "success" in info:
+        try:
+            bool(info["success"])
+        except Exception as err:  # noqa: BLE001 - e.g. a numpy array of several values
+            raise EnvError(f"env '{env}' step returned info['success'] that is not a bool "
+                           f"({type(info['success']).__name__}: bool() raised "
+                           f"{type(err).__name__}); return True or False") from None
+    results = (info or {}).get("tool_results")
+    if results is not None and not (isinstance(results, list)
+                                    and all(isinstance(r, dict) for r in results)):
+        raise EnvError(f"env '{env}' step returned info['tool_results'] of type "
+                       f"{type(results).__name__}; return a list of dicts "
+                       "({'name', 'content'} or {'name', 'error'} per call)")
     return value
 
 
 def fail_episode(episode: Episode, error: BaseException, where: str) -> None:
-    """End ``episode`` for an env call that timed out, raised or returned a malformed value."""
-    is_timeout = isinstance(error, TimeoutError)
-    episode.status = "timeout" if is_timeout else "error"
-    if is_timeout:
-        episode.info["reason"] = f"env {where} timed out"
+    """End ``episode`` for an env call that timed out, raised or returned a malformed value.
+    The reason is bounded text: an exception whose message is huge, or whose ``__str__``
+    raises, cannot make the episode unwritable."""
+    if isinstance(error, TimeoutError):
+        episode.end("timeout", "env_timeout", f"env {where} timed out")
     elif isinstance(error, EnvError):  # a malformed return: the message names the field
-        episode.info["reason"] = str(error)
+        episode.end("error", "env_error", safe_text(error))
     else:
-        episode.info["reason"] = f"env {where} raised {type(error).__name__}: {error}"
+        episode.end("error", "env_error",
+                    f"env {where} raised {type(error).__name__}: {safe_text(error)}")
+
+
+def env_prompt(chat: Any, env: Any, first: str, name: str
+               ) -> tuple[str | None, list[dict] | None, str]:
+    """(system prompt, tool schemas, start state key) of a freshly reset env: attributes
+    that env code computes (a property, ``tool_prompt``) and may make raise, or make the
+    wrong type; ``EnvError`` then, with a one-line reason. The env's own ``state_key``, when
+    it has one, names the start state, so a later return to it matches."""
+    try:
+        system_prompt, tools = chat.env_prompt(env)
+        state = state_text(getattr(env, "state_key", first))
+    except Exception as err:  # noqa: BLE001 - user code: its failure fails the episode
+        raise EnvError(f"env '{name}' system_prompt, tool_prompt or state_key raised "
+                       f"{type(err).__name__}: {safe_text(err)}") from None
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise EnvError(f"env '{name}' system_prompt is {type(system_prompt).__name__}; make "
+                       "it a str or None")
+    return system_prompt, tools, state
+
+
+MAX_STATE_CHARS = 1_000
+"""A longer state key is kept as its start and a digest of the whole: every turn stores its
+state, and keys are only compared for equality (GiGPO's groups), which the digest keeps."""
+
+
+def state_text(value: Any) -> str:
+    """A state key as text (``str``, which env code may make raise: then its type), bounded
+    (``MAX_STATE_CHARS``)."""
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except Exception:  # noqa: BLE001 - user objects may raise anything here
+        return f"<{type(value).__name__}>"
+    if len(text) <= MAX_STATE_CHARS:
+        return text
+    digest = hashlib.blake2b(text.encode(errors="surrogatepass"), digest_size=16).hexdigest()
+    return f"{text[:200]}...[{len(text)} chars, blake2b {digest}]"
 
 
 def end_turn(episode: Episode, outcome: StepResult | BaseException, start: int, end: int,
-              text: str, finish_reason: str, state: str, max_turns: int) -> str | None:
+             text: str, finish_reason: str, state: str, max_turns: int,
+             observation: str | None = None) -> str | None:
     """Record a policy turn and the env's answer (or failure): the next state key, or None
-    when the episode has ended (done, failed, or out of turns)."""
+    when the episode has ended (done, failed, or out of turns). ``observation``: what to
+    store instead of the env's observation (``record_turn``)."""
     if isinstance(outcome, BaseException):
         episode.turns.append(Turn(start, end, text, "", 0.0, finish_reason, state))
         fail_episode(episode, outcome, "step")
         return None
-    record_turn(episode, outcome, start, end, text, finish_reason, state)
+    record_turn(episode, outcome, start, end, text, finish_reason, state, observation)
     if outcome.done:
-        episode.status = "done"
+        episode.end("done", "done")
         return None
     if len(episode.turns) >= max_turns:
-        episode.status = "truncated"
+        episode.end("truncated", "turn_limit", f"turn limit ({max_turns} turns)")
         return None
-    return str((outcome.info or {}).get("state_key", outcome.observation))
+    return state_text((outcome.info or {}).get("state_key", outcome.observation))
 
 
 def record_turn(episode: Episode, result: StepResult, start: int, end: int, text: str,
-            finish_reason: str, state: str) -> None:
-    episode.turns.append(Turn(start, end, text, result.observation, float(result.reward),
-                              finish_reason, state))
+                finish_reason: str, state: str, observation: str | None = None) -> None:
+    """Add the turn, its reward and the env's ``info`` (made JSON-safe and bounded here, where
+    it enters the episode) to ``episode``. ``observation``: what to store as the turn's
+    observation instead of the env's (a preview of one too large to keep)."""
+    episode.turns.append(Turn(start, end, text,
+                              result.observation if observation is None else observation,
+                              float(result.reward), finish_reason, state))
     episode.reward += float(result.reward)
     info = dict(result.info or {})
     info.pop("state_key", None)
     if "success" in info:
-        episode.success = bool(info.pop("success"))
-    episode.info.update(info)
+        episode.success = bool(info.pop("success"))  # checked_step: bool() does not raise
+    episode.info.update(json_safe(info))

@@ -28,7 +28,8 @@ partial rollouts the pool is filled in waves, weights swapped only between them.
 Environment calls run on each env's own thread (``env_calls.EnvRunner``) under
 ``env_timeout_s``, and what they return is checked: a blocking, raising, stuck or malformed
 environment fails its own episode (status "timeout" or "error", the reason in ``info``) and
-never stalls the loop. Envs that declare ``cooperative = True`` share one thread instead
+never stalls the loop; env text that cannot fit the context ends its episode before it is
+rendered or tokenised (``input_bounds``). Envs that declare ``cooperative = True`` share one thread instead
 (one that blocks anyway also holds up its loop-mates until their timeouts: ``EnvThreads``).
 Plain asyncio: a Ray ``RolloutWorker`` runs it in a thread; ``submit``,
 ``take_groups``, ``known_assignments`` and ``stop`` may be called from any thread.
@@ -43,17 +44,21 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from turnrl import leftovers
 from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, Engine, SamplingParams
 from turnrl.rollout.env_calls import (
+    EnvError,
     EnvRunner,
     EnvThreads,
     checked_observation,
     checked_step,
     end_turn,
+    env_prompt,
     fail_episode,
 )
+from turnrl.rollout.input_bounds import InputBound
 from turnrl.rollout.loop_stats import LoopStats
 from turnrl.types import ENV_VERSION, Episode
 
@@ -153,8 +158,10 @@ class TurnLoop:
         self.group_size = group_size
         self.pool_size = pool_size
         self.env_name = env_name
+        leftovers.ENVS_PLAYED.add(env_name)  # named if it leaves threads or processes behind
         self.max_turns = max_turns
         self.max_context = max_context
+        self.bound = InputBound(chat, max_context, params.max_new_tokens)  # input_bounds
         self.env_timeout_s = env_timeout_s
         self.before_generate = before_generate
         self.partial_rollouts = partial_rollouts
@@ -398,23 +405,30 @@ class TurnLoop:
         if error is not None:
             fail_episode(slot.episode, error, "reset")
             return
-        system_prompt, slot.tools = self.chat.env_prompt(slot.env)
+        try:
+            system_prompt, slot.tools, state = env_prompt(self.chat, slot.env, first, self.env_name)
+        except EnvError as err:
+            return fail_episode(slot.episode, err, "reset")
+        if reason := self.bound.start_refused(first, system_prompt):
+            return slot.episode.end("truncated", "input_too_large", reason)
         slot.messages, slot.rendered, ids = self.chat.start(first, system_prompt, slot.tools)
         if self._overflows(slot.episode, ids):
             return
         slot.episode.append(ids, policy=False)
-        # An env's own state key names the start state, so a later return to it matches.
-        slot.state = str(getattr(slot.env, "state_key", first))
-        slot.phase = _POLICY
+        slot.state, slot.phase = state, _POLICY
 
     def _after_step(self, slot: _Slot, error: BaseException | None, result) -> None:
         """Record the turn; end the episode, or render the env's reply for the next turn."""
         completion, text, start, end = slot.turn
         slot.turn = None
         episode = slot.episode
+        reason, kept = self.bound.step_refused(episode, error, result, slot.tools)
         next_state = end_turn(episode, error if error is not None else result, start, end,
-                              text, completion.finish_reason, slot.state, self.max_turns)
-        if next_state is None:
+                              text, completion.finish_reason, slot.state, self.max_turns,
+                              observation=kept)
+        if next_state is not None and reason is not None:  # going on, but the reply can't fit
+            episode.end("truncated", "input_too_large", reason)
+        if episode.status != "running":
             return
         slot.state = next_state
         slot.rendered, ids = self.chat.continue_after(
@@ -431,8 +445,7 @@ class TurnLoop:
         if not self.max_context or (len(episode.token_ids) + len(ids)
                                     + self.params.max_new_tokens <= self.max_context):
             return False
-        episode.status = "truncated"
-        episode.info["reason"] = "context length"
+        episode.end("truncated", "context_length", "context length")
         return True
 
     def _episode_ended(self, slot: _Slot) -> None:

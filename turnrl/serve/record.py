@@ -129,7 +129,7 @@ def training_episodes(recorded: RecordedEpisode, group: int, env: str = "served"
         out.append(Episode(env=env, seed=group, group=group, token_ids=list(s.token_ids),
                            loss_mask=list(s.loss_mask), logprobs=list(s.logprobs),
                            versions=list(s.versions), turns=turns, reward=recorded.reward,
-                           success=recorded.reward > 0, status="done",
+                           success=recorded.reward > 0, status="done", end_reason="done",
                            info={"episode_id": recorded.episode_id, "segment": k,
                                  "segments": len(recorded.segments)}))
     return out

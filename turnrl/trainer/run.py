@@ -246,7 +246,8 @@ def evaluate_after(run: Run) -> EvalResult:
 def _read_eval(path: Path) -> EvalResult:
     data = json.loads(path.read_text())
     return EvalResult(**{k: data[k] for k in ("episodes", "successes", "mean_reward",
-                                              "mean_turns", "failed")})
+                                              "mean_turns", "failed")},
+                      end_reasons=data.get("end_reasons"))
 
 
 def _atomic_write(path: Path, write) -> None:

@@ -1,0 +1,82 @@
+"""Envs that leave things behind when the run ends (``test_leftovers.py`` runs ``turnrl``
+with them): a non-daemon thread that loops, one blocked on an Event nobody sets, a child
+process that sleeps, a file left open. Each otherwise plays the say-digit task."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+from turnrl.envs import StepResult, register_env
+
+LEFT_OPEN: list = []
+
+
+class _Leaky:
+    """One say-digit turn; ``leave()`` runs once per process, at the first reset."""
+
+    left = False
+
+    async def reset(self, seed: int) -> str:
+        if not type(self).left:
+            type(self).left = True
+            self.leave()
+        return "Say a digit."
+
+    async def step(self, action: str) -> StepResult:
+        ok = action[:1].isdigit()
+        return StepResult("", float(ok), True, {"success": ok})
+
+    def leave(self) -> None:
+        raise NotImplementedError
+
+
+def _poll_forever() -> None:
+    while True:
+        time.sleep(0.2)
+
+
+@register_env("leaky-thread")
+class LoopingThread(_Leaky):
+    """A non-daemon thread that polls forever."""
+
+    def leave(self) -> None:
+        threading.Thread(target=_poll_forever, name="leaky-poller", daemon=False).start()
+
+
+@register_env("leaky-event")
+class EventThread(_Leaky):
+    """A non-daemon thread blocked on an Event nobody sets."""
+
+    def leave(self) -> None:
+        threading.Thread(target=threading.Event().wait, name="leaky-waiter",
+                         daemon=False).start()
+
+
+@register_env("leaky-child")
+class SleepingChild(_Leaky):
+    """A child process that sleeps for ten minutes, never waited for."""
+
+    def leave(self) -> None:
+        LEFT_OPEN.append(subprocess.Popen([sys.executable, "-c",
+                                           "import time; time.sleep(600)"]))
+
+
+@register_env("leaky-file")
+class OpenFile(_Leaky):
+    """A file opened and never closed."""
+
+    def leave(self) -> None:
+        import tempfile
+
+        LEFT_OPEN.append(tempfile.NamedTemporaryFile("w", prefix="leaky-", suffix=".log"))
+
+
+@register_env("tidy")
+class Tidy(_Leaky):
+    """Leaves nothing behind (the control)."""
+
+    def leave(self) -> None:
+        pass

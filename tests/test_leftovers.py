@@ -1,0 +1,90 @@
+"""What an env leaves behind never keeps ``turnrl`` running, and the warning names the env.
+
+Each test runs the real program (``turnrl train`` or ``turnrl eval``, the tiny model) as a
+subprocess with an env from ``leaky_envs`` that leaves something behind. Before
+``turnrl.leftovers``, the thread variants never exited (Python waits for non-daemon threads)
+and the child variant left its sleeping process running after ``turnrl`` ended (a caller
+reading the output through a pipe waited for it too).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from turnrl.metrics import read_metrics
+
+TESTS = Path(__file__).parent
+PROGRAM = ("import sys; sys.path.insert(0, {tests!r}); import leaky_envs; "
+           "from turnrl.cli import main; sys.exit(main())")
+TINY = ["--model.name", "tiny", "--rollout.max_new_tokens", "3", "--run.progress", "false",
+        "--run.tensorboard", "false", "--eval.episodes", "2"]
+BOUND_S = 150
+"""Loose: a run takes ~6 s on an idle 2-core machine, the exit watch 3 s more; a run that
+hangs never ends."""
+
+
+def _turnrl(command: str, env: str, out_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
+    extra = ["--run.steps", "1", "--run.out_dir", str(out_dir)] if command == "train" else []
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", PROGRAM.format(tests=str(TESTS)), command,
+                               "--env.name", env, *TINY, *extra],
+                              capture_output=True, text=True, timeout=BOUND_S,
+                              env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"turnrl {command} with env {env} did not exit within {BOUND_S} s")
+    return done, time.monotonic() - started
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("command", "env", "left"), [
+    ("train", "leaky-thread", "1 non-daemon thread(s) running after the run: leaky-poller"),
+    ("train", "leaky-event", "1 non-daemon thread(s) running after the run: leaky-waiter"),
+    ("train", "leaky-child", "1 child process(es) running after the run"),
+    ("train", "leaky-file", "1 file(s) open after the run: /"),
+    ("eval", "leaky-event", "1 non-daemon thread(s) running after the run: leaky-waiter"),
+    ("eval", "leaky-child", "1 child process(es) running after the run"),
+])
+def test_turnrl_exits_and_names_the_env_whatever_it_left_behind(tmp_path, command, env, left):
+    done, seconds = _turnrl(command, env, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"turnrl: warning: env '{env}' left {left}" in done.stderr, done.stderr[-2000:]
+    # The run's own output came out whole before the exit (a pipe buffers it).
+    assert "held-out" in done.stdout, done.stdout[-2000:]
+    if command == "train":
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    for pid in map(int, re.findall(r"\(pid (\d+)\)", done.stderr)):
+        assert not _alive(pid), f"the env's child {pid} still runs"
+    assert seconds < BOUND_S
+
+
+@pytest.mark.slow
+def test_an_env_that_leaves_nothing_gets_no_warning(tmp_path):
+    done, _ = _turnrl("train", "tidy", tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left" not in done.stderr and "warning" not in done.stderr, done.stderr
+
+
+def test_a_python_caller_of_main_keeps_its_process():
+    """Only the program ends itself: ``main(argv)`` from Python returns, watching nothing."""
+    from turnrl.cli import main
+
+    assert main(["envs"]) == 0
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name == "turnrl-exit-watchdog"]

@@ -1,0 +1,237 @@
+"""What environments leave behind never keeps ``turnrl`` running, and is named.
+
+Env code is user code: it may start a thread without ``daemon=True`` (Python then waits for
+it at exit, forever if it loops or waits on an event nobody sets), spawn a child process
+and never reap it (whoever reads ``turnrl``'s output through a pipe then waits for that
+child too, since it holds the pipe), or open files and never close them. At the end of a
+``turnrl train`` or ``turnrl eval`` process (``turnrl.cli``) this module:
+
+- stops child processes started during the run that are still running (SIGTERM, then
+  SIGKILL after ``CHILD_GRACE_S``), with a warning naming them and the env;
+- warns about regular files opened during the run and still open;
+- lets Python exit as usual, watched: if exit has not finished ``EXIT_GRACE_S`` later and
+  non-daemon threads are what it waits for, it warns with their names and the env's, and
+  ends the process with the run's exit code (``os._exit``, output flushed first). Threads
+  that end by themselves, and the framework's idle worker threads, exit in time and are
+  not reported.
+
+The env is named by the names the turn loops of this process played (``ENVS_PLAYED``): a
+leftover cannot be traced to the code that made it, only to the run. Only the command-line
+program does any of this; a Python caller of ``turnrl.cli.main(argv)`` keeps its process.
+Child processes and open files are found through ``/proc`` (Linux); elsewhere only the
+threads are watched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXIT_GRACE_S = 3.0
+"""How long Python's own exit may wait on non-daemon threads before ``os._exit``."""
+CHILD_GRACE_S = 2.0
+"""How long a leftover child process gets to end after SIGTERM before SIGKILL."""
+FRAMEWORK_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
+                      "raylet", "gcs_server", "ray::", "ray/_private")
+"""Command-line marks of child processes that runtimes the framework uses start and stop."""
+
+FRAMEWORK_FILES = ("/ray/session_", "/wandb/")
+"""Path marks of files that runtimes the framework uses keep open to the end (Ray's driver
+logs, Weights & Biases)."""
+
+ENVS_PLAYED: set[str] = set()
+"""Names of the envs the turn loops of this process played (``TurnLoop`` adds them)."""
+
+
+@dataclass
+class Snapshot:
+    """What the process had when the command started."""
+
+    children: set[int] = field(default_factory=set)
+    files: set[str] = field(default_factory=set)
+
+
+def snapshot() -> Snapshot:
+    return Snapshot(set(child_processes()), set(open_files().values()))
+
+
+def envs_text() -> str:
+    names = sorted(ENVS_PLAYED)
+    if not names:
+        return "no env played"
+    return ("env " if len(names) == 1 else "envs ") + ", ".join(repr(n) for n in names)
+
+
+def warn(message: str) -> None:
+    print(f"turnrl: warning: {message}", file=sys.stderr, flush=True)
+
+
+# ---- child processes -------------------------------------------------------------------------
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process visible in /proc (empty where there is none)."""
+    parents = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            # The command name may hold spaces and parentheses: fields follow the last ')'.
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":  # a zombie has ended; reaping it is its parent's business
+            parents[int(entry)] = int(fields[1])
+    return parents
+
+
+def child_processes() -> list[int]:
+    """Live descendants of this process (children, their children, ...)."""
+    parents, found, frontier = _parents(), [], [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        kids = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _command_line(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip() or "?"
+
+
+def stop_children(before: Snapshot) -> list[str]:
+    """Stop descendants started since ``before`` (the framework's runtimes aside); return
+    their command lines."""
+    left = {pid: _command_line(pid) for pid in child_processes() if pid not in before.children}
+    left = {pid: cmd for pid, cmd in left.items()
+            if not any(mark in cmd for mark in FRAMEWORK_CHILDREN)}
+    _signal(left, signal.SIGTERM)
+    deadline = time.monotonic() + CHILD_GRACE_S
+    while left and time.monotonic() < deadline:
+        _reap()
+        alive = set(child_processes())
+        if not alive & set(left):
+            break
+        time.sleep(0.05)
+    _signal({pid: cmd for pid, cmd in left.items() if pid in set(child_processes())},
+            signal.SIGKILL)
+    _reap()
+    return [f"{cmd[:80]} (pid {pid})" for pid, cmd in left.items()]
+
+
+def _signal(pids: dict[int, str], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:  # ended meanwhile
+            pass
+
+
+def _reap() -> None:
+    """Collect ended children of this process, so they do not stay as zombies."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+# ---- open files ---------------------------------------------------------------------------
+
+
+def open_files() -> dict[int, str]:
+    """Descriptor -> path of the regular files this process has open (Linux)."""
+    files = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return {}
+    for fd in fds:
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            if stat.S_ISREG(os.fstat(int(fd)).st_mode):
+                files[int(fd)] = path
+        except (OSError, ValueError):
+            continue
+    return files
+
+
+def new_files(before: Snapshot) -> list[str]:
+    """Regular files opened since ``before`` and still open (Python's own imports aside)."""
+    return sorted({path for path in open_files().values()
+                   if path not in before.files and not path.endswith((".py", ".pyc", ".so"))
+                   and not any(mark in path for mark in FRAMEWORK_FILES)})
+
+
+# ---- threads ------------------------------------------------------------------------------
+
+
+def blocking_threads() -> list[threading.Thread]:
+    """Non-daemon threads other than the main one: Python's exit waits for each."""
+    main = threading.main_thread()
+    return [t for t in threading.enumerate()
+            if t is not main and not t.daemon and t.is_alive()]
+
+
+def describe(thread: threading.Thread) -> str:
+    target = getattr(thread, "_target", None)
+    where = getattr(target, "__qualname__", None) or type(thread).__qualname__
+    return f"{thread.name} (running {where})"
+
+
+def watch_exit(code: int, grace_s: float = EXIT_GRACE_S) -> None:
+    """Let the process exit normally; if after ``grace_s`` it still waits on non-daemon
+    threads, name them and the env, and end it with ``code`` (``os._exit``)."""
+
+    def watchdog() -> None:
+        time.sleep(grace_s)
+        while True:
+            stuck = blocking_threads()
+            if stuck:
+                warn(f"{envs_text()} left {len(stuck)} non-daemon thread(s) running after the "
+                     f"run: {', '.join(describe(t) for t in stuck)}; exiting without waiting "
+                     "for them (start env threads with daemon=True, or stop them when the "
+                     "episode ends)")
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
+                        pass
+                os._exit(code)
+            time.sleep(0.5)  # in atexit handlers (threads all ended): let them finish
+
+    threading.Thread(target=watchdog, name="turnrl-exit-watchdog", daemon=True).start()
+
+
+def settle(before: Snapshot, code: int) -> None:
+    """At the end of a command: stop and name leftover child processes, name leftover open
+    files, and watch the exit (``watch_exit``)."""
+    try:
+        if children := stop_children(before):
+            warn(f"{envs_text()} left {len(children)} child process(es) running after the "
+                 f"run: {'; '.join(children)}; stopped them (wait for or kill the processes "
+                 "an env starts before its episode ends)")
+        if files := new_files(before):
+            shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5
+                                            else "")
+            warn(f"{envs_text()} left {len(files)} file(s) open after the run: {shown} "
+                 "(close what an env opens, e.g. with a with-block)")
+    finally:
+        watch_exit(code)
