@@ -193,3 +193,97 @@ def test_a_template_that_drops_tool_calls_is_refused():
                                     {"role": "tool", "tool_call_id": "c", "content": "1"},
                                     {"role": "assistant", "content": "1"}],
                              [calculator.schema()])
+
+
+# ---- the JSONL reader -----------------------------------------------------------------------
+
+GOOD = {"messages": [{"role": "user", "content": "Say a digit."},
+                     {"role": "assistant", "content": "7"}]}
+CALL = {"id": "c1", "type": "function",
+        "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}
+
+
+def _rows(tmp_path, *lines: str):
+    path = tmp_path / "demos.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def _bad_message(message, before=()) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": "q"}, *before, message]})
+
+
+@pytest.mark.parametrize("line, where, message", [
+    ('{"messages": [', ":2:", "not valid JSON"),
+    ('[1, 2]', ":2:", "a row must be a JSON object, got a list"),
+    ('{"conversation": []}', ":2:", "messages: missing"),
+    ('{"messages": []}', ":2:", "messages: must be a non-empty list"),
+    ('{"messages": "hi"}', ":2:", "messages: must be a non-empty list of messages, got a string"),
+    (_bad_message("hi"), ":2:", "messages[1]: must be an object"),
+    (_bad_message({"role": "bot", "content": "x"}), ":2:",
+     "messages[1].role: 'bot' is not one of system, user, assistant, tool"),
+    (_bad_message({"content": "x"}), ":2:", "messages[1].role: missing"),
+    (_bad_message({"role": "assistant", "content": 7}), ":2:",
+     "messages[1].content: must be a string"),
+    (_bad_message({"role": "assistant"}), ":2:", "messages[1].content: must be a string"),
+    (_bad_message({"role": "assistant", "content": [{"type": "image_url"}]}), ":2:",
+     "messages[1].content: must be a string"),
+    (_bad_message({"role": "assistant", "content": None,
+                   "tool_calls": [{k: v for k, v in CALL.items() if k != "id"}]}), ":2:",
+     "messages[1].tool_calls[0].id: missing"),
+    (_bad_message({"role": "assistant", "content": None,
+                   "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]}), ":2:",
+     "messages[1].tool_calls[0].function.name: missing"),
+    (_bad_message({"role": "assistant", "content": None,
+                   "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{1"}}]}),
+     ":2:", "messages[1].tool_calls[0].function.arguments: not valid JSON"),
+    (_bad_message({"role": "assistant", "content": None, "tool_calls": CALL}), ":2:",
+     "messages[1].tool_calls: must be a list"),
+    (_bad_message({"role": "tool", "content": "2"},
+                  [{"role": "assistant", "content": None, "tool_calls": [CALL]}]), ":2:",
+     "messages[2].tool_call_id: missing"),
+    (_bad_message({"role": "tool", "tool_call_id": "zz", "content": "2"},
+                  [{"role": "assistant", "content": None, "tool_calls": [CALL]}]), ":2:",
+     "messages[2].tool_call_id: 'zz' answers no earlier tool call"),
+    (json.dumps({**GOOD, "tools": [{"type": "function"}]}), ":2:",
+     "tools[0].function.name: missing"),
+])
+def test_a_malformed_row_is_one_line_naming_the_file_line_and_field(tmp_path, line, where,
+                                                                    message):
+    from turnrl.sft.data import DataError, read_demonstrations
+
+    path = _rows(tmp_path, json.dumps(GOOD), line, json.dumps(GOOD))
+    with pytest.raises(DataError) as err:
+        read_demonstrations(path)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"{path}{where} ") and message in text
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_an_empty_file_says_so(tmp_path, content):
+    from turnrl.sft.data import DataError, read_demonstrations
+
+    path = tmp_path / "demos.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError, match="no conversations"):
+        read_demonstrations(path)
+    with pytest.raises(DataError, match="is not a file"):
+        read_demonstrations(tmp_path / "missing.jsonl")
+
+
+def test_rows_come_back_normalised(tmp_path):
+    from turnrl.sft.data import read_demonstrations
+
+    tool_row = {"messages": [{"role": "user", "content": [{"type": "text", "text": "1+"},
+                                                          {"type": "text", "text": "1?"}]},
+                             {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                             {"role": "tool", "tool_call_id": "c1", "content": "2"},
+                             {"role": "assistant", "content": "2"}],
+                "tools": [calculator.schema()]}
+    path = _rows(tmp_path, json.dumps(GOOD), "", json.dumps(tool_row))
+    first, second = read_demonstrations(path)
+    assert first.where == f"{path}:1" and first.tools is None
+    assert second.where == f"{path}:3" and second.tools == [calculator.schema()]
+    assert second.messages[0]["content"] == "1+1?"
+    assert second.messages[1]["content"] == ""
+    assert second.messages[2]["name"] == "calculator"

@@ -1,0 +1,155 @@
+"""Demonstration files: JSONL rows ``{"messages": [...], "tools": [...]}`` (OpenAI chat format).
+
+Every row is checked before anything trains: a malformed one stops the run with one line
+naming the file, the line and the field (``FILE:LINE: messages[2].tool_calls[0].id: ...``).
+Rows come back normalised: text-part lists joined into strings, a tool message's ``name``
+filled in from the call it answers (templates show it), blank lines skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+ROLES = ("system", "user", "assistant", "tool")
+ROW_FORMAT = 'one JSON object a line: {"messages": [{"role": ..., "content": ...}, ...]}'
+
+
+class DataError(ValueError):
+    """A malformed demonstration file; the message is one line: file, line, field, fix."""
+
+
+@dataclass
+class Demonstration:
+    messages: list[dict]
+    tools: list[dict] | None
+    where: str
+    """``FILE:LINE``, for messages about this row."""
+
+
+def read_demonstrations(path: str | Path) -> list[Demonstration]:
+    """Every row of the JSONL file ``path``, checked and normalised; raises ``DataError``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"sft.data '{path}' is not a file; pass a JSONL file of conversations "
+                        f"({ROW_FORMAT})")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                rows.append(parse_row(line, f"{path}:{number}"))
+    if not rows:
+        raise DataError(f"{path}: no conversations (the file is empty); {ROW_FORMAT}")
+    return rows
+
+
+def parse_row(line: str, where: str) -> Demonstration:
+    """One JSONL line as a ``Demonstration``; ``where`` (FILE:LINE) starts every error."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); "
+                        f"{ROW_FORMAT}") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object, got {_kind(row)}; {ROW_FORMAT}")
+    if "messages" not in row:
+        raise DataError(f"{where}: messages: missing; {ROW_FORMAT}")
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages: must be a non-empty list of messages, got "
+                        f"{_kind(messages)}")
+    tools = row.get("tools")
+    if tools is not None:
+        check_tools(tools, where)
+    checked, calls = [], {}
+    for i, message in enumerate(messages):
+        checked.append(check_message(message, f"{where}: messages[{i}]", calls))
+    return Demonstration(checked, tools or None, where)
+
+
+def check_message(message, at: str, calls: dict[str, str]) -> dict:
+    """One message, normalised; ``calls`` (id -> function name) collects the tool calls
+    made so far, which a tool message must answer."""
+    if not isinstance(message, dict):
+        raise DataError(f"{at}: must be an object with 'role' and 'content', got {_kind(message)}")
+    role = message.get("role")
+    if role not in ROLES:
+        got = "missing; it is" if role is None else f"{role!r} is not"
+        raise DataError(f"{at}.role: {got} one of {', '.join(ROLES)}")
+    out = dict(message)
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant":
+            raise DataError(f"{at}.tool_calls: only assistant messages make tool calls")
+        check_tool_calls(tool_calls, at, calls)
+    content = message.get("content")
+    if content is None and role == "assistant" and tool_calls:
+        out["content"] = ""
+    else:
+        out["content"] = text_content(content, f"{at}.content")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise DataError(f"{at}.tool_call_id: missing; a tool message names the id of the "
+                            "call it answers")
+        if call_id not in calls:
+            raise DataError(f"{at}.tool_call_id: {call_id!r} answers no earlier tool call")
+        out.setdefault("name", calls[call_id])
+    return out
+
+
+def text_content(content, at: str) -> str:
+    """A message's content as one string: a string, or OpenAI's list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise DataError(f"{at}: must be a string (or a list of {{\"type\": \"text\", \"text\": ...}} "
+                    f"parts), got {_kind(content)}")
+
+
+def check_tool_calls(tool_calls, at: str, calls: dict[str, str]) -> None:
+    """OpenAI tool calls: ``[{"id", "type": "function", "function": {"name", "arguments"}}]``
+    with ``arguments`` a JSON object (or its JSON text)."""
+    if not isinstance(tool_calls, list):
+        raise DataError(f"{at}.tool_calls: must be a list, got {_kind(tool_calls)}")
+    for j, call in enumerate(tool_calls):
+        here = f"{at}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise DataError(f"{here}: must be an object, got {_kind(call)}")
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            raise DataError(f"{here}.id: missing; every tool call needs the id its tool "
+                            "message answers")
+        if call.get("type", "function") != "function":
+            raise DataError(f"{here}.type: {call['type']!r}; only 'function' calls exist")
+        function = call.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not function["name"]:
+            raise DataError(f"{here}.function.name: missing; a call names its function")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{here}.function.arguments: not valid JSON ({err.msg})") from None
+        if not isinstance(arguments, dict):
+            raise DataError(f"{here}.function.arguments: must be a JSON object, got "
+                            f"{_kind(arguments)}")
+        calls[call["id"]] = function["name"]
+
+
+def check_tools(tools, where: str) -> None:
+    if not isinstance(tools, list):
+        raise DataError(f"{where}: tools: must be a list of tool schemas, got {_kind(tools)}")
+    for k, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(f"{where}: tools[{k}].function.name: missing; a tool is "
+                            '{"type": "function", "function": {"name", "parameters"}}')
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null",
+            bool: "a boolean"}.get(type(value), "a number")
