@@ -4,6 +4,13 @@ episode, refusals with reasons, the JSONL reader's one-line errors, training, re
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,3 +294,191 @@ def test_rows_come_back_normalised(tmp_path):
     assert second.messages[0]["content"] == "1+1?"
     assert second.messages[1]["content"] == ""
     assert second.messages[2]["name"] == "calculator"
+
+
+# ---- training -------------------------------------------------------------------------------
+
+def test_assistant_nll_scores_masked_tokens_from_the_previous_position():
+    from turnrl.sft.train import assistant_nll
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    ids = torch.randint(0, 7, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 0, 1, 1]])
+    total, count = assistant_nll(logits, ids, mask)
+    logp = torch.log_softmax(logits, -1)
+    expected = -sum(float(logp[b, t - 1, ids[b, t]]) for b in range(2) for t in range(1, 5)
+                    if mask[b, t])
+    assert count == 5 and total.item() == pytest.approx(expected, rel=1e-5)
+    assert assistant_nll(logits, ids, torch.zeros_like(mask))[1] == 0
+
+
+def test_step_batches_cover_every_conversation_once_an_epoch_and_split_is_seeded():
+    from turnrl.sft.train import split, step_indices
+
+    stream = [i for step in range(6) for i in step_indices(10, 5, step, seed=3)]
+    assert all(sorted(stream[e * 10:(e + 1) * 10]) == list(range(10)) for e in range(3))
+    assert stream[:10] != stream[10:20]  # each epoch is shuffled afresh
+    assert step_indices(10, 5, 4, seed=3) == stream[20:25]  # a pure function of the step
+    assert step_indices(10, 5, 0, seed=4) != stream[:5]
+    train, held = split(10, 0.25, seed=0)
+    assert len(held) == 3 and sorted(train + held) == list(range(10))
+    assert split(2, 0.01, 0)[1] and split(1, 0.5, 0) == ([0], []) and not split(5, 0, 0)[1]
+
+
+TESTS = Path(__file__).parent
+TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_tokens", "3",
+        "--run.progress", "false", "--run.tensorboard", "false"]
+
+
+def _cli(command, *args):
+    return [sys.executable, "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); import conftest; "
+            "from turnrl.cli import main; sys.exit(main(sys.argv[2:]))",
+            str(TESTS), command, *TINY, *args]
+
+
+def _digit_demos(path, count=24, seed=0):
+    rng = random.Random(seed)
+    path.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": "Say a digit."},
+        {"role": "assistant", "content": str(rng.randrange(10))}]}) + "\n"
+        for _ in range(count)))
+    return path
+
+
+def test_sft_command_logs_losses_writes_checkpoints_and_refuses_bad_input(tmp_path, capsys):
+    from turnrl.metrics import read_metrics
+
+    data = _digit_demos(tmp_path / "demos.jsonl", 12)
+    out = tmp_path / "run"
+    done = subprocess.run(_cli("sft", "--sft.data", str(data), "--run.out_dir", str(out),
+                               "--run.steps", "4", "--run.checkpoint_every", "2",
+                               "--sft.batch_size", "4", "--optim.micro_batch_size", "3",
+                               "--optim.lr", "1e-2"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "10 conversations to train on, 2 held out, 0 skipped" in done.stdout
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["sft/tokens"] == 8 for r in records)  # 4 replies: a digit and an end of turn
+    assert [("eval/loss" in r) for r in records] == [False, True, False, True]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002",
+                                                                       "step-000004"]
+    # a malformed file, a file with nothing the template can render, no file: one line, exit 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(GOOD) + "\n" + '{"messages": [{"role": "user"}]}\n')
+    unfit = tmp_path / "unfit.jsonl"
+    unfit.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    for args, message in [(["--sft.data", str(bad)], f"{bad}:2: messages[0].content: must be"),
+                          (["--sft.data", str(unfit)], "nothing to train on: all 1"),
+                          ([], "turnrl sft needs --sft.data"),
+                          (["--sft.data", str(data), "--sft.eval_fraction", "1"],
+                           "sft.eval_fraction must be in [0, 1)")]:
+        from turnrl.cli import main
+
+        assert main(["sft", *TINY, "--run.out_dir", str(tmp_path / "r2"), *args]) == 2
+        stderr = capsys.readouterr().err
+        errors = [line for line in stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and message in errors[0], stderr
+        if "nothing" in message:
+            assert f"sft: {unfit}:1: skipped: no assistant message" in stderr
+    assert not (tmp_path / "r2" / "checkpoints").exists()  # nothing trained
+
+
+def test_unfit_conversations_are_skipped_with_their_line_or_refused(tiny):
+    from turnrl.sft.data import DataError, parse_row
+    from turnrl.sft.train import tokenise
+
+    chat = ChatFormat(tiny[1])
+    rows = [parse_row(json.dumps(GOOD), "d.jsonl:1"),
+            parse_row(json.dumps({"messages": [{"role": "user", "content": "x"}]}), "d.jsonl:2"),
+            parse_row(json.dumps({"messages": GOOD["messages"] * 2}), "d.jsonl:3"),
+            parse_row(json.dumps({"messages": [GOOD["messages"][0],
+                                               {"role": "assistant", "content": "9" * 60}]}),
+                      "d.jsonl:4")]
+    episodes, skipped = tokenise(chat, rows, skip_unfit=True, max_tokens=80)
+    assert [ep.info["source"] for ep in episodes] == ["d.jsonl:1", "d.jsonl:3"]
+    assert skipped == [
+        "d.jsonl:2: skipped: no assistant message: nothing to train on",
+        "d.jsonl:4: skipped: 92 tokens, longer than the model's context of 80"]
+    with pytest.raises(DataError, match="d.jsonl:2: no assistant message"):
+        tokenise(chat, rows, skip_unfit=False, max_tokens=80)
+
+
+def test_an_interrupted_sft_run_resumes_bit_for_bit(tmp_path):
+    """SIGKILL mid-run, resume: the weights, optimiser state and logged losses equal those of
+    a run never interrupted (as tests/test_train.py checks for RL)."""
+    from safetensors.torch import load_file
+
+    from turnrl.metrics import read_metrics
+
+    data = _digit_demos(tmp_path / "demos.jsonl", 20)
+    common = ["--sft.data", str(data), "--run.checkpoint_every", "2", "--sft.batch_size", "3",
+              "--optim.micro_batch_size", "2", "--optim.lr", "1e-2", "--sft.eval_every", "1"]
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cli("sft", *common, "--run.out_dir", str(out),
+                                 "--run.steps", "400"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    checkpoints = out / "checkpoints"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(checkpoints.glob("step-00000[4-9]")):
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    resume_from = int(sorted(p.name for p in checkpoints.glob("step-*"))[-1].split("-")[1])
+    assert resume_from < 400
+    final = resume_from + 4
+    done = subprocess.run(_cli("sft", *common, "--run.out_dir", str(out), "--run.steps",
+                               str(final), "--resume"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"from step {resume_from}" in done.stdout
+    straight = tmp_path / "straight"
+    subprocess.run(_cli("sft", *common, "--run.out_dir", str(straight), "--run.steps",
+                        str(final)), check=True, capture_output=True, timeout=300)
+    last = f"checkpoints/step-{final:06d}"
+    resumed, uninterrupted = (load_file(d / last / "model.safetensors") for d in (out, straight))
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    moments = [torch.load(d / last / "optimizer.pt", weights_only=False)["state"]
+               for d in (out, straight)]
+    assert all(torch.equal(a[k], b[k]) for a, b in [(moments[0][i], moments[1][i])
+                                                    for i in moments[0]] for k in a)
+    logged = [[(r["step"], r["sft/loss"], r["eval/loss"]) for r in read_metrics(d / "metrics.jsonl")]
+              for d in (out, straight)]
+    assert logged[0] == logged[1] and [s for s, _, _ in logged[0]] == list(range(1, final + 1))
+
+
+def test_sft_on_say_digit_demonstrations_makes_the_tiny_model_succeed(tmp_path):
+    """A handful of demonstrations (24 one-digit replies) and 20 steps: the held-out
+    demonstrations' NLL falls and the tiny model's held-out success on the task rises; its
+    checkpoint then starts an RL run (``--model.name CHECKPOINT``) as the model it became."""
+    from safetensors.torch import load_file
+
+    from turnrl.config import load_config
+    from turnrl.models import load_model
+    from turnrl.sft.train import sft
+    from turnrl.trainer import train
+
+    data = _digit_demos(tmp_path / "demos.jsonl", 24)
+    cfg = load_config(None, TINY + ["--sft.data", str(data), "--run.out_dir",
+                                    str(tmp_path / "sft"), "--run.steps", "20",
+                                    "--optim.lr", "1e-2", "--sft.eval_fraction", "0.25",
+                                    "--sft.eval_env", "true", "--eval.episodes", "32"])
+    result = sft(cfg)
+    assert result.train_conversations == 18 and result.held_out_conversations == 6
+    assert result.loss_after < result.loss_before - 1.5  # nats per assistant token
+    assert result.before.success_rate < 0.2
+    assert result.after.success_rate > result.before.success_rate + 0.3
+
+    checkpoint = result.run_dir / "checkpoints" / "step-000020"
+    model, _ = load_model(str(checkpoint))
+    saved = load_file(checkpoint / "model.safetensors")
+    assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved)
+    rl = train(load_config(None, TINY + ["--model.name", str(checkpoint), "--run.out_dir",
+                                         str(tmp_path / "rl"), "--run.steps", "1",
+                                         "--eval.episodes", "32"]))
+    assert rl.before.success_rate == pytest.approx(result.after.success_rate, abs=0.3)
+    assert rl.before.success_rate > result.before.success_rate + 0.2

@@ -20,6 +20,7 @@ from turnrl.config_async import RayConfig, StalenessConfig
 from turnrl.config_credit import CreditConfig
 from turnrl.config_explore import ExploreConfig
 from turnrl.config_serve import ServeConfig
+from turnrl.config_sft import SftConfig
 from turnrl.config_types import (  # noqa: F401 - ConfigError is part of this module's API
     ConfigError,
     check_vllm_temperature,
@@ -258,6 +259,8 @@ class Config:
     """exploration and stability options (docs/exploration.md)"""
     credit: CreditConfig = field(default_factory=CreditConfig)
     """turn-level credit: critic warm-up, advantage scale (docs/credit_assignment.md)"""
+    sft: SftConfig = field(default_factory=SftConfig)
+    """supervised fine-tuning on demonstrations (turnrl sft; docs/sft.md)"""
 
     def __post_init__(self) -> None:
         if self.ray.engine == "vllm":

@@ -314,11 +314,12 @@ def periodic_eval(run: Run, step: int) -> dict[str, float]:
             "eval/success_hi": hi, "eval/reward": result.mean_reward}
 
 
-def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult,
+def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult | None,
              metrics: dict[str, float], timer: StageTimer, logger: MetricsLogger,
              progress: TrainProgress, *, checkpoint_extra: dict | None = None,
              **progress_fields) -> None:
-    """After a step's update, in both modes: samples, periodic eval, log, progress, checkpoint."""
+    """After a step's update, in every mode: samples, periodic eval, log, progress, checkpoint.
+    ``summary`` None (SFT: demonstrations earn no reward) leaves reward and success off the bar."""
     cfg = run.cfg
     if cfg.run.sample_episodes:
         write_episodes(run.run_dir / "episodes" / f"step-{step + 1:06d}.jsonl",
@@ -331,8 +332,10 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult,
                     if k.startswith("warn/") and v)
     # A stability guard's flag (algorithms/exploration.py) shows while it holds.
     progress_fields["WARN"] = warn or None
-    progress.update(step + 1, reward=summary.mean_reward, turns=summary.mean_turns,
-                    success=f"{summary.success_rate:.0%}", **progress_fields)
+    if summary is not None:
+        progress_fields = {"reward": summary.mean_reward, "turns": summary.mean_turns,
+                           "success": f"{summary.success_rate:.0%}", **progress_fields}
+    progress.update(step + 1, **progress_fields)
     last = step + 1 == cfg.run.steps
     if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
         learner = run.learner

@@ -1,0 +1,36 @@
+"""The ``sft`` config section: supervised fine-tuning on demonstrations (docs/sft.md).
+
+``turnrl sft --sft.data FILE.jsonl`` trains ``run.steps`` optimisation steps with the
+``optim`` section's AdamW; run directory, checkpoints and ``--resume`` are the RL run's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from turnrl.config_types import Section
+
+
+@dataclass(frozen=True)
+class SftConfig(Section):
+    data: str = ""
+    """JSONL file of demonstrations, a conversation a line in the OpenAI chat format:
+    {"messages": [...], "tools": [...]} (turnrl sft needs it)"""
+    batch_size: int = 8
+    """conversations per optimisation step (split into optim.micro_batch_size rows)"""
+    eval_fraction: float = 0.1
+    """share of the conversations held out (seeded by run.seed) for the held-out loss; at
+    least one when above 0 and there are two or more"""
+    eval_every: int = 0
+    """held-out loss every N steps (0 = at each checkpoint and the last step)"""
+    skip_unfit: bool = True
+    """skip, with a warning naming its line, a conversation the chat template cannot render
+    as the turn loop would (false = stop at the first)"""
+    eval_env: bool = False
+    """also play eval.episodes held-out episodes of env.name before and after (and every
+    eval.every steps): for demonstrations of that env's task"""
+
+    def _check(self) -> None:
+        self._require("eval_fraction", 0 <= self.eval_fraction < 1, "in [0, 1)")
+        self._at_least(1, "batch_size")
+        self._at_least(0, "eval_every")
