@@ -13,12 +13,12 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
     {"registry", "types", "config", "config_types", "config_async", "config_serve",
-     "config_explore", "config_credit",
+     "config_explore", "config_credit", "config_sft",
      "stats"},
     {"models", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
      "evaluation"},
     {"algorithms", "policy"},
-    {"trainer"},
+    {"trainer", "sft"},
     {"distributed"},
     {"launch", "cli", "report", "serve", "checkpoint_eval"},
 ]
