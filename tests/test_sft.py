@@ -358,7 +358,7 @@ def test_sft_command_logs_losses_writes_checkpoints_and_refuses_bad_input(tmp_pa
                                "--optim.lr", "1e-2"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "10 conversations to train on, 2 held out, 0 skipped" in done.stdout
+    assert "10 sequences to train on, 2 held out, 0 skipped" in done.stdout
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["sft/tokens"] == 8 for r in records)  # 4 replies: a digit and an end of turn
@@ -371,7 +371,7 @@ def test_sft_command_logs_losses_writes_checkpoints_and_refuses_bad_input(tmp_pa
     unfit = tmp_path / "unfit.jsonl"
     unfit.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
     for args, message in [(["--sft.data", str(bad)], f"{bad}:2: messages[0].content: must be"),
-                          (["--sft.data", str(unfit)], "nothing to train on: all 1"),
+                          (["--sft.data", str(unfit)], "nothing to train on: all 1 rows"),
                           ([], "turnrl sft needs --sft.data"),
                           (["--sft.data", str(data), "--sft.eval_fraction", "1"],
                            "sft.eval_fraction must be in [0, 1)")]:
@@ -482,3 +482,81 @@ def test_sft_on_say_digit_demonstrations_makes_the_tiny_model_succeed(tmp_path):
                                          "--eval.episodes", "32"]))
     assert rl.before.success_rate == pytest.approx(result.after.success_rate, abs=0.3)
     assert rl.before.success_rate > result.before.success_rate + 0.2
+
+
+# ---- token-level rows: turnrl serve recordings and a run's episodes ---------------------------
+
+def _record(recorder, chat, episode_id, replies, reward, extra_id=None):
+    """Record a served conversation through the server's own ``Recorder``: each call's prompt
+    is the template's render so far, its sampled ids the reply and the end of turn."""
+    from turnrl.serve.record import Call
+
+    messages, rendered, prompt = chat.start("Say a digit.")
+    for i, reply in enumerate(replies):
+        sampled = chat.encode(reply) + [chat.end_of_turn]
+        if extra_id is not None and i == 0:
+            sampled = [extra_id] + sampled
+        recorder.record(episode_id, Call(prompt, rendered, sampled, [-0.1] * len(sampled), 0,
+                                         reply + chat.end_of_turn_text))
+        rendered, delta = chat.continue_after(messages, rendered, reply, True, "Again.")
+        prompt = prompt + sampled + delta
+    recorder.set_reward(episode_id, reward)
+
+
+def test_serve_recordings_and_run_episodes_train_as_recorded(tmp_path, tiny):
+    from turnrl.serve.record import Recorder
+    from turnrl.sft.data import read_demonstrations
+    from turnrl.sft.train import tokenise
+    from turnrl.types import write_episodes
+
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    recorder = Recorder(str(tmp_path / "served"))
+    _record(recorder, chat, "good", ["7", "3"], 1.0)
+    _record(recorder, chat, "bad", ["x"], 0.0)
+    _record(recorder, chat, "alien", ["5"], 1.0, extra_id=len(tok) + 5)
+    recorded = {e: recorder.episodes[e].segments for e in ("good", "bad")}
+    rows = read_demonstrations(tmp_path / "served" / "episodes.jsonl")
+    episodes, skipped = tokenise(chat, rows, skip_unfit=True, max_tokens=1024, min_reward=0.5)
+    assert [ep.info["episode_id"] for ep in episodes] == ["good"]
+    assert episodes[0].token_ids == recorded["good"][0].token_ids
+    assert episodes[0].loss_mask == recorded["good"][0].loss_mask
+    # the recording is the turn loop's tokenisation of the same conversation
+    conversation = [{"role": "user", "content": "Say a digit."},
+                    {"role": "assistant", "content": "7"}, {"role": "user", "content": "Again."},
+                    {"role": "assistant", "content": "3"}]
+    assert conversation_episode(chat, conversation).token_ids == episodes[0].token_ids
+    assert [line.split(": ", 1)[1] for line in skipped] == [
+        "left out: reward 0 is below sft.min_reward 0.5",
+        f"skipped: token id {len(tok) + 5} is outside the model's vocabulary of {len(tok)} "
+        "(recorded with another model?)"]
+
+    played = run_sync(run_episodes(lambda: make_env("say-digit", turns=2), [(0, 0), (1, 1)],
+                                   RestrictedEngine(model, tok), chat,
+                                   SamplingParams(8, 1.0, stop_token_ids=(chat.end_of_turn,)),
+                                   max_turns=2))
+    write_episodes(tmp_path / "step.jsonl", played)
+    episodes, skipped = tokenise(chat, read_demonstrations(tmp_path / "step.jsonl"),
+                                 skip_unfit=True, max_tokens=1024, min_reward=-1)
+    assert not skipped
+    assert [(e.token_ids, e.loss_mask) for e in episodes] == [(p.token_ids, p.loss_mask)
+                                                             for p in played]
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"episode_id": "a", "segments": []}, "segments: must be a non-empty list"),
+    ({"episode_id": "a", "segments": [{"token_ids": [1, "2"], "loss_mask": [0, 1]}]},
+     "segments[0].token_ids: must be a non-empty list of token ids"),
+    ({"episode_id": "a", "segments": [{"token_ids": [1, 2], "loss_mask": [0]}]},
+     "segments[0].loss_mask: must be a list of 0/1, one per token id (2)"),
+    ({"token_ids": [1, 2], "loss_mask": [0, 2]}, "loss_mask: must be a list of 0/1"),
+    ({"token_ids": [1, 2], "loss_mask": [0, 1], "reward": "high"},
+     "reward: must be a number or null, got a string"),
+])
+def test_malformed_token_rows_are_one_line_errors(tmp_path, row, message):
+    from turnrl.sft.data import DataError, read_demonstrations
+
+    path = _rows(tmp_path, json.dumps(row))
+    with pytest.raises(DataError) as err:
+        read_demonstrations(path)
+    assert str(err.value).startswith(f"{path}:1: ") and message in str(err.value)

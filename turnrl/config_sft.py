@@ -15,7 +15,8 @@ from turnrl.config_types import Section
 class SftConfig(Section):
     data: str = ""
     """JSONL file of demonstrations, a conversation a line in the OpenAI chat format:
-    {"messages": [...], "tools": [...]} (turnrl sft needs it)"""
+    {"messages": [...], "tools": [...]}; or turnrl serve's recorded episodes.jsonl, or a
+    run's episodes/*.jsonl (turnrl sft needs it)"""
     batch_size: int = 8
     """conversations per optimisation step (split into optim.micro_batch_size rows)"""
     eval_fraction: float = 0.1
@@ -26,6 +27,9 @@ class SftConfig(Section):
     skip_unfit: bool = True
     """skip, with a warning naming its line, a conversation the chat template cannot render
     as the turn loop would (false = stop at the first)"""
+    min_reward: float = 0.0
+    """rows that carry a reward (turnrl serve recordings, a run's episodes) are left out below
+    it, e.g. 1 keeps only successes; chat-format conversations carry none"""
     eval_env: bool = False
     """also play eval.episodes held-out episodes of env.name before and after (and every
     eval.every steps): for demonstrations of that env's task"""

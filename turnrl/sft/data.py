@@ -4,6 +4,11 @@ Every row is checked before anything trains: a malformed one stops the run with 
 naming the file, the line and the field (``FILE:LINE: messages[2].tool_calls[0].id: ...``).
 Rows come back normalised: text-part lists joined into strings, a tool message's ``name``
 filled in from the call it answers (templates show it), blank lines skipped.
+
+Two token-level kinds of row are read too, as they were written: an episode recorded by
+``turnrl serve`` (``serve.record_dir``'s ``episodes.jsonl``: ``episode_id``, ``segments``,
+``reward``) and a turn-loop ``Episode`` (a run's ``episodes/*.jsonl``, ``eval_*.jsonl``:
+``token_ids``, ``loss_mask``, ``reward``). Their ids are trained as recorded.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from turnrl.types import Episode, Turn
 
 ROLES = ("system", "user", "assistant", "tool")
 ROW_FORMAT = 'one JSON object a line: {"messages": [{"role": ..., "content": ...}, ...]}'
@@ -26,6 +33,10 @@ class Demonstration:
     tools: list[dict] | None
     where: str
     """``FILE:LINE``, for messages about this row."""
+    episodes: list[Episode] | None = None
+    """A token-level row's sequences as recorded (``messages`` is then empty)."""
+    reward: float | None = None
+    """A token-level row's reward (None: none given)."""
 
 
 def read_demonstrations(path: str | Path) -> list[Demonstration]:
@@ -54,7 +65,12 @@ def parse_row(line: str, where: str) -> Demonstration:
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {_kind(row)}; {ROW_FORMAT}")
     if "messages" not in row:
-        raise DataError(f"{where}: messages: missing; {ROW_FORMAT}")
+        if "segments" in row and "episode_id" in row:
+            return recording_row(row, where)
+        if "token_ids" in row and "loss_mask" in row:
+            return episode_row(row, where)
+        raise DataError(f"{where}: messages: missing; {ROW_FORMAT} (or a turnrl serve "
+                        "recording, or a run's episode)")
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages: must be a non-empty list of messages, got "
@@ -138,6 +154,56 @@ def check_tool_calls(tool_calls, at: str, calls: dict[str, str]) -> None:
             raise DataError(f"{here}.function.arguments: must be a JSON object, got "
                             f"{_kind(arguments)}")
         calls[call["id"]] = function["name"]
+
+
+def recording_row(row: dict, where: str) -> Demonstration:
+    """An episode ``turnrl serve`` recorded: one ``Episode`` per segment (serve/record.py)."""
+    segments = row["segments"]
+    if not isinstance(segments, list) or not segments:
+        raise DataError(f"{where}: segments: must be a non-empty list, got {_kind(segments)}")
+    reward = _reward(row, where)
+    episodes = []
+    for k, segment in enumerate(segments):
+        at = f"{where}: segments[{k}]"
+        if not isinstance(segment, dict):
+            raise DataError(f"{at}: must be an object, got {_kind(segment)}")
+        ids, mask = check_tokens(segment.get("token_ids"), segment.get("loss_mask"), f"{at}.")
+        turns = [Turn(int(a), int(b), "", "", 0.0) for a, b in segment.get("spans") or []]
+        episodes.append(Episode(env="served", seed=0, group=0, token_ids=ids, loss_mask=mask,
+                                logprobs=[0.0] * len(ids), versions=[0] * len(ids),
+                                turns=turns, reward=reward or 0.0, status="done",
+                                info={"episode_id": row["episode_id"], "segment": k}))
+    return Demonstration([], None, where, episodes, reward)
+
+
+def episode_row(row: dict, where: str) -> Demonstration:
+    """A turn-loop ``Episode`` as ``write_episodes`` wrote it (a run's ``episodes/``)."""
+    ids, mask = check_tokens(row["token_ids"], row["loss_mask"], f"{where}: ")
+    reward = _reward(row, where)
+    episode = Episode(env=str(row.get("env", "episode")), seed=0, group=0, token_ids=ids,
+                      loss_mask=mask, logprobs=[0.0] * len(ids), versions=[0] * len(ids),
+                      reward=reward or 0.0, status="done")
+    return Demonstration([], None, where, [episode], reward)
+
+
+def check_tokens(ids, mask, field: str) -> tuple[list[int], list[int]]:
+    """Token ids (non-negative integers) and a loss mask of 0/1 of the same length;
+    ``field`` starts the name of the fields in errors (``FILE:LINE: segments[0].``)."""
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise DataError(f"{field}token_ids: must be a non-empty list of token ids "
+                        "(integers >= 0)")
+    if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+        raise DataError(f"{field}loss_mask: must be a list of 0/1, one per token id "
+                        f"({len(ids)})")
+    return ids, [int(m) for m in mask]
+
+
+def _reward(row: dict, where: str) -> float | None:
+    reward = row.get("reward")
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+        raise DataError(f"{where}: reward: must be a number or null, got {_kind(reward)}")
+    return None if reward is None else float(reward)
 
 
 def check_tools(tools, where: str) -> None:

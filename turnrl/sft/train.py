@@ -71,26 +71,48 @@ def assistant_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torc
 
 
 def tokenise(chat: ChatFormat, demos: list[Demonstration], *, skip_unfit: bool,
-             max_tokens: int | None) -> tuple[list[Episode], list[str]]:
+             max_tokens: int | None, min_reward: float = 0.0
+             ) -> tuple[list[Episode], list[str]]:
     """Each demonstration as the turn loop's episode: (episodes, a line per skipped one).
-    A conversation the template cannot render exactly, or longer than the model's context,
-    is skipped (``skip_unfit``; the line names its file, line and why) or stops the run."""
+    A conversation the template cannot render exactly, a recorded sequence the model's
+    vocabulary cannot hold, or one longer than the model's context is skipped
+    (``skip_unfit``; the line names its file, line and why) or stops the run; a token-level
+    row whose reward is below ``min_reward`` is left out (its line says so)."""
     episodes, skipped = [], []
     for index, demo in enumerate(demos):
+        if demo.reward is not None and demo.reward < min_reward:
+            skipped.append(f"{demo.where}: left out: reward {demo.reward:g} is below "
+                           f"sft.min_reward {min_reward:g}")
+            continue
         try:
-            episode = conversation_episode(chat, demo.messages, demo.tools, seed=index)
-            if max_tokens and len(episode.token_ids) > max_tokens:
-                raise DemoError(f"{len(episode.token_ids)} tokens, longer than the model's "
-                                f"context of {max_tokens}")
+            made = demo.episodes if demo.episodes is not None else [
+                conversation_episode(chat, demo.messages, demo.tools, seed=index)]
+            for episode in made:
+                check_fits(episode, len(chat.tokenizer), max_tokens)
         except DemoError as err:
             if not skip_unfit:
                 raise DataError(f"{demo.where}: {err} (sft.skip_unfit true skips such "
-                                "conversations)") from None
+                                "rows)") from None
             skipped.append(f"{demo.where}: skipped: {err}")
             continue
-        episode.info["source"] = demo.where
-        episodes.append(episode)
+        for episode in made:
+            episode.info["source"] = demo.where
+            episode.seed = episode.group = index
+        episodes += made
     return episodes, skipped
+
+
+def check_fits(episode: Episode, vocabulary: int, max_tokens: int | None) -> None:
+    """Refuse a sequence the model cannot train on: no trained token, an id outside its
+    vocabulary (a recording made with another model), longer than its context."""
+    if not any(episode.loss_mask):
+        raise DemoError("no assistant (policy) token: nothing to train on")
+    if max(episode.token_ids) >= vocabulary:
+        raise DemoError(f"token id {max(episode.token_ids)} is outside the model's vocabulary "
+                        f"of {vocabulary} (recorded with another model?)")
+    if max_tokens and len(episode.token_ids) > max_tokens:
+        raise DemoError(f"{len(episode.token_ids)} tokens, longer than the model's context of "
+                        f"{max_tokens}")
 
 
 def split(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -177,12 +199,13 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
     run = start_run(without_env_eval(cfg), resume)
     cfg, model, learner = run.cfg, run.learner.model, run.learner
     episodes, skipped = tokenise(run.policy.chat, demos, skip_unfit=cfg.sft.skip_unfit,
-                                 max_tokens=run.policy.max_context)
+                                 max_tokens=run.policy.max_context,
+                                 min_reward=cfg.sft.min_reward)
     for line in skipped:
         print(f"sft: {line}", file=sys.stderr)
     if not episodes:
-        raise DataError(f"{cfg.sft.data}: nothing to train on: all {len(demos)} conversations "
-                        "were skipped (the lines above say why); no step was taken")
+        raise DataError(f"{cfg.sft.data}: nothing to train on: all {len(demos)} rows were "
+                        "skipped or left out (the lines above say why); no step was taken")
     train_ids, held_ids = split(len(episodes), cfg.sft.eval_fraction, cfg.run.seed)
     train_set, held_out = [episodes[i] for i in train_ids], [episodes[i] for i in held_ids]
     sizes = {"pad_id": learner.pad_id, "micro_batch_size": cfg.optim.micro_batch_size,
@@ -190,7 +213,7 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
     before = run.checkpoint_state.get("sft_loss_before") if run.start_step else None
     if before is None:
         before = held_out_loss(model, held_out, **sizes)
-    print(f"sft: {len(train_set)} conversations to train on, {len(held_out)} held out, "
+    print(f"sft: {len(train_set)} sequences to train on, {len(held_out)} held out, "
           f"{len(skipped)} skipped" + (f"; held-out loss {before:.4f}" if before is not None else ""))
     env_before = evaluate_env(run, "before")
     loss = before
