@@ -560,3 +560,40 @@ def test_malformed_token_rows_are_one_line_errors(tmp_path, row, message):
     with pytest.raises(DataError) as err:
         read_demonstrations(path)
     assert str(err.value).startswith(f"{path}:1: ") and message in str(err.value)
+
+
+# ---- scripted demonstrations from an env's reference player -----------------------------------
+
+@pytest.mark.parametrize("env_name", ["guess-number", "maze"])
+def test_scripted_demonstrations_tokenise_as_the_loop_plays_their_replies(env_name):
+    from turnrl.sft.scripted import env_demonstrations
+
+    chat = _chat()
+    demos, failed = env_demonstrations(env_name, {}, 3, chat, max_turns=12)
+    assert len(demos) + len(failed) == 3 and len(demos) >= 2
+    for seed, demo in enumerate(demos):
+        replies = [m["content"] for m in demo.messages if m["role"] == "assistant"]
+        assert len(replies) >= 2  # multi-turn
+        engine = ScriptedEngine(chat.tokenizer, replies)
+        seed = int(demo.where.rsplit(" ", 1)[1])
+        played, = run_sync(run_episodes(lambda: make_env(env_name), [(seed, 0)], engine, chat,
+                                        SamplingParams(max_new_tokens=64), max_turns=12))
+        assert played.success
+        _same(conversation_episode(chat, demo.messages, demo.tools), played)
+
+
+def test_env_demos_train_alone_and_an_env_without_a_player_is_refused(tmp_path):
+    from turnrl.config import load_config
+    from turnrl.sft.data import DataError
+    from turnrl.sft.train import sft
+
+    base = ["--model.name", "tiny", "--run.progress", "false", "--run.tensorboard", "false",
+            "--run.steps", "2", "--sft.env_demos", "4"]
+    result = sft(load_config(None, base + ["--env.name", "guess-number",
+                                           "--run.out_dir", str(tmp_path / "a")]))
+    assert result.train_conversations + result.held_out_conversations == 4
+    assert result.loss_after < result.loss_before
+    with pytest.raises(DataError, match="env 'say-digit' offers no scripted demonstrations; "
+                                        "envs that do: guess-number"):
+        sft(load_config(None, base + ["--env.name", "say-digit",
+                                      "--run.out_dir", str(tmp_path / "b")]))

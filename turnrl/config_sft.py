@@ -16,7 +16,10 @@ class SftConfig(Section):
     data: str = ""
     """JSONL file of demonstrations, a conversation a line in the OpenAI chat format:
     {"messages": [...], "tools": [...]}; or turnrl serve's recorded episodes.jsonl, or a
-    run's episodes/*.jsonl (turnrl sft needs it)"""
+    run's episodes/*.jsonl (turnrl sft needs it, or sft.env_demos)"""
+    env_demos: int = 0
+    """scripted demonstrations: play seeds 0..N-1 of env.name with its reference player
+    (envs/reference.py) and train on the successful episodes too (or alone, without data)"""
     batch_size: int = 8
     """conversations per optimisation step (split into optim.micro_batch_size rows)"""
     eval_fraction: float = 0.1
@@ -37,4 +40,4 @@ class SftConfig(Section):
     def _check(self) -> None:
         self._require("eval_fraction", 0 <= self.eval_fraction < 1, "in [0, 1)")
         self._at_least(1, "batch_size")
-        self._at_least(0, "eval_every")
+        self._at_least(0, "eval_every", "env_demos")

@@ -28,6 +28,7 @@ from turnrl.metrics import print_table
 from turnrl.rollout.chat import ChatFormat
 from turnrl.sft.conversation import DemoError, conversation_episode
 from turnrl.sft.data import DataError, Demonstration, read_demonstrations
+from turnrl.sft.scripted import env_demonstrations
 from turnrl.trainer.run import (
     StageTimer,
     end_step,
@@ -192,20 +193,26 @@ def without_env_eval(cfg: Config) -> Config:
 def sft(cfg: Config, *, resume: bool = False) -> SftResult:
     """Fine-tune ``cfg``'s model on ``sft.data`` for ``run.steps`` steps (see the module
     docstring); ``resume`` continues the run in ``run.out_dir`` from its last checkpoint."""
-    if not cfg.sft.data:
+    if not cfg.sft.data and not cfg.sft.env_demos:
         raise DataError("turnrl sft needs --sft.data FILE.jsonl (a conversation a line in the "
-                        "OpenAI chat format)")
-    demos = read_demonstrations(cfg.sft.data)  # a malformed file stops before anything starts
+                        "OpenAI chat format) or --sft.env_demos N (an env's scripted player)")
+    # a malformed file stops before anything starts
+    demos = read_demonstrations(cfg.sft.data) if cfg.sft.data else []
     run = start_run(without_env_eval(cfg), resume)
     cfg, model, learner = run.cfg, run.learner.model, run.learner
+    scripted, failed = env_demonstrations(cfg.env.name, cfg.env.options, cfg.sft.env_demos,
+                                          run.policy.chat, cfg.rollout.max_turns)
+    demos += scripted
     episodes, skipped = tokenise(run.policy.chat, demos, skip_unfit=cfg.sft.skip_unfit,
                                  max_tokens=run.policy.max_context,
                                  min_reward=cfg.sft.min_reward)
+    skipped = failed + skipped
     for line in skipped:
         print(f"sft: {line}", file=sys.stderr)
     if not episodes:
-        raise DataError(f"{cfg.sft.data}: nothing to train on: all {len(demos)} rows were "
-                        "skipped or left out (the lines above say why); no step was taken")
+        raise DataError(f"{cfg.sft.data or cfg.env.name}: nothing to train on: all "
+                        f"{len(demos) + len(failed)} rows were skipped or left out (the lines "
+                        "above say why); no step was taken")
     train_ids, held_ids = split(len(episodes), cfg.sft.eval_fraction, cfg.run.seed)
     train_set, held_out = [episodes[i] for i in train_ids], [episodes[i] for i in held_ids]
     sizes = {"pad_id": learner.pad_id, "micro_batch_size": cfg.optim.micro_batch_size,
@@ -217,7 +224,8 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
           f"{len(skipped)} skipped" + (f"; held-out loss {before:.4f}" if before is not None else ""))
     env_before = evaluate_env(run, "before")
     loss = before
-    with step_logging(run, f"sft {Path(cfg.sft.data).name}") as (logger, progress):
+    label = Path(cfg.sft.data).name if cfg.sft.data else f"{cfg.env.name} scripted"
+    with step_logging(run, f"sft {label}") as (logger, progress):
         for step in range(run.start_step, cfg.run.steps):
             timer = StageTimer()
             batch = [train_set[i] for i in step_indices(len(train_set), cfg.sft.batch_size,
