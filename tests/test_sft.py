@@ -597,3 +597,37 @@ def test_env_demos_train_alone_and_an_env_without_a_player_is_refused(tmp_path):
                                         "envs that do: guess-number"):
         sft(load_config(None, base + ["--env.name", "say-digit",
                                       "--run.out_dir", str(tmp_path / "b")]))
+
+
+# ---- local Hugging Face datasets ------------------------------------------------------------
+
+def test_local_hugging_face_datasets_read_as_their_jsonl(tmp_path):
+    datasets = pytest.importorskip("datasets")  # an optional dependency
+    from turnrl.sft.data import DataError, read_demonstrations
+
+    tool_row = {"messages": [{"role": "user", "content": "1+1?"},
+                             {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                             {"role": "tool", "tool_call_id": "c1", "content": "2"},
+                             {"role": "assistant", "content": "2"}],
+                "tools": [calculator.schema()]}
+    rows = [GOOD, tool_row, {"messages": GOOD["messages"] * 2}]
+    expected = read_demonstrations(_rows(tmp_path, *map(json.dumps, rows)))
+    # from_list takes its columns from the first row: a dataset has "tools" on every row
+    table = datasets.Dataset.from_list([{"tools": None, **row} for row in rows])
+    table.to_parquet(str(tmp_path / "demos.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "splits"))
+    for path in ("demos.parquet", "saved", "splits"):
+        got = read_demonstrations(tmp_path / path)
+        assert [(d.messages, d.tools) for d in got] == [(d.messages, d.tools)
+                                                        for d in expected], path
+        assert got[1].where == f"{tmp_path / path}: row 2"
+    datasets.DatasetDict({"test": table}).save_to_disk(str(tmp_path / "test-only"))
+    with pytest.raises(DataError, match="no 'train' split \\(it has test\\)"):
+        read_demonstrations(tmp_path / "test-only")
+    datasets.Dataset.from_list([GOOD, {"conversation": "x"}]).to_parquet(str(tmp_path / "b.parquet"))
+    with pytest.raises(DataError, match=f"{tmp_path / 'b.parquet'}: row 2: messages: missing"):
+        read_demonstrations(tmp_path / "b.parquet")
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match="junk.parquet': cannot be read as a dataset"):
+        read_demonstrations(tmp_path / "junk.parquet")

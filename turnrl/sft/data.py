@@ -39,12 +39,19 @@ class Demonstration:
     """A token-level row's reward (None: none given)."""
 
 
+DATASET_SUFFIXES = (".parquet", ".arrow")
+"""Files read through Hugging Face ``datasets`` (as is a directory ``save_to_disk`` wrote)."""
+
+
 def read_demonstrations(path: str | Path) -> list[Demonstration]:
-    """Every row of the JSONL file ``path``, checked and normalised; raises ``DataError``."""
+    """Every row of ``path``, checked and normalised; raises ``DataError``. A JSONL file, or
+    a local Hugging Face dataset (``DATASET_SUFFIXES`` or a ``save_to_disk`` directory)."""
     path = Path(path)
+    if path.is_dir() or path.suffix in DATASET_SUFFIXES:
+        return read_dataset(path)
     if not path.is_file():
         raise DataError(f"sft.data '{path}' is not a file; pass a JSONL file of conversations "
-                        f"({ROW_FORMAT})")
+                        f"({ROW_FORMAT}) or a local Hugging Face dataset")
     rows = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -55,10 +62,40 @@ def read_demonstrations(path: str | Path) -> list[Demonstration]:
     return rows
 
 
-def parse_row(line: str, where: str) -> Demonstration:
-    """One JSONL line as a ``Demonstration``; ``where`` (FILE:LINE) starts every error."""
+def read_dataset(path: Path) -> list[Demonstration]:
+    """The rows of a local Hugging Face dataset (its "train" split when it has several),
+    checked as JSONL rows are; ``FILE: row N`` (from 1) names a row in errors."""
+    if not path.exists():
+        raise DataError(f"sft.data '{path}' does not exist")
     try:
-        row = json.loads(line)
+        import datasets
+    except ImportError:
+        raise DataError(f"sft.data '{path}' is a Hugging Face dataset: pip install datasets "
+                        "(or convert it to JSONL)") from None
+    try:
+        if path.is_dir():
+            data = datasets.load_from_disk(str(path))
+        else:
+            data = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
+    except Exception as err:  # noqa: BLE001 - datasets raises many kinds; name the file
+        raise DataError(f"sft.data '{path}': cannot be read as a dataset "
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise DataError(f"sft.data '{path}': no 'train' split (it has "
+                            f"{', '.join(data)}); save the split to train on")
+        data = data["train"]
+    rows = [parse_row(row, f"{path}: row {number}") for number, row in enumerate(data, 1)]
+    if not rows:
+        raise DataError(f"{path}: no conversations (the dataset is empty)")
+    return rows
+
+
+def parse_row(line: str | dict, where: str) -> Demonstration:
+    """One JSONL line (or a dataset's row) as a ``Demonstration``; ``where`` (FILE:LINE)
+    starts every error."""
+    try:
+        row = json.loads(line) if isinstance(line, str) else _drop_nulls(line)
     except json.JSONDecodeError as err:
         raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); "
                         f"{ROW_FORMAT}") from None
@@ -214,6 +251,16 @@ def check_tools(tools, where: str) -> None:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise DataError(f"{where}: tools[{k}].function.name: missing; a tool is "
                             '{"type": "function", "function": {"name", "parameters"}}')
+
+
+def _drop_nulls(value):
+    """A dataset's row without the nulls Arrow fills in for fields a row lacks (a user
+    message gets ``tool_calls: None`` when another row has calls); content is kept."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None or k == "content"}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
 
 
 def _kind(value) -> str:
