@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -631,3 +632,58 @@ def test_local_hugging_face_datasets_read_as_their_jsonl(tmp_path):
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(DataError, match="junk.parquet': cannot be read as a dataset"):
         read_demonstrations(tmp_path / "junk.parquet")
+
+
+# ---- the warm-up stage of turnrl train ------------------------------------------------------
+
+def test_train_with_a_warm_up_stage_starts_rl_from_the_sft_checkpoint_and_resumes(tmp_path):
+    import yaml
+
+    from turnrl.config import ConfigError, load_config
+    from turnrl.launch import train
+    from turnrl.metrics import read_metrics
+
+    data = _digit_demos(tmp_path / "demos.jsonl", 24)
+    out = tmp_path / "run"
+    args = TINY + ["--sft.data", str(data), "--sft.steps", "20", "--sft.lr", "1e-2",
+                   "--run.out_dir", str(out), "--eval.episodes", "32"]
+    result = train(load_config(None, args + ["--run.steps", "1"]))
+    warm = out / "sft" / "checkpoints" / "step-000020"
+    assert warm.is_dir() and (out / "checkpoints" / "step-000001").is_dir()
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["model"]["name"] == str(warm) and saved["optim"]["lr"] == 4e-5
+    assert yaml.safe_load((out / "sft" / "config.yaml").read_text())["optim"]["lr"] == 1e-2
+    assert result.before.success_rate > 0.3  # RL's "before" is the warmed-up model
+    sft_steps = [r["step"] for r in read_metrics(out / "sft" / "metrics.jsonl")]
+    assert sft_steps == list(range(1, 21))
+
+    with pytest.raises(ConfigError, match="already has checkpoints; pass --resume"):
+        train(load_config(None, args + ["--run.steps", "1"]))  # never silently redone
+    # resuming a finished warm-up runs RL on from its checkpoint, not the warm-up again
+    resumed = train(load_config(str(out / "config.yaml"), ["--run.steps", "2"]), resume=True)
+    assert resumed.steps == 2 and (out / "checkpoints" / "step-000002").is_dir()
+    assert [r["step"] for r in read_metrics(out / "sft" / "metrics.jsonl")] == sft_steps
+
+
+def test_an_interrupted_warm_up_resumes_then_rl_starts_as_if_never_stopped(tmp_path):
+    from safetensors.torch import load_file
+
+    from turnrl.config import load_config
+    from turnrl.launch import train
+    from turnrl.sft.train import sft
+    from turnrl.sft.warmup import stage_config
+
+    data = _digit_demos(tmp_path / "demos.jsonl", 12)
+    args = TINY + ["--sft.data", str(data), "--sft.steps", "6", "--sft.lr", "1e-2",
+                   "--run.steps", "1", "--eval.episodes", "0", "--run.checkpoint_every", "2"]
+    straight = tmp_path / "straight"
+    train(load_config(None, args + ["--run.out_dir", str(straight)]))
+    cut = tmp_path / "cut"
+    cfg = load_config(None, args + ["--run.out_dir", str(cut)])
+    stage = stage_config(cfg, cut / "sft", cut / "sft" / "checkpoints" / "step-000006")
+    # what a kill after the warm-up's step-4 checkpoint leaves (a shorter run, then extended)
+    sft(replace(stage, run=replace(stage.run, steps=4)))
+    train(cfg, resume=True)
+    for name in ("sft/checkpoints/step-000006", "checkpoints/step-000001"):
+        a, b = (load_file(d / name / "model.safetensors") for d in (straight, cut))
+        assert all(torch.equal(a[k], b[k]) for k in a), name

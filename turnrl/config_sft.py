@@ -13,6 +13,11 @@ from turnrl.config_types import Section
 
 @dataclass(frozen=True)
 class SftConfig(Section):
+    steps: int = 0
+    """turnrl train: a warm-up of this many SFT steps before RL (its run in RUN_DIR/sft; RL
+    starts from its last checkpoint); turnrl sft itself takes run.steps"""
+    lr: float = 0.0
+    """the warm-up's AdamW learning rate (0 = optim.lr)"""
     data: str = ""
     """JSONL file of demonstrations, a conversation a line in the OpenAI chat format:
     {"messages": [...], "tools": [...]}; or turnrl serve's recorded episodes.jsonl, or a
@@ -40,4 +45,4 @@ class SftConfig(Section):
     def _check(self) -> None:
         self._require("eval_fraction", 0 <= self.eval_fraction < 1, "in [0, 1)")
         self._at_least(1, "batch_size")
-        self._at_least(0, "eval_every", "env_demos")
+        self._at_least(0, "eval_every", "env_demos", "steps", "lr")

@@ -116,13 +116,19 @@ class Run:
     resumed: bool = False
 
 
+def with_out_dir(cfg: Config, resume: bool) -> Config:
+    """``cfg`` with its run directory named: ``run.out_dir``, else runs/<env>-<date>-<time>."""
+    if cfg.run.out_dir:
+        return cfg
+    if resume:
+        raise ConfigError("--resume needs --run.out_dir RUN_DIR, the run to continue")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return replace(cfg, run=replace(cfg.run, out_dir=f"runs/{cfg.env.name}-{stamp}"))
+
+
 def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
     """Create or reopen the run directory; return the config to run and the checkpoint."""
-    if not cfg.run.out_dir:
-        if resume:
-            raise ConfigError("--resume needs --run.out_dir RUN_DIR, the run to continue")
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        cfg = replace(cfg, run=replace(cfg.run, out_dir=f"runs/{cfg.env.name}-{stamp}"))
+    cfg = with_out_dir(cfg, resume)
     run_dir = Path(cfg.run.out_dir)
     checkpoint = latest_checkpoint(run_dir)
     saved = run_dir / "config.yaml"
