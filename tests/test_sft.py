@@ -366,6 +366,10 @@ def test_sft_command_logs_losses_writes_checkpoints_and_refuses_bad_input(tmp_pa
     assert [("eval/loss" in r) for r in records] == [False, True, False, True]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002",
                                                                        "step-000004"]
+    from turnrl.report import write_html_report
+
+    page = Path(write_html_report([str(out)], str(tmp_path / "report.html"))).read_text()
+    assert "sft/loss" in page and "eval/loss" in page  # the run report draws both losses
     # a malformed file, a file with nothing the template can render, no file: one line, exit 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(GOOD) + "\n" + '{"messages": [{"role": "user"}]}\n')

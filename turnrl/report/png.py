@@ -21,6 +21,8 @@ PREFERRED_METRICS = (
     "reward/mean",
     "success/rate",
     "loss/policy",
+    "sft/loss",
+    "eval/loss",
     "kl",
     "entropy",
     "episode/turns",
