@@ -139,6 +139,11 @@ def test_loss_mask_covers_the_replies_and_their_end_of_turn_only():
     trained = [i for i, m in enumerate(episode.loss_mask) if m]
     text = chat.tokenizer.decode([episode.token_ids[i] for i in trained])
     assert text == "Hello<|im_end|>Ciao<|im_end|>"
+    weighted = conversation_episode(chat, [dict(m, weight=0) if m["content"] == "Hello" else m
+                                           for m in messages])
+    assert weighted.token_ids == episode.token_ids
+    assert chat.tokenizer.decode([t for t, m in zip(weighted.token_ids, weighted.loss_mask,
+                                                    strict=True) if m]) == "Ciao<|im_end|>"
     # the trailing user message is left out: a played episode ends with the last reply
     assert chat.tokenizer.decode(episode.token_ids).endswith("assistant\nCiao<|im_end|>")
     assert chat.tokenizer.decode(episode.token_ids) == chat.render(messages[:5], False)[:-1]
@@ -255,6 +260,10 @@ def _bad_message(message, before=()) -> str:
      "messages[2].tool_call_id: 'zz' answers no earlier tool call"),
     (json.dumps({**GOOD, "tools": [{"type": "function"}]}), ":2:",
      "tools[0].function.name: missing"),
+    (_bad_message({"role": "assistant", "content": "x", "weight": 0.5}), ":2:",
+     "messages[1].weight: 0.5; only assistant messages take a weight, 0"),
+    (_bad_message({"role": "user", "content": "x", "weight": 1}), ":2:",
+     "messages[1].weight: 1; only assistant"),
 ])
 def test_a_malformed_row_is_one_line_naming_the_file_line_and_field(tmp_path, line, where,
                                                                     message):

@@ -28,7 +28,8 @@ class DemoError(ValueError):
 
 def conversation_episode(chat: ChatFormat, messages: list[dict], tools: list[dict] | None = None,
                          *, env: str = "sft", seed: int = 0) -> Episode:
-    """``messages`` (OpenAI chat format) as an ``Episode``: assistant tokens loss_mask 1.
+    """``messages`` (OpenAI chat format) as an ``Episode``: assistant tokens loss_mask 1
+    (0 for a reply with OpenAI's ``"weight": 0``, kept as context only).
 
     ``tools`` (JSON schemas) are rendered by the template, as the loop does for an env with
     tools. Messages after the last assistant reply are left out: a played episode ends with
@@ -44,7 +45,9 @@ def conversation_episode(chat: ChatFormat, messages: list[dict], tools: list[dic
     for index, at in enumerate(replies):
         action = reply_text(chat, rendered_messages, at, rendered, tools)
         ids = chat.encode(action) + [chat.end_of_turn]
-        start, end = episode.append(ids, policy=True, logprobs=[0.0] * len(ids), version=0)
+        trained = messages[at].get("weight", 1) != 0  # OpenAI's per-reply weight 0: context
+        start, end = episode.append(ids, policy=trained,
+                                    logprobs=[0.0] * len(ids) if trained else (), version=0)
         following = replies[index + 1] if index + 1 < len(replies) else None
         observation = "\n".join(str(m.get("content") or "")
                                 for m in messages[at + 1:following or len(messages)])
@@ -85,7 +88,7 @@ def check_roles(messages: list[dict], chat: ChatFormat, tools: list[dict] | None
 def template_message(message: dict) -> dict:
     """The message as chat templates take it: tool-call arguments as objects (Hugging Face's
     convention; OpenAI sends JSON strings), ``name`` on a tool message where the call had it."""
-    out = {k: v for k, v in message.items() if k not in ("tool_calls",)}
+    out = {k: v for k, v in message.items() if k not in ("tool_calls", "weight")}
     if message.get("tool_calls"):
         out["tool_calls"] = [
             {**call, "function": {**call["function"], "arguments": _arguments(call)}}

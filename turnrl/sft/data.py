@@ -136,6 +136,10 @@ def check_message(message, at: str, calls: dict[str, str]) -> dict:
         if role != "assistant":
             raise DataError(f"{at}.tool_calls: only assistant messages make tool calls")
         check_tool_calls(tool_calls, at, calls)
+    if "weight" in message and (role != "assistant" or message["weight"] not in (0, 1)
+                                or isinstance(message["weight"], bool)):
+        raise DataError(f"{at}.weight: {message['weight']!r}; only assistant messages take "
+                        "a weight, 0 (context only) or 1 (trained)")
     content = message.get("content")
     if content is None and role == "assistant" and tool_calls:
         out["content"] = ""
