@@ -20,8 +20,9 @@ class SftConfig(Section):
     """the warm-up's AdamW learning rate (0 = optim.lr)"""
     data: str = ""
     """JSONL file of demonstrations, a conversation a line in the OpenAI chat format:
-    {"messages": [...], "tools": [...]}; or turnrl serve's recorded episodes.jsonl, or a
-    run's episodes/*.jsonl (turnrl sft needs it, or sft.env_demos)"""
+    {"messages": [...], "tools": [...]}; or turnrl serve's recorded episodes.jsonl, a run's
+    episodes/*.jsonl, or a local Hugging Face dataset (.parquet, .arrow, a save_to_disk
+    directory); turnrl sft needs it, or sft.env_demos (docs/sft.md)"""
     env_demos: int = 0
     """scripted demonstrations: play seeds 0..N-1 of env.name with its reference player
     (envs/reference.py) and train on the successful episodes too (or alone, without data)"""
@@ -33,8 +34,8 @@ class SftConfig(Section):
     eval_every: int = 0
     """held-out loss every N steps (0 = at each checkpoint and the last step)"""
     skip_unfit: bool = True
-    """skip, with a warning naming its line, a conversation the chat template cannot render
-    as the turn loop would (false = stop at the first)"""
+    """skip, with a line on stderr naming its file and line, a conversation the chat template
+    cannot render as the turn loop would (false = stop at the first)"""
     min_reward: float = 0.0
     """rows that carry a reward (turnrl serve recordings, a run's episodes) are left out below
     it, e.g. 1 keeps only successes; chat-format conversations carry none"""
