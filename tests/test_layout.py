@@ -16,7 +16,7 @@ LAYERS = [
     {"models", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
      "evaluation"},
     {"algorithms", "policy"},
-    {"trainer"},
+    {"trainer", "sft"},
     {"distributed"},
     {"launch", "cli", "report", "serve", "checkpoint_eval"},
 ]

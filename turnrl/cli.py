@@ -1,4 +1,4 @@
-"""``turnrl train | eval | serve | report | envs``; the options are generated from the config."""
+"""``turnrl train | sft | eval | serve | report | envs``; the options are generated from the config."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from turnrl.config import ConfigError, config_help, load_config, load_run_config
 
 USAGE = """turnrl train  [--config FILE.yaml] [--resume] [--mode sync|async] [--section.key VALUE ...]
+turnrl sft    --sft.data FILE.jsonl [--model.name M] [--run.out_dir DIR] [--resume] [--section.key VALUE ...]
 turnrl eval   [--config FILE.yaml] [--checkpoint DIR] [--samples N] [--out FILE.json] [--section.key VALUE ...]
 turnrl eval   --compare A B [--samples N] [--out FILE.json] ...    (A, B: checkpoint, run dir or base)
 turnrl eval   RUN_DIR [RUN_DIR ...] [--samples N] [--out FILE.json] ...  (seeds of one config)
@@ -57,6 +58,28 @@ def cmd_train(argv: Sequence[str]) -> int:
             cfg = load_run_config(str(saved), overrides)
     train(cfg, resume=bool(own.get("--resume")))
     return 0
+
+
+def cmd_sft(argv: Sequence[str]) -> int:
+    """``turnrl sft --sft.data FILE.jsonl``: supervised fine-tuning (docs/sft.md)."""
+    from turnrl.sft.train import sft
+
+    own, overrides = _split(argv, {"--config": True, "--resume": False})
+    sft(_run_config(own, overrides), resume=bool(own.get("--resume")))
+    return 0
+
+
+def _run_config(own: dict, overrides: list[str]):
+    """The config of a run to start, or (``--resume``) the run's saved config with the
+    overrides on top (``prepare_run_dir`` refuses those a resume may not change)."""
+    cfg = load_config(own.get("--config"), overrides)
+    if own.get("--resume") and cfg.run.out_dir:
+        if "--config" in own:
+            raise ConfigError("--resume continues a run with its saved config; drop --config")
+        saved = Path(cfg.run.out_dir) / "config.yaml"
+        if saved.exists():
+            cfg = load_config(str(saved), overrides)
+    return cfg
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
@@ -175,6 +198,7 @@ def print_help(rest: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "serve": cmd_serve, "report": cmd_report, "envs": cmd_envs}
+COMMANDS["sft"] = cmd_sft
 
 
 LEFTOVERS_WATCHED = ("train", "eval")

@@ -12,6 +12,7 @@ import importlib.util
 from turnrl.config import Config, ConfigError
 from turnrl.distributed.fleet import connect
 from turnrl.distributed.source import AsyncTrainResult, RaySource
+from turnrl.sft.warmup import warm_up
 from turnrl.trainer.learn import learn
 from turnrl.trainer.local import LocalSource
 from turnrl.trainer.run import TrainResult
@@ -32,7 +33,9 @@ def train_async(cfg: Config, *, resume: bool = False) -> AsyncTrainResult:
 
 
 def train(cfg: Config, *, resume: bool = False) -> TrainResult:
-    """``run.mode`` sync: lock-step on this process; async: ``train_async``."""
+    """``run.mode`` sync: lock-step on this process; async: ``train_async``; first the SFT
+    warm-up stage when ``sft.steps`` asks for one (sft/warmup.py)."""
+    cfg, resume = warm_up(cfg, resume=resume)
     if cfg.run.mode == "async":
         return train_async(cfg, resume=resume)
     return learn(cfg, LocalSource(), resume=resume)

@@ -64,7 +64,8 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a policy model and its tokenizer without touching the network.
 
-    `name` is one of BUILTIN_MODELS or a local Hugging Face model directory. The model is returned
+    `name` is one of BUILTIN_MODELS, a local Hugging Face model directory, or a TurnRL
+    checkpoint directory (``checkpoint_base``). The model is returned
     as loaded (callers choose train/eval mode); its generation_config is never relied on, since
     TurnRL samples on its own.
     """
@@ -74,6 +75,11 @@ def load_model(
         model, tokenizer = tiny_model()
     elif name == SMOLLM2:
         model, tokenizer = _load_dir(_smollm2_dir(cache_dir), torch_dtype)
+    elif (base := checkpoint_base(name)) is not None:
+        model, tokenizer = load_model(base, dtype=dtype, cache_dir=cache_dir)
+        from safetensors.torch import load_model as load_weights
+
+        load_weights(model, str(Path(name).expanduser() / "model.safetensors"))
     else:
         path = Path(name).expanduser()
         if not (path / "config.json").is_file():
@@ -86,6 +92,21 @@ def load_model(
     if model.dtype != torch_dtype:
         model = model.to(torch_dtype)
     return model, tokenizer
+
+
+def checkpoint_base(name: str) -> str | None:
+    """The model a TurnRL checkpoint (``RUN_DIR/checkpoints/step-N``, weights only) was
+    trained from, read from its run's ``config.yaml``; None when ``name`` is not one. Such a
+    checkpoint loads as that model with the checkpoint's weights (an SFT run's, to start RL)."""
+    path = Path(name).expanduser()
+    saved = path.parent.parent / "config.yaml"
+    if (path / "config.json").is_file() or not (path / "model.safetensors").is_file() \
+            or not (path / "state.json").is_file() or not saved.is_file():
+        return None
+    import yaml
+
+    base = ((yaml.safe_load(saved.read_text()) or {}).get("model") or {}).get("name")
+    return str(base) if base else None
 
 
 def model_directory(name: str, cache_dir: str | None = None) -> Path | None:

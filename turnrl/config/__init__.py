@@ -51,6 +51,7 @@ from turnrl.config.load import (
 from turnrl.config.renames import MOVED, translate_stored
 from turnrl.config.root import Config, sections
 from turnrl.config.serve import ServeConfig
+from turnrl.config.sft import SftConfig
 from turnrl.config.types import (
     ConfigError,
     Section,
@@ -81,6 +82,7 @@ __all__ = [
     "RunConfig",
     "Section",
     "ServeConfig",
+    "SftConfig",
     "StalenessConfig",
     "changed_keys",
     "check_across",

@@ -18,6 +18,7 @@ from turnrl.config.core import (
 from turnrl.config.critic import CriticConfig
 from turnrl.config.explore import ExploreConfig
 from turnrl.config.serve import ServeConfig
+from turnrl.config.sft import SftConfig
 from turnrl.config.types import type_hints
 
 
@@ -49,6 +50,8 @@ class Config:
     """the OpenAI-compatible endpoint (turnrl serve, train_agent)"""
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     """exploration and stability options, all off by default"""
+    sft: SftConfig = field(default_factory=SftConfig)
+    """supervised fine-tuning on demonstrations (turnrl sft, a warm-up before RL)"""
 
     def __post_init__(self) -> None:
         check_across(self)

@@ -25,7 +25,7 @@ from turnrl.report.svg import PALETTE, Series, empty_chart, line_chart
 from turnrl.types import read_episodes
 
 CURVES = ("reward/mean", "success/rate", "entropy", "clip_fraction", "kl", "loss/policy",
-          "episode/turns", "grad_norm")
+          "sft/loss", "eval/loss", "episode/turns", "grad_norm")
 """Metrics drawn when logged, in this order; held-out success joins ``success/rate``."""
 SAMPLES_PER_RUN = 6
 

@@ -25,6 +25,8 @@ PREFERRED_METRICS = (
     "reward/mean",
     "success/rate",
     "loss/policy",
+    "sft/loss",
+    "eval/loss",
     "kl",
     "entropy",
     "episode/turns",

@@ -116,13 +116,19 @@ class Run:
     resumed: bool = False
 
 
+def with_out_dir(cfg: Config, resume: bool) -> Config:
+    """``cfg`` with its run directory named: ``run.out_dir``, else runs/<env>-<date>-<time>."""
+    if cfg.run.out_dir:
+        return cfg
+    if resume:
+        raise ConfigError("--resume needs --run.out_dir RUN_DIR, the run to continue")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return replace(cfg, run=replace(cfg.run, out_dir=f"runs/{cfg.env.name}-{stamp}"))
+
+
 def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
     """Create or reopen the run directory; return the config to run and the checkpoint."""
-    if not cfg.run.out_dir:
-        if resume:
-            raise ConfigError("--resume needs --run.out_dir RUN_DIR, the run to continue")
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        cfg = replace(cfg, run=replace(cfg.run, out_dir=f"runs/{cfg.env.name}-{stamp}"))
+    cfg = with_out_dir(cfg, resume)
     run_dir = Path(cfg.run.out_dir)
     checkpoint = latest_checkpoint(run_dir)
     saved = run_dir / "config.yaml"
@@ -298,11 +304,12 @@ def periodic_eval(run: Run, step: int) -> dict[str, float]:
             "eval/success_hi": hi, "eval/reward": result.mean_reward}
 
 
-def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult,
+def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult | None,
              metrics: dict[str, float], timer: StageTimer, logger: MetricsLogger,
              progress: TrainProgress, *, checkpoint_extra: dict | None = None,
              **progress_fields) -> None:
-    """After a step's update, in both modes: samples, periodic eval, log, progress, checkpoint."""
+    """After a step's update, in every mode: samples, periodic eval, log, progress, checkpoint.
+    ``summary`` None (SFT: demonstrations earn no reward) leaves reward and success off the bar."""
     cfg = run.cfg
     if cfg.run.sample_episodes:
         write_episodes(run.run_dir / "episodes" / f"step-{step + 1:06d}.jsonl",
@@ -315,8 +322,10 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult,
                     if k.startswith("warn/") and v)
     # A stability guard's flag (algorithms/exploration.py) shows while it holds.
     progress_fields["WARN"] = warn or None
-    progress.update(step + 1, reward=summary.mean_reward, turns=summary.mean_turns,
-                    success=f"{summary.success_rate:.0%}", **progress_fields)
+    if summary is not None:
+        progress_fields = {"reward": summary.mean_reward, "turns": summary.mean_turns,
+                           "success": f"{summary.success_rate:.0%}", **progress_fields}
+    progress.update(step + 1, **progress_fields)
     last = step + 1 == cfg.run.steps
     if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
         learner = run.learner

@@ -1,0 +1,272 @@
+"""Demonstration files: JSONL rows ``{"messages": [...], "tools": [...]}`` (OpenAI chat format).
+
+Every row is checked before anything trains: a malformed one stops the run with one line
+naming the file, the line and the field (``FILE:LINE: messages[2].tool_calls[0].id: ...``).
+Rows come back normalised: text-part lists joined into strings, a tool message's ``name``
+filled in from the call it answers (templates show it), blank lines skipped.
+
+Two token-level kinds of row are read too, as they were written: an episode recorded by
+``turnrl serve`` (``serve.record_dir``'s ``episodes.jsonl``: ``episode_id``, ``segments``,
+``reward``) and a turn-loop ``Episode`` (a run's ``episodes/*.jsonl``, ``eval_*.jsonl``:
+``token_ids``, ``loss_mask``, ``reward``). Their ids are trained as recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from turnrl.types import Episode, Turn
+
+ROLES = ("system", "user", "assistant", "tool")
+ROW_FORMAT = 'one JSON object a line: {"messages": [{"role": ..., "content": ...}, ...]}'
+
+
+class DataError(ValueError):
+    """A malformed demonstration file; the message is one line: file, line, field, fix."""
+
+
+@dataclass
+class Demonstration:
+    messages: list[dict]
+    tools: list[dict] | None
+    where: str
+    """``FILE:LINE``, for messages about this row."""
+    episodes: list[Episode] | None = None
+    """A token-level row's sequences as recorded (``messages`` is then empty)."""
+    reward: float | None = None
+    """A token-level row's reward (None: none given)."""
+
+
+DATASET_SUFFIXES = (".parquet", ".arrow")
+"""Files read through Hugging Face ``datasets`` (as is a directory ``save_to_disk`` wrote)."""
+
+
+def read_demonstrations(path: str | Path) -> list[Demonstration]:
+    """Every row of ``path``, checked and normalised; raises ``DataError``. A JSONL file, or
+    a local Hugging Face dataset (``DATASET_SUFFIXES`` or a ``save_to_disk`` directory)."""
+    path = Path(path)
+    if path.is_dir() or path.suffix in DATASET_SUFFIXES:
+        return read_dataset(path)
+    if not path.is_file():
+        raise DataError(f"sft.data '{path}' is not a file; pass a JSONL file of conversations "
+                        f"({ROW_FORMAT}) or a local Hugging Face dataset")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                rows.append(parse_row(line, f"{path}:{number}"))
+    if not rows:
+        raise DataError(f"{path}: no conversations (the file is empty); {ROW_FORMAT}")
+    return rows
+
+
+def read_dataset(path: Path) -> list[Demonstration]:
+    """The rows of a local Hugging Face dataset (its "train" split when it has several),
+    checked as JSONL rows are; ``FILE: row N`` (from 1) names a row in errors."""
+    if not path.exists():
+        raise DataError(f"sft.data '{path}' does not exist")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"sft.data '{path}' is a Hugging Face dataset: pip install datasets "
+                        "(or convert it to JSONL)") from None
+    try:
+        if path.is_dir():
+            data = datasets.load_from_disk(str(path))
+        else:
+            data = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
+    except Exception as err:  # noqa: BLE001 - datasets raises many kinds; name the file
+        raise DataError(f"sft.data '{path}': cannot be read as a dataset "
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise DataError(f"sft.data '{path}': no 'train' split (it has "
+                            f"{', '.join(data)}); save the split to train on")
+        data = data["train"]
+    rows = [parse_row(row, f"{path}: row {number}") for number, row in enumerate(data, 1)]
+    if not rows:
+        raise DataError(f"{path}: no conversations (the dataset is empty)")
+    return rows
+
+
+def parse_row(line: str | dict, where: str) -> Demonstration:
+    """One JSONL line (or a dataset's row) as a ``Demonstration``; ``where`` (FILE:LINE)
+    starts every error."""
+    try:
+        row = json.loads(line) if isinstance(line, str) else _drop_nulls(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); "
+                        f"{ROW_FORMAT}") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object, got {_kind(row)}; {ROW_FORMAT}")
+    if "messages" not in row:
+        if "segments" in row and "episode_id" in row:
+            return recording_row(row, where)
+        if "token_ids" in row and "loss_mask" in row:
+            return episode_row(row, where)
+        raise DataError(f"{where}: messages: missing; {ROW_FORMAT} (or a turnrl serve "
+                        "recording, or a run's episode)")
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages: must be a non-empty list of messages, got "
+                        f"{_kind(messages)}")
+    tools = row.get("tools")
+    if tools is not None:
+        check_tools(tools, where)
+    checked, calls = [], {}
+    for i, message in enumerate(messages):
+        checked.append(check_message(message, f"{where}: messages[{i}]", calls))
+    return Demonstration(checked, tools or None, where)
+
+
+def check_message(message, at: str, calls: dict[str, str]) -> dict:
+    """One message, normalised; ``calls`` (id -> function name) collects the tool calls
+    made so far, which a tool message must answer."""
+    if not isinstance(message, dict):
+        raise DataError(f"{at}: must be an object with 'role' and 'content', got {_kind(message)}")
+    role = message.get("role")
+    if role not in ROLES:
+        got = "missing; it is" if role is None else f"{role!r} is not"
+        raise DataError(f"{at}.role: {got} one of {', '.join(ROLES)}")
+    out = dict(message)
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant":
+            raise DataError(f"{at}.tool_calls: only assistant messages make tool calls")
+        check_tool_calls(tool_calls, at, calls)
+    if "weight" in message and (role != "assistant" or message["weight"] not in (0, 1)
+                                or isinstance(message["weight"], bool)):
+        raise DataError(f"{at}.weight: {message['weight']!r}; only assistant messages take "
+                        "a weight, 0 (context only) or 1 (trained)")
+    content = message.get("content")
+    if content is None and role == "assistant" and tool_calls:
+        out["content"] = ""
+    else:
+        out["content"] = text_content(content, f"{at}.content")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise DataError(f"{at}.tool_call_id: missing; a tool message names the id of the "
+                            "call it answers")
+        if call_id not in calls:
+            raise DataError(f"{at}.tool_call_id: {call_id!r} answers no earlier tool call")
+        out.setdefault("name", calls[call_id])
+    return out
+
+
+def text_content(content, at: str) -> str:
+    """A message's content as one string: a string, or OpenAI's list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise DataError(f"{at}: must be a string (or a list of {{\"type\": \"text\", \"text\": ...}} "
+                    f"parts), got {_kind(content)}")
+
+
+def check_tool_calls(tool_calls, at: str, calls: dict[str, str]) -> None:
+    """OpenAI tool calls: ``[{"id", "type": "function", "function": {"name", "arguments"}}]``
+    with ``arguments`` a JSON object (or its JSON text)."""
+    if not isinstance(tool_calls, list):
+        raise DataError(f"{at}.tool_calls: must be a list, got {_kind(tool_calls)}")
+    for j, call in enumerate(tool_calls):
+        here = f"{at}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise DataError(f"{here}: must be an object, got {_kind(call)}")
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            raise DataError(f"{here}.id: missing; every tool call needs the id its tool "
+                            "message answers")
+        if call.get("type", "function") != "function":
+            raise DataError(f"{here}.type: {call['type']!r}; only 'function' calls exist")
+        function = call.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not function["name"]:
+            raise DataError(f"{here}.function.name: missing; a call names its function")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{here}.function.arguments: not valid JSON ({err.msg})") from None
+        if not isinstance(arguments, dict):
+            raise DataError(f"{here}.function.arguments: must be a JSON object, got "
+                            f"{_kind(arguments)}")
+        calls[call["id"]] = function["name"]
+
+
+def recording_row(row: dict, where: str) -> Demonstration:
+    """An episode ``turnrl serve`` recorded: one ``Episode`` per segment (serve/record.py)."""
+    segments = row["segments"]
+    if not isinstance(segments, list) or not segments:
+        raise DataError(f"{where}: segments: must be a non-empty list, got {_kind(segments)}")
+    reward = _reward(row, where)
+    episodes = []
+    for k, segment in enumerate(segments):
+        at = f"{where}: segments[{k}]"
+        if not isinstance(segment, dict):
+            raise DataError(f"{at}: must be an object, got {_kind(segment)}")
+        ids, mask = check_tokens(segment.get("token_ids"), segment.get("loss_mask"), f"{at}.")
+        turns = [Turn(int(a), int(b), "", "", 0.0) for a, b in segment.get("spans") or []]
+        episodes.append(Episode(env="served", seed=0, group=0, token_ids=ids, loss_mask=mask,
+                                logprobs=[0.0] * len(ids), versions=[0] * len(ids),
+                                turns=turns, reward=reward or 0.0, status="done",
+                                info={"episode_id": row["episode_id"], "segment": k}))
+    return Demonstration([], None, where, episodes, reward)
+
+
+def episode_row(row: dict, where: str) -> Demonstration:
+    """A turn-loop ``Episode`` as ``write_episodes`` wrote it (a run's ``episodes/``)."""
+    ids, mask = check_tokens(row["token_ids"], row["loss_mask"], f"{where}: ")
+    reward = _reward(row, where)
+    episode = Episode(env=str(row.get("env", "episode")), seed=0, group=0, token_ids=ids,
+                      loss_mask=mask, logprobs=[0.0] * len(ids), versions=[0] * len(ids),
+                      reward=reward or 0.0, status="done")
+    return Demonstration([], None, where, [episode], reward)
+
+
+def check_tokens(ids, mask, field: str) -> tuple[list[int], list[int]]:
+    """Token ids (non-negative integers) and a loss mask of 0/1 of the same length;
+    ``field`` starts the name of the fields in errors (``FILE:LINE: segments[0].``)."""
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise DataError(f"{field}token_ids: must be a non-empty list of token ids "
+                        "(integers >= 0)")
+    if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+        raise DataError(f"{field}loss_mask: must be a list of 0/1, one per token id "
+                        f"({len(ids)})")
+    return ids, [int(m) for m in mask]
+
+
+def _reward(row: dict, where: str) -> float | None:
+    reward = row.get("reward")
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+        raise DataError(f"{where}: reward: must be a number or null, got {_kind(reward)}")
+    return None if reward is None else float(reward)
+
+
+def check_tools(tools, where: str) -> None:
+    if not isinstance(tools, list):
+        raise DataError(f"{where}: tools: must be a list of tool schemas, got {_kind(tools)}")
+    for k, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(f"{where}: tools[{k}].function.name: missing; a tool is "
+                            '{"type": "function", "function": {"name", "parameters"}}')
+
+
+def _drop_nulls(value):
+    """A dataset's row without the nulls Arrow fills in for fields a row lacks (a user
+    message gets ``tool_calls: None`` when another row has calls); content is kept."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None or k == "content"}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null",
+            bool: "a boolean"}.get(type(value), "a number")

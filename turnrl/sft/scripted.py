@@ -1,0 +1,59 @@
+"""Scripted demonstrations: an env's reference player (envs/reference.py) plays it, and
+each successful episode becomes a conversation as the turn loop would have rendered it (the
+env's system prompt, its observations as user messages, the player's replies).
+
+``--sft.env_demos N`` plays seeds 0..N-1 of ``env.name`` (training seeds; the held-out
+evaluation's start at ``eval.seed_offset``) up to ``rollout.max_turns`` turns each.
+"""
+
+from __future__ import annotations
+
+from turnrl.envs import make_env
+from turnrl.envs.reference import REFERENCE_POLICIES
+from turnrl.rollout.chat import ChatFormat
+from turnrl.rollout.loop import run_sync
+from turnrl.sft.data import DataError, Demonstration
+
+
+def env_demonstrations(env_name: str, options: dict, count: int, chat: ChatFormat,
+                       max_turns: int) -> tuple[list[Demonstration], list[str]]:
+    """(demonstrations of the successful episodes, a line per failed one)."""
+    if count == 0:
+        return [], []
+    if env_name not in REFERENCE_POLICIES:
+        raise DataError(f"sft.env_demos: env '{env_name}' offers no scripted demonstrations; "
+                        f"envs that do: {', '.join(REFERENCE_POLICIES)}")
+    demos, failed = [], []
+    for seed in range(count):
+        env = make_env(env_name, **options)
+        messages, tools, success = run_sync(scripted_conversation(
+            env, REFERENCE_POLICIES[env_name](), seed, chat, max_turns))
+        where = f"{env_name} seed {seed}"
+        if success:
+            demos.append(Demonstration(messages, tools, where))
+        else:
+            failed.append(f"{where}: left out: the scripted player did not succeed in "
+                          f"{max_turns} turns")
+    return demos, failed
+
+
+async def scripted_conversation(env, player, seed: int, chat: ChatFormat, max_turns: int
+                                ) -> tuple[list[dict], list[dict] | None, bool]:
+    """(messages, tool schemas, success) of one episode of ``player`` on ``env``: the
+    messages the turn loop's ``ChatFormat`` builds (an env's reply as the next user message),
+    the last observation left out (an episode ends with the policy's reply)."""
+    observation = await env.reset(seed)
+    system_prompt, tools = chat.env_prompt(env)
+    system_prompt = system_prompt or chat.system_prompt
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": observation})
+    player.reset(observation)
+    for turn in range(max_turns):
+        action = player.act(observation)
+        messages.append({"role": "assistant", "content": action})
+        result = await env.step(action)
+        if result.done or turn + 1 == max_turns:
+            return messages, tools, bool(result.done and (result.info or {}).get("success"))
+        observation = result.observation
+        messages.append({"role": "user", "content": observation})
+    return messages, tools, False

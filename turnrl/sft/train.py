@@ -1,0 +1,263 @@
+"""``turnrl sft``: supervised fine-tuning on demonstrations, on the RL run's machinery.
+
+    read + check the file -> start_run -> tokenise as the turn loop -> split ->
+    for each step: a seeded batch of conversations -> mean NLL of the assistant's tokens ->
+    AdamW step -> held-out loss when due -> end_step (metrics, progress bar, checkpoint)
+
+The run directory, config checks, seeding, checkpoints and ``--resume`` are
+``trainer/run.py``'s (``start_run``, ``end_step``), so a checkpoint of an SFT run is laid out
+as an RL run's and a killed SFT run resumes bit for bit: each step's conversations are a
+pure function of (``run.seed``, step) and the update draws no random numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from turnrl.algorithms.losses import token_logprobs
+from turnrl.config import Config
+from turnrl.evaluation import EvalResult
+from turnrl.metrics import print_table
+from turnrl.rollout.chat import ChatFormat
+from turnrl.sft.conversation import DemoError, conversation_episode
+from turnrl.sft.data import DataError, Demonstration, read_demonstrations
+from turnrl.sft.scripted import env_demonstrations
+from turnrl.trainer.run import (
+    StageTimer,
+    end_step,
+    evaluate_env,
+    finish_run,
+    start_run,
+    step_logging,
+)
+from turnrl.trainer.step import micro_batches
+from turnrl.types import Batch, Episode
+
+
+@dataclass
+class SftResult:
+    run_dir: Path
+    steps: int
+    train_conversations: int
+    held_out_conversations: int
+    skipped: int
+    loss_before: float | None
+    """Held-out mean NLL per assistant token before training (None: nothing held out)."""
+    loss_after: float | None
+    before: EvalResult | None = None
+    """Env evaluations (``sft.eval_env``)."""
+    after: EvalResult | None = None
+
+
+def assistant_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed negative log-likelihood, count) of the assistant's tokens.
+
+    logits [B, T, V] (position t predicts token t + 1), input_ids [B, T] long, loss_mask
+    [B, T] (1 where the assistant wrote token t, padding 0). Token t is scored from
+    logits[:, t - 1], so column 0 is never scored. Returns two scalars; the mean NLL is
+    sum / count, and a step's sums over micro-batches divided by the step's count is the
+    step's mean (every token weighs the same, whatever its conversation's length).
+    """
+    mask = loss_mask[:, 1:].to(torch.float32)
+    logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    return -(logprobs * mask).sum(), mask.sum()
+
+
+def tokenise(chat: ChatFormat, demos: list[Demonstration], *, skip_unfit: bool,
+             max_tokens: int | None, min_reward: float = 0.0
+             ) -> tuple[list[Episode], list[str]]:
+    """Each demonstration as the turn loop's episode: (episodes, a line per skipped one).
+    A conversation the template cannot render exactly, a recorded sequence the model's
+    vocabulary cannot hold, or one longer than the model's context is skipped
+    (``skip_unfit``; the line names its file, line and why) or stops the run; a token-level
+    row whose reward is below ``min_reward`` is left out (its line says so)."""
+    episodes, skipped = [], []
+    for index, demo in enumerate(demos):
+        if demo.reward is not None and demo.reward < min_reward:
+            skipped.append(f"{demo.where}: left out: reward {demo.reward:g} is below "
+                           f"sft.min_reward {min_reward:g}")
+            continue
+        try:
+            made = demo.episodes if demo.episodes is not None else [
+                conversation_episode(chat, demo.messages, demo.tools, seed=index)]
+            for episode in made:
+                check_fits(episode, len(chat.tokenizer), max_tokens)
+        except DemoError as err:
+            if not skip_unfit:
+                raise DataError(f"{demo.where}: {err} (sft.skip_unfit true skips such "
+                                "rows)") from None
+            skipped.append(f"{demo.where}: skipped: {err}")
+            continue
+        for episode in made:
+            episode.info["source"] = demo.where
+            episode.seed = episode.group = index
+        episodes += made
+    return episodes, skipped
+
+
+def check_fits(episode: Episode, vocabulary: int, max_tokens: int | None) -> None:
+    """Refuse a sequence the model cannot train on: no trained token, an id outside its
+    vocabulary (a recording made with another model), longer than its context."""
+    if not any(episode.loss_mask):
+        raise DemoError("no assistant (policy) token: nothing to train on")
+    if max(episode.token_ids) >= vocabulary:
+        raise DemoError(f"token id {max(episode.token_ids)} is outside the model's vocabulary "
+                        f"of {vocabulary} (recorded with another model?)")
+    if max_tokens and len(episode.token_ids) > max_tokens:
+        raise DemoError(f"{len(episode.token_ids)} tokens, longer than the model's context of "
+                        f"{max_tokens}")
+
+
+def split(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices) of ``count`` conversations, seeded; at least one is
+    held out when ``fraction`` > 0 and there are two or more, and one always trains."""
+    order = np.random.default_rng([seed, 1]).permutation(count).tolist()
+    held = min(count - 1, math.ceil(count * fraction)) if fraction > 0 else 0
+    return sorted(order[held:]), sorted(order[:held])
+
+
+def step_indices(count: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """The conversations of ``step``: positions step * batch_size ... of an endless stream of
+    epochs, each a fresh seeded permutation of range(count); a pure function of its
+    arguments, so a resumed run trains on exactly what the uninterrupted one did."""
+    picked = []
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, at = divmod(position, count)
+        picked.append(int(np.random.default_rng([seed, 2, epoch]).permutation(count)[at]))
+    return picked
+
+
+def sft_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               episodes: list[Episode], *, pad_id: int, micro_batch_size: int,
+               token_budget: int, max_grad_norm: float) -> dict[str, float]:
+    """One AdamW step on the mean NLL of the assistant tokens of ``episodes``."""
+    batch = Batch.from_episodes(episodes, torch.zeros(len(episodes)), pad_id)
+    count = batch.loss_mask[:, 1:].sum().clamp(min=1)
+    device = next(model.parameters()).device
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for part in micro_batches(batch, micro_batch_size, token_budget):
+        part = part.to(device)
+        logits = model(input_ids=part.input_ids, attention_mask=part.attention_mask).logits
+        nll, _ = assistant_nll(logits, part.input_ids, part.loss_mask)
+        (nll / count.to(device)).backward()
+        total += float(nll.detach())
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                max_grad_norm or float("inf")))
+    metrics = {"sft/loss": total / float(count), "sft/tokens": float(count),
+               "grad_norm": norm, "update/skipped": 0.0}
+    if math.isfinite(norm):
+        optimizer.step()
+    else:  # a NaN/inf loss or gradient: never step on it
+        optimizer.zero_grad(set_to_none=True)
+        metrics["update/skipped"] = 1.0
+        warnings.warn(f"optimiser step skipped: the gradient norm is {norm}", stacklevel=2)
+    model.eval()
+    return metrics
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, episodes: list[Episode], *, pad_id: int,
+                  micro_batch_size: int, token_budget: int) -> float | None:
+    """Mean NLL per assistant token over ``episodes`` (None when there are none)."""
+    if not episodes:
+        return None
+    batch = Batch.from_episodes(episodes, torch.zeros(len(episodes)), pad_id)
+    device = next(model.parameters()).device
+    model.eval()
+    total, count = 0.0, 0.0
+    for part in micro_batches(batch, micro_batch_size, token_budget):
+        part = part.to(device)
+        logits = model(input_ids=part.input_ids, attention_mask=part.attention_mask).logits
+        nll, tokens = assistant_nll(logits, part.input_ids, part.loss_mask)
+        total, count = total + float(nll), count + float(tokens)
+    return total / max(count, 1.0)
+
+
+def without_env_eval(cfg: Config) -> Config:
+    """SFT plays no env episodes unless ``sft.eval_env``: the held-out loss measures it."""
+    if cfg.sft.eval_env:
+        return cfg
+    return replace(cfg, eval=replace(cfg.eval, episodes=0, every=0))
+
+
+def sft(cfg: Config, *, resume: bool = False) -> SftResult:
+    """Fine-tune ``cfg``'s model on ``sft.data`` for ``run.steps`` steps (see the module
+    docstring); ``resume`` continues the run in ``run.out_dir`` from its last checkpoint."""
+    if not cfg.sft.data and not cfg.sft.env_demos:
+        raise DataError("turnrl sft needs --sft.data FILE.jsonl (a conversation a line in the "
+                        "OpenAI chat format) or --sft.env_demos N (an env's scripted player)")
+    # a malformed file stops before anything starts
+    demos = read_demonstrations(cfg.sft.data) if cfg.sft.data else []
+    run = start_run(without_env_eval(cfg), resume)
+    cfg, model, learner = run.cfg, run.learner.model, run.learner
+    scripted, failed = env_demonstrations(cfg.env.name, cfg.env.options, cfg.sft.env_demos,
+                                          run.policy.chat, cfg.rollout.max_turns)
+    demos += scripted
+    episodes, skipped = tokenise(run.policy.chat, demos, skip_unfit=cfg.sft.skip_unfit,
+                                 max_tokens=run.policy.max_context,
+                                 min_reward=cfg.sft.min_reward)
+    skipped = failed + skipped
+    for line in skipped:
+        print(f"sft: {line}", file=sys.stderr)
+    if not episodes:
+        raise DataError(f"{cfg.sft.data or cfg.env.name}: nothing to train on: all "
+                        f"{len(demos) + len(failed)} rows were skipped or left out (the lines "
+                        "above say why); no step was taken")
+    train_ids, held_ids = split(len(episodes), cfg.sft.eval_fraction, cfg.run.seed)
+    train_set, held_out = [episodes[i] for i in train_ids], [episodes[i] for i in held_ids]
+    sizes = {"pad_id": learner.pad_id, "micro_batch_size": cfg.optim.micro_batch_size,
+             "token_budget": learner.settings.token_budget}
+    before = run.checkpoint_state.get("sft_loss_before") if run.start_step else None
+    if before is None:
+        before = held_out_loss(model, held_out, **sizes)
+    print(f"sft: {len(train_set)} sequences to train on, {len(held_out)} held out, "
+          f"{len(skipped)} skipped" + (f"; held-out loss {before:.4f}" if before is not None else ""))
+    env_before = evaluate_env(run, "before")
+    loss = before
+    label = Path(cfg.sft.data).name if cfg.sft.data else f"{cfg.env.name} scripted"
+    with step_logging(run, f"sft {label}") as (logger, progress):
+        for step in range(run.start_step, cfg.run.steps):
+            timer = StageTimer()
+            batch = [train_set[i] for i in step_indices(len(train_set), cfg.sft.batch_size,
+                                                         step, cfg.run.seed)]
+            with timer("update"):
+                metrics = sft_update(model, learner.optimizer, batch,
+                                     max_grad_norm=cfg.optim.max_grad_norm, **sizes)
+            run.policy.engine.version = step + 1
+            metrics["sft/epoch"] = (step + 1) * cfg.sft.batch_size / len(train_set)
+            if held_out and eval_due(cfg, step):
+                with timer("eval"):
+                    loss = metrics["eval/loss"] = held_out_loss(model, held_out, **sizes)
+            end_step(run, step, batch, None, metrics, timer, logger, progress,
+                     checkpoint_extra={"sft_loss_before": before}, loss=metrics["sft/loss"],
+                     held_out=loss)
+    if held_out and run.start_step >= cfg.run.steps:  # resumed a finished run: nothing ran
+        loss = held_out_loss(model, held_out, **sizes)
+    env_after = evaluate_env(run, "after")
+    if env_before and env_after:
+        finish_run(run, env_before, env_after, f"{cfg.env.name}: {cfg.eval.episodes} "
+                   "held-out episodes")
+    if held_out:
+        print_table("held-out demonstrations: mean NLL per assistant token",
+                    ["", "loss"], [["before", f"{before:.4f}"],
+                                   [f"after {cfg.run.steps} steps", f"{loss:.4f}"]])
+    return SftResult(run.run_dir, cfg.run.steps, len(train_set), len(held_out), len(skipped),
+                     before, loss if held_out else None, env_before, env_after)
+
+
+def eval_due(cfg: Config, step: int) -> bool:
+    """Held-out loss after ``step``: every ``sft.eval_every`` steps, else at each checkpoint;
+    always after the last."""
+    done = step + 1
+    every = cfg.sft.eval_every or cfg.run.checkpoint_every
+    return done == cfg.run.steps or bool(every and done % every == 0)
