@@ -79,7 +79,7 @@ def test_the_anchor_rule_matches_githubs():
 def test_the_readme_stays_a_guide():
     """History belongs in docs/benchmarks.md: dates and commit hashes only in the headline table."""
     lines = README.read_text().splitlines()
-    assert len(lines) <= 470, f"README has {len(lines)} lines; move detail to docs/"
+    assert len(lines) <= 490, f"README has {len(lines)} lines; move detail to docs/"
     prose = [line for line in lines if not line.startswith("|")]
     dated = [line for line in prose if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
     hashed = [line for line in prose if COMMIT.search(line)]
