@@ -38,7 +38,7 @@ def test_declared_attributes_are_read_and_only_a_true_cooperative_counts():
     env = Declaring()
     assert system_prompt(env) == "Be brief." and prompt_and_tools(env, None) == ("Be brief.", None)
     assert is_cooperative(env) and start_state(env, "obs") == "s0"
-    assert step_state({"state_key": 3}, "next") == "3"
+    assert step_state({"state_key": 3}, "next") == 3
     env.cooperative = "yes"  # truthy is not a promise
     assert not is_cooperative(env)
 

@@ -47,10 +47,9 @@ INFO_KEYS = {"success": "bool: the episode solved the task (evaluation counts it
              "state_key": "str: names the state the step led to (GiGPO anchors)"}
 
 
-def system_prompt(env: Any) -> str | None:
-    """The env's system message (None: none)."""
-    prompt = getattr(env, "system_prompt", None)
-    return None if prompt is None else str(prompt)
+def system_prompt(env: Any) -> Any:
+    """The env's system message (None: none); the turn loop refuses one that is not text."""
+    return getattr(env, "system_prompt", None)
 
 
 def has_tools(env: Any) -> bool:
@@ -67,14 +66,15 @@ def prompt_and_tools(env: Any, native_format: str | None
     return system_prompt(env), None
 
 
-def start_state(env: Any, observation: str) -> str:
-    """The state a reset env is in: its ``state_key`` when it has one, else the observation."""
-    return str(getattr(env, "state_key", observation))
+def start_state(env: Any, observation: str) -> Any:
+    """The state a reset env is in: its ``state_key`` when it has one, else the observation
+    (the turn loop bounds it as text)."""
+    return getattr(env, "state_key", observation)
 
 
-def step_state(info: dict, observation: str) -> str:
+def step_state(info: dict, observation: str) -> Any:
     """The state a step led to: ``info["state_key"]`` when given, else the observation."""
-    return str(info.get("state_key", observation))
+    return info.get("state_key", observation)
 
 
 def is_cooperative(env: Any) -> bool:

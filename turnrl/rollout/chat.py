@@ -22,6 +22,7 @@ import threading
 
 from transformers import PreTrainedTokenizerBase
 
+from turnrl.envs.contract import prompt_and_tools
 from turnrl.tools.native import native_tool_format
 
 
@@ -89,9 +90,7 @@ class ChatFormat:
         """(system prompt, tool schemas for the template) of a freshly reset env. An env with
         ``tools`` and ``tool_prompt(native_format)`` (``ToolEnv``) is told the model's own
         call format; with a template without tools it teaches the fallback itself."""
-        if getattr(env, "tools", None) and hasattr(env, "tool_prompt"):
-            return env.tool_prompt(self.native_tools)
-        return getattr(env, "system_prompt", None), None
+        return prompt_and_tools(env, self.native_tools)  # the env contract: envs/contract.py
 
     def continue_after(self, messages: list[dict], rendered: str, action: str, stopped: bool,
                        observation: str, tool_results: list[dict] | None = None,

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs.base import StepResult
+from turnrl.envs.contract import is_cooperative, start_state, step_state
 from turnrl.safe_json import json_safe, safe_repr, safe_text
 from turnrl.types import Episode, Turn
 
@@ -58,7 +59,7 @@ class EnvError(Exception):
 def cooperative(env: Any) -> bool:
     """Whether ``env`` declares (class attribute ``cooperative = True``) that its reset and
     step never block their event loop: they await all waiting and do little work between."""
-    return getattr(env, "cooperative", False) is True
+    return is_cooperative(env)
 
 
 class SharedLoop:
@@ -329,7 +330,7 @@ def env_prompt(chat: Any, env: Any, first: str, name: str
     it has one, names the start state, so a later return to it matches."""
     try:
         system_prompt, tools = chat.env_prompt(env)
-        state = state_text(getattr(env, "state_key", first))
+        state = state_text(start_state(env, first))
     except Exception as err:  # noqa: BLE001 - user code: its failure fails the episode
         raise EnvError(f"env '{name}' system_prompt, tool_prompt or state_key raised "
                        f"{type(err).__name__}: {safe_text(err)}") from None
@@ -374,7 +375,7 @@ def end_turn(episode: Episode, outcome: StepResult | BaseException, start: int, 
     if len(episode.turns) >= max_turns:
         episode.end("truncated", "turn_limit", f"turn limit ({max_turns} turns)")
         return None
-    return state_text((outcome.info or {}).get("state_key", outcome.observation))
+    return state_text(step_state(outcome.info or {}, outcome.observation))
 
 
 def record_turn(episode: Episode, result: StepResult, start: int, end: int, text: str,
