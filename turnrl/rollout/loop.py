@@ -161,7 +161,7 @@ class TurnLoop:
         leftovers.ENVS_PLAYED.add(env_name)  # named if it leaves threads or processes behind
         self.max_turns = max_turns
         self.max_context = max_context
-        self.bound = InputBound(chat, max_context, params.max_new_tokens)  # input_bounds
+        self.bound = InputBound(chat, max_context, getattr(params, "max_new_tokens", 0))
         self.env_timeout_s = env_timeout_s
         self.before_generate = before_generate
         self.partial_rollouts = partial_rollouts
