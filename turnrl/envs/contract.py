@@ -24,27 +24,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-
-
-@dataclass(frozen=True)
-class OptionalAttribute:
-    name: str
-    default: str
-    meaning: str
-
-
-OPTIONAL = (
-    OptionalAttribute("system_prompt", "None", "the system message of every episode"),
-    OptionalAttribute("tools", "none", "typed tools the model may call (with tool_prompt; ToolEnv)"),
-    OptionalAttribute("state_key", "the observation", "names the state after reset (GiGPO anchors)"),
-    OptionalAttribute("cooperative", "False", "reset/step never block: envs share one thread"),
-)
-"""The optional attributes, for ``turnrl envs NAME`` and the docs."""
-
-INFO_KEYS = {"success": "bool: the episode solved the task (evaluation counts it)",
-             "state_key": "str: names the state the step led to (GiGPO anchors)"}
 
 
 def system_prompt(env: Any) -> Any:
