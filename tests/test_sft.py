@@ -18,7 +18,7 @@ import torch
 from test_rollout import ScriptedEngine
 from test_tool_loop import NATIVE, _env, _hermes
 
-from turnrl.envs import make_env
+from turnrl.envs import StepResult, make_env, register_env
 from turnrl.envs.tool_env import calculator
 from turnrl.models import tiny_model, tiny_tokenizer
 from turnrl.rollout import ChatFormat, Completion, SamplingParams, run_episodes, run_sync
@@ -607,10 +607,46 @@ def test_env_demos_train_alone_and_an_env_without_a_player_is_refused(tmp_path):
                                            "--run.out_dir", str(tmp_path / "a")]))
     assert result.train_conversations + result.held_out_conversations == 4
     assert result.loss_after < result.loss_before
-    with pytest.raises(DataError, match="env 'say-digit' offers no scripted demonstrations; "
-                                        "envs that do: guess-number"):
+    with pytest.raises(DataError, match=r"env 'say-digit' offers no scripted demonstrations "
+                                        r"\(no reference_player\(\); built-in ones: guess-number"):
         sft(load_config(None, base + ["--env.name", "say-digit",
                                       "--run.out_dir", str(tmp_path / "b")]))
+
+
+@register_env("secret-word")
+class SecretWord:
+    """A task only an oracle solves: say the seed's hidden word (its reference player reads
+    it from the env, the way an adapter's player reads a dataset's answer)."""
+
+    async def reset(self, seed: int) -> str:
+        self.word = ["apple", "river", "stone", "cloud"][seed % 4]
+        return "Say the secret word."
+
+    async def step(self, action: str) -> StepResult:
+        ok = action.strip() == self.word
+        return StepResult("", float(ok), True, {"success": ok})
+
+    def reference_player(self):
+        env = self
+
+        class Oracle:
+            def reset(self, first_observation: str) -> None:
+                pass
+
+            def act(self, observation: str) -> str:
+                return env.word
+
+        return Oracle()
+
+
+def test_an_env_s_own_reference_player_writes_its_demonstrations():
+    from turnrl.sft.scripted import env_demonstrations
+
+    chat = ChatFormat(tiny_tokenizer())
+    demos, failed = env_demonstrations("secret-word", {}, 6, chat, max_turns=1)
+    assert failed == [] and len(demos) == 6
+    assert [d.messages[-1]["content"] for d in demos[:5]] == [
+        "apple", "river", "stone", "cloud", "apple"]
 
 
 # ---- local Hugging Face datasets ------------------------------------------------------------

@@ -16,6 +16,11 @@ attribute           default         what it does
                                     so such envs may share one thread (rollout/env_calls.py)
 ==================  ==============  ===========================================================
 
+``reference_player()`` (default: the built-in player for the env's name, else none) returns a
+scripted player (``reset``/``act``, envs/reference.py) for this env; it is called after
+``reset`` and may read the env's hidden state (an oracle). Scripted demonstrations
+(``sft.env_demos``) and guidance read it through ``envs.reference.reference_player``.
+
 ``StepResult.info`` keys the framework reads (any others are kept with the episode, made
 JSON-safe): ``success`` (bool, a solved episode for evaluation) and ``state_key`` (above).
 """

@@ -119,6 +119,17 @@ REFERENCE_POLICIES: dict[str, type] = {
 """Environment name -> scripted policy class (built without arguments)."""
 
 
+def reference_player(env: Env, env_name: str) -> Policy | None:
+    """The scripted player for ``env``: its own ``reference_player()`` when it has one (an
+    adapter's oracle may read the env's hidden answer), else the built-in one for
+    ``env_name``, else None. Call it after ``env.reset``; the player's ``reset`` comes next."""
+    own = getattr(env, "reference_player", None)
+    if callable(own):
+        return own()
+    cls = REFERENCE_POLICIES.get(env_name)
+    return cls() if cls is not None else None
+
+
 async def play(env: Env, policy: Policy, seed: int,
                transcript: list[tuple[str, str]] | None = None) -> tuple[float, bool, int]:
     """One episode; returns (total reward, success, turns) and appends each

@@ -9,7 +9,7 @@ evaluation's start at ``eval.seed_offset``) up to ``rollout.max_turns`` turns ea
 from __future__ import annotations
 
 from turnrl.envs import make_env
-from turnrl.envs.reference import REFERENCE_POLICIES
+from turnrl.envs.reference import REFERENCE_POLICIES, reference_player
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import run_sync
 from turnrl.sft.data import DataError, Demonstration
@@ -20,14 +20,11 @@ def env_demonstrations(env_name: str, options: dict, count: int, chat: ChatForma
     """(demonstrations of the successful episodes, a line per failed one)."""
     if count == 0:
         return [], []
-    if env_name not in REFERENCE_POLICIES:
-        raise DataError(f"sft.env_demos: env '{env_name}' offers no scripted demonstrations; "
-                        f"envs that do: {', '.join(REFERENCE_POLICIES)}")
     demos, failed = [], []
     for seed in range(count):
         env = make_env(env_name, **options)
         messages, tools, success = run_sync(scripted_conversation(
-            env, REFERENCE_POLICIES[env_name](), seed, chat, max_turns))
+            env, env_name, seed, chat, max_turns))
         where = f"{env_name} seed {seed}"
         if success:
             demos.append(Demonstration(messages, tools, where))
@@ -37,12 +34,17 @@ def env_demonstrations(env_name: str, options: dict, count: int, chat: ChatForma
     return demos, failed
 
 
-async def scripted_conversation(env, player, seed: int, chat: ChatFormat, max_turns: int
-                                ) -> tuple[list[dict], list[dict] | None, bool]:
-    """(messages, tool schemas, success) of one episode of ``player`` on ``env``: the
-    messages the turn loop's ``ChatFormat`` builds (an env's reply as the next user message),
-    the last observation left out (an episode ends with the policy's reply)."""
+async def scripted_conversation(env, env_name: str, seed: int, chat: ChatFormat,
+                                max_turns: int) -> tuple[list[dict], list[dict] | None, bool]:
+    """(messages, tool schemas, success) of one episode of ``env``'s reference player
+    (envs/reference.py): the messages the turn loop's ``ChatFormat`` builds (an env's reply as
+    the next user message), the last observation left out (an episode ends with the policy's
+    reply)."""
     observation = await env.reset(seed)
+    player = reference_player(env, env_name)
+    if player is None:
+        raise DataError(f"sft.env_demos: env '{env_name}' offers no scripted demonstrations "
+                        f"(no reference_player(); built-in ones: {', '.join(REFERENCE_POLICIES)})")
     system_prompt, tools = chat.env_prompt(env)
     system_prompt = system_prompt or chat.system_prompt
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
