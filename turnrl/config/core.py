@@ -107,6 +107,21 @@ class AlgoConfig(Section):
     around the proximal (pre-update) policy; always on in async mode"""
     is_cap: float = 5.0
     """truncate behaviour importance weights at this value (0 = no truncation)"""
+    mismatch_correction: Literal["off", "tis", "mis", "icepop"] = "off"
+    """correct the sampler/learner log-prob mismatch (always measured, mismatch/*): the trust
+    region moves to the learner's pre-update log-probs and each token is weighted by
+    w = pi_learner / pi_sampler, tis = min(w, mismatch_high), mis = w inside [mismatch_low,
+    mismatch_high] else 0, icepop = mis per token; off = ratio against the sampler's log-probs
+    (decoupled mode: is_cap). algorithms/mismatch.py, docs/mismatch.md"""
+    mismatch_level: Literal["token", "sequence"] = "token"
+    """weight per token, or one weight per episode (the geometric mean of its tokens')"""
+    mismatch_low: float = 0.5
+    """mis/icepop: weights below this are masked"""
+    mismatch_high: float = 2.0
+    """tis: the truncation cap; mis/icepop: weights above this are masked"""
+    mismatch_warn_kl: float = 0.05
+    """warn on the progress line (WARN=mismatch) when the measured KL(sampler || learner) per
+    token exceeds this (0 = never)"""
 
     def _check(self) -> None:
         try:
@@ -114,7 +129,9 @@ class AlgoConfig(Section):
         except UnknownName as err:
             raise ConfigError(f"algo.advantage: {err}") from None
         self._at_least(0, "clip_low", "clip_high", "loss_agg_constant", "kl_coef", "entropy_coef",
-                       "is_cap")
+                       "is_cap", "mismatch_warn_kl")
+        self._require("mismatch_low", 0 <= self.mismatch_low < 1, "in [0, 1)")
+        self._require("mismatch_high", self.mismatch_high > 1, "> 1")
         self._at_least(1, "epochs")
         self._require("clip_low", self.clip_low < 1, "< 1 (the ratio's floor 1 - clip_low must "
                       "stay above 0)")

@@ -18,6 +18,7 @@ from turnrl.algorithms.losses import (
     kl_penalty,
     token_logprobs,
 )
+from turnrl.algorithms.mismatch import correction_weights, mismatch_sums
 from turnrl.algorithms.offpolicy import behaviour_weights, decoupled_policy_loss
 from turnrl.config import AlgoConfig, OptimConfig
 from turnrl.models import cache_kwargs
@@ -189,31 +190,61 @@ def _shared_prefix_hidden(model: nn.Module, mb: Batch, split: PrefixSplit) -> to
     return hidden[scores_next]
 
 
+def _policy_loss(logprobs: torch.Tensor, mb: Batch, advantages: torch.Tensor,
+                 s: UpdateSettings, measure: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Per-token clipped policy loss, the clipped-token mask and stats. The trust region is
+    around the sampler's log-probs (plain PPO), or, in decoupled mode or with a mismatch
+    correction, around the learner's own pre-update log-probs with importance weights against
+    the sampler's (algorithms/offpolicy.py, algorithms/mismatch.py)."""
+    mask = mb.loss_mask[:, 1:]
+    sampler = mb.old_logprobs[:, 1:]
+    a = s.algo
+    stats: dict[str, float] = {}
+    if not a.decoupled and a.mismatch_correction == "off":
+        per_token, clipped = clipped_policy_loss(logprobs, sampler, advantages, a.clip_low,
+                                                 a.clip_high, a.dual_clip)
+        learner = logprobs.detach()
+    else:
+        # No proximal log-probs given (one epoch): this forward pass, before the optimiser
+        # step, is the proximal policy; detached, it is what a separate pass would compute
+        # (for models without active dropout, as here: the separate pass runs in eval mode).
+        learner = logprobs.detach() if mb.prox_logprobs is None else mb.prox_logprobs[:, 1:]
+        # ESS is measured on the raw weights: the cap would hide the mismatch.
+        raw = behaviour_weights(learner, sampler)
+        if a.mismatch_correction == "off":
+            per_token, clipped, _ = decoupled_policy_loss(
+                logprobs, learner, sampler, advantages, a.clip_low, a.clip_high, a.is_cap,
+                dual_clip=a.dual_clip)
+            changed = raw > a.is_cap if a.is_cap else torch.zeros_like(mask, dtype=torch.bool)
+        else:
+            weights, changed = correction_weights(learner, sampler, mask, a.mismatch_correction,
+                                                  a.mismatch_level, a.mismatch_low,
+                                                  a.mismatch_high)
+            per_token, clipped = clipped_policy_loss(logprobs, learner, advantages, a.clip_low,
+                                                     a.clip_high, a.dual_clip)
+            per_token = weights * per_token
+        stats["mismatch_changed"] = float((changed & mask.bool()).sum())
+        stats["weight_sum"] = float((raw * mask).sum())
+        stats["weight_sq_sum"] = float((raw * raw * mask).sum())
+    if measure:
+        sums = mismatch_sums(learner, sampler, mask)
+        stats.update({"mismatch_abs": sums["abs_sum"], "mismatch_max": sums["abs_max"],
+                      "mismatch_kl": sums["kl_sum"]})
+    return per_token, clipped, stats
+
+
 def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
-                      s: UpdateSettings, totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
-    """Loss of one micro-batch, already scaled so micro-batch losses sum to the batch loss."""
+                      s: UpdateSettings, totals: dict[str, float], *, measure: bool = False
+                      ) -> tuple[torch.Tensor, dict]:
+    """Loss of one micro-batch, already scaled so micro-batch losses sum to the batch loss.
+    ``measure``: the weights are still the pre-update ones (first epoch): add the
+    sampler/learner mismatch sums to the stats."""
     mask = mb.loss_mask[:, 1:]
     logprobs, entropy = score_policy_tokens(model, mb, s.temperature, entropy=True,
                                             entropy_grad=s.algo.entropy_coef > 0,
                                             shared_prefix=s.optim.shared_prefix)
     advantages = mb.advantages[:, None] if mb.advantages.dim() == 1 else mb.advantages[:, 1:]
-    stats = {}
-    if not s.algo.decoupled:
-        per_token, clipped = clipped_policy_loss(logprobs, mb.old_logprobs[:, 1:], advantages,
-                                                 s.algo.clip_low, s.algo.clip_high,
-                                                 s.algo.dual_clip)
-    else:
-        # No proximal log-probs given (one epoch): this forward pass, before the optimiser
-        # step, is the proximal policy; detached, it is what a separate pass would compute
-        # (for models without active dropout, as here: the separate pass runs in eval mode).
-        prox = logprobs.detach() if mb.prox_logprobs is None else mb.prox_logprobs[:, 1:]
-        per_token, clipped, _ = decoupled_policy_loss(
-            logprobs, prox, mb.old_logprobs[:, 1:], advantages,
-            s.algo.clip_low, s.algo.clip_high, s.algo.is_cap, dual_clip=s.algo.dual_clip)
-        # ESS is measured on the raw weights: the cap would hide the mismatch.
-        raw = behaviour_weights(prox, mb.old_logprobs[:, 1:])
-        stats["weight_sum"] = float((raw * mask).sum())
-        stats["weight_sq_sum"] = float((raw * raw * mask).sum())
+    per_token, clipped, stats = _policy_loss(logprobs, mb, advantages, s, measure)
     if s.top_entropy_fraction < 1:  # Wang et al. 2025: the normaliser keeps every token
         keep = high_entropy_mask(entropy.detach(), mask, s.top_entropy_fraction,
                                  totals.get("entropy_threshold"))
@@ -250,7 +281,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         warnings.warn(f"update skipped: {bad} advantage values are not finite (a reward or a "
                       "critic produced NaN/inf); the weights are unchanged", stacklevel=2)
         return {"update/skipped": float(settings.algo.epochs)}
-    if settings.algo.decoupled and batch.prox_logprobs is None and settings.algo.epochs > 1:
+    if uses_proximal(settings.algo) and batch.prox_logprobs is None and settings.algo.epochs > 1:
         # Later epochs need the weights from before the first step; with one epoch the
         # update's own forward pass gives them and the extra scoring pass is skipped.
         batch = with_proximal_logprobs(model, batch, settings)
@@ -263,17 +294,20 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         totals["entropy_threshold"] = batch_entropy_threshold(model, batch, settings)
         model.train()
     sums: dict[str, float] = {"loss": 0.0, "clipped": 0.0, "entropy": 0.0, "kl": 0.0,
-                              "weight_sum": 0.0, "weight_sq_sum": 0.0, "kept": 0.0}
+                              "weight_sum": 0.0, "weight_sq_sum": 0.0, "kept": 0.0,
+                              "mismatch_abs": 0.0, "mismatch_max": 0.0, "mismatch_kl": 0.0,
+                              "mismatch_changed": 0.0}
     grad_norms, skipped = [], 0
-    for _ in range(settings.algo.epochs):
+    for epoch in range(settings.algo.epochs):
         optimizer.zero_grad(set_to_none=True)
         for mb in micro_batches(batch, settings.optim.micro_batch_size, settings.token_budget):
             mb = mb.to(next(model.parameters()).device)
-            loss, stats = _micro_batch_loss(model, ref_model, mb, settings, totals)
+            loss, stats = _micro_batch_loss(model, ref_model, mb, settings, totals,
+                                            measure=epoch == 0)
             loss.backward()
             sums["loss"] += float(loss.detach())
             for key, value in stats.items():
-                sums[key] += value
+                sums[key] = max(sums[key], value) if key == "mismatch_max" else sums[key] + value
         # max_grad_norm 0 disables clipping (an infinite bound still reports the norm).
         bound = settings.optim.max_grad_norm or float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), bound))
@@ -297,11 +331,33 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         metrics["kl"] = sums["kl"] / totals["tokens"] / passes
     if settings.top_entropy_fraction < 1:
         metrics["explore/trained_token_fraction"] = sums["kept"] / totals["tokens"] / passes
-    if settings.algo.decoupled:
+    metrics.update(mismatch_metrics(sums, totals["tokens"], passes, settings.algo))
+    if uses_proximal(settings.algo):
         # Normalised ESS (sum w)^2 / (n sum w^2) of the behaviour weights (first epoch's).
         n = totals["tokens"] * passes
         metrics["offpolicy/ess"] = sums["weight_sum"] ** 2 / max(n * sums["weight_sq_sum"], 1e-12)
         metrics["offpolicy/weight_mean"] = sums["weight_sum"] / n
+    return metrics
+
+
+def uses_proximal(algo: AlgoConfig) -> bool:
+    """Whether the trust region is around the learner's pre-update log-probs (decoupled PPO or
+    a mismatch correction) rather than the sampler's."""
+    return algo.decoupled or algo.mismatch_correction != "off"
+
+
+def mismatch_metrics(sums: dict[str, float], tokens: float, passes: int,
+                     algo: AlgoConfig) -> dict[str, float]:
+    """``mismatch/*``: how far the sampler's log-probs of the trained tokens are from the
+    learner's before the update (first epoch), and the share of token weights a correction
+    truncated or masked; ``warn/mismatch`` when the KL passes ``algo.mismatch_warn_kl``."""
+    kl = sums["mismatch_kl"] / tokens
+    metrics = {"mismatch/logprob_diff_mean": sums["mismatch_abs"] / tokens,
+               "mismatch/logprob_diff_max": sums["mismatch_max"],
+               "mismatch/kl": kl,
+               "warn/mismatch": float(bool(algo.mismatch_warn_kl) and kl > algo.mismatch_warn_kl)}
+    if uses_proximal(algo):
+        metrics["mismatch/corrected_fraction"] = sums["mismatch_changed"] / tokens / passes
     return metrics
 
 
