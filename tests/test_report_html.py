@@ -79,7 +79,9 @@ def _hand_made_run(run_dir: Path, steps: int = 12) -> None:
         (run_dir / f"eval_{key}.json").write_text(json.dumps(
             {"episodes": 10, "successes": int(10 * rate), "mean_reward": rate,
              "mean_turns": 3.0, "failed": 1, "success_rate": rate, "ci_lo": rate / 2,
-             "ci_hi": min(1.0, rate * 1.2)}))
+             "ci_hi": min(1.0, rate * 1.2),
+             **({"end_reasons": {"done": 8, "turn_limit": 1, "env_timeout": 1}}
+                if key == "after" else {})}))
     (run_dir / "samples").mkdir()
     (run_dir / "samples" / "step-000001.json").write_text(json.dumps([{
         "seed": 3, "reward": 1.0, "success": True, "status": "done", "turns": 1,
@@ -111,6 +113,9 @@ def test_report_renders_curves_table_and_escaped_conversation_in_chromium(tmp_pa
 
     rows = dom.find("table", "eval")[0]["text"]
     assert "before training" in rows and "80.0% [40.0, 96.0]" in rows
+    # why the episodes ended; a file from before reasons were counted says so with "-"
+    assert "done 8, turn_limit 1, env_timeout 1" in rows and "ended" in rows
+    assert [c["text"] for c in dom.find("td")][7] == "-"
     assert body["data-eval-rows"] == "4"
 
     # policy and environment turns told apart; the hostile text shown, not run

@@ -161,16 +161,25 @@ def _pct(value: float, lo: float, hi: float) -> str:
     return f"{100 * value:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
+def _ended(d: dict) -> str:
+    """``done 28, turn_limit 3``: why the episodes ended; "-" for files from before reasons
+    were counted."""
+    counts = d.get("end_reasons")
+    if not isinstance(counts, dict) or not counts:
+        return "-"
+    return ", ".join(f"{reason} {n}" for reason, n in counts.items())
+
+
 def _summary_row(d: dict) -> list[str]:
     return [_pct(d["success_rate"], d["ci_lo"], d["ci_hi"]), f"{d['mean_reward']:.3f}",
-            f"{d['mean_turns']:.2f}", str(d["episodes"]), str(d["failed"])]
+            f"{d['mean_turns']:.2f}", str(d["episodes"]), str(d["failed"]), _ended(d)]
 
 
 def _passk_row(res: dict) -> list[str]:
     passes = ", ".join(f"pass@{k} {_pct(e['value'], e['lo'], e['hi'])}"
                        for k, e in res["pass_at_k"].items())
     return [passes, f"{res['mean_reward']:.3f}", f"{res['mean_turns']:.2f}",
-            f"{res['tasks']} x {res['samples']}", str(res["failures"])]
+            f"{res['tasks']} x {res['samples']}", str(res["failures"]), _ended(res)]
 
 
 def _row(run: RunData, label: str, make: Any, data: Any, source: str) -> list[str]:
@@ -180,7 +189,7 @@ def _row(run: RunData, label: str, make: Any, data: Any, source: str) -> list[st
         return [run.name, label, *make(data)]
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         return [run.name, label, f"{source} could not be read ({type(err).__name__}: {err})",
-                "", "", "", ""]
+                "", "", "", "", ""]
 
 
 def _eval_rows(run: RunData) -> list[list[str]]:
@@ -199,7 +208,7 @@ def _eval_rows(run: RunData) -> list[list[str]]:
 
 def _table(runs: list[RunData]) -> str:
     head = ["run", "policy", "success [95% CI]", "mean reward", "mean turns", "episodes",
-            "failed"]
+            "failed", "ended"]
     rows = [row for run in runs for row in _eval_rows(run)]
     if not rows:
         return "<p>No held-out evaluation in these runs.</p>"
