@@ -4,8 +4,10 @@
 from turnrl.envs import adapters as _adapters  # noqa: F401
 from turnrl.envs import builtin as _builtin  # noqa: F401
 from turnrl.envs import credit_tasks as _credit_tasks  # noqa: F401
+from turnrl.envs import kuhn as _kuhn  # noqa: F401
 from turnrl.envs import latency as _latency  # noqa: F401
 from turnrl.envs import maze as _maze  # noqa: F401
+from turnrl.envs import tictactoe as _tictactoe  # noqa: F401
 from turnrl.envs import tool_env as _tool_env  # noqa: F401
 from turnrl.envs import twenty_questions as _twenty_questions  # noqa: F401
 from turnrl.envs import wordle as _wordle  # noqa: F401

@@ -1,0 +1,169 @@
+"""TicTacToe against a fixed opponent, exact rules, offline.
+
+The policy plays X (moves first), O, or either by the seed's parity (``role: both``, so one
+run trains both roles). The opponent lives in the env: ``skill`` 1 is perfect play
+(minimax), 0 a uniformly random legal move, and values between play minimax with that
+probability each move, a difficulty knob for curricula. Moves are cell numbers 1-9; the
+board shows an empty cell as its number.
+
+Rewards are zero-sum from the policy's side: win 1, draw 0, loss -1. An illegal reply (no
+cell number, or a taken cell) loses the game at once, the usual tournament rule, with the
+reason in ``info["reason"]``. ``info`` also names the ``role``, the ``opponent`` and the
+``outcome`` (win, draw, loss, illegal); ``success`` is a win. Against perfect play the best
+result is a draw, so evaluate against ``skill`` below 1 (or count draws) to see progress.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+
+from turnrl.envs.base import StepResult, register_env
+from turnrl.rewards import first_integer
+
+LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
+EMPTY = "."
+
+
+def winner(board: str) -> str | None:
+    """"X" or "O" when that mark holds a line, else None. ``board``: 9 chars of X, O, '.'."""
+    for a, b, c in LINES:
+        if board[a] != EMPTY and board[a] == board[b] == board[c]:
+            return board[a]
+    return None
+
+
+def legal_moves(board: str) -> list[int]:
+    """Empty cells, 0-based."""
+    return [i for i, mark in enumerate(board) if mark == EMPTY]
+
+
+def to_move(board: str) -> str:
+    return "X" if board.count("X") == board.count("O") else "O"
+
+
+@cache
+def minimax_value(board: str) -> int:
+    """The game's value for the player to move under perfect play: 1 win, 0 draw, -1 loss."""
+    won = winner(board)
+    if won is not None:
+        return -1  # the previous move won: the player to move has lost
+    moves = legal_moves(board)
+    if not moves:
+        return 0
+    mark = to_move(board)
+    return max(-minimax_value(_play(board, move, mark)) for move in moves)
+
+
+def best_moves(board: str) -> list[int]:
+    """Every move that keeps the best value for the player to move (0-based cells)."""
+    mark = to_move(board)
+    values = {move: -minimax_value(_play(board, move, mark)) for move in legal_moves(board)}
+    best = max(values.values())
+    return [move for move, value in values.items() if value == best]
+
+
+def _play(board: str, move: int, mark: str) -> str:
+    return board[:move] + mark + board[move + 1:]
+
+
+def render(board: str) -> str:
+    """The board as the model reads it; empty cells show their number (1-9)."""
+    cells = [mark if mark != EMPTY else str(i + 1) for i, mark in enumerate(board)]
+    rows = [" " + " | ".join(cells[r * 3:r * 3 + 3]) for r in range(3)]
+    return "\n---+---+---\n".join(rows)
+
+
+class MinimaxPlayer:
+    """Perfect play for whichever side is to move, reading the env's board (a reference
+    player: ``reset``/``act`` as in envs/reference.py)."""
+
+    def __init__(self, env: TicTacToe) -> None:
+        self.env = env
+
+    def reset(self, first_observation: str) -> None:
+        pass
+
+    def act(self, observation: str) -> str:
+        return str(best_moves(self.env.board)[0] + 1)
+
+
+@register_env("tictactoe")
+class TicTacToe:
+    """TicTacToe against a built-in opponent; moves are cell numbers 1-9.
+
+    role: x (moves first), o, or both (by the seed's parity). skill: the opponent plays the
+    minimax move with this probability, else a random legal one (1 perfect, 0 random).
+    Reward: win 1, draw 0, loss -1; an illegal move loses. success: a win.
+    """
+
+    cooperative = True  # pure Python, never blocks
+
+    system_prompt = ("You are playing TicTacToe. Cells are numbered 1-9, left to right, top to "
+                     "bottom. Reply with the number of one empty cell only.")
+
+    def __init__(self, role: str = "both", skill: float = 1.0) -> None:
+        if role not in ("x", "o", "both"):
+            raise ValueError(f"tictactoe role must be x, o or both, got {role!r}")
+        if not 0 <= skill <= 1:
+            raise ValueError(f"tictactoe skill must be in [0, 1], got {skill!r}")
+        self.role_option, self.skill = role, skill
+        self.board, self.mark, self.rng = EMPTY * 9, "X", random.Random(0)
+
+    @property
+    def opponent(self) -> str:
+        return {1.0: "minimax", 0.0: "random"}.get(float(self.skill), f"skill-{self.skill:g}")
+
+    @property
+    def state_key(self) -> str:
+        return f"{self.mark}:{self.board}"
+
+    def reference_player(self) -> MinimaxPlayer:
+        return MinimaxPlayer(self)
+
+    async def reset(self, seed: int) -> str:
+        self.rng = random.Random(seed)
+        self.mark = {"x": "X", "o": "O"}.get(self.role_option) or ("X" if seed % 2 == 0 else "O")
+        self.board = EMPTY * 9
+        opening = ""
+        if self.mark == "O":
+            opening = f"X (your opponent) played {self._opponent_move() + 1}.\n"
+        return (f"You play {self.mark}; {'you move first' if self.mark == 'X' else 'X moved first'}."
+                f"\n{opening}{render(self.board)}\nYour move?")
+
+    def _opponent_move(self) -> int:
+        mover = to_move(self.board)
+        if self.rng.random() < self.skill:
+            move = self.rng.choice(best_moves(self.board))
+        else:
+            move = self.rng.choice(legal_moves(self.board))
+        self.board = _play(self.board, move, mover)
+        return move
+
+    def _info(self, outcome: str | None, **more) -> dict:
+        info = {"role": self.mark, "opponent": self.opponent, "state_key": self.state_key,
+                "success": outcome == "win", **more}
+        if outcome is not None:
+            info["outcome"] = outcome
+        return info
+
+    async def step(self, action: str) -> StepResult:
+        cell = first_integer(action)
+        if cell is None or not 1 <= cell <= 9 or self.board[cell - 1] != EMPTY:
+            why = ("no cell number in the reply" if cell is None or not 1 <= cell <= 9
+                   else f"cell {cell} is taken")
+            return StepResult(f"Illegal move ({why}): you lose.", -1.0, True,
+                              self._info("illegal", reason=f"illegal move: {why}"))
+        self.board = _play(self.board, cell - 1, self.mark)
+        if winner(self.board) == self.mark:
+            return StepResult("You win.", 1.0, True, self._info("win"))
+        if not legal_moves(self.board):
+            return StepResult("Draw.", 0.0, True, self._info("draw"))
+        reply = self._opponent_move()
+        other = "O" if self.mark == "X" else "X"
+        text = f"{other} played {reply + 1}.\n{render(self.board)}"
+        if winner(self.board) == other:
+            return StepResult(f"{text}\nYou lose.", -1.0, True, self._info("loss"))
+        if not legal_moves(self.board):
+            return StepResult(f"{text}\nDraw.", 0.0, True, self._info("draw"))
+        return StepResult(f"{text}\nYour move?", 0.0, False, self._info(None))
