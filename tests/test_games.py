@@ -164,3 +164,52 @@ def test_the_nash_reference_player_holds_the_game_value():
         reward, _, _ = run_sync(play(env, player, seed))
         total += 2 * reward
     assert abs(total / 600) < 0.2
+
+
+# ---- RAE ------------------------------------------------------------------------------------
+
+def test_rae_by_hand():
+    import torch
+
+    from turnrl.algorithms.advantages import rae_advantages
+
+    rewards = torch.tensor([1.0, -1.0, 0.5, 1.0])
+    keys = ["kuhn/first", "kuhn/second", "kuhn/first", "ttt/X"]
+    adv, b = rae_advantages(rewards, keys, {"kuhn/first": 0.2}, decay=0.5)
+    # A = r - b (before the batch): first 0.2, second and ttt new (0)
+    assert adv.tolist() == pytest.approx([0.8, -1.0, 0.3, 1.0])
+    # first seen twice: 0.25 * 0.2 + 0.75 * mean(1, 0.5) = 0.05 + 0.5625
+    assert b == pytest.approx({"kuhn/first": 0.6125, "kuhn/second": -0.5, "ttt/X": 0.5})
+    # order does not matter
+    _, again = rae_advantages(rewards.flip(0), keys[::-1], {"kuhn/first": 0.2}, decay=0.5)
+    assert again == pytest.approx(b)
+    with pytest.raises(ValueError, match="one key per reward"):
+        rae_advantages(rewards, keys[:2], {})
+
+
+def test_rae_trains_on_kuhn_poker_and_its_baselines_survive_a_resume(tmp_path):
+    from turnrl.checkpoint import latest_checkpoint
+    from turnrl.config import load_config
+    from turnrl.metrics import read_metrics
+    from turnrl.trainer import train
+
+    def cfg(steps):
+        return load_config(None, [
+            "--model.name", "tiny", "--env.name", "kuhn-poker", "--algo.advantage", "rae",
+            "--rollout.max_new_tokens", "3", "--rollout.group_size", "4",
+            "--rollout.groups_per_step", "2", "--run.steps", str(steps), "--eval.episodes", "0",
+            "--run.progress", "false", "--run.tensorboard", "false", "--run.checkpoint_every",
+            "1", "--run.out_dir", str(tmp_path)])
+    train(cfg(2))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    keys = {k for k in rows[-1] if k.startswith("rae/baseline/")}
+    # the tiny model's replies are illegal: every hand loses 2 chips, reward -1, both seats
+    assert keys == {"rae/baseline/kuhn-poker/first", "rae/baseline/kuhn-poker/second"}
+    assert all(-1 <= rows[-1][k] < 0 for k in keys)
+    state = latest_checkpoint(tmp_path)
+    assert state is not None
+    train(cfg(3), resume=True)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3
+    # resumed with its baselines: a fresh one would restart near 0, above step 2's
+    assert rows[2]["rae/baseline/kuhn-poker/first"] < rows[1]["rae/baseline/kuhn-poker/first"]

@@ -9,6 +9,8 @@ Papers:
 - RLOO: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization"
   (arXiv:2402.14740).
 - REINFORCE++: Hu et al. 2025, "REINFORCE++" (arXiv:2501.03262), the "with baseline" variant.
+- RAE: Liu et al. 2025, "SPIRAL" (arXiv:2506.24119); a baseline per (game, role) kept across
+  steps, so it is the one stateful estimator here (``rae_advantages``).
 
 Departures:
 - DeepSeekMath writes ``std(r)`` without saying which; we use the *sample* std (Bessel's
@@ -93,6 +95,40 @@ def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-
     x = dr_grpo_advantages(rewards, group_ids)
     whole = torch.zeros_like(group_ids)  # one group = the batch
     return (x - group_mean(x, whole)) / (group_std(x, whole) + eps)
+
+
+RAE_DECAY = 0.95
+"""SPIRAL's baseline decay alpha."""
+
+
+def rae_advantages(rewards: Tensor, keys: list[str], baselines: dict[str, float],
+                   decay: float = RAE_DECAY) -> tuple[Tensor, dict[str, float]]:
+    """Role-conditioned advantage estimation (RAE; Liu et al. 2025, "SPIRAL: Self-Play on
+    Zero-Sum Games Incentivizes Reasoning via Multi-Agent Multi-Turn Reinforcement
+    Learning", arXiv:2506.24119): ``A = r - b[key]`` with one baseline per (game, role)
+    ``key``, an exponential average of that key's returns, ``b <- decay * b + (1 - decay) * r``.
+
+    rewards ``[N]``, keys (one per episode), baselines (key -> value; a new key starts at 0)
+    -> (advantages ``[N]``, the updated baselines; the input dict is not changed).
+
+    Departures: SPIRAL updates the baseline trajectory by trajectory; here every advantage of
+    a batch uses the baseline from before the batch, and a key seen ``n`` times in the batch
+    moves by ``b <- decay^n b + (1 - decay^n) mean(r)``: the same as ``n`` sequential updates
+    when the ``n`` returns are equal, and independent of the episodes' order always.
+    """
+    r = _float(rewards)
+    if r.dim() != 1 or len(keys) != r.shape[0]:
+        raise ValueError(f"expected 1-D rewards and one key per reward, got "
+                         f"{tuple(r.shape)} and {len(keys)} keys")
+    if not 0 <= decay < 1:
+        raise ValueError(f"decay must be in [0, 1), got {decay}")
+    advantages = r - torch.tensor([baselines.get(k, 0.0) for k in keys], dtype=r.dtype)
+    updated = dict(baselines)
+    for key in dict.fromkeys(keys):
+        mine = r[[i for i, k in enumerate(keys) if k == key]]
+        keep = decay ** len(mine)
+        updated[key] = keep * baselines.get(key, 0.0) + (1 - keep) * float(mine.mean())
+    return advantages, updated
 
 
 ADVANTAGE_FNS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {

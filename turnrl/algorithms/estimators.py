@@ -40,7 +40,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from turnrl.algorithms.advantages import ADVANTAGE_FNS, grpo_advantages
+from turnrl.algorithms.advantages import ADVANTAGE_FNS, grpo_advantages, rae_advantages
 from turnrl.algorithms.credit import (
     anchor_fraction,
     archer_advantages,
@@ -141,6 +141,33 @@ class Outcome(Stateless):
 
 for _name, _fn in ADVANTAGE_FNS.items():
     ESTIMATORS.add(_name, lambda settings, fn=_fn: Outcome(fn), level="episode")
+
+
+@ESTIMATORS.register("rae", level="episode")
+class RoleConditioned(Stateless):
+    """RAE (``rae_advantages``): one running baseline per (env, role), the role read from
+    ``info["role"]`` (the games name it; an env without roles has one baseline). For
+    self-play and fixed-opponent games, where a role's returns differ by design (Kuhn
+    Poker's first seat is worth -1/18): GRPO's group baseline would ignore that, and
+    SPIRAL reports that without RAE training collapses."""
+
+    def __init__(self, settings: EstimatorSettings | None = None) -> None:
+        self.baselines: dict[str, float] = {}
+
+    def advantages(self, episodes: Sequence[Episode], model: nn.Module, pad_id: int) -> Tensor:
+        rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
+        keys = [f"{ep.env}/{ep.info.get('role', '')}" for ep in episodes]
+        advantages, self.baselines = rae_advantages(rewards, keys, self.baselines)
+        return advantages
+
+    def metrics(self) -> dict[str, float]:
+        return {f"rae/baseline/{key}": value for key, value in self.baselines.items()}
+
+    def state_dict(self) -> dict:
+        return {"baselines": dict(self.baselines)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.baselines = dict(state.get("baselines", {}))
 
 
 def _policy_tokens(episodes: Sequence[Episode], width: int) -> Tensor:

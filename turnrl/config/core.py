@@ -80,7 +80,7 @@ class RolloutConfig(Section):
 @dataclass(frozen=True)
 class AlgoConfig(Section):
     advantage: str = "grpo"
-    """advantage estimator, a name in turnrl.registry.ESTIMATORS: grpo, dr_grpo, rloo,
+    """advantage estimator, a name in turnrl.registry.ESTIMATORS: grpo, dr_grpo, rloo, rae,
     reinforce_pp (per episode), gigpo, turn_gae, archer (per turn), or one you registered;
     the turn-level ones read the critic section"""
     clip_low: float = 0.2
