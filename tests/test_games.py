@@ -3,6 +3,8 @@ exploitability against values worked out by hand."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from turnrl.envs import ENVS, make_env
@@ -213,3 +215,52 @@ def test_rae_trains_on_kuhn_poker_and_its_baselines_survive_a_resume(tmp_path):
     assert len(rows) == 3
     # resumed with its baselines: a fresh one would restart near 0, above step 2's
     assert rows[2]["rae/baseline/kuhn-poker/first"] < rows[1]["rae/baseline/kuhn-poker/first"]
+
+
+def test_kuhn_exploitability_is_read_from_the_policy_s_log_probs(tiny):
+    from turnrl.envs.kuhn import KuhnPoker, conversation
+    from turnrl.evaluation import reply_scorer
+    from turnrl.rollout import ChatFormat
+
+    env = KuhnPoker()
+    # a scorer that plays the equilibrium exactly: its exploitability is 0
+    nash = nash_strategy()
+
+    def nash_score(messages, reply):
+        """Log-probabilities of a player who follows the equilibrium exactly."""
+        text = messages[-1]["content"]
+        card = text.split("your card is ")[1][0]
+        if text.startswith("You are player 1"):
+            history = "pb" if len(messages) > 2 else ""
+        else:
+            history = "p" if "checks" in text else "b"
+        p_bet = nash[(card, history)]
+        p = p_bet if reply in ("bet", "call") else 1 - p_bet
+        return math.log(p) if p > 0 else float("-inf")
+
+    metrics = env.policy_metrics(nash_score)
+    assert metrics["exploitability"] == pytest.approx(0.0, abs=1e-9)
+    # the first player's second decision is seen after its own check
+    assert [m["role"] for m in conversation("s", "Q", "pb")] == ["system", "user", "assistant",
+                                                                  "user"]
+    # a real (tiny) model: a number in the possible range
+    model, tokenizer = tiny
+    real = env.policy_metrics(reply_scorer(model, ChatFormat(tokenizer), 1.0))
+    assert 0 <= real["exploitability"] <= 2
+
+
+def test_a_kuhn_run_reports_exploitability_before_and_after(tmp_path, capsys):
+    import json
+
+    from turnrl.config import load_config
+    from turnrl.trainer import train
+
+    train(load_config(None, [
+        "--model.name", "tiny", "--env.name", "kuhn-poker", "--rollout.max_new_tokens", "3",
+        "--rollout.group_size", "2", "--rollout.groups_per_step", "2", "--run.steps", "1",
+        "--eval.episodes", "4", "--run.tensorboard", "false", "--run.progress", "false",
+        "--run.out_dir", str(tmp_path)]))
+    for when in ("before", "after"):
+        saved = json.loads((tmp_path / f"eval_{when}.json").read_text())
+        assert 0 <= saved["env_metrics"]["exploitability"] <= 2
+    assert "exploitability: " in capsys.readouterr().out

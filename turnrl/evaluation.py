@@ -9,7 +9,7 @@ training seeds. docs/evaluation.md says which interval and test is used where, a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
@@ -40,6 +40,9 @@ class EvalResult:
     """Episodes that ended by an env timeout or error: counted as failures, not dropped."""
     end_reasons: dict[str, int] | None = None
     """Episodes per ``Episode.end_reason`` (``turnrl.types.END_REASONS``)."""
+    env_metrics: dict[str, float] | None = None
+    """What the env measured of the policy itself (its ``policy_metrics``, e.g. Kuhn Poker's
+    exploitability), when it offers that."""
 
     @property
     def success_rate(self) -> float:
@@ -98,6 +101,39 @@ def evaluate(make: Callable[[], Env], seeds: Sequence[int], engine: Engine, chat
                                              env_timeout_s=env_timeout_s,
                                              max_context=max_context))
     return summarize(episodes), episodes
+
+
+def reply_scorer(model, chat: ChatFormat, temperature: float
+                 ) -> Callable[[list[dict], str], float]:
+    """``score(messages, reply)``: the log-probability that the policy answers the
+    conversation ``messages`` (rendered by its chat template, the generation prompt added)
+    with exactly ``reply`` then its end-of-turn token, at ``temperature``. What an env's
+    ``policy_metrics`` reads the policy through (envs/contract.py)."""
+    import torch
+
+    def score(messages: list[dict], reply: str) -> float:
+        prompt = chat.encode(chat.render(messages, True))
+        answer = chat.encode(reply) + [chat.end_of_turn]
+        device = next(model.parameters()).device
+        ids = torch.tensor([prompt + answer], device=device)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        model.train(was_training)
+        logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)
+        return float(logp.gather(1, torch.tensor(answer, device=device)[:, None]).sum())
+
+    return score
+
+
+def with_env_metrics(result: EvalResult, env: Env, score: Callable[[list[dict], str], float]
+                     ) -> EvalResult:
+    """``result`` with the env's ``policy_metrics(score)`` added, if the env has one."""
+    measure = getattr(env, "policy_metrics", None)
+    if not callable(measure):
+        return result
+    return replace(result, env_metrics={k: float(v) for k, v in measure(score).items()})
 
 
 # --------------------------------------------------------------------------- pass@k over samples

@@ -16,7 +16,7 @@ import torch
 
 from turnrl.config import Config
 from turnrl.envs import Env, make_env
-from turnrl.evaluation import EvalResult, evaluate
+from turnrl.evaluation import EvalResult, evaluate, reply_scorer, with_env_metrics
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 
@@ -58,10 +58,16 @@ def load_policy(cfg: Config) -> Policy:
                       reuse_cache=cfg.rollout.reuse_cache)
     eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
     max_context = getattr(model.config, "max_position_embeddings", None)
-    run_eval = partial(evaluate, make, eval_seeds, engine, chat,
-                       sampling_params(cfg, chat, cfg.eval.temperature),
-                       env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
-                       env_timeout_s=cfg.rollout.env_timeout_s, max_context=max_context)
+    play_eval = partial(evaluate, make, eval_seeds, engine, chat,
+                        sampling_params(cfg, chat, cfg.eval.temperature),
+                        env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
+                        env_timeout_s=cfg.rollout.env_timeout_s, max_context=max_context)
+    score = reply_scorer(model, chat, cfg.rollout.temperature)  # the policy as it samples
+
+    def run_eval() -> tuple[EvalResult, list]:
+        result, episodes = play_eval()
+        return with_env_metrics(result, make(), score), episodes
+
     return Policy(model, tokenizer, chat, engine, max_context, make, sampling_params(cfg, chat),
                   run_eval)
 

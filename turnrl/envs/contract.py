@@ -21,6 +21,11 @@ scripted player (``reset``/``act``, envs/reference.py) for this env; it is calle
 ``reset`` and may read the env's hidden state (an oracle). Scripted demonstrations
 (``sft.env_demos``) and guidance read it through ``envs.reference.reference_player``.
 
+``policy_metrics(score)`` (default: none) measures the policy itself at each evaluation:
+``score(messages, reply)`` is the log-probability that the policy answers a chat with exactly
+``reply``; what it returns (name -> number) is logged as ``eval/NAME`` and kept with the
+before/after results (Kuhn Poker: its exploitability, envs/kuhn.py).
+
 ``StepResult.info`` keys the framework reads (any others are kept with the episode, made
 JSON-safe): ``success`` (bool, a solved episode for evaluation) and ``state_key`` (above).
 """

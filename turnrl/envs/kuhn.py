@@ -20,6 +20,7 @@ the reason in ``info["reason"]``. The reward is the chips won over 2, in [-1, 1]
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import re
 from collections.abc import Mapping
@@ -121,6 +122,26 @@ def parse_action(text: str, history: str) -> str | None:
     return "b" if found.group(1) == bet_word else "p"
 
 
+def observation(seat: int, card: str, history: str) -> str:
+    """What the player in ``seat`` (0 first) reads when it acts holding ``card`` after
+    ``history``."""
+    pass_word, bet_word = ACTION_WORDS[history]
+    betting = describe(history)
+    return (f"You are player {seat + 1}; your card is {card}. "
+            f"{betting + ' ' if betting else ''}Your action ({pass_word} or {bet_word})?")
+
+
+def conversation(system_prompt: str, card: str, history: str) -> list[dict]:
+    """The chat the policy has seen when it acts at ``(card, history)``: the first player's
+    second decision follows its own check."""
+    seat = 0 if history in INFOSET_HISTORIES[0] else 1
+    messages = [{"role": "system", "content": system_prompt}]
+    if history == "pb":
+        messages += [{"role": "user", "content": observation(0, card, "")},
+                     {"role": "assistant", "content": ACTION_WORDS[""][0]}]
+    return messages + [{"role": "user", "content": observation(seat, card, history)}]
+
+
 def describe(history: str) -> str:
     """The betting so far, in words, from the start of the hand."""
     words = {"": [], "p": ["Player 1 checks."], "b": ["Player 1 bets."],
@@ -174,11 +195,22 @@ class KuhnPoker:
         return NashPlayer(self)
 
     def _observation(self) -> str:
-        card = CARDS[self.cards[self.seat]]
-        pass_word, bet_word = ACTION_WORDS[self.history]
-        betting = describe(self.history)
-        return (f"You are player {self.seat + 1}; your card is {card}. "
-                f"{betting + ' ' if betting else ''}Your action ({pass_word} or {bet_word})?")
+        return observation(self.seat, CARDS[self.cards[self.seat]], self.history)
+
+    def policy_metrics(self, score) -> dict[str, float]:
+        """The policy's exploitability, read from its log-probabilities (called at each
+        evaluation, envs/contract.py): at each of the 12 information sets, the probability
+        of the bet/call word among the two legal words, ``score`` giving each word's
+        log-probability after the conversation the policy would have seen there."""
+        strategy = {}
+        for card, history in infosets(0) + infosets(1):
+            messages = conversation(self.system_prompt, card, history)
+            pass_word, bet_word = ACTION_WORDS[history]
+            gap = score(messages, pass_word) - score(messages, bet_word)
+            strategy[(card, history)] = 1 / (1 + math.exp(min(gap, 700.0)))
+        br_first, br_second = best_response_values(strategy, strategy)
+        return {"exploitability": (br_first + br_second) / 2,
+                "best_response_first": br_first, "best_response_second": br_second}
 
     async def reset(self, seed: int) -> str:
         self.rng = random.Random(seed)

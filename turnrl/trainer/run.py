@@ -253,7 +253,7 @@ def _read_eval(path: Path) -> EvalResult:
     data = json.loads(path.read_text())
     return EvalResult(**{k: data[k] for k in ("episodes", "successes", "mean_reward",
                                               "mean_turns", "failed")},
-                      end_reasons=data.get("end_reasons"))
+                      end_reasons=data.get("end_reasons"), env_metrics=data.get("env_metrics"))
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -301,7 +301,8 @@ def periodic_eval(run: Run, step: int) -> dict[str, float]:
     result, _ = run.policy.run_eval()
     lo, hi = result.interval
     return {"eval/success": result.success_rate, "eval/success_lo": lo,
-            "eval/success_hi": hi, "eval/reward": result.mean_reward}
+            "eval/success_hi": hi, "eval/reward": result.mean_reward,
+            **{f"eval/{k}": v for k, v in (result.env_metrics or {}).items()}}
 
 
 def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult | None,
@@ -351,5 +352,9 @@ def finish_run(run: Run, before: EvalResult | None, after: EvalResult | None,
     if before and after:
         table = print_table(f"{held_out}, before vs after", COLUMNS,
                             [before.row("before"), after.row(f"after {run.cfg.run.steps} steps")])
+        for key, value in (after.env_metrics or {}).items():  # what the env measured itself
+            line = f"{key}: {(before.env_metrics or {}).get(key, float('nan')):.4f} -> {value:.4f}"
+            print(line)
+            table += line + "\n"
         (run.run_dir / "summary.txt").write_text(table)
     return TrainResult(run.run_dir, run.cfg.run.steps, before, after, table)
