@@ -18,11 +18,11 @@ import torch
 from test_rollout import ScriptedEngine
 from test_tool_loop import NATIVE, _env, _hermes
 
+from turnrl.demos.conversation import DemoError, conversation_episode, episode_conversation
 from turnrl.envs import StepResult, make_env, register_env
 from turnrl.envs.tool_env import calculator
 from turnrl.models import tiny_model, tiny_tokenizer
 from turnrl.rollout import ChatFormat, Completion, SamplingParams, run_episodes, run_sync
-from turnrl.sft.conversation import DemoError, conversation_episode, episode_conversation
 
 # NATIVE (a Qwen-like template) that also renders OpenAI-style ``tool_calls`` itself, as
 # Qwen's and Hermes' templates do: one <tool_call> block per call after the content.
@@ -267,7 +267,7 @@ def _bad_message(message, before=()) -> str:
 ])
 def test_a_malformed_row_is_one_line_naming_the_file_line_and_field(tmp_path, line, where,
                                                                     message):
-    from turnrl.sft.data import DataError, read_demonstrations
+    from turnrl.demos.data import DataError, read_demonstrations
 
     path = _rows(tmp_path, json.dumps(GOOD), line, json.dumps(GOOD))
     with pytest.raises(DataError) as err:
@@ -278,7 +278,7 @@ def test_a_malformed_row_is_one_line_naming_the_file_line_and_field(tmp_path, li
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])
 def test_an_empty_file_says_so(tmp_path, content):
-    from turnrl.sft.data import DataError, read_demonstrations
+    from turnrl.demos.data import DataError, read_demonstrations
 
     path = tmp_path / "demos.jsonl"
     path.write_text(content)
@@ -289,7 +289,7 @@ def test_an_empty_file_says_so(tmp_path, content):
 
 
 def test_rows_come_back_normalised(tmp_path):
-    from turnrl.sft.data import read_demonstrations
+    from turnrl.demos.data import read_demonstrations
 
     tool_row = {"messages": [{"role": "user", "content": [{"type": "text", "text": "1+"},
                                                           {"type": "text", "text": "1?"}]},
@@ -401,7 +401,7 @@ def test_sft_command_logs_losses_writes_checkpoints_and_refuses_bad_input(tmp_pa
 
 
 def test_unfit_conversations_are_skipped_with_their_line_or_refused(tiny):
-    from turnrl.sft.data import DataError, parse_row
+    from turnrl.demos.data import DataError, parse_row
     from turnrl.sft.train import tokenise
 
     chat = ChatFormat(tiny[1])
@@ -518,8 +518,8 @@ def _record(recorder, chat, episode_id, replies, reward, extra_id=None):
 
 
 def test_serve_recordings_and_run_episodes_train_as_recorded(tmp_path, tiny):
+    from turnrl.demos.data import read_demonstrations
     from turnrl.serve.record import Recorder
-    from turnrl.sft.data import read_demonstrations
     from turnrl.sft.train import tokenise
     from turnrl.types import write_episodes
 
@@ -568,7 +568,7 @@ def test_serve_recordings_and_run_episodes_train_as_recorded(tmp_path, tiny):
      "reward: must be a number or null, got a string"),
 ])
 def test_malformed_token_rows_are_one_line_errors(tmp_path, row, message):
-    from turnrl.sft.data import DataError, read_demonstrations
+    from turnrl.demos.data import DataError, read_demonstrations
 
     path = _rows(tmp_path, json.dumps(row))
     with pytest.raises(DataError) as err:
@@ -580,7 +580,7 @@ def test_malformed_token_rows_are_one_line_errors(tmp_path, row, message):
 
 @pytest.mark.parametrize("env_name", ["guess-number", "maze"])
 def test_scripted_demonstrations_tokenise_as_the_loop_plays_their_replies(env_name):
-    from turnrl.sft.scripted import env_demonstrations
+    from turnrl.demos.scripted import env_demonstrations
 
     chat = _chat()
     demos, failed = env_demonstrations(env_name, {}, 3, chat, max_turns=12)
@@ -598,7 +598,7 @@ def test_scripted_demonstrations_tokenise_as_the_loop_plays_their_replies(env_na
 
 def test_env_demos_train_alone_and_an_env_without_a_player_is_refused(tmp_path):
     from turnrl.config import load_config
-    from turnrl.sft.data import DataError
+    from turnrl.demos.data import DataError
     from turnrl.sft.train import sft
 
     base = ["--model.name", "tiny", "--run.progress", "false", "--run.tensorboard", "false",
@@ -640,7 +640,7 @@ class SecretWord:
 
 
 def test_an_env_s_own_reference_player_writes_its_demonstrations():
-    from turnrl.sft.scripted import env_demonstrations
+    from turnrl.demos.scripted import env_demonstrations
 
     chat = ChatFormat(tiny_tokenizer())
     demos, failed = env_demonstrations("secret-word", {}, 6, chat, max_turns=1)
@@ -653,7 +653,7 @@ def test_an_env_s_own_reference_player_writes_its_demonstrations():
 
 def test_local_hugging_face_datasets_read_as_their_jsonl(tmp_path):
     datasets = pytest.importorskip("datasets")  # an optional dependency
-    from turnrl.sft.data import DataError, read_demonstrations
+    from turnrl.demos.data import DataError, read_demonstrations
 
     tool_row = {"messages": [{"role": "user", "content": "1+1?"},
                              {"role": "assistant", "content": None, "tool_calls": [CALL]},

@@ -63,6 +63,12 @@ class ExploreConfig(Section):
     """warn (warn/clip_extreme) when the clip fraction stays above this; 1 = never"""
     warn_patience: int = 3
     """consecutive steps a condition must hold before its warning fires"""
+    guidance: Literal["off", "demo", "hint"] = "off"
+    """when every episode of a group fails (no reward signal): demo adds the env's reference
+    player's successful episode on that seed to the group, hint replays the seed with the
+    player's first reply as a hint in the prompt (sync mode; docs/guidance.md)"""
+    guidance_attempts: int = 2
+    """hint: hinted episodes added to an all-failed group (demo adds one demonstration)"""
 
     def _check(self) -> None:
         self._at_least(0, "dynamic_max_rounds", "overlong_buffer", "overlong_max_tokens",
@@ -71,4 +77,4 @@ class ExploreConfig(Section):
                        "negative_weight", "pass_k", "novelty_coef", "warn_entropy_fraction")
         self._require("top_entropy_fraction", 0 < self.top_entropy_fraction <= 1, "in (0, 1]")
         self._require("warn_clip_fraction", 0 <= self.warn_clip_fraction <= 1, "in [0, 1]")
-        self._at_least(1, "warn_patience")
+        self._at_least(1, "warn_patience", "guidance_attempts")

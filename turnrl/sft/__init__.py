@@ -1,6 +1,6 @@
 """Supervised fine-tuning on demonstrations (``turnrl sft``; docs/sft.md).
 
-``conversation``: one OpenAI-format conversation -> an ``Episode`` tokenised exactly as the
-turn loop tokenises a played one; ``data``: the JSONL reader with one-line errors;
-``train``: the SFT loop over the run machinery RL uses (run dir, checkpoints, resume).
+``train``: the SFT loop over the run machinery RL uses (run dir, checkpoints, resume);
+``warmup``: the warm-up stage of ``turnrl train``. The demonstrations themselves (reading,
+tokenising as the turn loop would, scripted players) are in ``turnrl.demos``.
 """

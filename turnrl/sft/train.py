@@ -23,12 +23,12 @@ import torch
 
 from turnrl.algorithms.losses import token_logprobs
 from turnrl.config import Config
+from turnrl.demos.conversation import DemoError, conversation_episode
+from turnrl.demos.data import DataError, Demonstration, read_demonstrations
+from turnrl.demos.scripted import env_demonstrations
 from turnrl.evaluation import EvalResult
 from turnrl.metrics import print_table
 from turnrl.rollout.chat import ChatFormat
-from turnrl.sft.conversation import DemoError, conversation_episode
-from turnrl.sft.data import DataError, Demonstration, read_demonstrations
-from turnrl.sft.scripted import env_demonstrations
 from turnrl.trainer.run import (
     StageTimer,
     end_step,

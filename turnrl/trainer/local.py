@@ -8,12 +8,15 @@ and the temperature schedule.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from turnrl.algorithms.exploration import dynamic_sampling
 from turnrl.config import Config
+from turnrl.envs import Env
 from turnrl.policy import training_seeds
 from turnrl.rollout import run_episodes, run_sync
+from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults, learn
 from turnrl.trainer.run import Run, TrainResult
 from turnrl.types import Episode
@@ -25,6 +28,9 @@ class LocalSource(SourceDefaults):
     def open(self, run: Run) -> None:
         self.run = run
         self.extra: dict[str, float] = {}
+        explore = run.cfg.explore
+        self.guidance = (Guidance(explore.guidance, explore.guidance_attempts)
+                         if explore.guidance != "off" else None)
 
     def collect(self, step: int) -> list[Episode]:
         cfg = self.run.cfg
@@ -34,15 +40,21 @@ class LocalSource(SourceDefaults):
             episodes, self.extra = dynamic_sampling(
                 episodes, lambda r: self.play(resample_seeds(cfg, step, r)),
                 cfg.rollout.groups_per_step, cfg.explore.dynamic_max_rounds)
+        if self.guidance is not None:  # all-failed groups get guided episodes
+            episodes, guided = self.guidance.apply(episodes, self.run, self.play)
+            self.extra.update(guided)
         return episodes
 
-    def play(self, seeds: list[tuple[int, int]]) -> list[Episode]:
-        """Play ``seeds`` at the step's (scheduled) temperature."""
+    def play(self, seeds: list[tuple[int, int]], make: Callable[[], Env] | None = None
+             ) -> list[Episode]:
+        """Play ``seeds`` at the step's (scheduled) temperature, on envs from ``make`` (default
+        the run's env)."""
         run = self.run
         cfg, policy = run.cfg, run.policy
         params = replace(policy.params, temperature=run.learner.explore.temperature())
         return run_sync(run_episodes(
-            policy.make_env, seeds, policy.engine, policy.chat, params, env_name=cfg.env.name,
+            make or policy.make_env, seeds, policy.engine, policy.chat, params,
+            env_name=cfg.env.name,
             max_turns=cfg.rollout.max_turns, max_context=policy.max_context,
             env_timeout_s=cfg.rollout.env_timeout_s))
 

@@ -8,11 +8,11 @@ evaluation's start at ``eval.seed_offset``) up to ``rollout.max_turns`` turns ea
 
 from __future__ import annotations
 
+from turnrl.demos.data import DataError, Demonstration
 from turnrl.envs import make_env
 from turnrl.envs.reference import REFERENCE_POLICIES, reference_player
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import run_sync
-from turnrl.sft.data import DataError, Demonstration
 
 
 def env_demonstrations(env_name: str, options: dict, count: int, chat: ChatFormat,
@@ -23,7 +23,7 @@ def env_demonstrations(env_name: str, options: dict, count: int, chat: ChatForma
     demos, failed = [], []
     for seed in range(count):
         env = make_env(env_name, **options)
-        messages, tools, success = run_sync(scripted_conversation(
+        messages, tools, success, _ = run_sync(scripted_conversation(
             env, env_name, seed, chat, max_turns))
         where = f"{env_name} seed {seed}"
         if success:
@@ -35,8 +35,10 @@ def env_demonstrations(env_name: str, options: dict, count: int, chat: ChatForma
 
 
 async def scripted_conversation(env, env_name: str, seed: int, chat: ChatFormat,
-                                max_turns: int) -> tuple[list[dict], list[dict] | None, bool]:
-    """(messages, tool schemas, success) of one episode of ``env``'s reference player
+                                max_turns: int
+                                ) -> tuple[list[dict], list[dict] | None, bool, float]:
+    """(messages, tool schemas, success, total reward) of one episode of ``env``'s reference
+    player
     (envs/reference.py): the messages the turn loop's ``ChatFormat`` builds (an env's reply as
     the next user message), the last observation left out (an episode ends with the policy's
     reply)."""
@@ -50,12 +52,15 @@ async def scripted_conversation(env, env_name: str, seed: int, chat: ChatFormat,
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": observation})
     player.reset(observation)
+    total = 0.0
     for turn in range(max_turns):
         action = player.act(observation)
         messages.append({"role": "assistant", "content": action})
         result = await env.step(action)
+        total += result.reward
         if result.done or turn + 1 == max_turns:
-            return messages, tools, bool(result.done and (result.info or {}).get("success"))
+            success = bool(result.done and (result.info or {}).get("success"))
+            return messages, tools, success, total
         observation = result.observation
         messages.append({"role": "user", "content": observation})
-    return messages, tools, False
+    return messages, tools, False, total

@@ -1,0 +1,118 @@
+"""Guidance for all-failed groups (explore.guidance): which groups fire, the demonstration's
+tokens and "old" log-probs, hints in the prompt, and a task the tiny model learns only with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnrl.config import ConfigError, load_config
+from turnrl.envs import StepResult, register_env
+from turnrl.metrics import read_metrics
+from turnrl.models import tiny_tokenizer
+from turnrl.trainer import train
+from turnrl.trainer.guidance import failed_groups
+from turnrl.types import Episode, read_episodes
+
+
+@register_env("say-seven")
+class SaySeven:
+    """Success only for a reply that starts with 777: the tiny model (355 characters, each
+    token one) says it about once in 10^4 tries, so its groups all fail."""
+
+    cooperative = True
+
+    async def reset(self, seed: int) -> str:
+        return "Say the secret digit."
+
+    async def step(self, action: str) -> StepResult:
+        ok = action.strip().startswith("777")
+        return StepResult("", float(ok), True, {"success": ok})
+
+    def reference_player(self):
+        class Oracle:
+            def reset(self, first_observation):
+                pass
+
+            def act(self, observation):
+                return "777"
+        return Oracle()
+
+
+@register_env("say-seven-unguided")
+class SaySevenNoPlayer(SaySeven):
+    reference_player = None
+
+
+def _ep(group: int, reward: float, success: bool = False) -> Episode:
+    return Episode(env="e", seed=10 + group, group=group, reward=reward, success=success)
+
+
+def test_only_groups_without_any_signal_fire():
+    episodes = [_ep(0, 0.0), _ep(0, 0.0), _ep(1, 0.0), _ep(1, 1.0, True),
+                _ep(2, 0.3), _ep(2, 0.5), _ep(3, -1.0), _ep(3, -1.0)]
+    assert failed_groups(episodes) == [(0, 10), (3, 13)]
+
+
+def _cfg(tmp_path, name, *more):
+    return load_config(None, [
+        "--model.name", "tiny", "--env.name", name, "--rollout.max_new_tokens", "4",
+        "--rollout.group_size", "4", "--rollout.groups_per_step", "2", "--optim.lr", "5e-3",
+        "--eval.episodes", "32", "--run.progress", "false", "--run.tensorboard", "false",
+        "--run.sample_episodes", "16", "--run.out_dir", str(tmp_path / name), *more])
+
+
+def test_guided_demonstrations_give_a_signal_and_read_as_no_mismatch(tmp_path):
+    train(_cfg(tmp_path / "demo", "say-seven", "--run.steps", "1", "--explore.guidance",
+               "demo"))
+    train(_cfg(tmp_path / "off", "say-seven", "--run.steps", "1"))
+    (guided,), (plain,) = (read_metrics(tmp_path / r / "say-seven" / "metrics.jsonl")
+                           for r in ("demo", "off"))
+    assert guided["guide/fired_groups"] == 2 and guided["guide/episodes"] == 2
+    assert guided["guide/success"] == 1.0
+    assert guided["grad_norm"] > 0 and plain["grad_norm"] == 0  # no signal without guidance
+    # the demonstration's "old" log-probs are the learner's own: no mismatch measured
+    assert guided["mismatch/kl"] < 1e-4
+    episodes = read_episodes(tmp_path / "demo" / "say-seven" / "episodes" / "step-000001.jsonl")
+    demos = [ep for ep in episodes if ep.info.get("guided") == "demo"]
+    assert len(demos) == 2 and all(ep.success and ep.reward == 1.0 for ep in demos)
+    for ep in demos:  # only the reply is trained: "777" and the end of turn
+        assert ep.turns[0].action == "777"
+        trained = [t for t, m in zip(ep.token_ids, ep.loss_mask, strict=True) if m]
+        assert trained == tiny_tokenizer()("777", add_special_tokens=False)["input_ids"] + [
+            tiny_tokenizer().eos_token_id]
+        assert all(lp < 0 for lp, m in zip(ep.logprobs, ep.loss_mask, strict=True) if m)
+
+
+def test_hints_are_in_the_prompt_of_extra_episodes(tmp_path):
+    train(_cfg(tmp_path, "say-seven", "--run.steps", "1", "--explore.guidance", "hint",
+               "--explore.guidance_attempts", "3"))
+    (row,) = read_metrics(tmp_path / "say-seven" / "metrics.jsonl")
+    assert row["guide/fired_groups"] == 2 and row["guide/episodes"] == 6
+    text = [tiny_tokenizer().decode(ep.token_ids) for ep in read_episodes(
+        tmp_path / "say-seven" / "episodes" / "step-000001.jsonl") if ep.info.get("guided")]
+    assert len(text) == 6 and all("Hint: a good first reply here is: 777" in t for t in text)
+
+
+def test_an_env_without_a_player_warns_once_and_trains(tmp_path):
+    with pytest.warns(UserWarning, match="env 'say-seven-unguided' cannot be guided"):
+        train(_cfg(tmp_path, "say-seven-unguided", "--run.steps", "2", "--explore.guidance",
+                   "demo"))
+    rows = read_metrics(tmp_path / "say-seven-unguided" / "metrics.jsonl")
+    assert [r["guide/episodes"] for r in rows] == [0.0, 0.0]
+
+
+def test_guidance_is_refused_in_async_mode():
+    with pytest.raises(ConfigError, match="explore.guidance works in run.mode sync only"):
+        load_config(None, ["--run.mode", "async", "--explore.guidance", "demo"])
+
+
+@pytest.mark.slow
+def test_the_tiny_model_learns_a_task_it_never_solves_only_with_guidance(tmp_path):
+    results = {}
+    for mode in ("off", "demo"):
+        result = train(_cfg(tmp_path / mode, "say-seven", "--run.steps", "12",
+                            "--optim.lr", "1e-2", "--explore.guidance", mode))
+        results[mode] = (result.before.success_rate, result.after.success_rate)
+    # measured: off 0.0% -> 0.0%; demo 0.0% -> 100.0% [89.3, 100] (32 held-out, 12 steps)
+    assert results["off"][1] <= 0.125  # no signal: it stays where it was
+    assert results["demo"][1] >= 0.5 > results["demo"][0]
