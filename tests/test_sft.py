@@ -308,6 +308,25 @@ def test_rows_come_back_normalised(tmp_path):
 
 # ---- training -------------------------------------------------------------------------------
 
+def test_the_training_loss_equals_the_reference_nll_over_full_logits(tiny):
+    """``policy_nll`` runs the LM head on the assistant's tokens only; the value is the one
+    ``assistant_nll`` computes from the full logits."""
+    from turnrl.sft.train import assistant_nll, policy_nll
+    from turnrl.types import Batch
+
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    episodes = [conversation_episode(chat, [{"role": "user", "content": f"Add {i} and 2."},
+                                            {"role": "assistant", "content": str(i + 2)}])
+                for i in range(3)]
+    batch = Batch.from_episodes(episodes, torch.zeros(3), tok.pad_token_id)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    expected = assistant_nll(logits, batch.input_ids, batch.loss_mask)
+    got = policy_nll(model, batch)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    assert float(got[1]) == float(expected[1]) > 0
+
+
 def test_assistant_nll_scores_masked_tokens_from_the_previous_position():
     from turnrl.sft.train import assistant_nll
 

@@ -37,7 +37,7 @@ from turnrl.trainer.run import (
     start_run,
     step_logging,
 )
-from turnrl.trainer.step import micro_batches
+from turnrl.trainer.step import micro_batches, score_policy_tokens
 from turnrl.types import Batch, Episode
 
 
@@ -68,6 +68,16 @@ def assistant_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torc
     """
     mask = loss_mask[:, 1:].to(torch.float32)
     logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    return -(logprobs * mask).sum(), mask.sum()
+
+
+def policy_nll(model: torch.nn.Module, part: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``assistant_nll`` of a micro-batch, with the LM head run on the assistant's tokens only
+    (``score_policy_tokens``, as the RL update does) instead of the full [B, T, vocab] logits
+    of every prompt and observation token: SmolLM2, 8 tic-tac-toe demonstrations (8 x 324
+    tokens, 56 trained), forward and backward 13.3 -> 10.3 s (median of 3, 2 cores, load 2.3)."""
+    logprobs, _ = score_policy_tokens(model, part, 1.0)
+    mask = part.loss_mask[:, 1:].to(torch.float32)
     return -(logprobs * mask).sum(), mask.sum()
 
 
@@ -147,8 +157,7 @@ def sft_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     total = 0.0
     for part in micro_batches(batch, micro_batch_size, token_budget):
         part = part.to(device)
-        logits = model(input_ids=part.input_ids, attention_mask=part.attention_mask).logits
-        nll, _ = assistant_nll(logits, part.input_ids, part.loss_mask)
+        nll, _ = policy_nll(model, part)
         (nll / count.to(device)).backward()
         total += float(nll.detach())
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
@@ -177,8 +186,7 @@ def held_out_loss(model: torch.nn.Module, episodes: list[Episode], *, pad_id: in
     total, count = 0.0, 0.0
     for part in micro_batches(batch, micro_batch_size, token_budget):
         part = part.to(device)
-        logits = model(input_ids=part.input_ids, attention_mask=part.attention_mask).logits
-        nll, tokens = assistant_nll(logits, part.input_ids, part.loss_mask)
+        nll, tokens = policy_nll(model, part)
         total, count = total + float(nll), count + float(tokens)
     return total / max(count, 1.0)
 
