@@ -56,6 +56,63 @@ def require_gymnasium() -> Any:
     return gymnasium
 
 
+def goal_values(transitions: dict, is_goal, gamma: float = 0.98, sweeps: int = 400
+                ) -> dict[int, float]:
+    """Value iteration on a toy-text transition table (``P[state][action] = [(probability,
+    next, reward, done), ...]``): a goal transition pays 1, every other end 0, discounted by
+    ``gamma`` a step, so the greedy action takes the shortest path on deterministic games and
+    the likeliest one on slippery ice."""
+    values = dict.fromkeys(transitions, 0.0)
+    for _ in range(sweeps):
+        changed = 0.0
+        for state, actions in transitions.items():
+            best = max(action_value(outcomes, values, is_goal, gamma)
+                       for outcomes in actions.values())
+            changed, values[state] = max(changed, abs(best - values[state])), best
+        if changed < 1e-9:
+            break
+    return values
+
+
+def action_value(outcomes: list, values: dict[int, float], is_goal, gamma: float) -> float:
+    return sum(p * (1.0 if is_goal(reward, done) else 0.0 if done else gamma * values[int(nxt)])
+               for p, nxt, reward, done in outcomes)
+
+
+_VALUES: dict[str, dict[int, float]] = {}
+"""Value tables per game and options: the transition table of a game never changes."""
+
+
+class PlannerPlayer:
+    """A reference player (envs/reference.py) for the toy-text games: the greedy action of
+    value iteration on the env's own transition table (``goal_values``: the shortest path on
+    FrozenLake, Taxi and CliffWalking, the likeliest on slippery ice), and for Blackjack
+    hit below 17."""
+
+    def __init__(self, env: GymnasiumText) -> None:
+        self.env = env
+
+    def reset(self, first_observation: str) -> None:
+        pass
+
+    def act(self, observation: str) -> str:
+        env = self.env
+        if env.game == "Blackjack-v1":
+            return "hit" if env.obs[0] < 17 else "stick"
+        cliff = env.game == "CliffWalking-v1"
+
+        def is_goal(reward: float, done: bool) -> bool:
+            return bool(done) and (cliff or reward > 0)
+
+        transitions = env.env.unwrapped.P
+        key = f"{env.game}:{env.make_options}"
+        if key not in _VALUES:
+            _VALUES[key] = goal_values(transitions, is_goal)
+        actions = transitions[int(env.obs)]
+        best = max(actions, key=lambda a: action_value(actions[a], _VALUES[key], is_goal, 0.98))
+        return env.names[best]
+
+
 @register_env("gymnasium")
 class GymnasiumText:
     """Multi-turn: a gymnasium toy-text game (game=FrozenLake-v1|Taxi-v4|CliffWalking-v1|Blackjack-v1)."""
@@ -65,6 +122,7 @@ class GymnasiumText:
             raise ValueError(f"unknown gymnasium game '{game}'; choose one of: {', '.join(ACTIONS)}")
         gym = require_gymnasium()
         self.game, self.names, self.max_turns = game, ACTIONS[game], max_turns
+        self.make_options = make_options
         render = {} if game == "Blackjack-v1" else {"render_mode": "ansi"}
         self.env = gym.make(game, **render, **make_options)
         self.system_prompt = (f"You are playing {game.split('-')[0]}. {LEGENDS[game]} Reply with "
@@ -88,6 +146,9 @@ class GymnasiumText:
             text += f"\nThe passenger is {where} and wants to go to {'RGYB'[destination]}."
         return text
 
+    def reference_player(self) -> PlannerPlayer:
+        return PlannerPlayer(self)
+
     async def reset(self, seed: int) -> str:
         self.obs, _ = await asyncio.to_thread(self.env.reset, seed=seed)
         self.turn = 0
@@ -102,5 +163,7 @@ class GymnasiumText:
                               {"success": False, "state_key": self.state_key})
         self.obs, reward, terminated, truncated, _ = await asyncio.to_thread(self.env.step, index)
         done = bool(terminated or truncated) or out_of_turns
-        info = {"success": bool(terminated) and reward > 0, "state_key": self.state_key}
+        # CliffWalking pays -1 a step, the last one too: reaching the target is its success
+        reached = reward > 0 or self.game == "CliffWalking-v1"
+        info = {"success": bool(terminated) and reached, "state_key": self.state_key}
         return StepResult(self.describe(), float(reward), done, info)

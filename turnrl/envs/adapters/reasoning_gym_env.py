@@ -32,6 +32,20 @@ def require_reasoning_gym() -> Any:
     return reasoning_gym
 
 
+class AnswerOracle:
+    """The dataset entry's own answer, as ``Answer: X``: an oracle reference player for
+    demonstrations and guidance (envs/reference.py); it reads the hidden answer."""
+
+    def __init__(self, env: ReasoningGym) -> None:
+        self.env = env
+
+    def reset(self, first_observation: str) -> None:
+        pass
+
+    def act(self, observation: str) -> str:
+        return f"Answer: {self.env.entry['answer']}"
+
+
 @register_env("reasoning-gym")
 class ReasoningGym:
     """Single turn: a reasoning-gym task (task=basic_arithmetic, ...), scored by its score_answer."""
@@ -49,6 +63,9 @@ class ReasoningGym:
         self.dataset = self.rg.create_dataset(self.task, size=1, seed=seed, **self.task_options)
         self.entry = self.dataset[0]
         return self.entry["question"]
+
+    def reference_player(self) -> AnswerOracle:
+        return AnswerOracle(self)
 
     async def step(self, action: str) -> StepResult:
         score = float(self.dataset.score_answer(extract_answer(action), self.entry) or 0.0)
