@@ -49,14 +49,16 @@ def main(argv: list[str] | None = None) -> int:
                 cpu = time.process_time()
                 r = run_loop(policy, env, pool, args.seconds, 0.75, True, own_threads=own)
                 rows = r["rows_per_s"] * args.seconds
-                runs[own].append((r["rows_per_s"], 1e3 * (time.process_time() - cpu) / rows))
+                # a busy machine may finish no row in a short window: no per-row figure then
+                per_row = 1e3 * (time.process_time() - cpu) / rows if rows else float("nan")
+                runs[own].append((r["rows_per_s"], per_row))
         medians = {own: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v))
                    for own, v in runs.items()}
         for own, (rows_s, cpu_ms) in medians.items():
             print(f"{median_ms:g} ms, pool {pool}, {'own threads' if own else 'shared':<11} "
                   f"{rows_s:6.0f} rows/s  {cpu_ms:5.2f} ms CPU a row  (median of "
                   f"{args.rounds}: {', '.join(f'{x:.0f}' for x, _ in runs[own])})", flush=True)
-        ratio = medians[False][0] / medians[True][0]
+        ratio = medians[False][0] / medians[True][0] if medians[True][0] else float("nan")
         print(f"{median_ms:g} ms: shared / own threads rows per second = {ratio:.2f}")
     print(f"ratio: shared / own threads rows per second at {args.latencies[-1]:g} ms = "
           f"{ratio:.2f}")
