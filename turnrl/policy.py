@@ -19,6 +19,7 @@ from turnrl.envs import Env, make_env
 from turnrl.evaluation import EvalResult, evaluate, reply_scorer, with_env_metrics
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+from turnrl.rollout.engine import Engine
 
 
 @dataclass
@@ -28,7 +29,8 @@ class Policy:
     model: torch.nn.Module
     tokenizer: object
     chat: ChatFormat
-    engine: HFEngine
+    engine: Engine
+    """``HFEngine`` (samples from ``model`` itself) or ``VLLMEngine`` (``rollout.engine``)"""
     max_context: int | None
     make_env: Callable[[], Env]
     params: SamplingParams
@@ -54,8 +56,11 @@ def load_policy(cfg: Config) -> Policy:
     chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
     make = partial(make_env, cfg.env.name, **cfg.env.options)
     make()  # bad env name or options fail here with a one-line error
-    engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
-                      reuse_cache=cfg.rollout.reuse_cache)
+    if cfg.rollout.engine == "vllm":
+        engine = vllm_sampler(cfg, model, tokenizer)
+    else:
+        engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
+                          reuse_cache=cfg.rollout.reuse_cache)
     eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
     max_context = getattr(model.config, "max_position_embeddings", None)
     play_eval = partial(evaluate, make, eval_seeds, engine, chat,
@@ -70,6 +75,25 @@ def load_policy(cfg: Config) -> Policy:
 
     return Policy(model, tokenizer, chat, engine, max_context, make, sampling_params(cfg, chat),
                   run_eval)
+
+
+def vllm_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
+    """A ``VLLMEngine`` on the model's directory (the tiny model, built in code, is saved to
+    a temporary one first), in ``rollout.engine_dtype``; new versions reach it through
+    ``update_weights`` (``LocalSource.publish``)."""
+    import tempfile
+
+    from turnrl.models import model_directory
+    from turnrl.rollout.vllm_engine import VLLMEngine
+
+    path = model_directory(cfg.model.name, cfg.model.cache_dir or None)
+    if path is None:
+        path = Path(tempfile.mkdtemp(prefix="turnrl-vllm-sync-"))
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    dtype = cfg.model.dtype if cfg.rollout.engine_dtype == "auto" else cfg.rollout.engine_dtype
+    return VLLMEngine(path, seed=cfg.run.seed, dtype=dtype,
+                      max_model_len=getattr(model.config, "max_position_embeddings", None))
 
 
 def use_chat_template(tokenizer, path: str) -> None:

@@ -78,7 +78,10 @@ def check_explore(cfg: Config) -> None:
 
 def check_across(cfg: Config) -> None:
     """Every cross-section check, in the order of the sections they start from."""
-    if cfg.ray.engine == "vllm":
+    if cfg.ray.engine == "vllm" or cfg.rollout.engine == "vllm":
         check_vllm_temperature(cfg.rollout.temperature)
+    if cfg.rollout.engine == "vllm" and cfg.run.mode == "async":
+        raise ConfigError("rollout.engine vllm is the sync sampler; async rollout workers take "
+                          "theirs from ray.engine (--ray.engine vllm)")
     check_critic_options(cfg.algo.advantage, cfg.critic)
     check_explore(cfg)

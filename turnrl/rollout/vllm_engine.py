@@ -186,6 +186,9 @@ class VLLMEngine:
             kwargs["max_model_len"] = max_model_len
         kwargs.update(llm_kwargs)
         self.tied_embeddings = _tied_embeddings(model_path)
+        self.generator = torch.Generator().manual_seed(seed)
+        """Saved with checkpoints like ``HFEngine``'s; vLLM samples with its own seeded
+        sampler, so a resumed run is not bit for bit the uninterrupted one."""
         try:
             self.llm = vllm.LLM(**kwargs)
         except (TypeError, ValueError) as exc:

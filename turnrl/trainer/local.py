@@ -32,6 +32,13 @@ class LocalSource(SourceDefaults):
         self.guidance = (Guidance(explore.guidance, explore.guidance_attempts)
                          if explore.guidance != "off" else None)
 
+    def publish(self, version: int, model) -> None:
+        """The HF engine samples from the learner's own tensors; another engine (vLLM)
+        reloads them as ``version``."""
+        engine = self.run.policy.engine
+        if hasattr(engine, "update_weights"):
+            engine.update_weights(model.state_dict(), version)
+
     def collect(self, step: int) -> list[Episode]:
         cfg = self.run.cfg
         episodes = self.play(training_seeds(cfg, step))
