@@ -22,7 +22,7 @@ class SftConfig(Section):
     """JSONL file of demonstrations, a conversation a line in the OpenAI chat format:
     {"messages": [...], "tools": [...]}; or turnrl serve's recorded episodes.jsonl, a run's
     episodes/*.jsonl, or a local Hugging Face dataset (.parquet, .arrow, a save_to_disk
-    directory); turnrl sft needs it, or sft.env_demos (docs/sft.md)"""
+    directory); turnrl sft needs it, sft.env_demos or sft.self_rounds (docs/sft.md)"""
     env_demos: int = 0
     """scripted demonstrations: play seeds 0..N-1 of env.name with its reference player
     (envs/reference.py) and train on the successful episodes too (or alone, without data)"""
