@@ -113,7 +113,8 @@ class SelfImitation:
             return self.conversations
         self.end_round()
         path = self.round_path(k)
-        if step == round_start(k, cfg.run.steps, self.rounds):
+        first = step == round_start(k, cfg.run.steps, self.rounds)
+        if first:
             path.parent.mkdir(exist_ok=True)
             write_episodes(path, self.play(k))
         elif not path.is_file():
@@ -141,11 +142,20 @@ class SelfImitation:
         print(f"sft: {head} ({successes / len(attempts):.0%}); training on {len(own)} distinct "
               f"successes" + (f" and {len(self.base)} demonstrations" if self.base else ""),
               flush=True)
-        self.metrics = {"self/round": k + 1, "self/attempts": len(attempts),
-                        "self/successes": successes,
-                        "self/success_rate": successes / len(attempts),
-                        "self/conversations": len(self.conversations)}
+        if first:  # logged once, with the round's first step (a resumed run logged them)
+            self.metrics = {"self/round": k + 1, "self/attempts": len(attempts),
+                            "self/successes": successes,
+                            "self/success_rate": successes / len(attempts),
+                            "self/conversations": len(self.conversations)}
         return self.conversations
+
+    def after_step(self, metrics: dict[str, float]) -> dict[str, str]:
+        """Add the round's figures to the step's ``metrics`` (its first step's only), note
+        its loss; return the progress bar's field."""
+        metrics.update(self.metrics)
+        self.metrics = {}
+        self.losses.append(metrics["sft/loss"])
+        return {"round": f"{self.current + 1}/{self.rounds}"}
 
     def play(self, k: int) -> list[Episode]:
         """Round ``k``'s attempts, played by the current weights at rollout.temperature."""

@@ -8,6 +8,9 @@ The run directory, config checks, seeding, checkpoints and ``--resume`` are
 ``trainer/run.py``'s (``start_run``, ``end_step``), so a checkpoint of an SFT run is laid out
 as an RL run's and a killed SFT run resumes bit for bit: each step's conversations are a
 pure function of (``run.seed``, step) and the update draws no random numbers.
+
+With ``sft.self_rounds`` the conversations are the model's own successes, played afresh
+each round (sft/self_imitation.py), with the demonstrations when there are any.
 """
 
 from __future__ import annotations
@@ -258,12 +261,7 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
             if held_out and eval_due(cfg, step):
                 with timer("eval"):
                     loss = metrics["eval/loss"] = held_out_loss(model, held_out, **sizes)
-            fields = {}
-            if rounds:
-                metrics.update(rounds.metrics)
-                rounds.metrics = {}
-                rounds.losses.append(metrics["sft/loss"])
-                fields["round"] = f"{rounds.current + 1}/{rounds.rounds}"
+            fields = rounds.after_step(metrics) if rounds else {}
             end_step(run, step, batch, None, metrics, timer, logger, progress,
                      checkpoint_extra={"sft_loss_before": before}, loss=metrics["sft/loss"],
                      held_out=loss, **fields)
