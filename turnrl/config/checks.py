@@ -85,3 +85,14 @@ def check_across(cfg: Config) -> None:
                           "theirs from ray.engine (--ray.engine vllm)")
     check_critic_options(cfg.algo.advantage, cfg.critic)
     check_explore(cfg)
+    check_self_seeds(cfg)
+
+
+def check_self_seeds(cfg: Config) -> None:
+    """Self-imitation rounds play training seeds only: all of them below the held-out ones."""
+    played = cfg.sft.self_rounds * cfg.sft.self_tasks
+    if played > cfg.eval.seed_offset:
+        raise ConfigError(f"sft.self_rounds {cfg.sft.self_rounds} x sft.self_tasks "
+                          f"{cfg.sft.self_tasks} = {played} training seeds reach the held-out "
+                          f"ones at eval.seed_offset {cfg.eval.seed_offset}: lower them or "
+                          "raise eval.seed_offset")

@@ -22,7 +22,7 @@ class SftConfig(Section):
     """JSONL file of demonstrations, a conversation a line in the OpenAI chat format:
     {"messages": [...], "tools": [...]}; or turnrl serve's recorded episodes.jsonl, a run's
     episodes/*.jsonl, or a local Hugging Face dataset (.parquet, .arrow, a save_to_disk
-    directory); turnrl sft needs it, or sft.env_demos (docs/sft.md)"""
+    directory); turnrl sft needs it, sft.env_demos or sft.self_rounds (docs/sft.md)"""
     env_demos: int = 0
     """scripted demonstrations: play seeds 0..N-1 of env.name with its reference player
     (envs/reference.py) and train on the successful episodes too (or alone, without data)"""
@@ -43,7 +43,18 @@ class SftConfig(Section):
     """also play eval.episodes held-out episodes of env.name before and after (and every
     eval.every steps): for demonstrations of that env's task"""
 
+    self_rounds: int = 0
+    """filtered self-imitation (rejection-sampling fine-tuning): rounds of play -> keep the
+    successes -> fine-tune on them, the steps (run.steps; sft.steps for the warm-up) divided
+    evenly over the rounds; 0 = off (docs/sft.md)"""
+    self_samples: int = 8
+    """attempts the current model plays at each task of a round (at rollout.temperature)"""
+    self_tasks: int = 8
+    """training seeds a round plays: round k (from 0) plays seeds k*N ... (k+1)*N-1, below
+    eval.seed_offset"""
+
     def _check(self) -> None:
         self._require("eval_fraction", 0 <= self.eval_fraction < 1, "in [0, 1)")
         self._at_least(1, "batch_size")
-        self._at_least(0, "eval_every", "env_demos", "steps", "lr")
+        self._at_least(0, "eval_every", "env_demos", "steps", "lr", "self_rounds")
+        self._at_least(1, "self_samples", "self_tasks")

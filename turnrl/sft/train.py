@@ -8,6 +8,9 @@ The run directory, config checks, seeding, checkpoints and ``--resume`` are
 ``trainer/run.py``'s (``start_run``, ``end_step``), so a checkpoint of an SFT run is laid out
 as an RL run's and a killed SFT run resumes bit for bit: each step's conversations are a
 pure function of (``run.seed``, step) and the update draws no random numbers.
+
+With ``sft.self_rounds`` the conversations are the model's own successes, played afresh
+each round (sft/self_imitation.py), with the demonstrations when there are any.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from turnrl.demos.scripted import env_demonstrations
 from turnrl.evaluation import EvalResult
 from turnrl.metrics import print_table
 from turnrl.rollout.chat import ChatFormat
+from turnrl.sft.self_imitation import STOPPED, SelfImitation, check_rounds
 from turnrl.trainer.run import (
     StageTimer,
     end_step,
@@ -54,6 +58,9 @@ class SftResult:
     before: EvalResult | None = None
     """Env evaluations (``sft.eval_env``)."""
     after: EvalResult | None = None
+    stopped_at: int | None = None
+    """The step a self-imitation round with no success stopped the run at (None: it ran
+    all its steps)."""
 
 
 def assistant_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
@@ -201,13 +208,17 @@ def without_env_eval(cfg: Config) -> Config:
 def sft(cfg: Config, *, resume: bool = False) -> SftResult:
     """Fine-tune ``cfg``'s model on ``sft.data`` for ``run.steps`` steps (see the module
     docstring); ``resume`` continues the run in ``run.out_dir`` from its last checkpoint."""
-    if not cfg.sft.data and not cfg.sft.env_demos:
+    if not cfg.sft.data and not cfg.sft.env_demos and not cfg.sft.self_rounds:
         raise DataError("turnrl sft needs --sft.data FILE.jsonl (a conversation a line in the "
-                        "OpenAI chat format) or --sft.env_demos N (an env's scripted player)")
+                        "OpenAI chat format), --sft.env_demos N (an env's scripted player) "
+                        "or --sft.self_rounds N (the model's own successes)")
+    check_rounds(cfg.sft.self_rounds, cfg.run.steps, "the run (run.steps)")
     # a malformed file stops before anything starts
     demos = read_demonstrations(cfg.sft.data) if cfg.sft.data else []
     run = start_run(without_env_eval(cfg), resume)
     cfg, model, learner = run.cfg, run.learner.model, run.learner
+    if not resume:  # what a stopped earlier attempt in this directory recorded is stale
+        (run.run_dir / STOPPED).unlink(missing_ok=True)
     scripted, failed = env_demonstrations(cfg.env.name, cfg.env.options, cfg.sft.env_demos,
                                           run.policy.chat, cfg.rollout.max_turns)
     demos += scripted
@@ -217,25 +228,37 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
     skipped = failed + skipped
     for line in skipped:
         print(f"sft: {line}", file=sys.stderr)
-    if not episodes:
+    if not episodes and not cfg.sft.self_rounds:
         raise DataError(f"{cfg.sft.data or cfg.env.name}: nothing to train on: all "
                         f"{len(demos) + len(failed)} rows were skipped or left out (the lines "
                         "above say why); no step was taken")
-    train_ids, held_ids = split(len(episodes), cfg.sft.eval_fraction, cfg.run.seed)
+    train_ids, held_ids = split(len(episodes), cfg.sft.eval_fraction, cfg.run.seed) \
+        if episodes else ([], [])
     train_set, held_out = [episodes[i] for i in train_ids], [episodes[i] for i in held_ids]
     sizes = {"pad_id": learner.pad_id, "micro_batch_size": cfg.optim.micro_batch_size,
              "token_budget": learner.settings.token_budget}
     before = run.checkpoint_state.get("sft_loss_before") if run.start_step else None
     if before is None:
         before = held_out_loss(model, held_out, **sizes)
-    print(f"sft: {len(train_set)} sequences to train on, {len(held_out)} held out, "
-          f"{len(skipped)} skipped" + (f"; held-out loss {before:.4f}" if before is not None else ""))
+    if episodes or skipped:  # self-imitation alone has no demonstrations to count
+        print(f"sft: {len(train_set)} sequences to train on, {len(held_out)} held out, "
+              f"{len(skipped)} skipped"
+              + (f"; held-out loss {before:.4f}" if before is not None else ""))
     env_before = evaluate_env(run, "before")
     loss = before
-    label = Path(cfg.sft.data).name if cfg.sft.data else f"{cfg.env.name} scripted"
+    label = Path(cfg.sft.data).name if cfg.sft.data else f"{cfg.env.name} " + (
+        "scripted" if cfg.sft.env_demos else "self-imitation")
+    rounds = SelfImitation(run, train_set, tokenise) if cfg.sft.self_rounds else None
+    stopped = None
     with step_logging(run, f"sft {label}") as (logger, progress):
         for step in range(run.start_step, cfg.run.steps):
             timer = StageTimer()
+            if rounds:
+                with timer("play"):
+                    train_set = rounds.train_set(step)
+                if train_set is None:  # a round with no success: nothing to imitate
+                    rounds.stop(stopped := step)
+                    break
             batch = [train_set[i] for i in step_indices(len(train_set), cfg.sft.batch_size,
                                                          step, cfg.run.seed)]
             with timer("update"):
@@ -246,9 +269,13 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
             if held_out and eval_due(cfg, step):
                 with timer("eval"):
                     loss = metrics["eval/loss"] = held_out_loss(model, held_out, **sizes)
+            fields = rounds.after_step(metrics) if rounds else {}
             end_step(run, step, batch, None, metrics, timer, logger, progress,
                      checkpoint_extra={"sft_loss_before": before}, loss=metrics["sft/loss"],
-                     held_out=loss)
+                     held_out=loss, **fields)
+        if rounds:
+            rounds.end_round()
+    steps = cfg.run.steps if stopped is None else stopped
     if held_out and run.start_step >= cfg.run.steps:  # resumed a finished run: nothing ran
         loss = held_out_loss(model, held_out, **sizes)
     env_after = evaluate_env(run, "after")
@@ -258,9 +285,9 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
     if held_out:
         print_table("held-out demonstrations: mean NLL per assistant token",
                     ["", "loss"], [["before", f"{before:.4f}"],
-                                   [f"after {cfg.run.steps} steps", f"{loss:.4f}"]])
-    return SftResult(run.run_dir, cfg.run.steps, len(train_set), len(held_out), len(skipped),
-                     before, loss if held_out else None, env_before, env_after)
+                                   [f"after {steps} steps", f"{loss:.4f}"]])
+    return SftResult(run.run_dir, steps, len(train_set or []), len(held_out), len(skipped),
+                     before, loss if held_out else None, env_before, env_after, stopped)
 
 
 def eval_due(cfg: Config, step: int) -> bool:
