@@ -116,3 +116,42 @@ def test_the_tiny_model_learns_a_task_it_never_solves_only_with_guidance(tmp_pat
     # measured: off 0.0% -> 0.0%; demo 0.0% -> 100.0% [89.3, 100] (32 held-out, 12 steps)
     assert results["off"][1] <= 0.125  # no signal: it stays where it was
     assert results["demo"][1] >= 0.5 > results["demo"][0]
+
+
+def test_under_a_temperature_schedule_demonstrations_still_read_as_no_mismatch(tmp_path):
+    """The "old" log-probs of a demonstration are scored at the update's temperature: the
+    schedule's at step 2 (0.5 here), not rollout.temperature."""
+    train(_cfg(tmp_path, "say-seven", "--run.steps", "2", "--explore.guidance", "demo",
+               "--explore.temperature_schedule", "linear", "--explore.temperature_end", "0.5",
+               "--eval.episodes", "0"))
+    rows = read_metrics(tmp_path / "say-seven" / "metrics.jsonl")
+    assert rows[1]["explore/temperature"] == 0.5 and rows[1]["guide/episodes"] == 2
+    assert all(r["mismatch/kl"] < 1e-4 for r in rows)
+
+
+def test_the_step_s_success_is_the_policy_s_own_not_the_demonstrations(tmp_path):
+    train(_cfg(tmp_path, "say-seven", "--run.steps", "1", "--explore.guidance", "demo",
+               "--eval.episodes", "0"))
+    (row,) = read_metrics(tmp_path / "say-seven" / "metrics.jsonl")
+    assert row["guide/success"] == 1.0 and row["success/rate"] == 0.0
+    assert row["reward/mean"] == 0.0
+
+
+def test_train_agent_refuses_guidance_in_one_line():
+    from turnrl.serve.train import train_agent
+
+    async def rollout(client, task):
+        return 0.0
+
+    cfg = load_config(None, ["--model.name", "tiny", "--explore.guidance", "demo"])
+    with pytest.raises(ConfigError, match="explore.guidance demo works with turnrl train") as info:
+        train_agent(rollout, ["task"], cfg)
+    assert "\n" not in str(info.value)
+
+
+def test_a_demonstration_longer_than_the_policy_may_write_is_left_out(tmp_path):
+    with pytest.warns(UserWarning, match="more than rollout.max_new_tokens 2 lets the policy"):
+        train(_cfg(tmp_path, "say-seven", "--run.steps", "1", "--explore.guidance", "demo",
+                   "--rollout.max_new_tokens", "2"))
+    (row,) = read_metrics(tmp_path / "say-seven" / "metrics.jsonl")
+    assert row["guide/episodes"] == 0

@@ -31,6 +31,10 @@ def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
     checkpoint (``run.mode sync`` only). Call it from synchronous code."""
     if resume and cfg.run.mode == "async":
         raise ConfigError("train_agent resume is for run.mode sync; an async run starts afresh")
+    if cfg.explore.guidance != "off":  # agent code plays the tasks: there is no env to guide
+        raise ConfigError(f"explore.guidance {cfg.explore.guidance} works with turnrl train's envs "
+                          "only (it replays an env's seed with its reference player); set it "
+                          "off for train_agent")
     source = ServedSource(rollout, tasks, cfg, eval_tasks=eval_tasks, success_at=success_at,
                           judge=judge)
     return learn(served_config(cfg), source, resume=resume)

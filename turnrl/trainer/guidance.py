@@ -29,7 +29,8 @@ of the solution to show; here guidance is added (the group grows by one demonstr
 ``guidance_attempts`` hinted episodes), and the hint is the player's whole first reply
 (for a single-turn task, the answer itself). Hinted episodes keep their hinted prompt: they
 are on-policy given that prompt, and train the policy under it, as in GHPO. Evaluation never
-sees guidance. Each step logs ``guide/fired_groups``, ``guide/episodes`` and ``guide/success``.
+sees guidance. Each step logs ``guide/fired_groups``, ``guide/episodes`` and ``guide/success``;
+the step's ``reward/mean`` and ``success/rate`` leave guided episodes out (the policy's own).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from turnrl.demos.conversation import DemoError, conversation_episode
 from turnrl.demos.scripted import scripted_conversation
 from turnrl.envs.reference import reference_player
 from turnrl.rollout import run_sync
+from turnrl.trainer.rl_step import explore_settings
 from turnrl.trainer.step import score_policy_tokens
 from turnrl.types import Batch, Episode
 
@@ -123,7 +125,7 @@ class Guidance:
         guided: list[Episode] = []
         for group, seed in targets:
             if self.mode == "demo":
-                guided += self._demo(cfg, policy, seed, group)
+                guided += self._demo(cfg, run, seed, group)
             else:
                 guided += self._hinted(cfg, policy, seed, group, play)
         if targets and not guided:
@@ -136,7 +138,8 @@ class Guidance:
                                      if guided else 0.0)}
         return episodes + guided, metrics
 
-    def _demo(self, cfg: Any, policy: Any, seed: int, group: int) -> list[Episode]:
+    def _demo(self, cfg: Any, run: Any, seed: int, group: int) -> list[Episode]:
+        policy = run.policy
         env = policy.make_env()
         try:
             messages, tools, success, reward = run_sync(scripted_conversation(
@@ -151,10 +154,17 @@ class Guidance:
         except DemoError as err:
             self._warn(cfg.env.name, f"the template cannot render its demonstration: {err}")
             return []
+        longest = max(turn.end - turn.start for turn in ep.turns)
+        if longest > cfg.rollout.max_new_tokens + 1:  # + the end-of-turn token
+            self._warn(cfg.env.name, f"a demonstrated reply has {longest - 1} tokens, more than "
+                       f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} lets the policy "
+                       "write; raise it")
+            return []
         ep.group, ep.reward, ep.success = group, reward, True
         ep.end("done", "done")
+        # at the update's temperature (a temperature schedule moves it), so the ratio is 1
         learner_logprobs(policy.model, [ep], policy.tokenizer.pad_token_id,
-                         policy.params.temperature)
+                         explore_settings(run.learner).temperature)
         return [ep]
 
     def _hinted(self, cfg: Any, policy: Any, seed: int, group: int,

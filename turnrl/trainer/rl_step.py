@@ -37,11 +37,17 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
         update_metrics = policy_update(learner.model, learner.optimizer, batch,
                                        explore_settings(learner), learner.ref_model)
     with timer("log"):
-        summary, metrics = episode_metrics(episodes)
+        summary, metrics = episode_metrics(policy_episodes(episodes))
         metrics.update(update_metrics)
         metrics.update(learner.estimator.metrics())
         metrics.update(explore.end_step(update_metrics))
     return summary, metrics
+
+
+def policy_episodes(episodes: list[Episode]) -> list[Episode]:
+    """The episodes the policy played unguided (guided ones, ``info["guided"]``, train but
+    would inflate the step's reward and success: explore.guidance, trainer/guidance.py)."""
+    return [ep for ep in episodes if "guided" not in ep.info] or episodes
 
 
 def explore_settings(learner: Learner) -> UpdateSettings:
