@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
     {"registry", "types", "config", "stats", "safe_json", "leftovers"},
-    {"models", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
+    {"models", "hub", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
      "evaluation"},
     {"algorithms", "policy"},
     {"trainer", "sft"},
