@@ -18,7 +18,7 @@ LAYERS = [
     {"algorithms", "policy"},
     {"trainer", "sft"},
     {"distributed"},
-    {"launch", "cli", "report", "serve", "checkpoint_eval"},
+    {"launch", "cli", "report", "serve", "checkpoint_eval", "export"},
 ]
 LAYER = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 MAX_LINES = 500
