@@ -6,6 +6,7 @@ from turnrl.envs import builtin as _builtin  # noqa: F401
 from turnrl.envs import credit_tasks as _credit_tasks  # noqa: F401
 from turnrl.envs import latency as _latency  # noqa: F401
 from turnrl.envs import maze as _maze  # noqa: F401
+from turnrl.envs import mcp_env as _mcp_env  # noqa: F401
 from turnrl.envs import tool_env as _tool_env  # noqa: F401
 from turnrl.envs import twenty_questions as _twenty_questions  # noqa: F401
 from turnrl.envs import wordle as _wordle  # noqa: F401
