@@ -72,6 +72,17 @@ def test_an_export_reloads_with_plain_transformers_and_the_checkpoints_logprobs(
     assert record["step"] == 3 and record["base_model"] == "tiny"
 
 
+def test_a_bfloat16_run_exports_in_bfloat16(tmp_path):
+    run = tmp_path / "run"
+    save_config(load_config(None, ["--model.name", "tiny", "--model.dtype", "bfloat16"]),
+                run / "config.yaml")
+    model, _ = load_model("tiny", dtype="bfloat16")
+    save_checkpoint(run, 1, model, torch.optim.AdamW(model.parameters()), rng=rng_state())
+    result = export_model(run, tmp_path / "out")
+    reloaded, _ = plain_load(tmp_path / "out")
+    assert reloaded.dtype == torch.bfloat16 and result.max_logprob_diff < 5e-2
+
+
 def test_a_run_dir_exports_its_last_checkpoint_through_the_cli(tmp_path):
     run = tmp_path / "run"
     make_run(run, step=2, scale=0.0)

@@ -194,7 +194,7 @@ def test_bad_mcp_env_options_fail_in_one_line(tmp_path, options, message):
     tasks = tmp_path / "t.jsonl"
     tasks.write_text('{"prompt": "p", "answer": "a"}\n')
     options = {k: (str(tasks) if v == "{tasks}" else v) for k, v in options.items()}
-    with pytest.raises((ValueError, MCPServerError), match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         make_env("mcp", **options)
     close_shared_servers()
 
@@ -239,3 +239,20 @@ def test_turnrl_train_with_an_mcp_env_ends_its_server_without_a_leftover_warning
     assert done.returncode == 0, done.stderr[-2000:]
     assert "child process" not in done.stderr, done.stderr[-2000:]
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_a_missing_server_command_is_one_error_line_at_start_up(tmp_path):
+    import subprocess
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"prompt": "p", "answer": "a"}\n')
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "turnrl.cli", "train", "--model.name", "tiny",
+                           "--env.name", "mcp", "--env.options.servers",
+                           "turnrl-no-such-mcp-server", "--env.options.tasks", str(tasks),
+                           "--run.out_dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "cannot run turnrl-no-such-mcp-server (No such file or directory)" in lines[0]

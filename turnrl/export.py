@@ -29,8 +29,10 @@ from turnrl.policy import use_chat_template
 EXPORT_RECORD = "turnrl_export.json"
 ADAPTER_FILE = "adapter_model.safetensors"
 # Exported weights must reproduce the checkpoint's log-probs to this; a wrong weight moves
-# them by far more (whole nats), float rounding by ~1e-6.
-MAX_LOGPROB_DIFF = 1e-4
+# them by far more (whole nats), float32 rounding by ~1e-6. In bfloat16 the in-process model
+# may hold its rotary frequencies in bfloat16 (the tiny model is cast with .to()) where a
+# fresh load keeps them in float32: ~2e-3 on the tiny model.
+MAX_LOGPROB_DIFF = {"float32": 1e-4, "bfloat16": 5e-2}
 PROBE = [{"role": "system", "content": "You are a helpful assistant."},
          {"role": "user", "content": "What is 12 times 7? Answer with the number."},
          {"role": "assistant", "content": "12 times 7 is 84."}]
@@ -87,7 +89,7 @@ def export_model(source: str | Path, out_dir: str | Path, *, adapter_only: bool 
     diff = reload_difference(model, tokenizer, out, cfg.model.trust_remote_code)
     record["max_logprob_diff"] = diff
     (out / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    if diff > MAX_LOGPROB_DIFF:
+    if diff > MAX_LOGPROB_DIFF[cfg.model.dtype]:
         raise ValueError(f"the exported model in '{out}' does not reproduce the checkpoint: "
                          f"log-probs differ by up to {diff:.3g}")
     return ExportResult(out, checkpoint, cfg.model.name, diff)

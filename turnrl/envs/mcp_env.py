@@ -20,7 +20,7 @@ from pathlib import Path
 from turnrl.envs.base import register_env
 from turnrl.envs.tool_env import Task, ToolEnv
 from turnrl.rewards import exact_match, integer_match, numeric_match
-from turnrl.tools.mcp import shared_server
+from turnrl.tools.mcp import MCPServerError, shared_server
 
 REWARDS = {"exact": exact_match, "numeric": numeric_match,
            "integer": lambda reply, answer: integer_match(reply, answer, which="last")}
@@ -63,8 +63,11 @@ def mcp_env(servers: list | str = (), tasks: str = "", reward: str = "exact",
         raise ValueError(f"mcp env: reward '{reward}' is unknown; use one of "
                          f"{', '.join(REWARDS)}")
     rows = read_tasks(tasks)
-    tools = [t for command in commands
-             for t in shared_server(command, start_timeout_s).tools()]
+    try:
+        tools = [t for command in commands
+                 for t in shared_server(command, start_timeout_s).tools()]
+    except MCPServerError as err:  # at start-up a bad command is a config error: one line
+        raise ValueError(f"mcp env: {err}") from None
     return ToolEnv(lambda seed: rows[seed % len(rows)], tools, REWARDS[reward],
                    instructions=instructions, max_turns=max_turns,
                    call_timeout_s=call_timeout_s, tool_bonus=tool_bonus)
