@@ -13,12 +13,12 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
     {"registry", "types", "config", "stats", "safe_json", "leftovers"},
-    {"models", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint", "demos",
-     "evaluation"},
+    {"models", "hub", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
+     "demos", "evaluation"},
     {"algorithms", "policy"},
     {"trainer", "sft"},
     {"distributed"},
-    {"launch", "cli", "report", "serve", "checkpoint_eval"},
+    {"launch", "cli", "report", "serve", "checkpoint_eval", "export"},
 ]
 LAYER = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 MAX_LINES = 500

@@ -18,6 +18,7 @@ turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.po
               [--serve.api_key KEY] [--serve.checkpoint DIR] [--section.key VALUE ...]
 turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] [--html FILE.html]
 turnrl envs   [NAME]                                 (every env, or one in full)
+turnrl export CHECKPOINT_DIR|RUN_DIR OUT_DIR [--adapter-only]   (a Hugging Face model dir)
 
 Every config field is an option: --section.key VALUE."""
 
@@ -184,6 +185,20 @@ def cmd_envs(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_export(argv: Sequence[str]) -> int:
+    """``turnrl export CHECKPOINT_DIR|RUN_DIR OUT_DIR``: a plain Hugging Face model directory
+    (docs/models.md)."""
+    from turnrl.export import export_model
+
+    own, rest = _split(argv, {"--adapter-only": False})
+    if len(rest) != 2 or any(r.startswith("-") for r in rest):
+        raise ConfigError("usage: turnrl export CHECKPOINT_DIR|RUN_DIR OUT_DIR [--adapter-only]")
+    result = export_model(rest[0], rest[1], adapter_only=bool(own.get("--adapter-only")))
+    print(f"exported {result.checkpoint} (trained from {result.base_model}) to "
+          f"{result.out_dir}; max |log-prob difference| on reload: {result.max_logprob_diff:.3g}")
+    return 0
+
+
 def print_help(rest: list[str]) -> int:
     """``--help``: usage and the sections; ``--help SECTION`` or ``--help all``: options."""
     i = rest.index("-h" if "-h" in rest else "--help")
@@ -199,6 +214,7 @@ def print_help(rest: list[str]) -> int:
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "serve": cmd_serve, "report": cmd_report, "envs": cmd_envs}
 COMMANDS["sft"] = cmd_sft
+COMMANDS["export"] = cmd_export
 
 
 LEFTOVERS_WATCHED = ("train", "eval")
@@ -256,7 +272,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # its per-load weight bars would drown our own
     try:
         return COMMANDS[command](rest)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
         # Bad input is the user's to fix: one line, no traceback.
         print(f"turnrl {command}: error: {err}", file=sys.stderr)
         return 2

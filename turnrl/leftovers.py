@@ -45,6 +45,10 @@ FRAMEWORK_FILES = ("/ray/session_", "/wandb/")
 """Path marks of files that runtimes the framework uses keep open to the end (Ray's driver
 logs, Weights & Biases)."""
 
+CLOSE_AT_END: list = []
+"""Closers of what the framework itself keeps running for envs (shared MCP servers): run
+before leftover child processes are looked for, so those are not reported as the env's."""
+
 ENVS_PLAYED: set[str] = set()
 """Names of the envs the turn loops of this process played (``TurnLoop`` adds them)."""
 
@@ -224,6 +228,11 @@ def settle(before: Snapshot, code: int) -> None:
     """At the end of a command: stop and name leftover child processes, name leftover open
     files, and watch the exit (``watch_exit``)."""
     try:
+        for close in CLOSE_AT_END:
+            try:
+                close()
+            except Exception as err:  # noqa: BLE001 - the check below still runs
+                warn(f"closing {getattr(close, '__name__', close)} failed: {err}")
         if children := stop_children(before):
             warn(f"{envs_text()} left {len(children)} child process(es) running after the "
                  f"run: {'; '.join(children)}; stopped them (wait for or kill the processes "

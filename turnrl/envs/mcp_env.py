@@ -1,0 +1,73 @@
+"""``mcp``: a ``ToolEnv`` whose tools are those of MCP servers, configured from ``env.options``.
+
+    env:
+      name: mcp
+      options:
+        servers: ["python my_server.py", ["npx", "-y", "some-mcp-server"]]
+        tasks: tasks.jsonl        # {"prompt": ..., "answer": ..., more facts for the reward}
+        reward: exact             # exact | numeric | integer
+        instructions: "Use the tools, then give the final answer."
+
+Each server is started once per process and shared by the episodes (``shared_server``);
+docs/mcp.md has the details.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from turnrl.envs.base import register_env
+from turnrl.envs.tool_env import Task, ToolEnv
+from turnrl.rewards import exact_match, integer_match, numeric_match
+from turnrl.tools.mcp import MCPServerError, shared_server
+
+REWARDS = {"exact": exact_match, "numeric": numeric_match,
+           "integer": lambda reply, answer: integer_match(reply, answer, which="last")}
+
+
+def read_tasks(path: str) -> list[Task]:
+    """Tasks from a JSONL file: one object per line with "prompt" and "answer"; every other
+    key is a fact passed to the reward."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"mcp env: tasks file '{path}' not found; pass env.options.tasks "
+                         "FILE.jsonl with one {\"prompt\": ..., \"answer\": ...} per line")
+    tasks = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise ValueError(f"mcp env: {path} line {number} is not JSON ({err})") from None
+        if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+            raise ValueError(f"mcp env: {path} line {number} needs \"prompt\" and \"answer\"")
+        facts = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+        tasks.append(Task(str(row["prompt"]), row["answer"], facts))
+    if not tasks:
+        raise ValueError(f"mcp env: {path} holds no tasks")
+    return tasks
+
+
+@register_env("mcp")
+def mcp_env(servers: list | str = (), tasks: str = "", reward: str = "exact",
+            instructions: str = "", max_turns: int = 4, call_timeout_s: float = 10.0,
+            start_timeout_s: float = 30.0, tool_bonus: float = 0.0) -> ToolEnv:
+    """Tasks from a JSONL file, answered with the tools of MCP servers (stdio)."""
+    commands = [servers] if isinstance(servers, str) else list(servers)
+    if not commands:
+        raise ValueError("mcp env: give env.options.servers, a list of server commands "
+                         "(e.g. [\"python server.py\"])")
+    if reward not in REWARDS:
+        raise ValueError(f"mcp env: reward '{reward}' is unknown; use one of "
+                         f"{', '.join(REWARDS)}")
+    rows = read_tasks(tasks)
+    try:
+        tools = [t for command in commands
+                 for t in shared_server(command, start_timeout_s).tools()]
+    except MCPServerError as err:  # at start-up a bad command is a config error: one line
+        raise ValueError(f"mcp env: {err}") from None
+    return ToolEnv(lambda seed: rows[seed % len(rows)], tools, REWARDS[reward],
+                   instructions=instructions, max_turns=max_turns,
+                   call_timeout_s=call_timeout_s, tool_bonus=tool_bonus)

@@ -1,0 +1,426 @@
+"""MCP servers' tools as typed ``Tool``s: a minimal Model Context Protocol client over stdio.
+
+The transport is the protocol's stdio one: the server is a subprocess; JSON-RPC 2.0
+messages go one per line to its stdin and come back one per line on its stdout (its
+stderr is its log, kept here as a tail for error messages). The client does the handshake
+(``initialize``, then the ``notifications/initialized`` notification), lists the tools
+(``tools/list``, following ``nextCursor``) and calls them (``tools/call``).
+
+Each listed tool becomes a ``Tool`` whose schema is the server's ``inputSchema``; calling it
+sends ``tools/call`` and returns the text of the result's content. So MCP tools go through
+``run_tool_calls`` like Python tools: the same argument checks, ``call_timeout_s``
+(a call that overruns gets a ``notifications/cancelled`` and a timed-out error observation),
+concurrency (calls in flight are told apart by their JSON-RPC ids) and error observations
+(a result with ``isError`` or a JSON-RPC error raises ``MCPToolError``).
+
+The server itself failing is not the model's doing: a server that cannot start raises
+``MCPServerError`` with the reason (command not found, exit code and stderr tail, no answer
+to ``initialize`` in ``start_timeout_s``); one that exits mid-episode fails its pending
+calls and ``ToolEnv.step`` then raises, which fails the episode (``end_reason`` env_error)
+with the server's exit code and stderr tail. A dead server is started afresh on the next
+``reset``. Nothing here waits without a bound: every request has a timeout.
+
+A reader thread per server owns its stdout; answers resolve ``concurrent.futures`` futures,
+so a call can be awaited from any event loop (each env runs on its own, ``rollout.env_calls``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from turnrl import leftovers
+from turnrl.tools.schema import Tool
+
+PROTOCOL_VERSION = "2025-06-18"
+STDERR_TAIL = 20
+"""Lines of the server's stderr kept for error messages."""
+
+
+class MCPServerError(RuntimeError):
+    """The server could not start, stopped answering the protocol, or exited."""
+
+
+class MCPToolError(Exception):
+    """A tool call the server answered with an error (``isError`` or a JSON-RPC error):
+    the model's observation, not a failure of the episode."""
+
+
+class MCPServer:
+    """One MCP server over stdio: ``start()``, ``tools()``, ``await call(name, arguments)``."""
+
+    def __init__(self, command: str | list[str], *, name: str = "", env: dict | None = None,
+                 cwd: str | None = None, start_timeout_s: float = 30.0):
+        self.command = shlex.split(command) if isinstance(command, str) else list(command)
+        if not self.command:
+            raise ValueError("an MCP server needs a command, e.g. ['python', 'server.py']")
+        self.name = name or server_name(self.command)
+        self.env, self.cwd, self.start_timeout_s = env, cwd, start_timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._pending: dict[int, Future] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # one writer on the server's stdin at a time
+        self._starting = threading.Lock()
+        self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
+        self._death = ""
+        self._listed: list[dict] = []
+        self._stderr_reader: threading.Thread | None = None
+        self.server_info: dict = {}
+
+    # --- life cycle ------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and not self._death
+
+    def start(self) -> MCPServer:
+        """Spawn the server and do the handshake and the tool listing; a no-op while it runs."""
+        with self._starting:  # envs of concurrent episodes share a server: one starts it
+            if not self.alive:
+                self._start()
+        return self
+
+    def _start(self) -> None:
+        try:
+            with self._lock:
+                self._spawn()
+            init = self.request("initialize", {
+                "protocolVersion": PROTOCOL_VERSION, "capabilities": {},
+                "clientInfo": {"name": "turnrl", "version": _version()}},
+                self.start_timeout_s)
+            self.server_info = init.get("serverInfo") or {}
+            self.notify("notifications/initialized")
+            self._listed = self._list_tools()
+        except MCPServerError as err:
+            self.close()
+            raise MCPServerError(f"MCP server '{self.name}' ({shlex.join(self.command)}) did "
+                                 f"not start: {err}") from None
+
+    def _spawn(self) -> None:
+        self._death, self._pending = "", {}
+        self._stderr.clear()
+        try:
+            # A session of its own: close() stops whatever the server started, too.
+            proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, cwd=self.cwd, env=self._environ(),
+                                    start_new_session=True)
+        except OSError as err:
+            raise MCPServerError(f"cannot run {shlex.join(self.command)} "
+                                 f"({err.strerror or err}); check the command and that the "
+                                 "program is installed") from None
+        self._proc = proc
+        weakref.finalize(self, _stop, proc)
+        threading.Thread(target=self._read, args=(proc,), daemon=True,
+                         name=f"mcp-{self.name}-out").start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, args=(proc,),
+                                               daemon=True, name=f"mcp-{self.name}-err")
+        self._stderr_reader.start()
+
+    def _environ(self) -> dict | None:
+        return None if self.env is None else {**os.environ, **self.env}
+
+    def close(self) -> None:
+        """Stop the server (and what it started); pending calls fail."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _stop(proc)
+            self._fail_pending(proc, f"MCP server '{self.name}' was closed")
+
+    def check(self) -> None:
+        """Raise ``MCPServerError`` if the server has exited (or was never started)."""
+        if self._death:
+            raise MCPServerError(self._death)
+        if self._proc is None:
+            raise MCPServerError(f"MCP server '{self.name}' is not running")
+
+    # --- JSON-RPC --------------------------------------------------------------------------
+
+    def _send(self, message: dict) -> None:
+        proc = self._proc
+        if proc is None or self._death:
+            self.check()
+        line = json.dumps(message, ensure_ascii=False) + "\n"
+        try:
+            with self._lock:
+                proc.stdin.write(line.encode())
+                proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            self._died(proc)
+            self.check()
+
+    def notify(self, method: str, params: dict | None = None) -> None:
+        self._send({"jsonrpc": "2.0", "method": method, **({"params": params} if params
+                                                            else {})})
+
+    def _submit(self, method: str, params: dict) -> tuple[int, Future]:
+        request_id, future = next(self._ids), Future()
+        self._pending[request_id] = future
+        try:
+            self._send({"jsonrpc": "2.0", "id": request_id, "method": method,
+                        "params": params})
+        except MCPServerError:
+            self._pending.pop(request_id, None)
+            raise
+        return request_id, future
+
+    def request(self, method: str, params: dict, timeout_s: float) -> dict:
+        """Send a request and wait (blocking) for its result, at most ``timeout_s``."""
+        request_id, future = self._submit(method, params)
+        try:
+            return future.result(timeout_s)
+        except FutureTimeout:
+            self._pending.pop(request_id, None)
+            raise MCPServerError(f"no answer to {method} within {timeout_s:g} s"
+                                 f"{self._stderr_text()}") from None
+
+    async def arequest(self, method: str, params: dict) -> dict:
+        """Send a request and await its result; the caller bounds the wait. A wait that is
+        cancelled (a timeout) tells the server with ``notifications/cancelled``."""
+        request_id, future = self._submit(method, params)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._pending.pop(request_id, None)
+            if self.alive:
+                try:
+                    self.notify("notifications/cancelled",
+                                {"requestId": request_id, "reason": "timed out"})
+                except MCPServerError:
+                    pass
+            raise
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        """The reader thread: route each answer to its request until the server's stdout
+        closes; then the server is dead and every pending call fails."""
+        with proc.stdout:
+            for raw in proc.stdout:
+                try:
+                    message = json.loads(raw)
+                except ValueError:
+                    self._stderr.append(f"(not JSON on stdout) {raw[:200]!r}")
+                    continue
+                if isinstance(message, dict):
+                    self._dispatch(message)
+        self._died(proc)
+
+    def _dispatch(self, message: dict) -> None:
+        if "method" in message:  # the server asks or tells us something
+            if "id" in message:  # a request: only ping is ours to answer
+                answer = {"result": {}} if message["method"] == "ping" else {
+                    "error": {"code": -32601, "message": "method not found"}}
+                try:
+                    self._send({"jsonrpc": "2.0", "id": message["id"], **answer})
+                except MCPServerError:
+                    pass
+            return
+        future = self._pending.pop(message.get("id"), None)
+        if future is None or future.done():  # a late answer to a cancelled request
+            return
+        if "error" in message:
+            error = message["error"] if isinstance(message["error"], dict) else {}
+            future.set_exception(MCPToolError(
+                f"{error.get('message', 'error')} (JSON-RPC error {error.get('code')})"))
+        else:
+            future.set_result(message.get("result") or {})
+
+    def _read_stderr(self, proc: subprocess.Popen) -> None:
+        with proc.stderr:
+            for raw in proc.stderr:
+                self._stderr.append(raw.decode(errors="replace").rstrip()[:300])
+
+    def _died(self, proc: subprocess.Popen) -> None:
+        if proc is not self._proc or self._death:
+            return
+        try:
+            code = proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:  # stdout closed but still running: stop it
+            _stop(proc)
+            code = proc.poll()
+        # its last words (why it exited) may still be in the pipe: let the reader take them
+        self._stderr_reader.join(timeout=1.0)
+        self._death = (f"MCP server '{self.name}' exited with code {code}"
+                       f"{self._stderr_text()}")
+        self._fail_pending(proc, self._death)
+
+    def _fail_pending(self, proc: subprocess.Popen, reason: str) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(MCPServerError(reason))
+
+    def _stderr_text(self) -> str:
+        tail = " | ".join(line for line in list(self._stderr)[-5:] if line)
+        return f"; its stderr ends: {tail}" if tail else ""
+
+    # --- tools -----------------------------------------------------------------------------
+
+    def _list_tools(self) -> list[dict]:
+        listed, cursor = [], None
+        for _ in range(1000):  # pages; a server that never stops paging is cut off
+            result = self.request("tools/list", {"cursor": cursor} if cursor else {},
+                                  self.start_timeout_s)
+            listed += [t for t in result.get("tools", []) if isinstance(t, dict)
+                       and isinstance(t.get("name"), str)]
+            cursor = result.get("nextCursor")
+            if not cursor:
+                break
+        return listed
+
+    def tools(self) -> list[Tool]:
+        """The server's tools (starting it if needed), each a ``Tool`` calling it."""
+        self.start()
+        return [self._as_tool(entry) for entry in self._listed]
+
+    def _as_tool(self, entry: dict) -> Tool:
+        name = entry["name"]
+
+        async def call(**arguments: Any) -> str:
+            return await self.call(name, arguments)
+
+        call.mcp_server = self  # ToolEnv finds the servers its tools need through this
+        return Tool(name, entry.get("description") or "", input_schema(entry), call)
+
+    async def call(self, name: str, arguments: dict) -> str:
+        """``tools/call``: the result's text; ``MCPToolError`` when the server says the call
+        failed, ``MCPServerError`` when the server is gone."""
+        result = await self.arequest("tools/call", {"name": name, "arguments": arguments})
+        text = result_text(result)
+        if result.get("isError"):
+            raise MCPToolError(text or "the tool reported an error")
+        return text
+
+
+_LAUNCHERS = {"python", "python3", "node", "npx", "uv", "uvx", "deno", "bun", "pipx"}
+
+
+def server_name(command: list[str]) -> str:
+    """A short name for messages: the program, or the script or package a launcher runs."""
+    program = os.path.basename(command[0])
+    if program.rstrip("0123456789.") in _LAUNCHERS or program.startswith("python"):
+        for arg in command[1:]:
+            if arg == "-c":
+                break  # inline code has no name
+            if not arg.startswith("-") and arg not in ("run", "exec"):
+                return os.path.basename(arg)
+    return program
+
+
+def input_schema(entry: dict) -> dict:
+    """A tool's ``inputSchema`` in the shape ``Tool`` checks arguments against: an object with
+    ``properties`` and ``required``; a nullable type list (["string", "null"]) becomes the
+    type and ``nullable``; other type lists are left unchecked."""
+    schema = dict(entry.get("inputSchema") or {})
+    properties = {}
+    for key, prop in (schema.get("properties") or {}).items():
+        prop = dict(prop) if isinstance(prop, dict) else {}
+        kinds = prop.get("type")
+        if isinstance(kinds, list):
+            kept = [k for k in kinds if k != "null"]
+            prop.pop("type")
+            if len(kept) == 1:
+                prop["type"] = kept[0]
+            if "null" in kinds:
+                prop["nullable"] = True
+        properties[key] = prop
+    required = [r for r in schema.get("required") or [] if r in properties]
+    return {**schema, "type": "object", "properties": properties, "required": required}
+
+
+def result_text(result: dict) -> str:
+    """The text of a ``tools/call`` result: its text parts joined; other parts described
+    (an image by its MIME type, a resource by its text or URI); else the structured content."""
+    parts = []
+    for item in result.get("content") or []:
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "text":
+            parts.append(str(item.get("text", "")))
+        elif kind == "resource":
+            resource = item.get("resource") or {}
+            parts.append(str(resource.get("text") or f"[resource {resource.get('uri')}]"))
+        elif kind is not None:
+            parts.append(f"[{kind} {item.get('mimeType') or item.get('uri') or ''}]".strip())
+    if not parts and result.get("structuredContent") is not None:
+        return json.dumps(result["structuredContent"], ensure_ascii=False)
+    return "\n".join(parts)
+
+
+def tool_servers(tools: Any) -> list[MCPServer]:
+    """The MCP servers behind ``tools`` (a list or name -> Tool dict), each once."""
+    found = {}
+    for t in tools.values() if isinstance(tools, dict) else tools:
+        server = getattr(t.fn, "mcp_server", None)
+        if server is not None:
+            found[id(server)] = server
+    return list(found.values())
+
+
+_SHARED: dict[tuple, MCPServer] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_server(command: str | list[str], start_timeout_s: float = 30.0,
+                  cwd: str | None = None) -> MCPServer:
+    """The process's one server for ``command`` (envs are made per episode; the server is
+    started once and shared by them, and closed when the command ends)."""
+    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    key = (tuple(argv), cwd)
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = MCPServer(argv, cwd=cwd, start_timeout_s=start_timeout_s)
+        return _SHARED[key]
+
+
+def close_shared_servers() -> None:
+    with _SHARED_LOCK:
+        servers = list(_SHARED.values())
+        _SHARED.clear()
+    for server in servers:
+        server.close()
+
+
+leftovers.CLOSE_AT_END.append(close_shared_servers)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Close stdin (the protocol's shutdown), then SIGTERM and SIGKILL the server's session.
+    Its stdout and stderr are closed by their reader threads, at their end."""
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    if proc.poll() is None:
+        try:
+            proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except OSError:
+                    pass
+                try:
+                    proc.wait(timeout=2.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+
+
+def _version() -> str:
+    """TurnRL's installed version, for ``clientInfo`` (the package itself is not imported
+    here: it imports the envs, which import this module)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("turnrl")
+    except PackageNotFoundError:
+        return "unknown"
