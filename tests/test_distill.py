@@ -159,7 +159,8 @@ def test_config_refuses_what_distillation_cannot_honour(args, message):
 
 
 def test_the_cli_reports_a_bad_teacher_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "turnrl.cli", "train", *TINY,
+    args = [*TINY[:2], "--env.name", "arithmetic", *TINY[4:]]  # a subprocess: a built-in env
+    done = subprocess.run([sys.executable, "-m", "turnrl.cli", "train", *args,
                            "--distill.teacher", str(tmp_path / "nope"), "--run.steps", "1",
                            "--run.out_dir", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=300)
