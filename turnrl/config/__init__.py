@@ -7,6 +7,7 @@ Modules, by topic:
 - ``async_``    async mode: ray, staleness, pool
 - ``serve``     the OpenAI-compatible endpoint
 - ``explore``   exploration and stability options
+- ``distill``   on-policy distillation from a teacher
 - ``root``      ``Config``: the sections in order
 - ``checks``    every check that reads more than one section
 - ``renames``   keys that moved, and translating stored configs written with them
@@ -38,6 +39,7 @@ from turnrl.config.core import (
     RunConfig,
 )
 from turnrl.config.critic import CriticConfig
+from turnrl.config.distill import DistillConfig
 from turnrl.config.explore import ExploreConfig
 from turnrl.config.help import config_help, section_help, sections_help
 from turnrl.config.load import (
@@ -70,6 +72,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "CriticConfig",
+    "DistillConfig",
     "EnvConfig",
     "EvalConfig",
     "ExploreConfig",

@@ -76,6 +76,14 @@ def check_explore(cfg: Config) -> None:
                           f"{', '.join(episode_level)} with it")
 
 
+def check_distill(cfg: Config) -> None:
+    """On-policy distillation runs where the learner's episodes are its own, current samples."""
+    if cfg.distill.teacher and cfg.run.mode == "async":
+        raise ConfigError("distill.teacher works in run.mode sync only (async rollout workers "
+                          "sample with older weights, so the sampled log-probs are not the "
+                          "student's); use run.mode sync or drop distill.teacher")
+
+
 def check_across(cfg: Config) -> None:
     """Every cross-section check, in the order of the sections they start from."""
     if cfg.ray.engine == "vllm" or cfg.rollout.engine == "vllm":
@@ -86,6 +94,7 @@ def check_across(cfg: Config) -> None:
     check_critic_options(cfg.algo.advantage, cfg.critic)
     check_explore(cfg)
     check_self_seeds(cfg)
+    check_distill(cfg)
 
 
 def check_self_seeds(cfg: Config) -> None:

@@ -16,6 +16,7 @@ from turnrl.config.core import (
     RunConfig,
 )
 from turnrl.config.critic import CriticConfig
+from turnrl.config.distill import DistillConfig
 from turnrl.config.explore import ExploreConfig
 from turnrl.config.serve import ServeConfig
 from turnrl.config.sft import SftConfig
@@ -52,6 +53,9 @@ class Config:
     """exploration and stability options, all off by default"""
     sft: SftConfig = field(default_factory=SftConfig)
     """supervised fine-tuning on demonstrations (turnrl sft, a warm-up before RL)"""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """on-policy distillation: a teacher scores the sampled tokens (reverse KL), off by
+    default"""
 
     def __post_init__(self) -> None:
         check_across(self)

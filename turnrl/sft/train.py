@@ -215,7 +215,8 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
     check_rounds(cfg.sft.self_rounds, cfg.run.steps, "the run (run.steps)")
     # a malformed file stops before anything starts
     demos = read_demonstrations(cfg.sft.data) if cfg.sft.data else []
-    run = start_run(without_env_eval(cfg), resume)
+    # no teacher: distillation is an RL signal (a warm-up would load it for nothing)
+    run = start_run(replace(without_env_eval(cfg), distill=type(cfg.distill)()), resume)
     cfg, model, learner = run.cfg, run.learner.model, run.learner
     if not resume:  # what a stopped earlier attempt in this directory recorded is stale
         (run.run_dir / STOPPED).unlink(missing_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from turnrl.evaluation import EvalResult
+from turnrl.trainer.distill import distill_batch
 from turnrl.trainer.run import Learner, StageTimer, episode_metrics
 from turnrl.trainer.step import UpdateSettings, policy_update
 from turnrl.types import Batch, Episode
@@ -23,7 +24,9 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
 
     Stages (timed into ``timer``): ``advantages`` (the estimator; a turn-level critic also
     trains here), ``update`` (``policy_update``: one optimiser step per ``algo.epochs``; with
-    decoupled PPO and several epochs it first scores the proximal policy), ``log``.
+    decoupled PPO and several epochs it first scores the proximal policy), ``log``. With a
+    ``distill.teacher``, ``teacher`` (between the two) scores the policy tokens under it and
+    adds the per-token reverse-KL advantage (``trainer/distill.py``).
     """
     explore = learner.explore
     with timer("advantages"):
@@ -33,12 +36,18 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
         batch = Batch.from_episodes(episodes, explore.advantages(scored, advantages),
                                     learner.pad_id)
         batch = replace(batch, loss_mask=explore.loss_mask(episodes, batch.loss_mask))
+    distill_metrics = {}
+    if learner.teacher is not None:
+        with timer("teacher"):  # the reverse KL to the teacher joins the advantages
+            batch, distill_metrics = distill_batch(learner.teacher, batch,
+                                                   explore_settings(learner), learner.distill)
     with timer("update"):
         update_metrics = policy_update(learner.model, learner.optimizer, batch,
                                        explore_settings(learner), learner.ref_model)
     with timer("log"):
         summary, metrics = episode_metrics(policy_episodes(episodes))
         metrics.update(update_metrics)
+        metrics.update(distill_metrics)
         metrics.update(learner.estimator.metrics())
         metrics.update(explore.end_step(update_metrics))
     return summary, metrics

@@ -42,6 +42,7 @@ from turnrl.checkpoint import (
 from turnrl.config import (
     Config,
     ConfigError,
+    DistillConfig,
     ExploreConfig,
     changed_keys,
     config_from_dict,
@@ -52,6 +53,7 @@ from turnrl.evaluation import COLUMNS, EvalResult, episode_transcript, summarize
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy
+from turnrl.trainer.distill import load_teacher
 from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
 from turnrl.types import Episode, write_episodes
 
@@ -102,6 +104,9 @@ class Learner:
     explore: Exploration = field(default_factory=lambda: Exploration(
         ExploreConfig(), steps=1, temperature=1.0, entropy_coef=0.0, max_policy_tokens=1))
     """The ``explore`` options' stage (off by default)."""
+    teacher: torch.nn.Module | None = None
+    """The frozen teacher of on-policy distillation (``distill``; None = off)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
@@ -176,7 +181,9 @@ def build_learner(cfg: Config, policy: Policy, *, decoupled: bool = False) -> Le
     return Learner(model, make_optimizer(model, cfg.optim), settings,
                    make_estimator(EstimatorSettings.from_config(cfg, model.config.hidden_size)),
                    policy.tokenizer.pad_token_id,
-                   copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None, explore)
+                   copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None, explore,
+                   load_teacher(cfg, policy.tokenizer, next(model.parameters()).device),
+                   cfg.distill)
 
 
 def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
