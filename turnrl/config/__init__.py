@@ -38,6 +38,7 @@ from turnrl.config.core import (
     RunConfig,
 )
 from turnrl.config.critic import CriticConfig
+from turnrl.config.env_plan import Curriculum, MixEntry
 from turnrl.config.explore import ExploreConfig
 from turnrl.config.help import config_help, section_help, sections_help
 from turnrl.config.load import (
@@ -70,10 +71,12 @@ __all__ = [
     "Config",
     "ConfigError",
     "CriticConfig",
+    "Curriculum",
     "EnvConfig",
     "EvalConfig",
     "ExploreConfig",
     "LossAgg",
+    "MixEntry",
     "ModelConfig",
     "OptimConfig",
     "PoolConfig",

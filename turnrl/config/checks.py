@@ -73,9 +73,18 @@ def check_explore(cfg: Config) -> None:
                           f"{', '.join(episode_level)} with it")
 
 
+def check_env_plan(cfg: Config) -> None:
+    """A curriculum or a mix needs the sync trainer: it builds every env from the step's plan
+    (the async rollout workers build theirs from env.name and env.options alone)."""
+    used = [key for key in ("curriculum", "mix") if getattr(cfg.env, key)]
+    if cfg.run.mode == "async" and used:
+        raise ConfigError(f"env.{used[0]} works in run.mode sync only; use --run.mode sync")
+
+
 def check_across(cfg: Config) -> None:
     """Every cross-section check, in the order of the sections they start from."""
     if cfg.ray.engine == "vllm":
         check_vllm_temperature(cfg.rollout.temperature)
     check_critic_options(cfg.algo.advantage, cfg.critic)
     check_explore(cfg)
+    check_env_plan(cfg)

@@ -14,6 +14,7 @@ from turnrl.algorithms.exploration import dynamic_sampling
 from turnrl.config import Config
 from turnrl.policy import training_seeds
 from turnrl.rollout import run_episodes, run_sync
+from turnrl.trainer.curriculum import TrainingEnvs
 from turnrl.trainer.learn import SourceDefaults, learn
 from turnrl.trainer.run import Run, TrainResult
 from turnrl.types import Episode
@@ -25,6 +26,7 @@ class LocalSource(SourceDefaults):
     def open(self, run: Run) -> None:
         self.run = run
         self.extra: dict[str, float] = {}
+        self.envs = TrainingEnvs(run)  # a curriculum's level, a mix's labels (curriculum.py)
 
     def collect(self, step: int) -> list[Episode]:
         cfg = self.run.cfg
@@ -41,14 +43,17 @@ class LocalSource(SourceDefaults):
         run = self.run
         cfg, policy = run.cfg, run.policy
         params = replace(policy.params, temperature=run.learner.explore.temperature())
-        return run_sync(run_episodes(
-            policy.make_env, seeds, policy.engine, policy.chat, params, env_name=cfg.env.name,
+        return self.envs.label(run_sync(run_episodes(
+            self.envs.make, seeds, policy.engine, policy.chat, params, env_name=cfg.env.name,
             max_turns=cfg.rollout.max_turns, max_context=policy.max_context,
-            env_timeout_s=cfg.rollout.env_timeout_s))
+            env_timeout_s=cfg.rollout.env_timeout_s)))
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
-        return self.extra
+        return {**self.extra, **self.envs.step_metrics(episodes)}
+
+    def state_dict(self) -> dict:
+        return self.envs.state_dict()
 
 
 def resample_seeds(cfg: Config, step: int, round_: int) -> list[tuple[int, int]]:
