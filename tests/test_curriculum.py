@@ -12,6 +12,7 @@ from turnrl.envs import StepResult, register_env
 from turnrl.envs.mix import mix_choice
 from turnrl.metrics import read_metrics
 from turnrl.policy import env_factories, training_seeds
+from turnrl.serve.source import ServedSource
 from turnrl.trainer import LocalSource, learn
 from turnrl.trainer.curriculum import next_level
 from turnrl.types import read_episodes
@@ -111,6 +112,8 @@ CURRICULUM = ["--env.name", "test-knob", "--env.curriculum.option", "difficulty"
     (["--env.name", "mix", "--env.mix", "[{weight: 2}]"], "env.mix[0].name must be"),
     (["--env.name", "mix", "--env.mix", "[test-always]"], "env.mix[0] must be a mapping"),
     (["--env.name", "mix", "--env.mix", "[{name: test-always, wieght: 2}]"], "unknown key"),
+    (["--env.name", "mix", "--env.mix", "[{name:test-always}]"],
+     "YAML needs a space after the colon"),
     (["--env.name", "mix", "--env.mix", "{name: test-always}"], "env.mix: expected list"),
     (["--env.name", "mix"], "env.name mix needs env.mix"),
     (["--env.mix", "[{name: test-always}]"], "set --env.name mix"),
@@ -123,6 +126,15 @@ def test_a_bad_curriculum_or_mix_fails_in_one_line(args, says):
     with pytest.raises(ConfigError) as err:
         _config(*args)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("args", [
+    ["--env.name", "mix", "--env.mix", "[{name: test-always}]"],
+    CURRICULUM + ["--env.curriculum.levels", "[0, 2]"],
+])
+def test_train_agent_refuses_an_env_plan_it_would_ignore(args):
+    with pytest.raises(ConfigError, match="train_agent plays its own tasks"):
+        ServedSource(lambda *a: None, ["a task"], _config(*args))
 
 
 @pytest.mark.parametrize(("args", "says"), [

@@ -51,7 +51,9 @@ def _number(value: Any) -> bool:
 def _unknown_keys(where: str, given: Mapping, valid: tuple[str, ...]) -> None:
     extra = [str(k) for k in given if k not in valid]
     if extra:
-        raise ConfigError(f"{where}: unknown key '{extra[0]}'; valid keys: {', '.join(valid)}")
+        hint = " (YAML needs a space after the colon: 'name: value')" if ":" in extra[0] else ""
+        raise ConfigError(f"{where}: unknown key '{extra[0]}'{hint}; valid keys: "
+                          f"{', '.join(valid)}")
 
 
 def parse_curriculum(raw: Mapping[str, Any]) -> Curriculum | None:
