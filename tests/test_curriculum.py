@@ -155,6 +155,21 @@ def test_an_env_the_plan_cannot_build_fails_at_start_up_naming_the_key(args, say
     assert str(err.value).startswith(says) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(("option", "levels", "says"), [
+    ("max_term", "[2, 3]", "level 0 (max_term=2): bad env.options for 'reasoning-gym': "
+     "BasicArithmeticDatasetConfig.__init__() got an unexpected keyword argument 'max_term'"),
+    ("max_terms", "[2, 3, 1]", "level 2 (max_terms=1): bad env.options for 'reasoning-gym': "
+     "max_terms must be >= min_terms"),
+])
+def test_a_reasoning_gym_knob_its_generator_rejects_fails_at_start_up(option, levels, says):
+    pytest.importorskip("reasoning_gym")
+    cfg = _config("--env.name", "reasoning-gym", "--env.curriculum.option", option,
+                  "--env.curriculum.levels", levels)
+    with pytest.raises(ValueError) as err:
+        env_factories(cfg)
+    assert str(err.value) == f"env.curriculum {says}"
+
+
 # --------------------------------------------------------------------------- curriculum runs
 
 KNOB = TINY + ["--env.name", "test-knob", "--env.curriculum.option", "difficulty",
