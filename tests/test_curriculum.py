@@ -231,7 +231,8 @@ def test_groups_are_drawn_by_weight_deterministically():
 def test_a_mix_plays_each_groups_env_and_logs_and_evaluates_per_env(tmp_path):
     out = tmp_path / "mix"
     result = learn(load_config(None, MIX + ["--rollout.groups_per_step", "4", "--run.steps", "2",
-                                            "--eval.episodes", "3", "--run.out_dir", str(out)]),
+                                            "--eval.episodes", "3", "--eval.every", "1",
+                                            "--run.out_dir", str(out)]),
                    LocalSource())
     rows = read_metrics(out / "metrics.jsonl")
     for row in rows:
@@ -244,6 +245,7 @@ def test_a_mix_plays_each_groups_env_and_logs_and_evaluates_per_env(tmp_path):
         if played["test-never"]:
             assert row["env/test-never/success"] == 0 == row["env/test-never/reward"]
         assert row["success/rate"] == played["test-always"] / 8
+    assert (rows[0]["eval/test-always/success"], rows[0]["eval/test-never/success"]) == (1, 0)
     episodes = read_episodes(out / "episodes" / "step-000001.jsonl")
     assert {ep.env for ep in episodes} <= {"test-always", "test-never"}
     assert all(ep.success == (ep.env == "test-always") for ep in episodes)
