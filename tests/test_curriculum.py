@@ -197,6 +197,7 @@ def test_the_level_follows_training_success_and_resume_keeps_it(tmp_path):
     # Evaluation plays the hardest level, before and after: never solved here.
     assert result.before.successes == 0 == result.after.successes
     assert result.before.episodes == 2
+    assert "test-knob at difficulty=2 (the hardest level): 2 held-out episodes" in result.table
 
     # Stopped after step 3, mid-window at level 1, then resumed: the same levels.
     split = tmp_path / "split"
@@ -258,6 +259,20 @@ def test_a_mix_plays_each_groups_env_and_logs_and_evaluates_per_env(tmp_path):
         saved = json.loads((out / f"eval_{when}.json").read_text())
         assert saved["per_env"]["test-always"]["success_rate"] == 1.0
         assert saved["per_env"]["test-never"]["episodes"] == 3
+    assert "mix of test-always, test-never: 3 held-out episodes per env" in result.table
     for label in ("test-always before", "test-always after", "test-never before",
                   "test-never after"):
         assert label in result.table
+
+
+def test_per_env_metrics_count_every_played_group_even_those_dynamic_sampling_drops(tmp_path):
+    out = tmp_path / "dynamic"
+    learn(load_config(None, MIX + ["--run.steps", "1", "--eval.episodes", "0",
+                                   "--explore.dynamic_sampling", "true",
+                                   "--explore.dynamic_max_rounds", "2",
+                                   "--run.out_dir", str(out)]), LocalSource())
+    row = read_metrics(out / "metrics.jsonl")[0]
+    # No group has a signal (each env always or never solves): 1 + 2 rounds of 2 groups.
+    assert row["dynamic/collected_groups"] == 6
+    played = row.get("env/test-always/episodes", 0) + row.get("env/test-never/episodes", 0)
+    assert played == 12

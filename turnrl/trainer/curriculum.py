@@ -40,6 +40,19 @@ def value_metric(value: object) -> dict[str, float]:
     return {}
 
 
+def held_out_title(cfg: Config) -> str:
+    """What the before/after table evaluated: the env, a curriculum's (hardest) level, a mix's
+    envs."""
+    plan, mix, episodes = cfg.env.curriculum_plan(), cfg.env.mix_plan(), cfg.eval.episodes
+    if plan:
+        return (f"{cfg.env.name} at {plan.option}={plan.levels[-1]!r} (the hardest level): "
+                f"{episodes} held-out episodes")
+    if mix:
+        return (f"mix of {', '.join(e.label for e in mix)}: {episodes} held-out episodes "
+                "per env")
+    return f"{cfg.env.name}: {episodes} held-out episodes"
+
+
 class CurriculumState:
     """The level and the success rates of the window under way, advanced once per step."""
 
@@ -97,30 +110,38 @@ class TrainingEnvs:
 
     def __init__(self, run: Run) -> None:
         cfg = run.cfg
-        self.cfg, self.default = cfg, run.policy.make_env
         plan = cfg.env.curriculum_plan()
         self.curriculum = plan and CurriculumState(
             plan, run.checkpoint_state.get("curriculum"))
+        self.level_makes = [level_factory(cfg, v) for v in plan.levels] if plan else []
+        self.default = run.policy.make_env
         self.label_of = mix_labels(cfg) if cfg.env.mix else None
+        self.played: list[Episode] = []
+        """Every episode the step played so far, groups dynamic sampling drops included."""
 
     def make(self) -> Env:
         """A fresh env at the current level (the run's env without a curriculum)."""
         if self.curriculum:
-            return level_factory(self.cfg, self.curriculum.value)()
+            return self.level_makes[self.curriculum.level]()
         return self.default()
 
-    def label(self, episodes: list[Episode]) -> list[Episode]:
-        """Name each mixed episode's env by the label drawn for its seed (in place)."""
+    def record(self, episodes: list[Episode]) -> list[Episode]:
+        """Count ``episodes`` as played this step; name each mixed episode's env by the label
+        drawn for its seed (in place)."""
         if self.label_of:
             for ep in episodes:
                 ep.env = self.label_of(ep.seed)
+        self.played += episodes
         return episodes
 
-    def step_metrics(self, episodes: Sequence[Episode]) -> dict[str, float]:
-        """Per-env metrics of a mix; a curriculum's step counted (which may move it)."""
-        metrics = per_env_metrics(episodes) if self.label_of else {}
-        if self.curriculum and episodes:
-            success = float(np.mean([ep.success for ep in episodes]))
+    def step_metrics(self) -> dict[str, float]:
+        """Per-env metrics of a mix; a curriculum's step counted (which may move it). Both
+        measure every episode the step played: the groups dynamic sampling kept would
+        overstate a mixed success and hide all-solved and all-failed groups."""
+        played, self.played = self.played, []
+        metrics = per_env_metrics(played) if self.label_of else {}
+        if self.curriculum and played:
+            success = float(np.mean([ep.success for ep in played]))
             metrics.update(self.curriculum.observe(success))
         return metrics
 

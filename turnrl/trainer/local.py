@@ -43,14 +43,14 @@ class LocalSource(SourceDefaults):
         run = self.run
         cfg, policy = run.cfg, run.policy
         params = replace(policy.params, temperature=run.learner.explore.temperature())
-        return self.envs.label(run_sync(run_episodes(
+        return self.envs.record(run_sync(run_episodes(
             self.envs.make, seeds, policy.engine, policy.chat, params, env_name=cfg.env.name,
             max_turns=cfg.rollout.max_turns, max_context=policy.max_context,
             env_timeout_s=cfg.rollout.env_timeout_s)))
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
-        return {**self.extra, **self.envs.step_metrics(episodes)}
+        return {**self.extra, **self.envs.step_metrics()}
 
     def state_dict(self) -> dict:
         return self.envs.state_dict()
