@@ -10,6 +10,7 @@ import pytest
 from turnrl.config import ConfigError, load_config
 from turnrl.envs import StepResult, register_env
 from turnrl.envs.mix import mix_choice
+from turnrl.evaluation import EvalResult
 from turnrl.metrics import read_metrics
 from turnrl.policy import env_factories, training_seeds
 from turnrl.serve.source import ServedSource
@@ -276,3 +277,14 @@ def test_per_env_metrics_count_every_played_group_even_those_dynamic_sampling_dr
     assert row["dynamic/collected_groups"] == 6
     played = row.get("env/test-always/episodes", 0) + row.get("env/test-never/episodes", 0)
     assert played == 12
+
+
+def test_a_saved_per_env_evaluation_reads_back_whole_and_a_single_env_file_is_unchanged():
+    one = EvalResult(episodes=4, successes=3, mean_reward=0.75, mean_turns=1.0, failed=0)
+    other = EvalResult(episodes=4, successes=0, mean_reward=0.0, mean_turns=2.0, failed=1)
+    pooled = EvalResult(episodes=8, successes=3, mean_reward=0.375, mean_turns=1.5, failed=1,
+                        per_env={"a": one, "b": other})
+    again = EvalResult.from_dict(json.loads(json.dumps(pooled.to_dict())))
+    assert again == pooled and again.per_env["b"].failed == 1
+    assert "per_env" not in one.to_dict()
+    assert EvalResult.from_dict(one.to_dict()) == one

@@ -58,7 +58,8 @@ class EvalResult:
     def to_dict(self) -> dict:
         lo, hi = self.interval
         out = {**asdict(self), "success_rate": self.success_rate, "ci_lo": lo, "ci_hi": hi}
-        if self.per_env is not None:
+        per_env = out.pop("per_env")  # a single env's file stays as it was
+        if per_env is not None:
             out["per_env"] = {label: r.to_dict() for label, r in self.per_env.items()}
         return out
 
