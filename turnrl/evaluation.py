@@ -43,6 +43,8 @@ class EvalResult:
     env_metrics: dict[str, float] | None = None
     """What the env measured of the policy itself (its ``policy_metrics``, e.g. Kuhn Poker's
     exploitability), when it offers that."""
+    per_env: dict[str, EvalResult] | None = None
+    """A mix's result per env label (``evaluate_each``); the fields above pool them."""
 
     @property
     def success_rate(self) -> float:
@@ -58,7 +60,21 @@ class EvalResult:
 
     def to_dict(self) -> dict:
         lo, hi = self.interval
-        return {**asdict(self), "success_rate": self.success_rate, "ci_lo": lo, "ci_hi": hi}
+        out = {**asdict(self), "success_rate": self.success_rate, "ci_lo": lo, "ci_hi": hi}
+        per_env = out.pop("per_env")  # a single env's file stays as it was
+        if per_env is not None:
+            out["per_env"] = {label: r.to_dict() for label, r in self.per_env.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EvalResult:
+        """The result ``to_dict`` wrote (a saved before/after evaluation)."""
+        per_env = data.get("per_env")
+        return cls(**{k: data[k] for k in ("episodes", "successes", "mean_reward",
+                                           "mean_turns", "failed")},
+                   end_reasons=data.get("end_reasons"), env_metrics=data.get("env_metrics"),
+                   per_env=None if per_env is None else {
+                       label: cls.from_dict(r) for label, r in per_env.items()})
 
 
 def summarize(episodes: Sequence[Episode]) -> EvalResult:
@@ -134,6 +150,19 @@ def with_env_metrics(result: EvalResult, env: Env, score: Callable[[list[dict], 
     if not callable(measure):
         return result
     return replace(result, env_metrics={k: float(v) for k, v in measure(score).items()})
+def evaluate_each(makes: dict[str, Callable[[], Env]], seeds: Sequence[int], engine: Engine,
+                  chat: ChatFormat, params: SamplingParams, **options
+                  ) -> tuple[EvalResult, list[Episode]]:
+    """``evaluate`` on every env of a mix (label -> factory), the same seeds each: the pooled
+    result with each env's own in ``per_env``."""
+    per_env, episodes = {}, []
+    for label, make in makes.items():
+        per_env[label], played = evaluate(make, seeds, engine, chat, params, env_name=label,
+                                          **options)
+        episodes += played
+    pooled = summarize(episodes)
+    pooled.per_env = per_env
+    return pooled, episodes
 
 
 # --------------------------------------------------------------------------- pass@k over samples

@@ -40,6 +40,7 @@ from turnrl.config.core import (
 )
 from turnrl.config.critic import CriticConfig
 from turnrl.config.distill import DistillConfig
+from turnrl.config.env_plan import Curriculum, MixEntry
 from turnrl.config.explore import ExploreConfig
 from turnrl.config.help import config_help, section_help, sections_help
 from turnrl.config.load import (
@@ -73,10 +74,12 @@ __all__ = [
     "ConfigError",
     "CriticConfig",
     "DistillConfig",
+    "Curriculum",
     "EnvConfig",
     "EvalConfig",
     "ExploreConfig",
     "LossAgg",
+    "MixEntry",
     "ModelConfig",
     "OptimConfig",
     "PoolConfig",

@@ -84,6 +84,14 @@ def check_distill(cfg: Config) -> None:
                           "student's); use run.mode sync or drop distill.teacher")
 
 
+def check_env_plan(cfg: Config) -> None:
+    """A curriculum or a mix needs the sync trainer: it builds every env from the step's plan
+    (the async rollout workers build theirs from env.name and env.options alone)."""
+    used = [key for key in ("curriculum", "mix") if getattr(cfg.env, key)]
+    if cfg.run.mode == "async" and used:
+        raise ConfigError(f"env.{used[0]} works in run.mode sync only; use --run.mode sync")
+
+
 def check_across(cfg: Config) -> None:
     """Every cross-section check, in the order of the sections they start from."""
     if cfg.ray.engine == "vllm" or cfg.rollout.engine == "vllm":
@@ -95,6 +103,7 @@ def check_across(cfg: Config) -> None:
     check_explore(cfg)
     check_self_seeds(cfg)
     check_distill(cfg)
+    check_env_plan(cfg)
 
 
 def check_self_seeds(cfg: Config) -> None:

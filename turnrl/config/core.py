@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from turnrl.config.env_plan import MIX_NAME, Curriculum, MixEntry, parse_curriculum, parse_mix
 from turnrl.config.types import ConfigError, Section
 from turnrl.registry import ESTIMATORS, UnknownName
 
@@ -51,9 +52,39 @@ class EnvConfig(Section):
     """registered environment name"""
     options: dict[str, Any] = field(default_factory=dict)
     """keyword arguments for the environment's constructor, e.g. --env.options.high 20"""
+    curriculum: dict[str, Any] = field(default_factory=dict)
+    """a difficulty knob that follows training success: {option, levels, band, window}, e.g.
+    --env.curriculum.option high --env.curriculum.levels '[10, 100]' (docs/curriculum.md);
+    {} = off"""
+    mix: list[dict[str, Any]] = field(default_factory=list)
+    """several envs in one run, with env.name mix: [{name, options, weight}, ...], each group's
+    env drawn by weight (docs/curriculum.md); [] = the one env env.name"""
 
     def _check(self) -> None:
         self._require("name", bool(self.name), "a registered environment name")
+        curriculum, mix = self.curriculum_plan(), self.mix_plan()
+        if mix and self.name != MIX_NAME:
+            raise ConfigError(f"env.mix is set but env.name is '{self.name}': set --env.name "
+                              f"{MIX_NAME} (the mix replaces the one env)")
+        if self.name == MIX_NAME and not mix:
+            raise ConfigError(f"env.name {MIX_NAME} needs env.mix, a list of {{name, options, "
+                              "weight}} entries (docs/curriculum.md)")
+        if mix and self.options:
+            raise ConfigError("env.options is unused with env.mix: put each env's options in "
+                              "its entry (env.mix[i].options)")
+        if curriculum and mix:
+            raise ConfigError("env.curriculum and env.mix cannot be combined; drop one")
+        if curriculum and curriculum.option in self.options:
+            raise ConfigError(f"env.options.{curriculum.option} is set by env.curriculum (its "
+                              "levels; evaluation uses the hardest); drop it from env.options")
+
+    def curriculum_plan(self) -> Curriculum | None:
+        """``curriculum`` parsed (None: off)."""
+        return parse_curriculum(self.curriculum)
+
+    def mix_plan(self) -> tuple[MixEntry, ...]:
+        """``mix`` parsed (empty: one env)."""
+        return parse_mix(self.mix)
 
 
 @dataclass(frozen=True)

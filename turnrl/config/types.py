@@ -63,12 +63,21 @@ def _to_dict(value: Any) -> dict:
     return copy.deepcopy(dict(value))
 
 
+def _to_list(value: Any) -> list:
+    if isinstance(value, str):
+        value = parse_yaml_value(value)
+    if not isinstance(value, list | tuple):
+        raise TypeError
+    return copy.deepcopy(list(value))
+
+
 _SCALARS = {
     bool: _to_bool,
     int: lambda v: int(_plain(v, int, str)),  # a float like 1.5 must not silently truncate
     float: lambda v: float(_plain(v, int, float, str)),  # also parses '1e-5', a YAML 1.1 string
     str: lambda v: str(_plain(v, int, float, str)),  # YAML reads `out_dir: 2024` as an int
     dict: _to_dict,
+    list: _to_list,
 }
 
 

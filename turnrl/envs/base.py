@@ -67,5 +67,5 @@ def make_env(name: str, **options: Any) -> Env:
         raise ValueError(f"unknown environment '{name}'; {hint}")
     try:
         return ENVS[name](**options)
-    except TypeError as err:
+    except (TypeError, AssertionError) as err:  # a wrong keyword; a generator's own check
         raise ValueError(f"bad env.options for '{name}': {err}") from None

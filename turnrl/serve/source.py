@@ -103,6 +103,9 @@ class ServedSource(SourceDefaults):
                  judge: Judge | str | None = None) -> None:
         if not tasks:
             raise ConfigError("train_agent needs at least one task")
+        if cfg.env.curriculum or cfg.env.mix:
+            raise ConfigError("env.curriculum and env.mix choose the envs turnrl train plays; "
+                              "train_agent plays its own tasks: drop them")
         if (level := estimator_level(cfg.algo.advantage)) != "episode":
             episode_level = [n for n, e in ESTIMATORS.items() if e.level == "episode"]
             raise ConfigError(f"train_agent needs an episode-level algo.advantage "

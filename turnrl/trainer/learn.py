@@ -26,6 +26,7 @@ import torch
 
 from turnrl.config import Config
 from turnrl.evaluation import EvalResult
+from turnrl.trainer.curriculum import held_out_title
 from turnrl.trainer.rl_step import rl_step
 from turnrl.trainer.run import (
     Run,
@@ -100,7 +101,7 @@ class SourceDefaults:
         return cfg.env.name
 
     def held_out(self, cfg: Config) -> str:
-        return f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes"
+        return held_out_title(cfg)
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
         pass

@@ -16,6 +16,7 @@ from turnrl.config import Config
 from turnrl.envs import Env
 from turnrl.policy import training_seeds
 from turnrl.rollout import run_episodes, run_sync
+from turnrl.trainer.curriculum import TrainingEnvs
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults, learn
 from turnrl.trainer.run import Run, TrainResult
@@ -28,6 +29,7 @@ class LocalSource(SourceDefaults):
     def open(self, run: Run) -> None:
         self.run = run
         self.extra: dict[str, float] = {}
+        self.envs = TrainingEnvs(run)  # a curriculum's level, a mix's labels (curriculum.py)
         explore = run.cfg.explore
         self.guidance = (Guidance(explore.guidance, explore.guidance_attempts)
                          if explore.guidance != "off" else None)
@@ -59,15 +61,19 @@ class LocalSource(SourceDefaults):
         run = self.run
         cfg, policy = run.cfg, run.policy
         params = replace(policy.params, temperature=run.learner.explore.temperature())
-        return run_sync(run_episodes(
-            make or policy.make_env, seeds, policy.engine, policy.chat, params,
-            env_name=cfg.env.name,
-            max_turns=cfg.rollout.max_turns, max_context=policy.max_context,
-            env_timeout_s=cfg.rollout.env_timeout_s))
+        episodes = run_sync(run_episodes(
+            make or self.envs.make, seeds, policy.engine, policy.chat, params,
+            env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
+            max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s))
+        # guided replays (make given) do not count towards a curriculum's success
+        return episodes if make is not None else self.envs.record(episodes)
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
-        return self.extra
+        return {**self.extra, **self.envs.step_metrics()}
+
+    def state_dict(self) -> dict:
+        return self.envs.state_dict()
 
 
 def resample_seeds(cfg: Config, step: int, round_: int) -> list[tuple[int, int]]:

@@ -257,10 +257,7 @@ def evaluate_after(run: Run) -> EvalResult:
 
 
 def _read_eval(path: Path) -> EvalResult:
-    data = json.loads(path.read_text())
-    return EvalResult(**{k: data[k] for k in ("episodes", "successes", "mean_reward",
-                                              "mean_turns", "failed")},
-                      end_reasons=data.get("end_reasons"), env_metrics=data.get("env_metrics"))
+    return EvalResult.from_dict(json.loads(path.read_text()))
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -307,8 +304,10 @@ def periodic_eval(run: Run, step: int) -> dict[str, float]:
         return {}
     result, _ = run.policy.run_eval()
     lo, hi = result.interval
+    per_env = {f"eval/{label}/{key}": value for label, r in (result.per_env or {}).items()
+               for key, value in (("success", r.success_rate), ("reward", r.mean_reward))}
     return {"eval/success": result.success_rate, "eval/success_lo": lo,
-            "eval/success_hi": hi, "eval/reward": result.mean_reward,
+            "eval/success_hi": hi, "eval/reward": result.mean_reward, **per_env,
             **{f"eval/{k}": v for k, v in (result.env_metrics or {}).items()}}
 
 
@@ -357,8 +356,11 @@ def finish_run(run: Run, before: EvalResult | None, after: EvalResult | None,
     """Print (and save) the before/after table when both evaluations ran."""
     table = ""
     if before and after:
-        table = print_table(f"{held_out}, before vs after", COLUMNS,
-                            [before.row("before"), after.row(f"after {run.cfg.run.steps} steps")])
+        rows = [before.row("before"), after.row(f"after {run.cfg.run.steps} steps")]
+        for label in (before.per_env or {}) if after.per_env else ():  # a mix: a pair per env
+            rows += [before.per_env[label].row(f"{label} before"),
+                     after.per_env[label].row(f"{label} after")]
+        table = print_table(f"{held_out}, before vs after", COLUMNS, rows)
         for key, value in (after.env_metrics or {}).items():  # what the env measured itself
             line = f"{key}: {(before.env_metrics or {}).get(key, float('nan')):.4f} -> {value:.4f}"
             print(line)

@@ -55,6 +55,8 @@ class ReasoningGym:
     def __init__(self, task: str = "basic_arithmetic", **task_options: Any):
         self.rg = require_reasoning_gym()
         self.task, self.task_options = task, task_options
+        # A task option the generator rejects fails here, at start-up, not in every reset.
+        self.rg.create_dataset(task, size=1, seed=0, **task_options)
         self.entry: dict[str, Any] = {}
         self.dataset: Any = None
 

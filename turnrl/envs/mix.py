@@ -1,0 +1,50 @@
+"""Several environments in one run (``env.mix``): each group's env is drawn by weight.
+
+The draw is a pure function of the run's seed and the group's env seed (``mix_choice``), and a
+step's groups have their seeds from ``run.seed`` and the step (``turnrl.policy.training_seeds``):
+so the draw is deterministic, a resumed run draws what the uninterrupted one did, and every
+episode of a group plays the same env. ``MixEnv`` makes that choice at ``reset`` and hands every
+later call to the chosen env, so a mix plays in one batched turn loop like any single env.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from turnrl.envs.base import Env, StepResult
+
+
+def mix_choice(weights: Sequence[float], run_seed: int, seed: int) -> int:
+    """Index of the env a group with env seed ``seed`` plays: entry i with probability
+    ``weights[i] / sum(weights)``, the same for the same (run seed, seed)."""
+    draw = np.random.default_rng([run_seed, seed, 0x6D6978]).random()  # 0x6D6978: "mix"
+    cumulative = np.cumsum(weights) / float(np.sum(weights))
+    return min(int(np.searchsorted(cumulative, draw, side="right")), len(weights) - 1)
+
+
+class MixEnv:
+    """Plays, per ``reset(seed)``, the env ``mix_choice`` draws; every other call goes to it."""
+
+    def __init__(self, makers: Sequence[Callable[[], Env]], weights: Sequence[float],
+                 run_seed: int) -> None:
+        self.makers, self.weights, self.run_seed = list(makers), list(weights), run_seed
+        self.current: Env | None = None
+
+    async def reset(self, seed: int) -> str:
+        self.current = self.makers[mix_choice(self.weights, self.run_seed, seed)]()
+        return await self.current.reset(seed)
+
+    async def step(self, action: str) -> StepResult:
+        if self.current is None:
+            raise RuntimeError("MixEnv.step before reset: no env has been drawn yet")
+        return await self.current.step(action)
+
+    def __getattr__(self, name: str) -> Any:
+        """The drawn env's attributes (system_prompt, tools, ...); none before ``reset``."""
+        current = self.__dict__.get("current")
+        if current is None:
+            raise AttributeError(name)
+        return getattr(current, name)
