@@ -122,6 +122,24 @@ def worker_runtime_env(cfg: Config, shipped: list[Any]) -> dict[str, Any]:
     return env
 
 
+def uploaded(runtime_env: dict[str, Any]) -> dict[str, Any]:
+    """``runtime_env`` with its local py_modules and working_dir uploaded to the cluster and
+    replaced by their URIs: an actor's own runtime_env takes only URIs (``ray.init`` does
+    this for a job's, but the learner may join a Ray it did not start, as tests do)."""
+    if not any(key in runtime_env for key in ("py_modules", "working_dir")):
+        return runtime_env
+    # Ray's own upload step of ray.init (private: no public call uploads for an actor).
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    scratch = tempfile.mkdtemp(prefix="turnrl-runtime-env-")
+    env = upload_py_modules_if_needed(dict(runtime_env), include_gitignore=True,
+                                      scratch_dir=scratch)
+    env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    env.pop("excludes", None)
+    return env
+
+
 def node_label() -> str:
     """This process's node, as people find it in ``ray status``: host name and IP."""
     try:

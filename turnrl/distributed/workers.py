@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from turnrl.config import Config
-from turnrl.distributed.cluster import WorkerSetup, node_label, worker_runtime_env
+from turnrl.distributed.cluster import WorkerSetup, node_label, uploaded, worker_runtime_env
 from turnrl.envs.base import ENVS, make_env
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy, use_chat_template
@@ -376,7 +376,7 @@ def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None
 
     actor = ray.remote(RolloutWorker)
     sent, setup = WorkerSetup.of(cfg)
-    runtime_env = worker_runtime_env(cfg, [env_factory])
+    runtime_env = uploaded(worker_runtime_env(cfg, [env_factory]))
     handles = []
     for index in range(cfg.ray.num_workers):
         options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0,
