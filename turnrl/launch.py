@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 from turnrl.config import Config, ConfigError
-from turnrl.distributed.fleet import connect
+from turnrl.distributed.cluster import connect
 from turnrl.distributed.source import AsyncTrainResult, RaySource
 from turnrl.sft.warmup import warm_up
 from turnrl.trainer.learn import learn

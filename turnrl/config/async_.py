@@ -4,8 +4,8 @@ pool of live episodes (its size, the queue behind it, the rate-driven sizing; do
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from turnrl.config.types import ConfigError, Section
 
@@ -27,7 +27,8 @@ def vllm_platform() -> str | None:
 @dataclass(frozen=True)
 class RayConfig(Section):
     address: str = ""
-    """'' starts a local Ray cluster; 'auto' or HOST:PORT joins an existing one"""
+    """'' starts a local Ray cluster (or joins $RAY_ADDRESS when set); 'auto' or HOST:PORT
+    joins an existing one (docs/cluster.md)"""
     num_workers: int = 1
     """rollout worker actors (async mode)"""
     worker_cpus: float = 1.0
@@ -40,10 +41,16 @@ class RayConfig(Section):
     """vllm: share of its GPU's memory a worker's vLLM engine may take (weights + KV cache)"""
     engine_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """vllm: the rollout engine's weights; auto = bfloat16 (the learner keeps model.dtype)"""
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+    """Ray runtime_env of the workers (py_modules, working_dir, env_vars, pip, ...); the env's
+    own module and $TURNRL_CACHE are added to it, e.g. --ray.runtime_env.env_vars.HF_HOME /data"""
+    node_loss_wait_s: float = 120.0
+    """a worker failing every call this long (its node lost, no room to restart it) is given
+    up: killed, its work moved to the others; with none left the run stops naming the node"""
 
     def _check(self) -> None:
         self._at_least(1, "num_workers")
-        self._at_least(0, "worker_cpus", "worker_gpus")
+        self._at_least(0, "worker_cpus", "worker_gpus", "node_loss_wait_s")
         self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1,
                       "in (0, 1]")
         if self.engine == "vllm" and self.worker_gpus <= 0 and vllm_platform() != "cpu":

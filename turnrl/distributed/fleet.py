@@ -8,7 +8,7 @@ worker failing every call for ``WORKER_DOWN_AFTER_S`` is given up and its work m
 
 from __future__ import annotations
 
-import math
+import logging
 import os
 import time
 
@@ -16,18 +16,21 @@ import torch
 
 from turnrl.config import Config
 from turnrl.distributed.book import Assignment, AssignmentBook
+from turnrl.distributed.cluster import cluster_address
 from turnrl.distributed.workers import without_tied_weights
 
 POLL_WAIT_S = 0.1
 """How long a worker's ``take_groups`` waits for a group before answering empty."""
 WORKER_DOWN_AFTER_S = 120.0
-"""A worker failing every call for this long is given up; its work goes to the others."""
+"""Default of ``ray.node_loss_wait_s``: a worker failing every call this long is given up."""
+log = logging.getLogger("turnrl.worker")
 
 
 class Fleet:
     """The worker handles, their in-flight polls, and what the learner knows of each."""
 
-    def __init__(self, handles: list, book: AssignmentBook):
+    def __init__(self, handles: list, book: AssignmentBook,
+                 down_after_s: float = WORKER_DOWN_AFTER_S, needs: dict | None = None):
         import ray
 
         self.ray = ray
@@ -52,6 +55,11 @@ class Fleet:
         self.stats: dict[int, dict] = {}
         self.pool_size: int | None = None
         """Live episodes per worker set by ``resize`` (None: as spawned)."""
+        self.down_after_s = down_after_s
+        self.needs = needs or {}
+        """Resources one worker reserves, named when none is left to restart it on."""
+        self.node: dict[int, tuple[str, str]] = {}
+        """(node id, 'host (ip)') each worker last reported from."""
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -142,21 +150,56 @@ class Fleet:
         self.failures[w] = self.failures.get(w, 0) + 1
         since = self.down_since.setdefault(w, now)
         self.retry_at[w] = now + min(2.0, 0.1 * 2 ** self.failures[w])
-        if now - since < WORKER_DOWN_AFTER_S:
+        if now - since < self.down_after_s:
             return
-        self.dead.add(w)  # given up: its assignments go to the workers still alive
+        self.dead.add(w)  # given up: killed, its assignments go to the workers still alive
+        self.polls.pop(w, None)
+        self._kill(w)
         others = self.up() or self.alive()
+        lost = self.describe_loss(sorted(self.dead), err)
         if not others:
-            raise RuntimeError(f"every rollout worker is down (the last error: {err})") from err
+            raise RuntimeError(f"every rollout worker is down: {lost}") from err
+        log.warning("rollout worker %d given up: %s", w, lost)
         for i, assignment in enumerate(self.book.at(w)):
             target = others[i % len(others)]
             self.book.move(assignment, target, self._next_seq())
             self.assign(target, [assignment])
             self.reissued.append(assignment.id)
 
+    def _kill(self, w: int) -> None:
+        try:
+            self.ray.kill(self.handles[w], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def describe_loss(self, workers: list[int], err: Exception) -> str:
+        """The workers lost, the nodes they ran on (dead or not), what a restart needs."""
+        try:
+            nodes = {n["NodeID"]: n for n in self.ray.nodes()}
+            free = self.ray.available_resources()
+        except Exception:  # noqa: BLE001 - the cluster itself is gone
+            nodes, free = {}, {}
+        parts = []
+        for w in workers:
+            node_id, label = self.node.get(w, ("", "an unknown node"))
+            state = "dead" if node_id in nodes and not nodes[node_id]["Alive"] else "alive"
+            parts.append(f"worker {w} on {label}, node {state}")
+        dead = [f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in nodes.values()
+                if not n["Alive"]]
+        missing = {k: v for k, v in self.needs.items() if v > 0 and free.get(k, 0.0) < v}
+        need = ", ".join(f"{k} {v:g} (free {free.get(k, 0.0):g})" for k, v in missing.items())
+        return (f"{'; '.join(parts)} failed every call for {self.down_after_s:g} s "
+                f"(ray.node_loss_wait_s); dead nodes: {', '.join(dead) or 'none'}; "
+                f"a restart needs {need or 'nothing missing now'}: add a node with those "
+                f"resources (`ray status`); the last error: {_first_line(err)}")
+
     def reconcile(self, w: int, seq: int, report) -> None:
         """Bring a worker up to date after its report: restarts, lost weights, lost work."""
         self.down_since.pop(w, None)
+        if getattr(report, "node", None):
+            self.node[w] = report.node
+        for line in getattr(report, "logs", ()):
+            log.warning("[worker %d @ %s] %s", w, self.node.get(w, ("", "?"))[1], line)
         self.failures.pop(w, None)
         if self.incarnation.get(w, report.incarnation) != report.incarnation:
             self.restarts += 1
@@ -185,23 +228,6 @@ class Fleet:
                 pass
 
 
-def connect(cfg: Config) -> bool:
-    """Join (``ray.address``) or start a local Ray cluster; True if we started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=False)
-    else:
-        # Workers' own CPUs are reserved logically; on a small machine they may oversubscribe.
-        cpus = max(os.cpu_count() or 1, math.ceil(cfg.ray.num_workers * cfg.ray.worker_cpus))
-        # log_to_driver=False: worker start-up chatter would break the progress bar; worker
-        # errors still reach the learner as exceptions from its calls.
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-    return True
-
-
 def learner_threads(cfg: Config) -> int:
     """Torch threads of the learner process.
 
@@ -210,9 +236,22 @@ def learner_threads(cfg: Config) -> int:
     with one worker that is 1 thread each: 2 processes on 2 cores, where torch's default of
     one thread per core in every process would put 4 busy threads on 2 cores and thrash.
     """
-    threads = cfg.run.threads or (os.cpu_count() or 1)
-    if cfg.ray.address:  # the workers run elsewhere (or say so by their own reservations)
+    threads = cfg.run.threads or learner_cores()
+    if cluster_address(cfg):  # the workers run elsewhere (or say so by their own reservations)
         return threads
     cores = os.cpu_count() or 1
     workers = cfg.ray.num_workers * max(1, int(cfg.ray.worker_cpus))
     return max(1, min(threads, cores - workers))
+
+
+def learner_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or a job's share)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__

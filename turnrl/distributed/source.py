@@ -39,7 +39,7 @@ from turnrl.distributed.sizing import (
     kv_bytes_per_token,
     pool_memory_cap,
 )
-from turnrl.distributed.workers import spawn_workers, worker_pool_size
+from turnrl.distributed.workers import spawn_workers, worker_needs, worker_pool_size
 from turnrl.envs import ENVS
 from turnrl.metrics import truncate_metrics
 from turnrl.policy import group_seed
@@ -130,7 +130,7 @@ class RaySource(SourceDefaults):
             cfg, env_factory=ENVS.get(cfg.env.name),
             pool_size=worker_pool_size(cfg, in_flight_groups(cfg)),
             name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout")
-        self.fleet = Fleet(handles, book)
+        self.fleet = Fleet(handles, book, cfg.ray.node_loss_wait_s, worker_needs(cfg))
 
     def label(self, cfg: Config) -> str:
         return f"{cfg.env.name} (async)"

@@ -46,6 +46,7 @@ only once, so a late or repeated delivery is ignored: no episode is lost or coun
 
 from __future__ import annotations
 
+import logging
 import math
 import tempfile
 import threading
@@ -59,6 +60,7 @@ from typing import Any
 import torch
 
 from turnrl.config import Config
+from turnrl.distributed.cluster import WorkerSetup, node_label, uploaded, worker_runtime_env
 from turnrl.envs.base import ENVS, make_env
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy, use_chat_template
@@ -88,6 +90,10 @@ class WorkerReport:
     """Seconds of each env reset that ended since the last report."""
     call_costs: list[tuple[int, float]] = field(default_factory=list)
     """(rows, seconds) of each generate call since the last report."""
+    node: tuple[str, str] = ("", "")
+    """(Ray node id, 'host (ip)') the worker runs on."""
+    logs: list[str] = field(default_factory=list)
+    """Warnings and errors the worker logged since the last report (the learner logs them)."""
 
 
 class RolloutWorker:
@@ -100,9 +106,14 @@ class RolloutWorker:
     """
 
     def __init__(self, cfg: Config, index: int = 0, env_factory: Any = None,
-                 pool_size: int | None = None, threads: int | None = None) -> None:
+                 pool_size: int | None = None, threads: int | None = None,
+                 setup: WorkerSetup | None = None) -> None:
         self.index = index
         self.incarnation = uuid.uuid4().hex
+        self.logs = WarningTap.install()
+        self.node = (_node_id(), node_label())
+        if setup is not None:  # on another node: turnrl's version, files, model directory
+            cfg = setup.apply(cfg, index)
         # One thread per reserved CPU: torch's default (one per core of the machine) would
         # oversubscribe the cores the learner and the other workers run on.
         configure_torch(threads or max(1, int(cfg.ray.worker_cpus)))
@@ -194,7 +205,8 @@ class RolloutWorker:
                             self.rollout.known_assignments(), self.engine.version, sent,
                             self.rollout.report(), _drained(self.rollout.env_latencies),
                             call_costs=_drained(self.rollout.call_costs),
-                            reset_latencies=_drained(self.rollout.reset_latencies))
+                            reset_latencies=_drained(self.rollout.reset_latencies),
+                            node=self.node, logs=_drained(self.logs.lines))
 
     def resize(self, pool_size: int) -> int:
         """A new target of live episodes (``pool.auto``); the loop admits or lets drain
@@ -209,6 +221,42 @@ class RolloutWorker:
         self._stopping = True
         self.rollout.stop()
         self._thread.join(timeout=10)
+
+
+class WarningTap(logging.Handler):
+    """Keeps the worker's warnings and errors (``logging`` and ``warnings.warn``) for its
+    next report: with ``log_to_driver`` off (it breaks the progress bar) they would stay in
+    the node's Ray log files. The newest 100 are kept."""
+
+    _installed: WarningTap | None = None
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: deque[str] = deque(maxlen=100)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+        except Exception:  # noqa: BLE001 - a bad log call must not break the worker
+            pass
+
+    @classmethod
+    def install(cls) -> WarningTap:
+        """One tap per process, on the root logger (a restarted worker is a new process)."""
+        if cls._installed is None:
+            cls._installed = cls()
+            logging.getLogger().addHandler(cls._installed)
+            logging.captureWarnings(True)
+        return cls._installed
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray (tests build workers directly)
+        return ""
 
 
 def _drained(pending: deque) -> list:
@@ -328,16 +376,25 @@ def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None
     import ray
 
     actor = ray.remote(RolloutWorker)
+    sent, setup = WorkerSetup.of(cfg)
+    runtime_env = uploaded(worker_runtime_env(cfg, [env_factory]))
     handles = []
     for index in range(cfg.ray.num_workers):
         options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0,
                                    "num_cpus": cfg.ray.worker_cpus,
                                    "num_gpus": cfg.ray.worker_gpus}
+        if runtime_env:
+            options["runtime_env"] = runtime_env
         if name_prefix:
             options["name"] = f"{name_prefix}-{index}"
-        handles.append(actor.options(**options).remote(cfg, index, env_factory, pool_size,
-                                                        threads))
+        handles.append(actor.options(**options).remote(sent, index, env_factory, pool_size,
+                                                        threads, setup))
     return handles
+
+
+def worker_needs(cfg: Config) -> dict[str, float]:
+    """The resources one worker reserves, as ``ray status`` names them."""
+    return {"CPU": cfg.ray.worker_cpus, "GPU": cfg.ray.worker_gpus}
 
 
 def worker_pool_size(cfg: Config, outstanding_groups: int) -> int:
