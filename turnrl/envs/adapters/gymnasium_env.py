@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from turnrl.envs.base import StepResult, register_env
+from turnrl.envs.reference import Replanner
 
 ACTIONS = {
     "FrozenLake-v1": ["left", "down", "right", "up"],
@@ -45,6 +46,36 @@ def parse_action(text: str, names: list[str]) -> int | None:
     words = re.findall(r"[a-z]+", text.lower())
     found = [w for w in words if w in names]
     return names.index(found[-1]) if found else None
+
+
+def likeliest(outcomes: list[tuple]) -> tuple:
+    """The most probable (probability, next state, reward, terminated) of a transition."""
+    return max(outcomes, key=lambda o: o[0])
+
+
+def shortest_plan(transitions: dict, start: int) -> list[int] | None:
+    """Actions of a shortest path from ``start`` to a rewarded termination, following each
+    action's likeliest outcome (exact for deterministic games: FrozenLake non-slippery,
+    Taxi), by breadth-first search over gymnasium's transition table ``P[s][a]``; None when
+    no rewarded end is reachable."""
+    previous: dict[int, tuple[int, int] | None] = {start: None}
+    frontier = [start]
+    while frontier:
+        following = []
+        for state in frontier:
+            for action, outcomes in transitions[state].items():
+                _, nxt, reward, terminated = likeliest(outcomes)
+                if terminated and reward > 0:
+                    plan = [action]
+                    while previous[state] is not None:
+                        state, step = previous[state]
+                        plan.append(step)
+                    return plan[::-1]
+                if not terminated and nxt not in previous:
+                    previous[nxt] = (state, action)
+                    following.append(nxt)
+        frontier = following
+    return None
 
 
 def require_gymnasium() -> Any:
@@ -104,3 +135,17 @@ class GymnasiumText:
         done = bool(terminated or truncated) or out_of_turns
         info = {"success": bool(terminated) and reward > 0, "state_key": self.state_key}
         return StepResult(self.describe(), float(reward), done, info)
+
+    def reference_player(self) -> Replanner | None:
+        """The oracle for ``sft.env_demos``: each turn the first action of a shortest plan
+        from the current state (``shortest_plan`` on the game's transition table; on a
+        slippery lake it replans after every slide). None for Blackjack (no table)."""
+        transitions = getattr(self.env.unwrapped, "P", None)
+        if transitions is None:
+            return None
+
+        def next_reply() -> str:
+            plan = shortest_plan(transitions, int(self.env.unwrapped.s))
+            return self.names[plan[0]] if plan else self.names[0]
+
+        return Replanner(next_reply)

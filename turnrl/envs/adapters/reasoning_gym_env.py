@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from turnrl.envs.base import StepResult, register_env
+from turnrl.envs.reference import ScriptedReplies
 
 
 def extract_answer(text: str) -> str:
@@ -53,3 +54,8 @@ class ReasoningGym:
     async def step(self, action: str) -> StepResult:
         score = float(self.dataset.score_answer(extract_answer(action), self.entry) or 0.0)
         return StepResult("", score, True, {"success": score == 1.0})
+
+    def reference_player(self) -> ScriptedReplies:
+        """The oracle for ``sft.env_demos``: the dataset entry's own answer, in the
+        ``Answer: X`` form the system prompt asks for. Call it after ``reset``."""
+        return ScriptedReplies([f"Answer: {self.entry['answer']}"])
