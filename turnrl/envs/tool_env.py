@@ -38,9 +38,9 @@ from turnrl.tools import (
     FORMATS,
     Tool,
     fallback_system_prompt,
-    render_call,
     format_tool_results,
     parse_tool_calls,
+    render_call,
     run_tool_calls,
     tool,
 )
