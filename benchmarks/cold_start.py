@@ -176,7 +176,7 @@ def meets_goal(runs: list[dict]) -> bool:
 def print_rows(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
