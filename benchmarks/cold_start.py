@@ -187,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated, from: {', '.join(METHODS)}")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, help="RL steps per run (the budget)")
+    parser.add_argument("--group-size", type=int, help="episodes per GRPO group")
+    parser.add_argument("--groups-per-step", type=int, help="groups per RL step")
     parser.add_argument("--sft-steps", type=int, help="warm-up steps")
     parser.add_argument("--eval-episodes", type=int, help="held-out episodes before and after")
     parser.add_argument("--model", help="policy model (default SmolLM2-135M-Instruct)")
@@ -205,6 +207,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def budget_from(args: argparse.Namespace) -> Budget:
     budget = QUICK if args.quick else Budget()
     overrides = {"steps": args.steps, "sft_steps": args.sft_steps, "model": args.model,
+                 "group_size": args.group_size, "groups_per_step": args.groups_per_step,
                  "eval_episodes": args.eval_episodes, "threads": args.threads}
     return dataclasses.replace(budget, **{k: v for k, v in overrides.items() if v is not None})
 
