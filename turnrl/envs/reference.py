@@ -110,6 +110,37 @@ class WordlePolicy:
         return self.last
 
 
+class ScriptedReplies:
+    """Replies fixed in advance, one per turn (an oracle's: built by an env that knows its
+    answer); past the last it repeats the last."""
+
+    def __init__(self, replies: list[str]):
+        if not replies:
+            raise ValueError("ScriptedReplies needs at least one reply")
+        self.replies, self.turn = list(replies), 0
+
+    def reset(self, first_observation: str) -> None:
+        self.turn = 0
+
+    def act(self, observation: str) -> str:
+        reply = self.replies[min(self.turn, len(self.replies) - 1)]
+        self.turn += 1
+        return reply
+
+
+class Replanner:
+    """Asks ``next_reply()`` afresh each turn: a planner reading the env's current state."""
+
+    def __init__(self, next_reply):
+        self.next_reply = next_reply
+
+    def reset(self, first_observation: str) -> None:
+        pass
+
+    def act(self, observation: str) -> str:
+        return self.next_reply()
+
+
 REFERENCE_POLICIES: dict[str, type] = {
     "guess-number": GuessNumberPolicy,
     "twenty-questions": TwentyQuestionsPolicy,

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnrl.envs.base import StepResult, register_env
+from turnrl.envs.reference import ScriptedReplies
 from turnrl.rewards import integer_match
 from turnrl.tools import (
     FORMATS,
@@ -44,6 +45,7 @@ from turnrl.tools import (
     fallback_system_prompt,
     format_tool_results,
     parse_tool_calls,
+    render_call,
     run_tool_calls,
     tool,
 )
@@ -57,6 +59,8 @@ class Task:
     answer: Any
     facts: dict = field(default_factory=dict)
     """more keyword arguments for the reward function (e.g. ``tests`` for code rewards)"""
+    calls: tuple[tuple[str, dict], ...] = ()
+    """(tool name, arguments) of calls that solve it: the reference player's first turn"""
 
 
 class ToolEnv:
@@ -120,6 +124,14 @@ class ToolEnv:
         bonus = self.tool_bonus if info["well_formed_calls"] else 0.0
         return StepResult("", value + bonus, True, info)
 
+    def reference_player(self) -> ScriptedReplies:
+        """The oracle for ``sft.env_demos`` (call it after ``reset``): the task's ``calls`` in
+        one turn, written in the format the env parses, then the answer as ``str(answer)``;
+        just the answer when the task names no calls."""
+        calls = [render_call(name, arguments, self.fmt) for name, arguments in self.task.calls]
+        turns = ["\n".join(calls)] if calls else []
+        return ScriptedReplies([*turns, str(self.task.answer)])
+
     def _info(self, answered: bool, value: float) -> dict:
         return {"success": answered and value >= self.success_at, "answered": answered,
                 "tool_calls": self.calls, "malformed_calls": self.malformed,
@@ -167,7 +179,8 @@ def calculator(expression: str) -> str:
 def multiplication_task(seed: int, low: int = 100, high: int = 999) -> Task:
     rng = random.Random(seed)
     a, b = rng.randint(low, high), rng.randint(low, high)
-    return Task(f"What is {a} times {b}?", a * b)
+    return Task(f"What is {a} times {b}?", a * b,
+                calls=(("calculator", {"expression": f"{a} * {b}"}),))
 
 
 @register_env("tool-arithmetic")

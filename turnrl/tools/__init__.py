@@ -23,6 +23,7 @@ from turnrl.tools.calls import (
     fallback_system_prompt,
     format_tool_results,
     parse_tool_calls,
+    render_call,
     run_tool_calls,
 )
 from turnrl.tools.native import native_tool_format, render_prompt
@@ -31,4 +32,4 @@ from turnrl.tools.schema import Tool, make_tool, tool
 
 __all__ = ["FORMATS", "Tool", "ToolCall", "ToolResult", "check_call", "fallback_system_prompt",
            "format_tool_results", "make_tool", "native_tool_format", "parse_tool_calls",
-           "python_tool", "render_prompt", "run_tool_calls", "tool"]
+           "python_tool", "render_call", "render_prompt", "run_tool_calls", "tool"]

@@ -53,6 +53,16 @@ class ToolResult:
         return not self.error
 
 
+def render_call(name: str, arguments: dict, fmt: str = "hermes") -> str:
+    """One call as a model writes it in ``fmt``: what ``parse_tool_calls`` reads back."""
+    if fmt == "hermes":
+        return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + \
+            "\n</tool_call>"
+    if fmt == "llama3-json":
+        return json.dumps({"name": name, "parameters": arguments})
+    raise ValueError(f"unknown tool-call format '{fmt}'; use one of {', '.join(FORMATS)}")
+
+
 def parse_tool_calls(text: str, fmt: str = "hermes") -> list[ToolCall]:
     """Every call in ``text``, in order; a malformed one has ``problem`` set."""
     if fmt == "hermes":

@@ -47,6 +47,36 @@ def parse_action(text: str, names: list[str]) -> int | None:
     return names.index(found[-1]) if found else None
 
 
+def likeliest(outcomes: list[tuple]) -> tuple:
+    """The most probable (probability, next state, reward, terminated) of a transition."""
+    return max(outcomes, key=lambda o: o[0])
+
+
+def shortest_plan(transitions: dict, start: int) -> list[int] | None:
+    """Actions of a shortest path from ``start`` to a rewarded termination, following each
+    action's likeliest outcome (exact for deterministic games: FrozenLake non-slippery,
+    Taxi), by breadth-first search over gymnasium's transition table ``P[s][a]``; None when
+    no rewarded end is reachable."""
+    previous: dict[int, tuple[int, int] | None] = {start: None}
+    frontier = [start]
+    while frontier:
+        following = []
+        for state in frontier:
+            for action, outcomes in transitions[state].items():
+                _, nxt, reward, terminated = likeliest(outcomes)
+                if terminated and reward > 0:
+                    plan = [action]
+                    while previous[state] is not None:
+                        state, step = previous[state]
+                        plan.append(step)
+                    return plan[::-1]
+                if not terminated and nxt not in previous:
+                    previous[nxt] = (state, action)
+                    following.append(nxt)
+        frontier = following
+    return None
+
+
 def require_gymnasium() -> Any:
     try:
         import gymnasium

@@ -1,0 +1,98 @@
+"""The adapters' and ToolEnv's reference players (oracles for ``sft.env_demos``): each solves
+its env on several seeds, and its demonstrations tokenise exactly as the turn loop plays the
+same replies."""
+
+from __future__ import annotations
+
+import pytest
+from test_rollout import ScriptedEngine
+from test_sft import _chat, _same
+
+from turnrl.demos.conversation import conversation_episode
+from turnrl.envs import make_env
+from turnrl.envs.reference import play, reference_player
+from turnrl.rollout import SamplingParams, run_episodes, run_sync
+from turnrl.tools import parse_tool_calls, render_call
+
+pytest.importorskip("gymnasium")
+pytest.importorskip("reasoning_gym")
+
+CASES = [
+    ("gymnasium", {"game": "FrozenLake-v1", "is_slippery": False}),
+    ("gymnasium", {"game": "FrozenLake-v1", "is_slippery": False, "map_name": "8x8"}),
+    ("gymnasium", {"game": "Taxi-v4"}),
+    ("reasoning-gym", {"task": "basic_arithmetic"}),
+    ("reasoning-gym", {"task": "leg_counting"}),
+    ("reasoning-gym", {"task": "chain_sum"}),
+    ("tool-arithmetic", {}),
+]
+IDS = ["frozenlake4", "frozenlake8", "taxi", "rg-arith", "rg-legs", "rg-chain", "tool-arith"]
+
+
+def _solve(env_name: str, options: dict, seed: int) -> tuple[float, bool, int]:
+    env = make_env(env_name, **options)
+
+    async def episode():
+        await env.reset(seed)
+        player = reference_player(env, env_name)
+        return await play(env, player, seed)  # play resets again: same seed, same task
+
+    return run_sync(episode())
+
+
+@pytest.mark.parametrize("env_name, options", CASES, ids=IDS)
+def test_each_reference_player_solves_its_env_on_several_seeds(env_name, options):
+    results = [_solve(env_name, options, seed) for seed in range(6)]
+    assert all(success for _, success, _ in results), results
+
+
+def test_gymnasium_plans_are_shortest_and_taxi_plans_differ_by_seed():
+    lake = [_solve("gymnasium", CASES[0][1], s)[2] for s in range(3)]
+    assert lake == [6, 6, 6]  # 4x4: 3 down and 3 right is the least any path needs
+    assert [_solve("gymnasium", CASES[1][1], s)[2] for s in range(2)] == [14, 14]
+    taxi = [_solve("gymnasium", CASES[2][1], s)[2] for s in range(8)]
+    assert len(set(taxi)) > 1 and max(taxi) <= 20
+
+
+def test_no_reachable_goal_has_no_plan_and_blackjack_hits_below_17():
+    from turnrl.envs.adapters.gymnasium_env import shortest_plan
+
+    walled = make_env("gymnasium", game="FrozenLake-v1", is_slippery=False,
+                      desc=["SFH", "FHH", "HHG"])
+    run_sync(walled.reset(0))
+    assert shortest_plan(walled.env.unwrapped.P, 0) is None
+    blackjack = make_env("gymnasium", game="Blackjack-v1")
+    observation = run_sync(blackjack.reset(0))
+    player = reference_player(blackjack, "gymnasium")
+    assert player.act(observation) == ("hit" if blackjack.obs[0] < 17 else "stick")
+
+
+def test_tool_calls_render_as_each_format_parses_them():
+    for fmt in ("hermes", "llama3-json"):
+        text = render_call("calculator", {"expression": "12 * 34"}, fmt)
+        call, = parse_tool_calls(text, fmt)
+        assert (call.name, call.arguments, call.problem) == (
+            "calculator", {"expression": "12 * 34"}, "")
+    env = make_env("tool-arithmetic")
+    run_sync(env.reset(3))
+    env.fmt = "llama3-json"  # as tool_prompt sets it for a Llama template
+    first = reference_player(env, "tool-arithmetic").act("")
+    assert "<tool_call>" not in first and parse_tool_calls(first, "llama3-json")[0].problem == ""
+
+
+@pytest.mark.parametrize("env_name, options", CASES, ids=IDS)
+def test_env_demos_render_exactly_as_the_loop_plays_their_replies(env_name, options):
+    from turnrl.demos.scripted import env_demonstrations
+
+    chat, max_turns = _chat(), 30
+    demos, failed = env_demonstrations(env_name, options, 3, chat, max_turns=max_turns)
+    assert failed == [] and len(demos) == 3
+    for demo in demos:
+        replies = [m["content"] for m in demo.messages if m["role"] == "assistant"]
+        seed = int(demo.where.rsplit(" ", 1)[1])
+        engine = ScriptedEngine(chat.tokenizer, replies)
+        played, = run_sync(run_episodes(lambda: make_env(env_name, **options), [(seed, 0)],
+                                        engine, chat, SamplingParams(max_new_tokens=96),
+                                        max_turns=max_turns))
+        assert played.success
+        _same(conversation_episode(chat, demo.messages, demo.tools), played)
