@@ -149,13 +149,14 @@ def test_a_server_killed_between_turns_fails_the_next_turn(server):
      "no answer to initialize within 1 s; its stderr ends: (not JSON on stdout)"),
 ])
 def test_a_server_that_cannot_start_fails_with_the_reason_and_leaves_nothing(command, message):
+    before = set(leftovers.child_processes())  # earlier tests of the suite may leave their own
     server = MCPServer(command, start_timeout_s=1)
     with pytest.raises(MCPServerError) as caught:
         server.start()
     assert message in str(caught.value) and "did not start" in str(caught.value)
     assert "\n" not in str(caught.value)
     assert server._proc is None and not [p for p in leftovers.child_processes()
-                                         if p not in BEFORE]
+                                         if p not in before]
 
 
 BEFORE = set(leftovers.child_processes())

@@ -214,7 +214,7 @@ def test_a_new_run_in_a_used_directory_starts_clean(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--algo.clip_hihg", "0.3"], "did you mean 'algo.clip_high'"),
     (["--algo.clip_high", "abc"], "algo.clip_high: expected float, got 'abc'"),
-    (["--model.name", "/no/such/model"], "model path '/no/such/model' not found"),
+    (["--model.name", "/no/such/model"], "model '/no/such/model' not found"),
     (["--env.name", "guess-nmber", "--model.name", "tiny"], "did you mean 'guess-number'"),
 ])
 def test_cli_bad_input_gives_one_line_error(tmp_path, args, message):
