@@ -159,7 +159,6 @@ def test_a_server_that_cannot_start_fails_with_the_reason_and_leaves_nothing(com
                                          if p not in before]
 
 
-BEFORE = set(leftovers.child_processes())
 
 
 def test_the_mcp_env_from_options(tmp_path):
