@@ -18,7 +18,7 @@ from torch import nn
 from turnrl.algorithms.distill import mean_reverse_kl, reverse_kl_advantages, with_distillation
 from turnrl.config import Config, ConfigError, DistillConfig
 from turnrl.models import ModelNotFoundError, load_model
-from turnrl.trainer.step import UpdateSettings, score_policy_tokens
+from turnrl.trainer.step import UpdateSettings, batch_logprobs
 from turnrl.types import Batch
 
 
@@ -55,15 +55,8 @@ def teacher_logprobs(teacher: nn.Module, batch: Batch, settings: UpdateSettings)
     """The teacher's log-probabilities of the batch's policy tokens, ``[B, T]`` aligned with
     the token ids like ``old_logprobs`` (0 off the loss mask), at the sampling temperature so
     both policies are compared as the student was sampled."""
-    device = next(teacher.parameters()).device
-    scores = torch.zeros_like(batch.old_logprobs)
-    for start in range(0, len(batch), settings.optim.micro_batch_size):
-        rows = torch.arange(start, min(start + settings.optim.micro_batch_size, len(batch)))
-        mb = batch.select(rows).to(device)
-        logprobs, _ = score_policy_tokens(teacher, mb, settings.temperature,
-                                          shared_prefix=settings.optim.shared_prefix)
-        scores[rows, 1:logprobs.shape[1] + 1] = logprobs.to(scores.device)
-    return scores
+    return batch_logprobs(teacher, batch, settings.temperature, settings.optim.micro_batch_size,
+                          settings.optim.shared_prefix)
 
 
 def distill_batch(teacher: nn.Module, batch: Batch, settings: UpdateSettings,

@@ -46,7 +46,7 @@ from turnrl.demos.scripted import scripted_conversation
 from turnrl.envs.reference import reference_player
 from turnrl.rollout import run_sync
 from turnrl.trainer.rl_step import explore_settings
-from turnrl.trainer.step import score_policy_tokens
+from turnrl.trainer.step import batch_logprobs
 from turnrl.types import Batch, Episode
 
 
@@ -90,7 +90,6 @@ def hint_text(reply: str) -> str:
     return f"Hint: a good first reply here is: {reply}"
 
 
-@torch.no_grad()
 def learner_logprobs(model: torch.nn.Module, episodes: list[Episode], pad_id: int,
                      temperature: float) -> None:
     """Set each episode's policy-token log-probs to the model's own (in place): the "old"
@@ -100,13 +99,12 @@ def learner_logprobs(model: torch.nn.Module, episodes: list[Episode], pad_id: in
     was_training = model.training
     model.eval()
     batch = Batch.from_episodes(episodes, torch.zeros(len(episodes)), pad_id)
-    device = next(model.parameters()).device
-    scores, _ = score_policy_tokens(model, batch.to(device), temperature)
+    scores = batch_logprobs(model, batch, temperature, len(episodes))
     model.train(was_training)
     for row, ep in enumerate(episodes):
         for index, trained in enumerate(ep.loss_mask):
-            if trained and index > 0:
-                ep.logprobs[index] = float(scores[row, index - 1])
+            if trained:
+                ep.logprobs[index] = float(scores[row, index])
 
 
 class Guidance:

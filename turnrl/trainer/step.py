@@ -397,12 +397,22 @@ def with_proximal_logprobs(model: nn.Module, batch: Batch, settings: UpdateSetti
     no-grad scoring pass gives it.
     """
     model.eval()
+    prox = batch_logprobs(model, batch, settings.temperature, settings.optim.micro_batch_size,
+                          settings.optim.shared_prefix)
+    return replace(batch, prox_logprobs=prox)
+
+
+@torch.no_grad()
+def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, rows_per_pass: int,
+                   shared_prefix: bool = False) -> torch.Tensor:
+    """``model``'s log-probabilities of the batch's policy tokens, ``[B, T]`` aligned with the
+    token ids like ``old_logprobs`` (0 off the loss mask), ``rows_per_pass`` rows at a time.
+    The proximal policy, a distillation teacher and guidance's demonstrations are scored so."""
     device = next(model.parameters()).device
-    prox = torch.zeros_like(batch.old_logprobs)
-    for start in range(0, len(batch), settings.optim.micro_batch_size):
-        rows = torch.arange(start, min(start + settings.optim.micro_batch_size, len(batch)))
-        mb = batch.select(rows).to(device)
-        logprobs, _ = score_policy_tokens(model, mb, settings.temperature,
-                                          shared_prefix=settings.optim.shared_prefix)
-        prox[rows, 1:logprobs.shape[1] + 1] = logprobs.cpu()
-    return replace(batch, prox_logprobs=prox.to(batch.old_logprobs.device))
+    scores = torch.zeros_like(batch.old_logprobs)
+    for start in range(0, len(batch), rows_per_pass):
+        rows = torch.arange(start, min(start + rows_per_pass, len(batch)))
+        logprobs, _ = score_policy_tokens(model, batch.select(rows).to(device), temperature,
+                                          shared_prefix=shared_prefix)
+        scores[rows, 1:logprobs.shape[1] + 1] = logprobs.to(scores.device)
+    return scores
