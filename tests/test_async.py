@@ -468,7 +468,8 @@ def ray_cluster():
     # say-digit is registered by conftest, a module the workers cannot import: ship it by
     # value (a user's env in an importable package or in __main__ needs nothing of the kind).
     ray.cloudpickle.register_pickle_by_value(sys.modules["conftest"])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": never join another cluster on this host (it would refuse num_cpus).
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
     ray.cloudpickle.unregister_pickle_by_value(sys.modules["conftest"])

@@ -77,7 +77,9 @@ def connect(cfg: Config) -> bool:
     cpus = max(os.cpu_count() or 1, math.ceil(cfg.ray.num_workers * cfg.ray.worker_cpus))
     # log_to_driver=False: worker start-up chatter would break the progress bar; worker
     # warnings reach the learner in their reports (Fleet.reconcile), errors as exceptions.
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    # address="local": a new cluster even where another one runs on this host (a plain
+    # ray.init would join it, and then refuses num_cpus).
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return True
 
 
