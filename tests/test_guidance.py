@@ -38,6 +38,30 @@ class SaySeven:
         return Oracle()
 
 
+@register_env("say-seven-thrice")
+class SaySevenThrice:
+    """Three turns, each paying 0.25 for a reply starting with 777 (success: all three); the
+    state is how many were said so far. A plain-``def`` env: guidance must take both kinds."""
+
+    state_key = "said 0"
+
+    def reset(self, seed: int) -> str:
+        self.said = self.turn = 0
+        self.state_key = "said 0"
+        return "Say the secret digit, three times."
+
+    def step(self, action: str) -> StepResult:
+        self.turn += 1
+        ok = action.strip().startswith("777")
+        self.said += ok
+        done = self.turn == 3
+        return StepResult("" if done else f"Again ({self.turn} of 3).", 0.25 * ok, done,
+                          {"success": done and self.said == 3, "state_key": f"said {self.said}"})
+
+    def reference_player(self):
+        return SaySeven().reference_player()
+
+
 @register_env("say-seven-unguided")
 class SaySevenNoPlayer(SaySeven):
     reference_player = None
@@ -81,6 +105,29 @@ def test_guided_demonstrations_give_a_signal_and_read_as_no_mismatch(tmp_path):
         assert trained == tiny_tokenizer()("777", add_special_tokens=False)["input_ids"] + [
             tiny_tokenizer().eos_token_id]
         assert all(lp < 0 for lp, m in zip(ep.logprobs, ep.loss_mask, strict=True) if m)
+
+
+@pytest.mark.parametrize("advantage", ["gigpo", "turn_gae"])
+def test_a_demonstration_carries_the_env_s_own_turn_rewards_states_and_end(tmp_path,
+                                                                         advantage):
+    """Played through the turn loop, a demonstration's turns are the env's: its per-turn
+    rewards and state keys, which turn-level estimators credit, and its end reason."""
+    train(_cfg(tmp_path, "say-seven-thrice", "--run.steps", "1", "--explore.guidance", "demo",
+               "--algo.advantage", advantage, "--rollout.max_turns", "3",
+               "--eval.episodes", "0"))
+    (row,) = read_metrics(tmp_path / "say-seven-thrice" / "metrics.jsonl")
+    assert row["guide/episodes"] == 2 and row["guide/success"] == 1.0 and row["grad_norm"] > 0
+    episodes = read_episodes(tmp_path / "say-seven-thrice" / "episodes" / "step-000001.jsonl")
+    demos = [ep for ep in episodes if ep.info.get("guided") == "demo"]
+    assert len(demos) == 2
+    for ep in demos:
+        assert [t.reward for t in ep.turns] == [0.25, 0.25, 0.25] and ep.reward == 0.75
+        assert [t.state for t in ep.turns] == ["said 0", "said 1", "said 2"]
+        assert [t.observation for t in ep.turns] == ["Again (1 of 3).", "Again (2 of 3).", ""]
+        assert (ep.status, ep.end_reason) == ("done", "done")
+        assert sum(ep.loss_mask) == 3 * 4  # three replies of "777" and their end of turn
+    own = [ep for ep in episodes if "guided" not in ep.info]
+    assert all(not ep.success for ep in own)
 
 
 def test_hints_are_in_the_prompt_of_extra_episodes(tmp_path):

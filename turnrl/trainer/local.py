@@ -50,7 +50,8 @@ class LocalSource(SourceDefaults):
                 episodes, lambda r: self.play(resample_seeds(cfg, step, r)),
                 cfg.rollout.groups_per_step, cfg.explore.dynamic_max_rounds)
         if self.guidance is not None:  # all-failed groups get guided episodes
-            episodes, guided = self.guidance.apply(episodes, self.run, self.play)
+            episodes, guided = self.guidance.apply(episodes, self.run, self.play,
+                                                     self.envs.make)
             self.extra.update(guided)
         return episodes
 
