@@ -3,6 +3,9 @@ tokens and "old" log-probs, hints in the prompt, and a task the tiny model learn
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from turnrl.config import ConfigError, load_config
@@ -10,7 +13,13 @@ from turnrl.envs import StepResult, register_env
 from turnrl.metrics import read_metrics
 from turnrl.models import tiny_tokenizer
 from turnrl.trainer import train
-from turnrl.trainer.guidance import failed_groups
+from turnrl.trainer.guidance import (
+    Guidance,
+    HintLevels,
+    derived_hint,
+    failed_groups,
+    next_hint_level,
+)
 from turnrl.types import Episode, read_episodes
 
 
@@ -60,6 +69,22 @@ class SaySevenThrice:
 
     def reference_player(self):
         return SaySeven().reference_player()
+
+
+@register_env("say-seven-hinted")
+class SaySevenOwnHints(SaySeven):
+    """No reference player, but hints of its own, one per level."""
+
+    reference_player = None
+
+    def hint(self, level: int) -> str:
+        return f"Level {level} hint: the digit is 7."
+
+
+@register_env("say-seven-bad-hint")
+class SaySevenBadHint(SaySevenOwnHints):
+    def hint(self, level: int):
+        return level
 
 
 @register_env("say-seven-unguided")
@@ -130,14 +155,104 @@ def test_a_demonstration_carries_the_env_s_own_turn_rewards_states_and_end(tmp_p
     assert all(not ep.success for ep in own)
 
 
-def test_hints_are_in_the_prompt_of_extra_episodes(tmp_path):
+def test_one_hint_level_is_the_player_s_whole_first_reply(tmp_path):
     train(_cfg(tmp_path, "say-seven", "--run.steps", "1", "--explore.guidance", "hint",
-               "--explore.guidance_attempts", "3"))
+               "--explore.guidance_attempts", "3", "--explore.hint_levels", "1"))
     (row,) = read_metrics(tmp_path / "say-seven" / "metrics.jsonl")
     assert row["guide/fired_groups"] == 2 and row["guide/episodes"] == 6
+    assert row["guide/hint_level"] == 1.0
     text = [tiny_tokenizer().decode(ep.token_ids) for ep in read_episodes(
         tmp_path / "say-seven" / "episodes" / "step-000001.jsonl") if ep.info.get("guided")]
     assert len(text) == 6 and all("Hint: a good first reply here is: 777" in t for t in text)
+
+
+def test_the_hint_level_climbs_one_step_per_failure_and_falls_one_per_success():
+    """The staircase on a hand-built run of outcomes (False: the hinted group failed)."""
+    outcomes = [False, False, False, False, True, True, True, False, True]
+    level, seen = 1, []
+    for solved in outcomes:
+        level = next_hint_level(level, solved, 3)
+        seen.append(level)
+    assert seen == [2, 3, 3, 3, 2, 1, 1, 2, 1]
+    assert next_hint_level(1, False, 1) == 1  # one level: nowhere to go
+    assert next_hint_level(5, True, 3) == 3  # a level from a run with more levels is capped
+
+
+def test_each_task_keeps_its_own_level_and_the_book_stays_bounded():
+    levels = HintLevels(4)
+    for key, solved in [("a", False), ("b", False), ("a", False), ("a", True), ("b", False),
+                        ("b", False), ("b", False)]:
+        levels.record(key, solved)
+    assert (levels.level("a"), levels.level("b"), levels.level("new")) == (2, 4, 1)
+    resumed = Guidance("hint", 2, 3, {"hint_levels": levels.state_dict()})
+    assert resumed.hint_levels.level_of == {"a": 2, "b": 3}  # a smaller top level caps them
+    assert resumed.state_dict() == {"hint_levels": {"a": 2, "b": 3}}
+    assert Guidance("demo", 2, 3).state_dict() == {}
+    levels.MAX_TASKS = 2
+    levels.record("c", False)
+    assert list(levels.level_of) == ["b", "c"]  # the task seen longest ago goes first
+
+
+def test_a_derived_hint_shows_a_growing_share_of_the_first_reply():
+    assert [derived_hint("777", level, 3) for level in (1, 2, 3)] == [
+        "Hint: a good first reply here starts with: 7",
+        "Hint: a good first reply here starts with: 77",
+        "Hint: a good first reply here is: 777"]
+    assert derived_hint("search(x)", 1, 4).endswith("starts with: sea")
+    assert derived_hint("42", 5, 3).endswith("is: 42")
+
+
+def test_in_training_each_hinted_group_gets_the_level_its_task_s_history_set(tmp_path):
+    """Every say-seven seed has the same prompt, so it is one task: each hinted group's
+    level must be the staircase's over the outcomes before it, in order."""
+    train(_cfg(tmp_path, "say-seven", "--run.steps", "3", "--explore.guidance", "hint",
+               "--eval.episodes", "0"))
+    rows = read_metrics(tmp_path / "say-seven" / "metrics.jsonl")
+    level, known, every_level = 1, False, []
+    for step, row in enumerate(rows, 1):
+        episodes = read_episodes(tmp_path / "say-seven" / "episodes" /
+                                 f"step-{step:06d}.jsonl")
+        if known and any(ep.success for ep in episodes if "guided" not in ep.info):
+            level = next_hint_level(level, True, 3)
+        groups: dict[int, list] = {}
+        for ep in episodes:
+            if ep.info.get("guided"):
+                groups.setdefault(ep.group, []).append(ep)
+        used = []
+        for eps in groups.values():
+            assert len(eps) == 2 and all(ep.info["hint_level"] == level for ep in eps)
+            prompt = tiny_tokenizer().decode(eps[0].token_ids[:eps[0].turns[0].start])
+            assert re.search(r"Hint: [^<]*", prompt).group(0) == derived_hint("777", level, 3)
+            used.append(level)
+            level, known = next_hint_level(level, any(ep.success for ep in eps), 3), True
+        every_level += used
+        assert row["guide/hint_level"] == (sum(used) / len(used) if used else 0.0)
+    assert max(every_level) == 3  # the tiny model fails at levels 1 and 2: help rises
+    (checkpoint,) = (tmp_path / "say-seven" / "checkpoints").glob("step-000003")
+    saved = json.loads((checkpoint / "state.json").read_text())["hint_levels"]
+    assert list(saved.values()) == [level]  # one task, where the staircase left it
+
+
+def test_an_env_s_own_hints_need_no_reference_player(tmp_path):
+    train(_cfg(tmp_path, "say-seven-hinted", "--run.steps", "1", "--explore.guidance", "hint",
+               "--eval.episodes", "0"))
+    episodes = read_episodes(tmp_path / "say-seven-hinted" / "episodes" / "step-000001.jsonl")
+    hinted = [ep for ep in episodes if ep.info.get("guided")]
+    assert len(hinted) == 4
+    text = [tiny_tokenizer().decode(ep.token_ids) for ep in hinted]
+    # both groups are one task: the first hinted at level 1, the next (after it failed) at 2
+    assert sorted({ep.info["hint_level"] for ep in hinted}) == [1, 2]
+    for ep, t in zip(hinted, text, strict=True):
+        assert f"Level {ep.info['hint_level']} hint: the digit is 7." in t
+
+
+def test_a_hint_that_is_not_text_is_named_once_and_training_goes_on(tmp_path):
+    with pytest.warns(UserWarning, match=r"its hint failed: TypeError: env hint\(1\) returned "
+                      "int; return text or None"):
+        train(_cfg(tmp_path, "say-seven-bad-hint", "--run.steps", "1", "--explore.guidance",
+                   "hint", "--eval.episodes", "0"))
+    (row,) = read_metrics(tmp_path / "say-seven-bad-hint" / "metrics.jsonl")
+    assert row["guide/episodes"] == 0
 
 
 def test_an_env_without_a_player_warns_once_and_trains(tmp_path):

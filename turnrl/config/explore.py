@@ -69,6 +69,9 @@ class ExploreConfig(Section):
     player's first reply as a hint in the prompt (sync mode; docs/guidance.md)"""
     guidance_attempts: int = 2
     """hint: hinted episodes added to an all-failed group (demo adds one demonstration)"""
+    hint_levels: int = 3
+    """hint: how many levels of hint, from 1 (the least) to this (the player's whole first
+    reply); a task's level rises while its groups fail and falls as they succeed"""
 
     def _check(self) -> None:
         self._at_least(0, "dynamic_max_rounds", "overlong_buffer", "overlong_max_tokens",
@@ -77,4 +80,4 @@ class ExploreConfig(Section):
                        "negative_weight", "pass_k", "novelty_coef", "warn_entropy_fraction")
         self._require("top_entropy_fraction", 0 < self.top_entropy_fraction <= 1, "in (0, 1]")
         self._require("warn_clip_fraction", 0 <= self.warn_clip_fraction <= 1, "in [0, 1]")
-        self._at_least(1, "warn_patience", "guidance_attempts")
+        self._at_least(1, "warn_patience", "guidance_attempts", "hint_levels")

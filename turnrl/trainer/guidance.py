@@ -14,9 +14,18 @@ or a built-in one, envs/reference.py):
   Off-Policy Guidance", arXiv:2504.14945), which mixes off-policy demonstrations into GRPO
   groups.
 - ``hint``: the group's seed is played ``guidance_attempts`` more times by the policy, with
-  the player's first reply given as a hint after the first observation. After GHPO (Liu et
-  al. 2025, "Adaptive Guidance for Hybrid Policy Optimization", arXiv:2507.10628), which adds
-  part of the reference solution to the prompt of problems the model fails.
+  a hint after the first observation: the env's own ``hint(level)`` (envs/contract.py), else
+  a share of the player's first reply that grows with the level (``derived_hint``). After
+  GHPO (Liu et al. 2025, "Adaptive Guidance for Hybrid Policy Optimization",
+  arXiv:2507.10628), which adds part of the reference solution to the prompt of problems the
+  model fails, more of it the harder the problem proves.
+
+Hint levels (``HintLevels``) are a staircase per task: a task is what the policy is asked
+(its prompt tokens, ``task_key``: seeds with the same prompt are one task). It starts at
+level 1 (the least help); after its hinted attempts all fail it gets one level more next
+time, up to ``explore.hint_levels``; after they succeed, or after a group of the policy's own
+succeeds unhinted, one level less, down to 1 (``next_hint_level``). So help settles at about
+the least that still lets the policy succeed.
 
 The off-policy correction (``demo``): a demonstration's tokens were not sampled by the policy,
 so there is no behaviour log-probability. LUFFY takes it as 1, so its ratio is ``pi_theta``
@@ -27,24 +36,30 @@ for a positive advantage, the supervised gradient scaled by the advantage, stron
 tokens the policy finds least likely (what LUFFY's shaping aims at). The ratio then clips
 as any other token's would. Such tokens also read as no mismatch (docs/mismatch.md).
 
-Departures: LUFFY replaces rollouts with demonstrations and GHPO decides per problem how much
-of the solution to show; here guidance is added (the group grows by one demonstration or by
-``guidance_attempts`` hinted episodes), and the hint is the player's whole first reply
-(for a single-turn task, the answer itself). Hinted episodes keep their hinted prompt: they
-are on-policy given that prompt, and train the policy under it, as in GHPO. Evaluation never
-sees guidance. Each step logs ``guide/fired_groups``, ``guide/episodes`` and ``guide/success``;
+Departures: LUFFY replaces rollouts with demonstrations; here guidance is added (the group
+grows by one demonstration or by ``guidance_attempts`` hinted episodes). GHPO's multi-stage
+guidance gives a problem that keeps failing a growing share of its reference solution; here
+that is a staircase per task, one level per appearance, which also steps back down after a
+success, and a derived hint is a share of the player's first reply only (for a single-turn
+task, of the answer). Hinted episodes keep their hinted prompt: they are on-policy given that
+prompt, and train the policy under it, as in GHPO. Evaluation never
+sees guidance. Each step logs ``guide/fired_groups``, ``guide/episodes`` and ``guide/success``
+(and, for ``hint``, ``guide/hint_level``: the mean level of the groups it hinted);
 the step's ``reward/mean`` and ``success/rate`` leave guided episodes out (the policy's own).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from turnrl.envs.contract import hint as env_hint
 from turnrl.envs.reference import REFERENCE_POLICIES, reference_player
 from turnrl.rollout import run_episodes, run_sync
 from turnrl.rollout.chat import ChatFormat
@@ -149,18 +164,63 @@ class PlayerEngine:
         return [Completion(list(ids), [0.0] * len(ids), finish) for _ in prompts]
 
 
-async def first_reply(env: Any, env_name: str, seed: int) -> str | None:
-    """The reference player's first reply on ``seed`` (None: the env has no player)."""
+def next_hint_level(level: int, solved: bool, levels: int) -> int:
+    """The staircase (module docstring): one level more help after a task's group failed,
+    one less after it succeeded, within 1..``levels``."""
+    return max(1, min(levels, level - 1 if solved else level + 1))
+
+
+def task_key(episode: Episode) -> str:
+    """The task as the policy sees it: a digest of the prompt tokens before its first reply."""
+    first = next((i for i, m in enumerate(episode.loss_mask) if m), len(episode.token_ids))
+    return hashlib.blake2b(str(episode.token_ids[:first]).encode(), digest_size=12).hexdigest()
+
+
+class HintLevels:
+    """Each task's hint level (``next_hint_level``); the ``MAX_TASKS`` tasks seen last kept,
+    so a run over endless fresh seeds holds bounded memory."""
+
+    MAX_TASKS = 10_000
+
+    def __init__(self, levels: int, state: dict[str, int] | None = None) -> None:
+        self.levels = levels
+        self.level_of = {key: min(level, levels) for key, level in (state or {}).items()}
+
+    def level(self, key: str) -> int:
+        return self.level_of.get(key, 1)
+
+    def record(self, key: str, solved: bool) -> None:
+        level = next_hint_level(self.level(key), solved, self.levels)
+        self.level_of.pop(key, None)  # re-inserted last: the newest
+        self.level_of[key] = level
+        while len(self.level_of) > self.MAX_TASKS:
+            del self.level_of[next(iter(self.level_of))]
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.level_of)
+
+
+def derived_hint(reply: str, level: int, levels: int) -> str:
+    """The hint at ``level`` of ``levels`` made from the player's first reply: its first
+    ``level / levels`` share of characters (rounded up), the whole reply at the top level."""
+    if level >= levels:
+        return f"Hint: a good first reply here is: {reply}"
+    shown = reply[:math.ceil(len(reply) * level / levels)]
+    return f"Hint: a good first reply here starts with: {shown}"
+
+
+async def hint_at(env: Any, env_name: str, seed: int, level: int, levels: int) -> str | None:
+    """The hint for ``seed`` at ``level``: the env's own ``hint(level)``, else one derived from
+    its reference player's first reply (None: neither)."""
     observation = await _maybe_await(env.reset(seed))
+    own = env_hint(env, level)
+    if own is not None:
+        return own
     player = reference_player(env, env_name)
     if player is None:
         return None
     player.reset(observation)
-    return player.act(observation)
-
-
-def hint_text(reply: str) -> str:
-    return f"Hint: a good first reply here is: {reply}"
+    return derived_hint(player.act(observation), level, levels)
 
 
 def learner_logprobs(model: torch.nn.Module, episodes: list[Episode], pad_id: int,
@@ -181,11 +241,18 @@ def learner_logprobs(model: torch.nn.Module, episodes: list[Episode], pad_id: in
 
 
 class Guidance:
-    """Adds guided episodes to a step's all-failed groups (a source calls ``apply``)."""
+    """Adds guided episodes to a step's all-failed groups (a source calls ``apply``).
+    ``levels`` and ``state``: ``explore.hint_levels`` and the checkpoint's ``state_dict``."""
 
-    def __init__(self, mode: str, attempts: int) -> None:
+    def __init__(self, mode: str, attempts: int, levels: int = 1,
+                 state: dict | None = None) -> None:
         self.mode, self.attempts = mode, attempts
+        self.hint_levels = HintLevels(levels, (state or {}).get("hint_levels"))
         self.warned = False
+
+    def state_dict(self) -> dict:
+        """What a resume needs: each task's hint level."""
+        return {"hint_levels": self.hint_levels.state_dict()} if self.mode == "hint" else {}
 
     def apply(self, episodes: list[Episode], run: Any, play: Callable[..., list[Episode]],
               make: Callable[[], Any] | None = None
@@ -195,12 +262,26 @@ class Guidance:
         builds the env the step played (a curriculum's current level; default the run's)."""
         make = make or run.policy.make_env
         targets = failed_groups(episodes)
+        firsts = {}  # each group's first episode: its task
+        for ep in episodes:
+            firsts.setdefault(ep.group, ep)
+        if self.mode == "hint":
+            self._record_own_successes(episodes, firsts)
         guided: list[Episode] = []
+        levels_used = []
         for group, seed in targets:
             if self.mode == "demo":
                 guided += self._demo(run, make, seed, group)
-            else:
-                guided += self._hinted(run, make, seed, group, play)
+                continue
+            key = task_key(firsts[group])
+            level = self.hint_levels.level(key)
+            hinted = self._hinted(run, make, seed, group, level, play)
+            if hinted:
+                self.hint_levels.record(key, any(ep.success for ep in hinted))
+                levels_used.append(level)
+                for ep in hinted:
+                    ep.info["hint_level"] = level
+            guided += hinted
         if targets and not guided:
             self._warn(run.cfg.env.name)
         for ep in guided:
@@ -209,7 +290,19 @@ class Guidance:
         metrics = {"guide/fired_groups": float(fired), "guide/episodes": float(len(guided)),
                    "guide/success": (sum(ep.success for ep in guided) / len(guided)
                                      if guided else 0.0)}
+        if self.mode == "hint":
+            metrics["guide/hint_level"] = (sum(levels_used) / len(levels_used)
+                                           if levels_used else 0.0)
         return episodes + guided, metrics
+
+    def _record_own_successes(self, episodes: list[Episode], firsts: dict[int, Episode]
+                              ) -> None:
+        """A task hinted before whose group now succeeds unhinted needs less help."""
+        solved = {ep.group for ep in episodes if ep.success}
+        for group in solved:
+            key = task_key(firsts[group])
+            if key in self.hint_levels.level_of:
+                self.hint_levels.record(key, True)
 
     def _demo(self, run: Any, make: Callable[[], Any], seed: int, group: int) -> list[Episode]:
         """The reference player's episode on ``seed``, played through the turn loop; [] when
@@ -239,18 +332,23 @@ class Guidance:
                          explore_settings(run.learner).temperature)
         return [ep]
 
-    def _hinted(self, run: Any, make: Callable[[], Any], seed: int, group: int,
+    def _hinted(self, run: Any, make: Callable[[], Any], seed: int, group: int, level: int,
                 play: Callable[..., list[Episode]]) -> list[Episode]:
         name = run.cfg.env.name
-        reply = run_sync(first_reply(make(), name, seed))
-        if reply is None:
+        try:
+            hint = run_sync(hint_at(make(), name, seed, level, self.hint_levels.levels))
+        except Exception as err:  # noqa: BLE001 - an env's hint() or player may raise anything
+            self._warn(name, f"its hint failed: {type(err).__name__}: {err}")
             return []
-        hint = hint_text(reply)
+        if hint is None:
+            return []
         return play([(seed, group)] * self.attempts, lambda: HintedEnv(make(), hint))
 
     def _warn(self, env_name: str, why: str = "") -> None:
         if not self.warned:
             self.warned = True
-            detail = why or "it has no reference player (reference_player(), envs/reference.py)"
+            detail = why or ("it has no reference player (reference_player(), "
+                             "envs/reference.py)" + (" nor hint(level)" if self.mode == "hint"
+                                                     else ""))
             warnings.warn(f"explore.guidance: env '{env_name}' cannot be guided ({detail}); "
                           "its all-failed groups train unguided", stacklevel=3)

@@ -31,7 +31,8 @@ class LocalSource(SourceDefaults):
         self.extra: dict[str, float] = {}
         self.envs = TrainingEnvs(run)  # a curriculum's level, a mix's labels (curriculum.py)
         explore = run.cfg.explore
-        self.guidance = (Guidance(explore.guidance, explore.guidance_attempts)
+        self.guidance = (Guidance(explore.guidance, explore.guidance_attempts,
+                                  explore.hint_levels, run.checkpoint_state)
                          if explore.guidance != "off" else None)
 
     def publish(self, version: int, model) -> None:
@@ -74,7 +75,8 @@ class LocalSource(SourceDefaults):
         return {**self.extra, **self.envs.step_metrics()}
 
     def state_dict(self) -> dict:
-        return self.envs.state_dict()
+        return {**self.envs.state_dict(),
+                **(self.guidance.state_dict() if self.guidance is not None else {})}
 
 
 def resample_seeds(cfg: Config, step: int, round_: int) -> list[tuple[int, int]]:
