@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -12,6 +13,7 @@ from turnrl.config import ConfigError, load_config
 from turnrl.envs import StepResult, register_env
 from turnrl.metrics import read_metrics
 from turnrl.models import tiny_tokenizer
+from turnrl.rollout import run_sync
 from turnrl.trainer import train
 from turnrl.trainer.guidance import (
     Guidance,
@@ -155,6 +157,36 @@ def test_a_demonstration_carries_the_env_s_own_turn_rewards_states_and_end(tmp_p
     assert all(not ep.success for ep in own)
 
 
+def test_a_frozen_lake_demonstration_is_the_env_s_own_episode(tmp_path):
+    """Through the gymnasium adapter: the demonstration's turns hold what the env itself
+    returns to the player's moves, state by state (replayed here without the turn loop)."""
+    pytest.importorskip("gymnasium")
+    from turnrl.envs import make_env
+    from turnrl.envs.contract import start_state
+    from turnrl.envs.reference import reference_player
+
+    lake = ["--env.options.game", "FrozenLake-v1", "--env.options.is_slippery", "false"]
+    train(_cfg(tmp_path, "gymnasium", "--run.steps", "1", "--explore.guidance", "demo",
+               "--algo.advantage", "gigpo", "--rollout.max_turns", "12",
+               "--rollout.max_new_tokens", "6", "--eval.episodes", "0", *lake))
+    episodes = read_episodes(tmp_path / "gymnasium" / "episodes" / "step-000001.jsonl")
+    demos = [ep for ep in episodes if ep.info.get("guided") == "demo"]
+    assert demos and all(ep.success and ep.status == "done" for ep in demos)
+    for ep in demos:
+        env = make_env("gymnasium", game="FrozenLake-v1", is_slippery=False)
+        observation = run_sync(env.reset(ep.seed))
+        player = reference_player(env, "gymnasium")
+        player.reset(observation)
+        expected, state = [], str(start_state(env, observation))
+        for _ in ep.turns:
+            action = player.act(observation)
+            result = run_sync(env.step(action))
+            expected.append((action, result.reward, state))
+            observation, state = result.observation, str(result.info["state_key"])
+        assert [(t.action, t.reward, t.state) for t in ep.turns] == expected
+        assert len(ep.turns) >= 6 and ep.turns[-1].reward == 1.0 and ep.reward == 1.0
+
+
 def test_one_hint_level_is_the_player_s_whole_first_reply(tmp_path):
     train(_cfg(tmp_path, "say-seven", "--run.steps", "1", "--explore.guidance", "hint",
                "--explore.guidance_attempts", "3", "--explore.hint_levels", "1"))
@@ -263,9 +295,78 @@ def test_an_env_without_a_player_warns_once_and_trains(tmp_path):
     assert [r["guide/episodes"] for r in rows] == [0.0, 0.0]
 
 
-def test_guidance_is_refused_in_async_mode():
-    with pytest.raises(ConfigError, match="explore.guidance works in run.mode sync only"):
-        load_config(None, ["--run.mode", "async", "--explore.guidance", "demo"])
+def _async_source(tmp_path, *more):
+    """A ``RaySource`` opened on a real run (tiny model) whose groups are played here, on the
+    learner's engine, instead of arriving from Ray workers."""
+    from turnrl.distributed.book import AssignmentBook
+    from turnrl.distributed.source import RaySource
+    from turnrl.policy import training_seeds
+    from turnrl.rollout.loop import Group
+    from turnrl.trainer.run import play_seeds, start_run
+
+    cfg = _cfg(tmp_path, "say-seven", "--run.mode", "async", "--eval.episodes", "0", *more)
+    run = start_run(cfg, False, decoupled=True)
+    source = RaySource(cfg, fleet=object(), book=AssignmentBook(lambda index: index))
+    source.open(run)
+    played = play_seeds(run, training_seeds(cfg, 0), run.policy.make_env)
+    groups = [Group(g, played[g * 4].seed, [ep for ep in played if ep.group == g])
+              for g in range(2)]
+    source.take = lambda need: groups[:need]  # what the workers would have delivered
+    return source, run
+
+
+def test_in_async_mode_the_learner_guides_the_workers_failed_groups(tmp_path):
+    source, run = _async_source(tmp_path, "--explore.guidance", "demo")
+    episodes = source.collect(0)
+    demos = [ep for ep in episodes if ep.info.get("guided") == "demo"]
+    assert len(episodes) == 8 + 2 and len(demos) == 2
+    assert source.guided["guide/fired_groups"] == 2 and source.guided["guide/success"] == 1.0
+    # on-policy at the learner's version: no staleness, and the old log-probs are its own
+    assert all(v == run.policy.engine.version for ep in demos
+               for v, m in zip(ep.versions, ep.loss_mask, strict=True) if m)
+    assert all(lp < 0 for ep in demos for lp, m in zip(ep.logprobs, ep.loss_mask,
+                                                       strict=True) if m)
+    assert "hint_levels" not in source.state_dict()
+
+
+def test_in_async_mode_hint_levels_are_kept_with_the_checkpoint(tmp_path):
+    source, _ = _async_source(tmp_path, "--explore.guidance", "hint")
+    episodes = source.collect(0)
+    hinted = [ep for ep in episodes if ep.info.get("guided") == "hint"]
+    assert len(hinted) == 4 and [ep.info["hint_level"] for ep in hinted] == [1, 1, 2, 2]
+    assert source.guided["guide/hint_level"] == 1.5  # one task: level 1 failed, then 2
+    level = 1
+    for group in (0, 1):
+        level = next_hint_level(level, any(ep.success for ep in hinted if ep.group == group), 3)
+    assert list(source.state_dict()["hint_levels"].values()) == [level]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    # the envs are registered by this module, which the workers cannot import: ship it by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # a cluster of its own, never one that another process on this machine started
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.mark.slow
+def test_async_training_with_ray_workers_gets_a_signal_only_with_guidance(ray_cluster,
+                                                                         tmp_path):
+    from turnrl.launch import train_async
+
+    for mode in ("off", "demo"):
+        train_async(_cfg(tmp_path / mode, "say-seven", "--run.mode", "async", "--run.steps", "2",
+                         "--ray.num_workers", "1", "--eval.episodes", "0",
+                         "--explore.guidance", mode))
+    plain, guided = (read_metrics(tmp_path / m / "say-seven" / "metrics.jsonl")
+                     for m in ("off", "demo"))
+    assert all(r["grad_norm"] == 0 for r in plain)  # workers' groups alone: no signal
+    assert all(r["guide/episodes"] == 2 and r["guide/success"] == 1.0 for r in guided)
+    assert all(r["grad_norm"] > 0 and r["success/rate"] == 0.0 for r in guided)
 
 
 @pytest.mark.slow

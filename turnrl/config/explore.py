@@ -65,8 +65,9 @@ class ExploreConfig(Section):
     """consecutive steps a condition must hold before its warning fires"""
     guidance: Literal["off", "demo", "hint"] = "off"
     """when every episode of a group fails (no reward signal): demo adds the env's reference
-    player's successful episode on that seed to the group, hint replays the seed with the
-    player's first reply as a hint in the prompt (sync mode; docs/guidance.md)"""
+    player's successful episode on that seed to the group, hint replays the seed with a hint
+    in the prompt (the env's hint(level), else part of the player's first reply; the level
+    adapts per task); sync and async modes (docs/guidance.md)"""
     guidance_attempts: int = 2
     """hint: hinted episodes added to an all-failed group (demo adds one demonstration)"""
     hint_levels: int = 3

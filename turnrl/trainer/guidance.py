@@ -250,6 +250,16 @@ class Guidance:
         self.hint_levels = HintLevels(levels, (state or {}).get("hint_levels"))
         self.warned = False
 
+    @classmethod
+    def for_run(cls, run: Any) -> Guidance | None:
+        """The run's guidance (``explore.guidance``; None when off), where a resumed run left
+        its hint levels."""
+        explore = run.cfg.explore
+        if explore.guidance == "off":
+            return None
+        return cls(explore.guidance, explore.guidance_attempts, explore.hint_levels,
+                   run.checkpoint_state)
+
     def state_dict(self) -> dict:
         """What a resume needs: each task's hint level."""
         return {"hint_levels": self.hint_levels.state_dict()} if self.mode == "hint" else {}
