@@ -89,6 +89,16 @@ class SaySevenBadHint(SaySevenOwnHints):
         return level
 
 
+@register_env("say-seven-lost-player")
+class SaySevenLostPlayer(SaySeven):
+    """A reference player that says the wrong thing."""
+
+    def reference_player(self):
+        player = SaySeven().reference_player()
+        player.act = lambda observation: "778"
+        return player
+
+
 @register_env("say-seven-unguided")
 class SaySevenNoPlayer(SaySeven):
     reference_player = None
@@ -313,6 +323,14 @@ def _async_source(tmp_path, *more):
               for g in range(2)]
     source.take = lambda need: groups[:need]  # what the workers would have delivered
     return source, run
+
+
+def test_a_player_that_fails_its_seeds_is_named_as_such(tmp_path):
+    with pytest.warns(UserWarning, match="its reference player did not succeed on seed"):
+        train(_cfg(tmp_path, "say-seven-lost-player", "--run.steps", "1",
+                   "--explore.guidance", "demo", "--eval.episodes", "0"))
+    (row,) = read_metrics(tmp_path / "say-seven-lost-player" / "metrics.jsonl")
+    assert row["guide/episodes"] == 0
 
 
 def test_in_async_mode_the_learner_guides_the_workers_failed_groups(tmp_path):

@@ -249,6 +249,7 @@ class Guidance:
         self.mode, self.attempts = mode, attempts
         self.hint_levels = HintLevels(levels, (state or {}).get("hint_levels"))
         self.warned = False
+        self.why = ""
 
     @classmethod
     def for_run(cls, run: Any) -> Guidance | None:
@@ -272,6 +273,7 @@ class Guidance:
         builds the env the step played (a curriculum's current level; default the run's)."""
         make = make or run.policy.make_env
         targets = failed_groups(episodes)
+        self.why = ""  # why the step's last guided attempt came to nothing, when known
         firsts = {}  # each group's first episode: its task
         for ep in episodes:
             firsts.setdefault(ep.group, ep)
@@ -293,7 +295,7 @@ class Guidance:
                     ep.info["hint_level"] = level
             guided += hinted
         if targets and not guided:
-            self._warn(run.cfg.env.name)
+            self._warn(run.cfg.env.name, self.why)
         for ep in guided:
             ep.info["guided"] = self.mode
         fired = len({ep.group for ep in guided})
@@ -336,6 +338,8 @@ class Guidance:
             self._warn(cfg.env.name, ep.info.get("reason", ep.end_reason))
             return []
         if not ep.success:
+            self.why = (f"its reference player did not succeed on seed {seed} "
+                        f"({ep.end_reason or ep.status})")
             return []
         # at the update's temperature (a temperature schedule moves it), so the ratio is 1
         learner_logprobs(policy.model, [ep], policy.tokenizer.pad_token_id,
