@@ -3,14 +3,25 @@ tokens and "old" log-probs, hints in the prompt, and a task the tiny model learn
 
 from __future__ import annotations
 
+import json
+import re
+import sys
+
 import pytest
 
 from turnrl.config import ConfigError, load_config
 from turnrl.envs import StepResult, register_env
 from turnrl.metrics import read_metrics
 from turnrl.models import tiny_tokenizer
+from turnrl.rollout import run_sync
 from turnrl.trainer import train
-from turnrl.trainer.guidance import failed_groups
+from turnrl.trainer.guidance import (
+    Guidance,
+    HintLevels,
+    derived_hint,
+    failed_groups,
+    next_hint_level,
+)
 from turnrl.types import Episode, read_episodes
 
 
@@ -36,6 +47,56 @@ class SaySeven:
             def act(self, observation):
                 return "777"
         return Oracle()
+
+
+@register_env("say-seven-thrice")
+class SaySevenThrice:
+    """Three turns, each paying 0.25 for a reply starting with 777 (success: all three); the
+    state is how many were said so far. A plain-``def`` env: guidance must take both kinds."""
+
+    state_key = "said 0"
+
+    def reset(self, seed: int) -> str:
+        self.said = self.turn = 0
+        self.state_key = "said 0"
+        return "Say the secret digit, three times."
+
+    def step(self, action: str) -> StepResult:
+        self.turn += 1
+        ok = action.strip().startswith("777")
+        self.said += ok
+        done = self.turn == 3
+        return StepResult("" if done else f"Again ({self.turn} of 3).", 0.25 * ok, done,
+                          {"success": done and self.said == 3, "state_key": f"said {self.said}"})
+
+    def reference_player(self):
+        return SaySeven().reference_player()
+
+
+@register_env("say-seven-hinted")
+class SaySevenOwnHints(SaySeven):
+    """No reference player, but hints of its own, one per level."""
+
+    reference_player = None
+
+    def hint(self, level: int) -> str:
+        return f"Level {level} hint: the digit is 7."
+
+
+@register_env("say-seven-bad-hint")
+class SaySevenBadHint(SaySevenOwnHints):
+    def hint(self, level: int):
+        return level
+
+
+@register_env("say-seven-lost-player")
+class SaySevenLostPlayer(SaySeven):
+    """A reference player that says the wrong thing."""
+
+    def reference_player(self):
+        player = SaySeven().reference_player()
+        player.act = lambda observation: "778"
+        return player
 
 
 @register_env("say-seven-unguided")
@@ -83,14 +144,157 @@ def test_guided_demonstrations_give_a_signal_and_read_as_no_mismatch(tmp_path):
         assert all(lp < 0 for lp, m in zip(ep.logprobs, ep.loss_mask, strict=True) if m)
 
 
-def test_hints_are_in_the_prompt_of_extra_episodes(tmp_path):
+@pytest.mark.parametrize("advantage", ["gigpo", "turn_gae"])
+def test_a_demonstration_carries_the_env_s_own_turn_rewards_states_and_end(tmp_path,
+                                                                         advantage):
+    """Played through the turn loop, a demonstration's turns are the env's: its per-turn
+    rewards and state keys, which turn-level estimators credit, and its end reason."""
+    train(_cfg(tmp_path, "say-seven-thrice", "--run.steps", "1", "--explore.guidance", "demo",
+               "--algo.advantage", advantage, "--rollout.max_turns", "3",
+               "--eval.episodes", "0"))
+    (row,) = read_metrics(tmp_path / "say-seven-thrice" / "metrics.jsonl")
+    assert row["guide/episodes"] == 2 and row["guide/success"] == 1.0 and row["grad_norm"] > 0
+    episodes = read_episodes(tmp_path / "say-seven-thrice" / "episodes" / "step-000001.jsonl")
+    demos = [ep for ep in episodes if ep.info.get("guided") == "demo"]
+    assert len(demos) == 2
+    for ep in demos:
+        assert [t.reward for t in ep.turns] == [0.25, 0.25, 0.25] and ep.reward == 0.75
+        assert [t.state for t in ep.turns] == ["said 0", "said 1", "said 2"]
+        assert [t.observation for t in ep.turns] == ["Again (1 of 3).", "Again (2 of 3).", ""]
+        assert (ep.status, ep.end_reason) == ("done", "done")
+        assert sum(ep.loss_mask) == 3 * 4  # three replies of "777" and their end of turn
+    own = [ep for ep in episodes if "guided" not in ep.info]
+    assert all(not ep.success for ep in own)
+
+
+def test_a_frozen_lake_demonstration_is_the_env_s_own_episode(tmp_path):
+    """Through the gymnasium adapter: the demonstration's turns hold what the env itself
+    returns to the player's moves, state by state (replayed here without the turn loop)."""
+    pytest.importorskip("gymnasium")
+    from turnrl.envs import make_env
+    from turnrl.envs.contract import start_state
+    from turnrl.envs.reference import reference_player
+
+    lake = ["--env.options.game", "FrozenLake-v1", "--env.options.is_slippery", "false"]
+    train(_cfg(tmp_path, "gymnasium", "--run.steps", "1", "--explore.guidance", "demo",
+               "--algo.advantage", "gigpo", "--rollout.max_turns", "12",
+               "--rollout.max_new_tokens", "6", "--eval.episodes", "0", *lake))
+    episodes = read_episodes(tmp_path / "gymnasium" / "episodes" / "step-000001.jsonl")
+    demos = [ep for ep in episodes if ep.info.get("guided") == "demo"]
+    assert demos and all(ep.success and ep.status == "done" for ep in demos)
+    for ep in demos:
+        env = make_env("gymnasium", game="FrozenLake-v1", is_slippery=False)
+        observation = run_sync(env.reset(ep.seed))
+        player = reference_player(env, "gymnasium")
+        player.reset(observation)
+        expected, state = [], str(start_state(env, observation))
+        for _ in ep.turns:
+            action = player.act(observation)
+            result = run_sync(env.step(action))
+            expected.append((action, result.reward, state))
+            observation, state = result.observation, str(result.info["state_key"])
+        assert [(t.action, t.reward, t.state) for t in ep.turns] == expected
+        assert len(ep.turns) >= 6 and ep.turns[-1].reward == 1.0 and ep.reward == 1.0
+
+
+def test_one_hint_level_is_the_player_s_whole_first_reply(tmp_path):
     train(_cfg(tmp_path, "say-seven", "--run.steps", "1", "--explore.guidance", "hint",
-               "--explore.guidance_attempts", "3"))
+               "--explore.guidance_attempts", "3", "--explore.hint_levels", "1"))
     (row,) = read_metrics(tmp_path / "say-seven" / "metrics.jsonl")
     assert row["guide/fired_groups"] == 2 and row["guide/episodes"] == 6
+    assert row["guide/hint_level"] == 1.0
     text = [tiny_tokenizer().decode(ep.token_ids) for ep in read_episodes(
         tmp_path / "say-seven" / "episodes" / "step-000001.jsonl") if ep.info.get("guided")]
     assert len(text) == 6 and all("Hint: a good first reply here is: 777" in t for t in text)
+
+
+def test_the_hint_level_climbs_one_step_per_failure_and_falls_one_per_success():
+    """The staircase on a hand-built run of outcomes (False: the hinted group failed)."""
+    outcomes = [False, False, False, False, True, True, True, False, True]
+    level, seen = 1, []
+    for solved in outcomes:
+        level = next_hint_level(level, solved, 3)
+        seen.append(level)
+    assert seen == [2, 3, 3, 3, 2, 1, 1, 2, 1]
+    assert next_hint_level(1, False, 1) == 1  # one level: nowhere to go
+    assert next_hint_level(5, True, 3) == 3  # a level from a run with more levels is capped
+
+
+def test_each_task_keeps_its_own_level_and_the_book_stays_bounded():
+    levels = HintLevels(4)
+    for key, solved in [("a", False), ("b", False), ("a", False), ("a", True), ("b", False),
+                        ("b", False), ("b", False)]:
+        levels.record(key, solved)
+    assert (levels.level("a"), levels.level("b"), levels.level("new")) == (2, 4, 1)
+    resumed = Guidance("hint", 2, 3, {"hint_levels": levels.state_dict()})
+    assert resumed.hint_levels.level_of == {"a": 2, "b": 3}  # a smaller top level caps them
+    assert resumed.state_dict() == {"hint_levels": {"a": 2, "b": 3}}
+    assert Guidance("demo", 2, 3).state_dict() == {}
+    levels.MAX_TASKS = 2
+    levels.record("c", False)
+    assert list(levels.level_of) == ["b", "c"]  # the task seen longest ago goes first
+
+
+def test_a_derived_hint_shows_a_growing_share_of_the_first_reply():
+    assert [derived_hint("777", level, 3) for level in (1, 2, 3)] == [
+        "Hint: a good first reply here starts with: 7",
+        "Hint: a good first reply here starts with: 77",
+        "Hint: a good first reply here is: 777"]
+    assert derived_hint("search(x)", 1, 4).endswith("starts with: sea")
+    assert derived_hint("42", 5, 3).endswith("is: 42")
+
+
+def test_in_training_each_hinted_group_gets_the_level_its_task_s_history_set(tmp_path):
+    """Every say-seven seed has the same prompt, so it is one task: each hinted group's
+    level must be the staircase's over the outcomes before it, in order."""
+    train(_cfg(tmp_path, "say-seven", "--run.steps", "3", "--explore.guidance", "hint",
+               "--eval.episodes", "0"))
+    rows = read_metrics(tmp_path / "say-seven" / "metrics.jsonl")
+    level, known, every_level = 1, False, []
+    for step, row in enumerate(rows, 1):
+        episodes = read_episodes(tmp_path / "say-seven" / "episodes" /
+                                 f"step-{step:06d}.jsonl")
+        if known and any(ep.success for ep in episodes if "guided" not in ep.info):
+            level = next_hint_level(level, True, 3)
+        groups: dict[int, list] = {}
+        for ep in episodes:
+            if ep.info.get("guided"):
+                groups.setdefault(ep.group, []).append(ep)
+        used = []
+        for eps in groups.values():
+            assert len(eps) == 2 and all(ep.info["hint_level"] == level for ep in eps)
+            prompt = tiny_tokenizer().decode(eps[0].token_ids[:eps[0].turns[0].start])
+            assert re.search(r"Hint: [^<]*", prompt).group(0) == derived_hint("777", level, 3)
+            used.append(level)
+            level, known = next_hint_level(level, any(ep.success for ep in eps), 3), True
+        every_level += used
+        assert row["guide/hint_level"] == (sum(used) / len(used) if used else 0.0)
+    assert max(every_level) == 3  # the tiny model fails at levels 1 and 2: help rises
+    (checkpoint,) = (tmp_path / "say-seven" / "checkpoints").glob("step-000003")
+    saved = json.loads((checkpoint / "state.json").read_text())["hint_levels"]
+    assert list(saved.values()) == [level]  # one task, where the staircase left it
+
+
+def test_an_env_s_own_hints_need_no_reference_player(tmp_path):
+    train(_cfg(tmp_path, "say-seven-hinted", "--run.steps", "1", "--explore.guidance", "hint",
+               "--eval.episodes", "0"))
+    episodes = read_episodes(tmp_path / "say-seven-hinted" / "episodes" / "step-000001.jsonl")
+    hinted = [ep for ep in episodes if ep.info.get("guided")]
+    assert len(hinted) == 4
+    text = [tiny_tokenizer().decode(ep.token_ids) for ep in hinted]
+    # both groups are one task: the first hinted at level 1, the next (after it failed) at 2
+    assert sorted({ep.info["hint_level"] for ep in hinted}) == [1, 2]
+    for ep, t in zip(hinted, text, strict=True):
+        assert f"Level {ep.info['hint_level']} hint: the digit is 7." in t
+
+
+def test_a_hint_that_is_not_text_is_named_once_and_training_goes_on(tmp_path):
+    with pytest.warns(UserWarning, match=r"its hint failed: TypeError: env hint\(1\) returned "
+                      "int; return text or None"):
+        train(_cfg(tmp_path, "say-seven-bad-hint", "--run.steps", "1", "--explore.guidance",
+                   "hint", "--eval.episodes", "0"))
+    (row,) = read_metrics(tmp_path / "say-seven-bad-hint" / "metrics.jsonl")
+    assert row["guide/episodes"] == 0
 
 
 def test_an_env_without_a_player_warns_once_and_trains(tmp_path):
@@ -101,9 +305,86 @@ def test_an_env_without_a_player_warns_once_and_trains(tmp_path):
     assert [r["guide/episodes"] for r in rows] == [0.0, 0.0]
 
 
-def test_guidance_is_refused_in_async_mode():
-    with pytest.raises(ConfigError, match="explore.guidance works in run.mode sync only"):
-        load_config(None, ["--run.mode", "async", "--explore.guidance", "demo"])
+def _async_source(tmp_path, *more):
+    """A ``RaySource`` opened on a real run (tiny model) whose groups are played here, on the
+    learner's engine, instead of arriving from Ray workers."""
+    from turnrl.distributed.book import AssignmentBook
+    from turnrl.distributed.source import RaySource
+    from turnrl.policy import training_seeds
+    from turnrl.rollout.loop import Group
+    from turnrl.trainer.run import play_seeds, start_run
+
+    cfg = _cfg(tmp_path, "say-seven", "--run.mode", "async", "--eval.episodes", "0", *more)
+    run = start_run(cfg, False, decoupled=True)
+    source = RaySource(cfg, fleet=object(), book=AssignmentBook(lambda index: index))
+    source.open(run)
+    played = play_seeds(run, training_seeds(cfg, 0), run.policy.make_env)
+    groups = [Group(g, played[g * 4].seed, [ep for ep in played if ep.group == g])
+              for g in range(2)]
+    source.take = lambda need: groups[:need]  # what the workers would have delivered
+    return source, run
+
+
+def test_a_player_that_fails_its_seeds_is_named_as_such(tmp_path):
+    with pytest.warns(UserWarning, match="its reference player did not succeed on seed"):
+        train(_cfg(tmp_path, "say-seven-lost-player", "--run.steps", "1",
+                   "--explore.guidance", "demo", "--eval.episodes", "0"))
+    (row,) = read_metrics(tmp_path / "say-seven-lost-player" / "metrics.jsonl")
+    assert row["guide/episodes"] == 0
+
+
+def test_in_async_mode_the_learner_guides_the_workers_failed_groups(tmp_path):
+    source, run = _async_source(tmp_path, "--explore.guidance", "demo")
+    episodes = source.collect(0)
+    demos = [ep for ep in episodes if ep.info.get("guided") == "demo"]
+    assert len(episodes) == 8 + 2 and len(demos) == 2
+    assert source.guided["guide/fired_groups"] == 2 and source.guided["guide/success"] == 1.0
+    # on-policy at the learner's version: no staleness, and the old log-probs are its own
+    assert all(v == run.policy.engine.version for ep in demos
+               for v, m in zip(ep.versions, ep.loss_mask, strict=True) if m)
+    assert all(lp < 0 for ep in demos for lp, m in zip(ep.logprobs, ep.loss_mask,
+                                                       strict=True) if m)
+    assert "hint_levels" not in source.state_dict()
+
+
+def test_in_async_mode_hint_levels_are_kept_with_the_checkpoint(tmp_path):
+    source, _ = _async_source(tmp_path, "--explore.guidance", "hint")
+    episodes = source.collect(0)
+    hinted = [ep for ep in episodes if ep.info.get("guided") == "hint"]
+    assert len(hinted) == 4 and [ep.info["hint_level"] for ep in hinted] == [1, 1, 2, 2]
+    assert source.guided["guide/hint_level"] == 1.5  # one task: level 1 failed, then 2
+    level = 1
+    for group in (0, 1):
+        level = next_hint_level(level, any(ep.success for ep in hinted if ep.group == group), 3)
+    assert list(source.state_dict()["hint_levels"].values()) == [level]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    # the envs are registered by this module, which the workers cannot import: ship it by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # a cluster of its own, never one that another process on this machine started
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.mark.slow
+def test_async_training_with_ray_workers_gets_a_signal_only_with_guidance(ray_cluster,
+                                                                         tmp_path):
+    from turnrl.launch import train_async
+
+    for mode in ("off", "demo"):
+        train_async(_cfg(tmp_path / mode, "say-seven", "--run.mode", "async", "--run.steps", "2",
+                         "--ray.num_workers", "1", "--eval.episodes", "0",
+                         "--explore.guidance", mode))
+    plain, guided = (read_metrics(tmp_path / m / "say-seven" / "metrics.jsonl")
+                     for m in ("off", "demo"))
+    assert all(r["grad_norm"] == 0 for r in plain)  # workers' groups alone: no signal
+    assert all(r["guide/episodes"] == 2 and r["guide/success"] == 1.0 for r in guided)
+    assert all(r["grad_norm"] > 0 and r["success/rate"] == 0.0 for r in guided)
 
 
 @pytest.mark.slow

@@ -62,9 +62,6 @@ def check_explore(cfg: Config) -> None:
         raise ConfigError("explore.dynamic_sampling and explore.temperature_schedule work in "
                           "run.mode sync only (rollout workers sample on their own); turn them "
                           "off or use sync mode")
-    if cfg.run.mode == "async" and e.guidance != "off":
-        raise ConfigError("explore.guidance works in run.mode sync only (the learner's own "
-                          "engine plays the guided episodes); turn it off or use sync mode")
     if e.pass_k > cfg.rollout.group_size:
         raise ConfigError(f"explore.pass_k {e.pass_k} exceeds rollout.group_size "
                           f"{cfg.rollout.group_size}; lower it or raise the group size")

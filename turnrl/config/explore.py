@@ -65,10 +65,14 @@ class ExploreConfig(Section):
     """consecutive steps a condition must hold before its warning fires"""
     guidance: Literal["off", "demo", "hint"] = "off"
     """when every episode of a group fails (no reward signal): demo adds the env's reference
-    player's successful episode on that seed to the group, hint replays the seed with the
-    player's first reply as a hint in the prompt (sync mode; docs/guidance.md)"""
+    player's successful episode on that seed to the group, hint replays the seed with a hint
+    in the prompt (the env's hint(level), else part of the player's first reply; the level
+    adapts per task); sync and async modes (docs/guidance.md)"""
     guidance_attempts: int = 2
     """hint: hinted episodes added to an all-failed group (demo adds one demonstration)"""
+    hint_levels: int = 3
+    """hint: how many levels of hint, from 1 (the least) to this (the player's whole first
+    reply); a task's level rises while its groups fail and falls as they succeed"""
 
     def _check(self) -> None:
         self._at_least(0, "dynamic_max_rounds", "overlong_buffer", "overlong_max_tokens",
@@ -77,4 +81,4 @@ class ExploreConfig(Section):
                        "negative_weight", "pass_k", "novelty_coef", "warn_entropy_fraction")
         self._require("top_entropy_fraction", 0 < self.top_entropy_fraction <= 1, "in (0, 1]")
         self._require("warn_clip_fraction", 0 <= self.warn_clip_fraction <= 1, "in [0, 1]")
-        self._at_least(1, "warn_patience", "guidance_attempts")
+        self._at_least(1, "warn_patience", "guidance_attempts", "hint_levels")

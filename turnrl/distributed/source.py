@@ -45,8 +45,9 @@ from turnrl.metrics import truncate_metrics
 from turnrl.policy import group_seed
 from turnrl.rollout.loop import Group
 from turnrl.trainer.buffer import StalenessBuffer, group_staleness
+from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults
-from turnrl.trainer.run import Run, TrainResult, evaluate_env
+from turnrl.trainer.run import Run, TrainResult, evaluate_env, play_seeds
 from turnrl.types import Episode
 
 LEDGER_FILE = "assignments.jsonl"
@@ -105,10 +106,17 @@ class RaySource(SourceDefaults):
         self.trained: list[tuple[int, int]] = []
         self.totals = {"reissued": [], "regenerated": [], "restarts": 0, "duplicates": 0}
         self.closed = False
+        self.run: Run | None = None
+        self.guidance: Guidance | None = None
+        self.guided: dict[str, float] = {}
+        """The step's ``guide/*`` metrics."""
 
     def open(self, run: Run) -> None:
         """Spawn the workers (they build their models while the learner evaluates) and open
-        the books where a resumed run left them."""
+        the books where a resumed run left them. Guidance (``explore.guidance``) runs here, on
+        the learner: its engine has the newest weights and its env plays the evaluation, so
+        guided episodes are on-policy at the learner's version (docs/guidance.md)."""
+        self.run, self.guidance = run, Guidance.for_run(run)
         if self.fleet is not None:  # handed in (tests)
             return
         cfg, resume_state = run.cfg, run.checkpoint_state
@@ -149,6 +157,9 @@ class RaySource(SourceDefaults):
     # ---- the RolloutSource methods -------------------------------------------------------------
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
+        engine = self.run.policy.engine if self.run is not None else None
+        if self.guidance is not None and hasattr(engine, "update_weights"):
+            engine.update_weights(model.state_dict(), version)  # hinted play samples there
         if not self.kv_bytes_per_token and hasattr(model, "config"):
             element = next(model.parameters()).element_size()
             self.kv_bytes_per_token = kv_bytes_per_token(model.config, element)
@@ -161,7 +172,12 @@ class RaySource(SourceDefaults):
 
     def collect(self, step: int) -> list[Episode]:
         self.taken = self.take(self.cfg.rollout.groups_per_step)
-        return [ep for g in self.taken for ep in g.episodes]
+        episodes = [ep for g in self.taken for ep in g.episodes]
+        self.guided = {}
+        if self.guidance is not None:  # the workers' all-failed groups, guided on the learner
+            episodes, self.guided = self.guidance.apply(
+                episodes, self.run, lambda seeds, make: play_seeds(self.run, seeds, make))
+        return episodes
 
     def take(self, need: int) -> list[Group]:
         """The first ``need`` fresh groups (oldest arrivals first)."""
@@ -191,7 +207,7 @@ class RaySource(SourceDefaults):
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
-        return self.group_metrics(step, self.taken, update_metrics)
+        return {**self.group_metrics(step, self.taken, update_metrics), **self.guided}
 
     def group_metrics(self, step: int, groups: list[Group],
                       update_metrics: dict[str, float]) -> dict[str, float]:
@@ -232,7 +248,8 @@ class RaySource(SourceDefaults):
     def state_dict(self) -> dict:
         """Checkpoint extras: where the seed schedule and assignment ids continue."""
         return {"seed_index": self.book.next_index, "next_assignment": self.book.next_id,
-                "max_versions": self.max_versions}
+                "max_versions": self.max_versions,
+                **(self.guidance.state_dict() if self.guidance is not None else {})}
 
     def close(self) -> None:
         """Stop the workers; what is still outstanding or buffered is abandoned."""

@@ -14,6 +14,11 @@ attribute           default         what it does
                                     each step's ``info["state_key"]`` names the next one
 ``cooperative``     False           class attribute: reset/step never block their event loop,
                                     so such envs may share one thread (rollout/env_calls.py)
+``hint(level)``     derived         text appended to the first observation when
+                                    ``explore.guidance hint`` replays a failed group; called
+                                    after ``reset``, ``level`` from 1 (the least help) to
+                                    ``explore.hint_levels`` (the most); None or "": the hint
+                                    derived from the reference player (trainer/guidance.py)
 ==================  ==============  ===========================================================
 
 ``reference_player()`` (default: the built-in player for the env's name, else none) returns a
@@ -65,6 +70,18 @@ def start_state(env: Any, observation: str) -> Any:
 def step_state(info: dict, observation: str) -> Any:
     """The state a step led to: ``info["state_key"]`` when given, else the observation."""
     return info.get("state_key", observation)
+
+
+def hint(env: Any, level: int) -> str | None:
+    """The env's own hint at ``level`` (None: it has none, or none at that level); read after
+    ``reset``. One that is not text is refused with a one-line reason."""
+    own = getattr(env, "hint", None)
+    if not callable(own):
+        return None
+    text = own(level)
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"env hint({level}) returned {type(text).__name__}; return text or None")
+    return text or None
 
 
 def is_cooperative(env: Any) -> bool:

@@ -5,15 +5,27 @@ group is zero and the step learns nothing from it: the usual state of a model th
 its task yet. Two remedies, both using the env's reference player (``reference_player()``
 or a built-in one, envs/reference.py):
 
-- ``demo``: the player plays the group's seed, and its successful episode joins the group as
-  if the policy had written it (the turn loop's token layout, ``sft/conversation.py``). GRPO
-  then pushes the group's failures down and the demonstration up. After LUFFY (Yan et al.
-  2025, "Learning to Reason under Off-Policy Guidance", arXiv:2504.14945), which mixes
-  off-policy demonstrations into GRPO groups.
+- ``demo``: the player plays the group's seed *through the turn loop* (``PlayerEngine``: an
+  engine whose "samples" are the player's replies), and its successful episode joins the
+  group as if the policy had written it: the loop's own tokens, loss mask, per-turn rewards,
+  state keys and end reason, so turn-level estimators (GiGPO, turn-level GAE, the critic)
+  credit its turns as they would the policy's. GRPO then pushes the group's failures down
+  and the demonstration up. After LUFFY (Yan et al. 2025, "Learning to Reason under
+  Off-Policy Guidance", arXiv:2504.14945), which mixes off-policy demonstrations into GRPO
+  groups.
 - ``hint``: the group's seed is played ``guidance_attempts`` more times by the policy, with
-  the player's first reply given as a hint after the first observation. After GHPO (Liu et
-  al. 2025, "Adaptive Guidance for Hybrid Policy Optimization", arXiv:2507.10628), which adds
-  part of the reference solution to the prompt of problems the model fails.
+  a hint after the first observation: the env's own ``hint(level)`` (envs/contract.py), else
+  a share of the player's first reply that grows with the level (``derived_hint``). After
+  GHPO (Liu et al. 2025, "Adaptive Guidance for Hybrid Policy Optimization",
+  arXiv:2507.10628), which adds part of the reference solution to the prompt of problems the
+  model fails, more of it the harder the problem proves.
+
+Hint levels (``HintLevels``) are a staircase per task: a task is what the policy is asked
+(its prompt tokens, ``task_key``: seeds with the same prompt are one task). It starts at
+level 1 (the least help); after its hinted attempts all fail it gets one level more next
+time, up to ``explore.hint_levels``; after they succeed, or after a group of the policy's own
+succeeds unhinted, one level less, down to 1 (``next_hint_level``). So help settles at about
+the least that still lets the policy succeed.
 
 The off-policy correction (``demo``): a demonstration's tokens were not sampled by the policy,
 so there is no behaviour log-probability. LUFFY takes it as 1, so its ratio is ``pi_theta``
@@ -24,27 +36,34 @@ for a positive advantage, the supervised gradient scaled by the advantage, stron
 tokens the policy finds least likely (what LUFFY's shaping aims at). The ratio then clips
 as any other token's would. Such tokens also read as no mismatch (docs/mismatch.md).
 
-Departures: LUFFY replaces rollouts with demonstrations and GHPO decides per problem how much
-of the solution to show; here guidance is added (the group grows by one demonstration or by
-``guidance_attempts`` hinted episodes), and the hint is the player's whole first reply
-(for a single-turn task, the answer itself). Hinted episodes keep their hinted prompt: they
-are on-policy given that prompt, and train the policy under it, as in GHPO. Evaluation never
-sees guidance. Each step logs ``guide/fired_groups``, ``guide/episodes`` and ``guide/success``;
+Departures: LUFFY replaces rollouts with demonstrations; here guidance is added (the group
+grows by one demonstration or by ``guidance_attempts`` hinted episodes). GHPO's multi-stage
+guidance gives a problem that keeps failing a growing share of its reference solution; here
+that is a staircase per task, one level per appearance, which also steps back down after a
+success, and a derived hint is a share of the player's first reply only (for a single-turn
+task, of the answer). Hinted episodes keep their hinted prompt: they are on-policy given that
+prompt, and train the policy under it, as in GHPO. Evaluation never
+sees guidance. Each step logs ``guide/fired_groups``, ``guide/episodes`` and ``guide/success``
+(and, for ``hint``, ``guide/hint_level``: the mean level of the groups it hinted);
 the step's ``reward/mean`` and ``success/rate`` leave guided episodes out (the policy's own).
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from turnrl.demos.conversation import DemoError, conversation_episode
-from turnrl.demos.scripted import scripted_conversation
-from turnrl.envs.reference import reference_player
-from turnrl.rollout import run_sync
+from turnrl.envs.contract import hint as env_hint
+from turnrl.envs.reference import REFERENCE_POLICIES, reference_player
+from turnrl.rollout import run_episodes, run_sync
+from turnrl.rollout.chat import ChatFormat
+from turnrl.rollout.engine import Completion, SamplingParams
 from turnrl.trainer.rl_step import explore_settings
 from turnrl.trainer.step import batch_logprobs
 from turnrl.types import Batch, Episode
@@ -60,34 +79,148 @@ def failed_groups(episodes: Sequence[Episode]) -> list[tuple[int, int]]:
             if not any(ep.success for ep in eps) and len({ep.reward for ep in eps}) == 1]
 
 
-class HintedEnv:
-    """``env`` with ``hint`` appended to its first observation; everything else delegated."""
+async def _maybe_await(value: Any) -> Any:
+    """An env's reset or step may be ``async`` or plain ``def`` (envs/contract.py)."""
+    return await value if inspect.isawaitable(value) else value
 
-    def __init__(self, env: Any, hint: str) -> None:
-        self._env, self._hint = env, hint
+
+def has_reference_player(env: Any, env_name: str) -> bool:
+    """Whether ``env`` offers a reference player: its own ``reference_player()`` or a built-in
+    one for its name (envs/reference.py)."""
+    return callable(getattr(env, "reference_player", None)) or env_name in REFERENCE_POLICIES
+
+
+class _Delegating:
+    """An env seen through a wrapper: what the wrapper does not define is the env's own
+    (system prompt, tools, ``state_key``, ``cooperative``), so the turn loop sees the env."""
+
+    def __init__(self, env: Any) -> None:
+        self._env = env
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._env, name)
-
-    async def reset(self, seed: int) -> str:
-        return f"{await self._env.reset(seed)}\n\n{self._hint}"
+        return getattr(self.__dict__["_env"], name)
 
     async def step(self, action: str):
-        return await self._env.step(action)
+        return await _maybe_await(self._env.step(action))
 
 
-async def first_reply(env: Any, env_name: str, seed: int) -> str | None:
-    """The reference player's first reply on ``seed`` (None: the env has no player)."""
-    observation = await env.reset(seed)
+class HintedEnv(_Delegating):
+    """``env`` with ``hint`` appended to its first observation."""
+
+    def __init__(self, env: Any, hint: str) -> None:
+        super().__init__(env)
+        self._hint = hint
+
+    async def reset(self, seed: int) -> str:
+        return f"{await _maybe_await(self._env.reset(seed))}\n\n{self._hint}"
+
+
+class ScriptedEnv(_Delegating):
+    """``env`` with its reference player's next reply ready for ``PlayerEngine``: the player
+    reads each observation as the env returns it, before the loop asks for the reply."""
+
+    def __init__(self, env: Any, env_name: str) -> None:
+        super().__init__(env)
+        self._env_name, self.player, self.next_reply = env_name, None, ""
+
+    async def reset(self, seed: int) -> str:
+        observation = await _maybe_await(self._env.reset(seed))
+        self.player = reference_player(self._env, self._env_name)
+        if self.player is None:
+            raise RuntimeError(f"env '{self._env_name}' reference_player() returned None")
+        self.player.reset(observation)
+        self.next_reply = self.player.act(observation)
+        return observation
+
+    async def step(self, action: str):
+        result = await super().step(action)
+        if not getattr(result, "done", True):  # a malformed result is the loop's to refuse
+            self.next_reply = self.player.act(result.observation)
+        return result
+
+
+class PlayerEngine:
+    """An ``Engine`` whose "sample" is the reference player's next reply, tokenised as the
+    policy's would be (the reply's tokens and the end of turn), so the turn loop records the
+    demonstration with its own bookkeeping. One episode at a time: every prompt gets the
+    reply of the one ``ScriptedEnv``. Log-probs are placeholders until ``learner_logprobs``.
+
+    A reply longer than ``max_new_tokens`` is cut there, as the sampler would be, and
+    ``longest`` remembers it (the caller refuses such a demonstration: the policy could
+    never write it)."""
+
+    def __init__(self, env: ScriptedEnv, chat: ChatFormat, version: int) -> None:
+        self.env, self.chat, self.version = env, chat, version
+        self.longest = 0
+        """The most tokens a reply took, its end of turn included."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
+                 ) -> list[Completion]:
+        ids = self.chat.encode(self.env.next_reply) + [self.chat.end_of_turn]
+        self.longest = max(self.longest, len(ids))
+        finish = "stop"
+        if len(ids) > params.max_new_tokens:
+            ids, finish = ids[:params.max_new_tokens], "length"
+        return [Completion(list(ids), [0.0] * len(ids), finish) for _ in prompts]
+
+
+def next_hint_level(level: int, solved: bool, levels: int) -> int:
+    """The staircase (module docstring): one level more help after a task's group failed,
+    one less after it succeeded, within 1..``levels``."""
+    return max(1, min(levels, level - 1 if solved else level + 1))
+
+
+def task_key(episode: Episode) -> str:
+    """The task as the policy sees it: a digest of the prompt tokens before its first reply."""
+    first = next((i for i, m in enumerate(episode.loss_mask) if m), len(episode.token_ids))
+    return hashlib.blake2b(str(episode.token_ids[:first]).encode(), digest_size=12).hexdigest()
+
+
+class HintLevels:
+    """Each task's hint level (``next_hint_level``); the ``MAX_TASKS`` tasks seen last kept,
+    so a run over endless fresh seeds holds bounded memory."""
+
+    MAX_TASKS = 10_000
+
+    def __init__(self, levels: int, state: dict[str, int] | None = None) -> None:
+        self.levels = levels
+        self.level_of = {key: min(level, levels) for key, level in (state or {}).items()}
+
+    def level(self, key: str) -> int:
+        return self.level_of.get(key, 1)
+
+    def record(self, key: str, solved: bool) -> None:
+        level = next_hint_level(self.level(key), solved, self.levels)
+        self.level_of.pop(key, None)  # re-inserted last: the newest
+        self.level_of[key] = level
+        while len(self.level_of) > self.MAX_TASKS:
+            del self.level_of[next(iter(self.level_of))]
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.level_of)
+
+
+def derived_hint(reply: str, level: int, levels: int) -> str:
+    """The hint at ``level`` of ``levels`` made from the player's first reply: its first
+    ``level / levels`` share of characters (rounded up), the whole reply at the top level."""
+    if level >= levels:
+        return f"Hint: a good first reply here is: {reply}"
+    shown = reply[:math.ceil(len(reply) * level / levels)]
+    return f"Hint: a good first reply here starts with: {shown}"
+
+
+async def hint_at(env: Any, env_name: str, seed: int, level: int, levels: int) -> str | None:
+    """The hint for ``seed`` at ``level``: the env's own ``hint(level)``, else one derived from
+    its reference player's first reply (None: neither)."""
+    observation = await _maybe_await(env.reset(seed))
+    own = env_hint(env, level)
+    if own is not None:
+        return own
     player = reference_player(env, env_name)
     if player is None:
         return None
     player.reset(observation)
-    return player.act(observation)
-
-
-def hint_text(reply: str) -> str:
-    return f"Hint: a good first reply here is: {reply}"
+    return derived_hint(player.act(observation), level, levels)
 
 
 def learner_logprobs(model: torch.nn.Module, episodes: list[Episode], pad_id: int,
@@ -108,75 +241,128 @@ def learner_logprobs(model: torch.nn.Module, episodes: list[Episode], pad_id: in
 
 
 class Guidance:
-    """Adds guided episodes to a step's all-failed groups (``LocalSource`` calls ``apply``)."""
+    """Adds guided episodes to a step's all-failed groups (a source calls ``apply``).
+    ``levels`` and ``state``: ``explore.hint_levels`` and the checkpoint's ``state_dict``."""
 
-    def __init__(self, mode: str, attempts: int) -> None:
+    def __init__(self, mode: str, attempts: int, levels: int = 1,
+                 state: dict | None = None) -> None:
         self.mode, self.attempts = mode, attempts
+        self.hint_levels = HintLevels(levels, (state or {}).get("hint_levels"))
         self.warned = False
+        self.why = ""
 
-    def apply(self, episodes: list[Episode], run: Any, play: Callable[..., list[Episode]]
+    @classmethod
+    def for_run(cls, run: Any) -> Guidance | None:
+        """The run's guidance (``explore.guidance``; None when off), where a resumed run left
+        its hint levels."""
+        explore = run.cfg.explore
+        if explore.guidance == "off":
+            return None
+        return cls(explore.guidance, explore.guidance_attempts, explore.hint_levels,
+                   run.checkpoint_state)
+
+    def state_dict(self) -> dict:
+        """What a resume needs: each task's hint level."""
+        return {"hint_levels": self.hint_levels.state_dict()} if self.mode == "hint" else {}
+
+    def apply(self, episodes: list[Episode], run: Any, play: Callable[..., list[Episode]],
+              make: Callable[[], Any] | None = None
               ) -> tuple[list[Episode], dict[str, float]]:
         """``episodes`` plus the guided ones, and the step's ``guide/*`` metrics. ``play(seeds,
-        make)`` plays ``(seed, group)`` pairs with the policy on envs from ``make``."""
-        cfg, policy = run.cfg, run.policy
+        make)`` plays ``(seed, group)`` pairs with the policy on envs from ``make``; ``make``
+        builds the env the step played (a curriculum's current level; default the run's)."""
+        make = make or run.policy.make_env
         targets = failed_groups(episodes)
+        self.why = ""  # why the step's last guided attempt came to nothing, when known
+        firsts = {}  # each group's first episode: its task
+        for ep in episodes:
+            firsts.setdefault(ep.group, ep)
+        if self.mode == "hint":
+            self._record_own_successes(episodes, firsts)
         guided: list[Episode] = []
+        levels_used = []
         for group, seed in targets:
             if self.mode == "demo":
-                guided += self._demo(cfg, run, seed, group)
-            else:
-                guided += self._hinted(cfg, policy, seed, group, play)
+                guided += self._demo(run, make, seed, group)
+                continue
+            key = task_key(firsts[group])
+            level = self.hint_levels.level(key)
+            hinted = self._hinted(run, make, seed, group, level, play)
+            if hinted:
+                self.hint_levels.record(key, any(ep.success for ep in hinted))
+                levels_used.append(level)
+                for ep in hinted:
+                    ep.info["hint_level"] = level
+            guided += hinted
         if targets and not guided:
-            self._warn(cfg.env.name)
+            self._warn(run.cfg.env.name, self.why)
         for ep in guided:
             ep.info["guided"] = self.mode
         fired = len({ep.group for ep in guided})
         metrics = {"guide/fired_groups": float(fired), "guide/episodes": float(len(guided)),
                    "guide/success": (sum(ep.success for ep in guided) / len(guided)
                                      if guided else 0.0)}
+        if self.mode == "hint":
+            metrics["guide/hint_level"] = (sum(levels_used) / len(levels_used)
+                                           if levels_used else 0.0)
         return episodes + guided, metrics
 
-    def _demo(self, cfg: Any, run: Any, seed: int, group: int) -> list[Episode]:
-        policy = run.policy
-        env = policy.make_env()
-        try:
-            messages, tools, success, reward = run_sync(scripted_conversation(
-                env, cfg.env.name, seed, policy.chat, cfg.rollout.max_turns))
-        except Exception as err:  # noqa: BLE001 - no player (DataError) or a player that breaks
-            self._warn(cfg.env.name, f"{type(err).__name__}: {err}")
+    def _record_own_successes(self, episodes: list[Episode], firsts: dict[int, Episode]
+                              ) -> None:
+        """A task hinted before whose group now succeeds unhinted needs less help."""
+        solved = {ep.group for ep in episodes if ep.success}
+        for group in solved:
+            key = task_key(firsts[group])
+            if key in self.hint_levels.level_of:
+                self.hint_levels.record(key, True)
+
+    def _demo(self, run: Any, make: Callable[[], Any], seed: int, group: int) -> list[Episode]:
+        """The reference player's episode on ``seed``, played through the turn loop; [] when
+        it cannot be had or did not succeed."""
+        cfg, policy = run.cfg, run.policy
+        env = make()
+        if not has_reference_player(env, cfg.env.name):
             return []
-        if not success:
+        scripted = ScriptedEnv(env, cfg.env.name)
+        engine = PlayerEngine(scripted, policy.chat, policy.engine.version)
+        (ep,) = run_sync(run_episodes(
+            lambda: scripted, [(seed, group)], engine, policy.chat, policy.params,
+            env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
+            max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s))
+        if engine.longest > policy.params.max_new_tokens:
+            self._warn(cfg.env.name, f"a demonstrated reply has {engine.longest - 1} tokens and "
+                       f"its end of turn, more than rollout.max_new_tokens "
+                       f"{policy.params.max_new_tokens} lets the policy write; raise it")
             return []
-        try:
-            ep = conversation_episode(policy.chat, messages, tools, env=cfg.env.name, seed=seed)
-        except DemoError as err:
-            self._warn(cfg.env.name, f"the template cannot render its demonstration: {err}")
+        if ep.status in ("error", "timeout"):  # the env or its player broke
+            self._warn(cfg.env.name, ep.info.get("reason", ep.end_reason))
             return []
-        longest = max(turn.end - turn.start for turn in ep.turns)
-        if longest > cfg.rollout.max_new_tokens + 1:  # + the end-of-turn token
-            self._warn(cfg.env.name, f"a demonstrated reply has {longest - 1} tokens, more than "
-                       f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} lets the policy "
-                       "write; raise it")
+        if not ep.success:
+            self.why = (f"its reference player did not succeed on seed {seed} "
+                        f"({ep.end_reason or ep.status})")
             return []
-        ep.group, ep.reward, ep.success = group, reward, True
-        ep.end("done", "done")
         # at the update's temperature (a temperature schedule moves it), so the ratio is 1
         learner_logprobs(policy.model, [ep], policy.tokenizer.pad_token_id,
                          explore_settings(run.learner).temperature)
         return [ep]
 
-    def _hinted(self, cfg: Any, policy: Any, seed: int, group: int,
+    def _hinted(self, run: Any, make: Callable[[], Any], seed: int, group: int, level: int,
                 play: Callable[..., list[Episode]]) -> list[Episode]:
-        reply = run_sync(first_reply(policy.make_env(), cfg.env.name, seed))
-        if reply is None:
+        name = run.cfg.env.name
+        try:
+            hint = run_sync(hint_at(make(), name, seed, level, self.hint_levels.levels))
+        except Exception as err:  # noqa: BLE001 - an env's hint() or player may raise anything
+            self._warn(name, f"its hint failed: {type(err).__name__}: {err}")
             return []
-        hint = hint_text(reply)
-        return play([(seed, group)] * self.attempts,
-                    lambda: HintedEnv(policy.make_env(), hint))
+        if hint is None:
+            return []
+        return play([(seed, group)] * self.attempts, lambda: HintedEnv(make(), hint))
 
     def _warn(self, env_name: str, why: str = "") -> None:
         if not self.warned:
             self.warned = True
-            detail = why or "it has no reference player (reference_player(), envs/reference.py)"
+            detail = why or ("it has no reference player (reference_player(), "
+                             "envs/reference.py)" + (" nor hint(level)" if self.mode == "hint"
+                                                     else ""))
             warnings.warn(f"explore.guidance: env '{env_name}' cannot be guided ({detail}); "
                           "its all-failed groups train unguided", stacklevel=3)

@@ -9,17 +9,15 @@ and the temperature schedule.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 from turnrl.algorithms.exploration import dynamic_sampling
 from turnrl.config import Config
 from turnrl.envs import Env
 from turnrl.policy import training_seeds
-from turnrl.rollout import run_episodes, run_sync
 from turnrl.trainer.curriculum import TrainingEnvs
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults, learn
-from turnrl.trainer.run import Run, TrainResult
+from turnrl.trainer.run import Run, TrainResult, play_seeds
 from turnrl.types import Episode
 
 
@@ -30,9 +28,7 @@ class LocalSource(SourceDefaults):
         self.run = run
         self.extra: dict[str, float] = {}
         self.envs = TrainingEnvs(run)  # a curriculum's level, a mix's labels (curriculum.py)
-        explore = run.cfg.explore
-        self.guidance = (Guidance(explore.guidance, explore.guidance_attempts)
-                         if explore.guidance != "off" else None)
+        self.guidance = Guidance.for_run(run)
 
     def publish(self, version: int, model) -> None:
         """The HF engine samples from the learner's own tensors; another engine (vLLM)
@@ -50,7 +46,7 @@ class LocalSource(SourceDefaults):
                 episodes, lambda r: self.play(resample_seeds(cfg, step, r)),
                 cfg.rollout.groups_per_step, cfg.explore.dynamic_max_rounds)
         if self.guidance is not None:  # all-failed groups get guided episodes
-            episodes, guided = self.guidance.apply(episodes, self.run, self.play)
+            episodes, guided = self.guidance.apply(episodes, self.run, self.play, self.envs.make)
             self.extra.update(guided)
         return episodes
 
@@ -58,13 +54,7 @@ class LocalSource(SourceDefaults):
              ) -> list[Episode]:
         """Play ``seeds`` at the step's (scheduled) temperature, on envs from ``make`` (default
         the run's env)."""
-        run = self.run
-        cfg, policy = run.cfg, run.policy
-        params = replace(policy.params, temperature=run.learner.explore.temperature())
-        episodes = run_sync(run_episodes(
-            make or self.envs.make, seeds, policy.engine, policy.chat, params,
-            env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
-            max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s))
+        episodes = play_seeds(self.run, seeds, make or self.envs.make)
         # guided replays (make given) do not count towards a curriculum's success
         return episodes if make is not None else self.envs.record(episodes)
 
@@ -73,7 +63,8 @@ class LocalSource(SourceDefaults):
         return {**self.extra, **self.envs.step_metrics()}
 
     def state_dict(self) -> dict:
-        return self.envs.state_dict()
+        return {**self.envs.state_dict(),
+                **(self.guidance.state_dict() if self.guidance is not None else {})}
 
 
 def resample_seeds(cfg: Config, step: int, round_: int) -> list[tuple[int, int]]:

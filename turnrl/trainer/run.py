@@ -53,6 +53,7 @@ from turnrl.evaluation import COLUMNS, EvalResult, episode_transcript, summarize
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy
+from turnrl.rollout import run_episodes, run_sync
 from turnrl.trainer.distill import load_teacher
 from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
 from turnrl.types import Episode, write_episodes
@@ -213,6 +214,17 @@ def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
     # Steps logged after the checkpoint (or by a run that never checkpointed) are redone.
     truncate_metrics(run_dir / "metrics.jsonl", after_step=run.start_step)
     return run
+
+
+def play_seeds(run: Run, seeds: list[tuple[int, int]], make) -> list[Episode]:
+    """Play ``(seed, group)`` pairs to the end on the learner's own engine (its current
+    weights) at the step's (scheduled) temperature, on envs from ``make``."""
+    cfg, policy = run.cfg, run.policy
+    params = replace(policy.params, temperature=run.learner.explore.temperature())
+    return run_sync(run_episodes(
+        make, seeds, policy.engine, policy.chat, params, env_name=cfg.env.name,
+        max_turns=cfg.rollout.max_turns, max_context=policy.max_context,
+        env_timeout_s=cfg.rollout.env_timeout_s))
 
 
 def evaluate_env(run: Run, when: str) -> EvalResult | None:
