@@ -57,35 +57,67 @@ class MCPToolError(Exception):
     the model's observation, not a failure of the episode."""
 
 
-class MCPServer:
-    """One MCP server over stdio: ``start()``, ``tools()``, ``await call(name, arguments)``."""
+class MCPClient:
+    """The transport-independent part of an MCP client: JSON-RPC requests resolved through
+    futures, the handshake, the tool listing and the calls. ``MCPServer`` (stdio) and
+    ``MCPHttpServer`` (Streamable HTTP) add how messages travel."""
 
-    def __init__(self, command: str | list[str], *, name: str = "", env: dict | None = None,
-                 cwd: str | None = None, start_timeout_s: float = 30.0):
-        self.command = shlex.split(command) if isinstance(command, str) else list(command)
-        if not self.command:
-            raise ValueError("an MCP server needs a command, e.g. ['python', 'server.py']")
-        self.name = name or server_name(self.command)
-        self.env, self.cwd, self.start_timeout_s = env, cwd, start_timeout_s
-        self._proc: subprocess.Popen | None = None
+    name: str
+    start_timeout_s: float
+
+    def __init__(self) -> None:
         self._pending: dict[int, Future] = {}
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # one writer on the server's stdin at a time
         self._starting = threading.Lock()
-        self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
         self._death = ""
         self._listed: list[dict] = []
-        self._stderr_reader: threading.Thread | None = None
         self.server_info: dict = {}
 
-    # --- life cycle ------------------------------------------------------------------------
+    # --- what a transport provides -------------------------------------------------------------
+
+    @property
+    def where(self) -> str:
+        """The command or URL, for messages."""
+        raise NotImplementedError
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and not self._death
+        raise NotImplementedError
 
-    def start(self) -> MCPServer:
-        """Spawn the server and do the handshake and the tool listing; a no-op while it runs."""
+    def _open(self) -> None:
+        """Start the process or the connection (the handshake comes after)."""
+        raise NotImplementedError
+
+    def _send(self, message: dict) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise ``MCPServerError`` if the server is gone (or was never started)."""
+        if self._death:
+            raise MCPServerError(self._death)
+        if not self.alive:
+            raise MCPServerError(f"MCP server '{self.name}' is not running")
+
+    def _detail(self) -> str:
+        """More words for a failure (the stdio server's stderr tail)."""
+        return ""
+
+    def _abandoned(self, request_id: int) -> None:
+        """A request nobody waits for any more (timed out): tell the server."""
+        if self.alive:
+            try:
+                self.notify("notifications/cancelled",
+                            {"requestId": request_id, "reason": "timed out"})
+            except MCPServerError:
+                pass
+
+    # --- life cycle ------------------------------------------------------------------------
+
+    def start(self) -> MCPClient:
+        """Open the server and do the handshake and the tool listing; a no-op while it runs."""
         with self._starting:  # envs of concurrent episodes share a server: one starts it
             if not self.alive:
                 self._start()
@@ -93,71 +125,29 @@ class MCPServer:
 
     def _start(self) -> None:
         try:
-            with self._lock:
-                self._spawn()
+            self._open()
             init = self.request("initialize", {
                 "protocolVersion": PROTOCOL_VERSION, "capabilities": {},
                 "clientInfo": {"name": "turnrl", "version": _version()}},
                 self.start_timeout_s)
-            self.server_info = init.get("serverInfo") or {}
+            self._initialized(init)
             self.notify("notifications/initialized")
             self._listed = self._list_tools()
-        except MCPServerError as err:
+        except (MCPServerError, MCPToolError) as err:
             self.close()
-            raise MCPServerError(f"MCP server '{self.name}' ({shlex.join(self.command)}) did "
+            raise MCPServerError(f"MCP server '{self.name}' ({self.where}) did "
                                  f"not start: {err}") from None
 
-    def _spawn(self) -> None:
-        self._death, self._pending = "", {}
-        self._stderr.clear()
-        try:
-            # A session of its own: close() stops whatever the server started, too.
-            proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, cwd=self.cwd, env=self._environ(),
-                                    start_new_session=True)
-        except OSError as err:
-            raise MCPServerError(f"cannot run {shlex.join(self.command)} "
-                                 f"({err.strerror or err}); check the command and that the "
-                                 "program is installed") from None
-        self._proc = proc
-        weakref.finalize(self, _stop, proc)
-        threading.Thread(target=self._read, args=(proc,), daemon=True,
-                         name=f"mcp-{self.name}-out").start()
-        self._stderr_reader = threading.Thread(target=self._read_stderr, args=(proc,),
-                                               daemon=True, name=f"mcp-{self.name}-err")
-        self._stderr_reader.start()
+    def _initialized(self, result: dict) -> None:
+        self.server_info = result.get("serverInfo") or {}
 
-    def _environ(self) -> dict | None:
-        return None if self.env is None else {**os.environ, **self.env}
-
-    def close(self) -> None:
-        """Stop the server (and what it started); pending calls fail."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            _stop(proc)
-            self._fail_pending(proc, f"MCP server '{self.name}' was closed")
-
-    def check(self) -> None:
-        """Raise ``MCPServerError`` if the server has exited (or was never started)."""
-        if self._death:
-            raise MCPServerError(self._death)
-        if self._proc is None:
-            raise MCPServerError(f"MCP server '{self.name}' is not running")
+    def _fail_pending(self, reason: str) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(MCPServerError(reason))
 
     # --- JSON-RPC --------------------------------------------------------------------------
-
-    def _send(self, message: dict) -> None:
-        proc = self._proc
-        if proc is None or self._death:
-            self.check()
-        line = json.dumps(message, ensure_ascii=False) + "\n"
-        try:
-            with self._lock:
-                proc.stdin.write(line.encode())
-                proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
-            self._died(proc)
-            self.check()
 
     def notify(self, method: str, params: dict | None = None) -> None:
         self._send({"jsonrpc": "2.0", "method": method, **({"params": params} if params
@@ -181,8 +171,9 @@ class MCPServer:
             return future.result(timeout_s)
         except FutureTimeout:
             self._pending.pop(request_id, None)
+            self._abandoned(request_id)
             raise MCPServerError(f"no answer to {method} within {timeout_s:g} s"
-                                 f"{self._stderr_text()}") from None
+                                 f"{self._detail()}") from None
 
     async def arequest(self, method: str, params: dict) -> dict:
         """Send a request and await its result; the caller bounds the wait. A wait that is
@@ -192,27 +183,8 @@ class MCPServer:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             self._pending.pop(request_id, None)
-            if self.alive:
-                try:
-                    self.notify("notifications/cancelled",
-                                {"requestId": request_id, "reason": "timed out"})
-                except MCPServerError:
-                    pass
+            self._abandoned(request_id)
             raise
-
-    def _read(self, proc: subprocess.Popen) -> None:
-        """The reader thread: route each answer to its request until the server's stdout
-        closes; then the server is dead and every pending call fails."""
-        with proc.stdout:
-            for raw in proc.stdout:
-                try:
-                    message = json.loads(raw)
-                except ValueError:
-                    self._stderr.append(f"(not JSON on stdout) {raw[:200]!r}")
-                    continue
-                if isinstance(message, dict):
-                    self._dispatch(message)
-        self._died(proc)
 
     def _dispatch(self, message: dict) -> None:
         if "method" in message:  # the server asks or tells us something
@@ -233,35 +205,6 @@ class MCPServer:
                 f"{error.get('message', 'error')} (JSON-RPC error {error.get('code')})"))
         else:
             future.set_result(message.get("result") or {})
-
-    def _read_stderr(self, proc: subprocess.Popen) -> None:
-        with proc.stderr:
-            for raw in proc.stderr:
-                self._stderr.append(raw.decode(errors="replace").rstrip()[:300])
-
-    def _died(self, proc: subprocess.Popen) -> None:
-        if proc is not self._proc or self._death:
-            return
-        try:
-            code = proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:  # stdout closed but still running: stop it
-            _stop(proc)
-            code = proc.poll()
-        # its last words (why it exited) may still be in the pipe: let the reader take them
-        self._stderr_reader.join(timeout=1.0)
-        self._death = (f"MCP server '{self.name}' exited with code {code}"
-                       f"{self._stderr_text()}")
-        self._fail_pending(proc, self._death)
-
-    def _fail_pending(self, proc: subprocess.Popen, reason: str) -> None:
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(MCPServerError(reason))
-
-    def _stderr_text(self) -> str:
-        tail = " | ".join(line for line in list(self._stderr)[-5:] if line)
-        return f"; its stderr ends: {tail}" if tail else ""
 
     # --- tools -----------------------------------------------------------------------------
 
@@ -299,6 +242,114 @@ class MCPServer:
         if result.get("isError"):
             raise MCPToolError(text or "the tool reported an error")
         return text
+
+
+class MCPServer(MCPClient):
+    """One MCP server over stdio: ``start()``, ``tools()``, ``await call(name, arguments)``."""
+
+    def __init__(self, command: str | list[str], *, name: str = "", env: dict | None = None,
+                 cwd: str | None = None, start_timeout_s: float = 30.0):
+        super().__init__()
+        self.command = shlex.split(command) if isinstance(command, str) else list(command)
+        if not self.command:
+            raise ValueError("an MCP server needs a command, e.g. ['python', 'server.py']")
+        self.name = name or server_name(self.command)
+        self.env, self.cwd, self.start_timeout_s = env, cwd, start_timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()  # one writer on the server's stdin at a time
+        self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
+        self._stderr_reader: threading.Thread | None = None
+
+    @property
+    def where(self) -> str:
+        return shlex.join(self.command)
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and not self._death
+
+    def _open(self) -> None:
+        with self._lock:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        self._death, self._pending = "", {}
+        self._stderr.clear()
+        try:
+            # A session of its own: close() stops whatever the server started, too.
+            proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, cwd=self.cwd, env=self._environ(),
+                                    start_new_session=True)
+        except OSError as err:
+            raise MCPServerError(f"cannot run {shlex.join(self.command)} "
+                                 f"({err.strerror or err}); check the command and that the "
+                                 "program is installed") from None
+        self._proc = proc
+        weakref.finalize(self, _stop, proc)
+        threading.Thread(target=self._read, args=(proc,), daemon=True,
+                         name=f"mcp-{self.name}-out").start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, args=(proc,),
+                                               daemon=True, name=f"mcp-{self.name}-err")
+        self._stderr_reader.start()
+
+    def _environ(self) -> dict | None:
+        return None if self.env is None else {**os.environ, **self.env}
+
+    def close(self) -> None:
+        """Stop the server (and what it started); pending calls fail."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _stop(proc)
+            self._fail_pending(f"MCP server '{self.name}' was closed")
+
+    def _detail(self) -> str:
+        tail = " | ".join(line for line in list(self._stderr)[-5:] if line)
+        return f"; its stderr ends: {tail}" if tail else ""
+
+    def _send(self, message: dict) -> None:
+        proc = self._proc
+        if proc is None or self._death:
+            self.check()
+        line = json.dumps(message, ensure_ascii=False) + "\n"
+        try:
+            with self._lock:
+                proc.stdin.write(line.encode())
+                proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            self._died(proc)
+            self.check()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        """The reader thread: route each answer to its request until the server's stdout
+        closes; then the server is dead and every pending call fails."""
+        with proc.stdout:
+            for raw in proc.stdout:
+                try:
+                    message = json.loads(raw)
+                except ValueError:
+                    self._stderr.append(f"(not JSON on stdout) {raw[:200]!r}")
+                    continue
+                if isinstance(message, dict):
+                    self._dispatch(message)
+        self._died(proc)
+
+    def _read_stderr(self, proc: subprocess.Popen) -> None:
+        with proc.stderr:
+            for raw in proc.stderr:
+                self._stderr.append(raw.decode(errors="replace").rstrip()[:300])
+
+    def _died(self, proc: subprocess.Popen) -> None:
+        if proc is not self._proc or self._death:
+            return
+        try:
+            code = proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:  # stdout closed but still running: stop it
+            _stop(proc)
+            code = proc.poll()
+        # its last words (why it exited) may still be in the pipe: let the reader take them
+        self._stderr_reader.join(timeout=1.0)
+        self._death = f"MCP server '{self.name}' exited with code {code}{self._detail()}"
+        self._fail_pending(self._death)
 
 
 _LAUNCHERS = {"python", "python3", "node", "npx", "uv", "uvx", "deno", "bun", "pipx"}
