@@ -2,8 +2,9 @@
 subprocess: ``http.server`` answering JSON-RPC POSTs at /mcp, as the protocol's HTTP transport
 has it. It prints ``port N`` on stdout once it listens.
 
-Tools (those of tests/mcp_server.py, plus ``break``, answered with HTTP 500, and ``count``,
-the number of ``count`` calls this process has served). ``--answer json`` answers with
+Tools: those of tests/mcp_server.py (``echo`` reports what its session sent, and the
+``X-Tenant`` header; ``count`` counts this session's calls of it), plus ``break``, answered
+with HTTP 500. ``--answer json`` answers with
 ``application/json``; ``--answer sse`` with a chunked ``text/event-stream`` that first sends a
 comment, a log notification, an event of another name and a ``ping`` request, then the answer
 split over two ``data:`` lines, and then keeps the stream open for a minute (the client must
@@ -26,20 +27,18 @@ ANSWER = sys.argv[sys.argv.index("--answer") + 1] if "--answer" in sys.argv else
 MODE = sys.argv[sys.argv.index("--mode") + 1] if "--mode" in sys.argv else "normal"
 SESSIONS: dict[str, list] = {}  # session id -> the methods (and answers) it sent, in order
 LOCK = threading.Lock()
-COUNT = [0]
 ALL_TOOLS = TOOLS + [
     {"name": "break", "description": "Make the server fail.", "inputSchema": {"type": "object"}},
-    {"name": "count", "description": "Count calls.", "inputSchema": {"type": "object"}},
 ]
 
 
-def tool_result(name, args, session):
+def tool_result(name, args, session, tenant):
     """(result, HTTP error status or None) of one tools/call."""
     if name == "add":
         return {"content": [{"type": "text", "text": str(args["a"] + args["b"])}]}, None
     if name == "echo":  # what this session sent so far, and its protocol version header
         seen = ",".join(SESSIONS[session])
-        return {"content": [{"type": "text", "text": f"{args['text']} {seen}"}]}, None
+        return {"content": [{"type": "text", "text": f"{args['text']} {seen} {tenant}"}]}, None
     if name == "fail":
         return {"content": [{"type": "text", "text": "deliberate failure"}], "isError": True}, None
     if name == "sleep":
@@ -51,10 +50,9 @@ def tool_result(name, args, session):
         os._exit(3)
     if name == "break":
         return None, 500
-    if name == "count":
-        with LOCK:
-            COUNT[0] += 1
-            return {"content": [{"type": "text", "text": str(COUNT[0])}]}, None
+    if name == "count":  # state kept per session
+        calls = SESSIONS[session].count("tools/call:count")
+        return {"content": [{"type": "text", "text": str(calls)}]}, None
     return None, None
 
 
@@ -109,14 +107,17 @@ class Handler(BaseHTTPRequestHandler):
         if session is None:
             return None
         version = self.headers.get("MCP-Protocol-Version")
-        SESSIONS[session].append(method or f"answer:{request_id}:{version}")
+        name = ((message.get("params") or {}).get("name") if method == "tools/call" else None)
+        SESSIONS[session].append(f"{method}:{name}" if name == "count"
+                                 else method or f"answer:{request_id}:{version}")
         if request_id is None or method is None:  # a notification, or an answer to our ping
             return self.reply(202)
         if method == "tools/list":
             return self.answer(request_id, {"tools": ALL_TOOLS})
         if method == "tools/call":
             params = message["params"]
-            result, status = tool_result(params["name"], params.get("arguments") or {}, session)
+            result, status = tool_result(params["name"], params.get("arguments") or {}, session,
+                                         self.headers.get("X-Tenant"))
             if status is not None:
                 return self.reply(status, b"internal error: the database is locked")
             if result is None:

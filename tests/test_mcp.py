@@ -59,7 +59,7 @@ def alive(pid: int) -> bool:
 
 def test_tools_are_listed_with_their_schemas_across_pages(server):
     tools = {t.name: t for t in server.tools()}
-    assert list(tools) == ["add", "echo", "fail", "sleep", "crash"]  # page 2 followed
+    assert list(tools) == ["add", "echo", "fail", "sleep", "crash", "count"]  # page 2 followed
     assert tools["add"].description == "Add two integers."
     assert tools["add"].schema()["function"]["parameters"] == {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
