@@ -189,6 +189,8 @@ def test_the_mcp_env_from_options(tmp_path):
     ({"servers": ["turnrl-no-such-mcp-server"], "tasks": "{tasks}"}, "cannot run"),
     ({"servers": [SERVER], "tasks": "missing.jsonl"}, "tasks file 'missing.jsonl' not found"),
     ({"servers": [SERVER], "tasks": "{tasks}", "reward": "fuzzy"}, "reward 'fuzzy' is unknown"),
+    ({"servers": [SERVER], "tasks": "{tasks}", "per_episode": "yes"},
+     "per_episode must be true or false, got 'yes'"),
 ])
 def test_bad_mcp_env_options_fail_in_one_line(tmp_path, options, message):
     tasks = tmp_path / "t.jsonl"

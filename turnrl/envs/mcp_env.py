@@ -66,6 +66,8 @@ def mcp_env(servers: list | str = (), tasks: str = "", reward: str = "exact",
     if not specs:
         raise ValueError("mcp env: give env.options.servers, a list of server commands or "
                          "URLs (e.g. [\"python server.py\", \"http://localhost:8000/mcp\"])")
+    if not isinstance(per_episode, bool):
+        raise ValueError(f"mcp env: per_episode must be true or false, got {per_episode!r}")
     if reward not in REWARDS:
         raise ValueError(f"mcp env: reward '{reward}' is unknown; use one of "
                          f"{', '.join(REWARDS)}")
