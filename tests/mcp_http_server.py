@@ -10,7 +10,8 @@ comment, a log notification, an event of another name and a ``ping`` request, th
 split over two ``data:`` lines, and then keeps the stream open for a minute (the client must
 stop at its answer). Sessions: ``initialize`` gets a fresh ``Mcp-Session-Id``; any other
 message without a known one gets 404 (unknown) or 400 (missing); DELETE ends one. ``--mode
-silent`` reads requests and never answers.
+silent`` reads requests and never answers. ``--single``: one request at a time (no threads),
+as some servers do.
 """
 
 import json
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 
 from mcp_server import TOOLS
 
@@ -153,7 +154,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    kind = HTTPServer if "--single" in sys.argv else ThreadingHTTPServer
+    server = kind(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     print(f"port {server.server_address[1]}", flush=True)
     server.serve_forever()

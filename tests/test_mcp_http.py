@@ -142,6 +142,29 @@ def test_a_call_that_never_answers_times_out_and_the_server_goes_on(server):
     assert threading.active_count() <= threads
 
 
+def test_a_cancellation_a_busy_server_cannot_take_does_not_break_it():
+    """A server serving one request at a time is still busy with the call that timed out
+    when its cancellation arrives; the cancellation is best effort, the server goes on."""
+    proc, url = start_http_server("--single")
+    client = MCPHttpServer(url, start_timeout_s=1)
+    try:
+        env = env_with(client, timeout_s=0.5)
+
+        async def episode():
+            await env.reset(0)
+            slow = await env.step(call("sleep", seconds=2))
+            await asyncio.sleep(3)  # the server is free again (its cancellation long given up)
+            return slow, await env.step(call("add", a=1, b=1))
+
+        slow, fast = asyncio.run(episode())
+        assert responses(slow.observation)[0]["error"] == "sleep timed out after 0.5 s"
+        assert responses(fast.observation) == [{"name": "add", "content": "2"}]
+        assert client.alive
+    finally:
+        client.close()
+        stop(proc)
+
+
 def test_calls_of_one_turn_run_concurrently(server):
     (result,) = asyncio.run(play(env_with(server), [call("sleep", seconds=1) * 2]))
     (a_start, a_end), (b_start, b_end) = (json.loads(r["content"])

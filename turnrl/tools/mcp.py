@@ -1,10 +1,13 @@
-"""MCP servers' tools as typed ``Tool``s: a minimal Model Context Protocol client over stdio.
+"""MCP servers' tools as typed ``Tool``s: a minimal Model Context Protocol client, over stdio
+(``MCPServer``) or Streamable HTTP (``MCPHttpServer``), on the standard library.
 
-The transport is the protocol's stdio one: the server is a subprocess; JSON-RPC 2.0
-messages go one per line to its stdin and come back one per line on its stdout (its
-stderr is its log, kept here as a tail for error messages). The client does the handshake
-(``initialize``, then the ``notifications/initialized`` notification), lists the tools
-(``tools/list``, following ``nextCursor``) and calls them (``tools/call``).
+stdio: the server is a subprocess; JSON-RPC 2.0 messages go one per line to its stdin and
+come back one per line on its stdout (its stderr is its log, kept here as a tail for error
+messages). HTTP: each message is POSTed to the server's URL, and a request's answer comes
+back as a JSON body or in a ``text/event-stream``; the session id from the answer to
+``initialize`` goes with every later message. Either way the client (``MCPClient``) does the
+handshake (``initialize``, then the ``notifications/initialized`` notification), lists the
+tools (``tools/list``, following ``nextCursor``) and calls them (``tools/call``).
 
 Each listed tool becomes a ``Tool`` whose schema is the server's ``inputSchema``; calling it
 sends ``tools/call`` and returns the text of the result's content. So MCP tools go through
@@ -14,14 +17,17 @@ concurrency (calls in flight are told apart by their JSON-RPC ids) and error obs
 (a result with ``isError`` or a JSON-RPC error raises ``MCPToolError``).
 
 The server itself failing is not the model's doing: a server that cannot start raises
-``MCPServerError`` with the reason (command not found, exit code and stderr tail, no answer
-to ``initialize`` in ``start_timeout_s``); one that exits mid-episode fails its pending
-calls and ``ToolEnv.step`` then raises, which fails the episode (``end_reason`` env_error)
-with the server's exit code and stderr tail. A dead server is started afresh on the next
-``reset``. Nothing here waits without a bound: every request has a timeout.
+``MCPServerError`` with the reason (command not found, exit code and stderr tail, URL not
+reachable, no answer to ``initialize`` in ``start_timeout_s``); one that exits mid-episode
+(HTTP: drops a call's connection, answers an HTTP error, forgets its session) fails its
+pending calls and ``ToolEnv.step`` then raises, which fails the episode (``end_reason``
+env_error) with the reason. A dead server is started (a lost session opened) afresh on the
+next ``reset``. Nothing here waits without a bound: every request has a timeout.
 
-A reader thread per server owns its stdout; answers resolve ``concurrent.futures`` futures,
-so a call can be awaited from any event loop (each env runs on its own, ``rollout.env_calls``).
+Answers resolve ``concurrent.futures`` futures (stdio: a reader thread per server owns its
+stdout; HTTP: a thread per POST), so a call can be awaited from any event loop (each env
+runs on its own, ``rollout.env_calls``). ``shared_server`` gives the one client per server
+spec that a process's episodes share; ``episode_tools`` gives an episode its own.
 """
 
 from __future__ import annotations
@@ -494,18 +500,22 @@ class MCPHttpServer(MCPClient):
                                                       exchange),
                          daemon=True, name=f"mcp-{self.name}-{request_id}").start()
 
-    def _post_one_way(self, message: dict, body: bytes) -> None:
+    def _post_one_way(self, message: dict, body: bytes, best_effort: bool = False) -> None:
+        """POST a message that gets no JSON-RPC answer; a failure breaks the server, unless
+        ``best_effort`` (a cancellation: a server busy with the very call it cancels may not
+        take it in time, and need not)."""
         exchange = _Exchange(self._connection(self.start_timeout_s))
         try:
             with self._http("POST", body, exchange) as response:
                 text = response.read(2000)
         except (OSError, http.client.HTTPException) as err:
-            self._broken(_lost(err, message.get("method") or "an answer", exchange))
-            self.check()
+            if not best_effort:
+                self._broken(_lost(err, message.get("method") or "an answer", exchange))
+                self.check()
             return
         finally:
             exchange.connection.close()
-        if response.status >= 400:
+        if response.status >= 400 and not best_effort:
             what = message.get("method") or "an answer"
             self._broken(f"answered {what} with HTTP {response.status} {response.reason}"
                          f"{_body_text(text)}")
@@ -590,10 +600,10 @@ class MCPHttpServer(MCPClient):
                              name=f"mcp-{self.name}-cancel").start()
 
     def _cancel_quietly(self, request_id: int) -> None:
-        try:
-            super()._abandoned(request_id)
-        except MCPServerError:
-            pass
+        message = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                   "params": {"requestId": request_id, "reason": "timed out"}}
+        if self.alive:
+            self._post_one_way(message, json.dumps(message).encode(), best_effort=True)
 
 
 def sse_data(lines) -> Any:
