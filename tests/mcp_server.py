@@ -2,7 +2,8 @@
 newline-delimited stdio, as the protocol's stdio transport has it.
 
 Tools: add, echo, fail (answers isError), sleep (each call on its own thread, so calls
-overlap; returns when it started and ended), crash (exits with code 3 mid-call).
+overlap; returns when it started and ended), crash (exits with code 3 mid-call), count (the
+number of count calls this process served: state kept across episodes).
 The tool list comes in two pages (nextCursor). ``--mode``: ``normal``; ``silent`` (reads but
 never answers); ``exit`` (exits with code 5 at once, after a line on stderr). ``--only NAME``
 lists that tool alone.
@@ -28,7 +29,9 @@ TOOLS = [
      "inputSchema": {"type": "object", "properties": {"seconds": {"type": "number"}},
                      "required": ["seconds"]}},
     {"name": "crash", "description": "Exit the server.", "inputSchema": {"type": "object"}},
+    {"name": "count", "description": "Count calls.", "inputSchema": {"type": "object"}},
 ]
+COUNT = [0]  # count calls this process served: state that outlives an episode
 LOCK = threading.Lock()
 SEEN = []  # methods received, in order (the "echo" tool can report them)
 
@@ -55,6 +58,10 @@ def call(request_id, name, args):
         start = time.time()
         time.sleep(args["seconds"])
         text(request_id, json.dumps([start, time.time()]))
+    elif name == "count":
+        with LOCK:
+            COUNT[0] += 1
+        text(request_id, str(COUNT[0]))
     elif name == "crash":
         print("crashing on purpose", file=sys.stderr, flush=True)
         sys.stdout.flush()

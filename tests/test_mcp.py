@@ -59,7 +59,7 @@ def alive(pid: int) -> bool:
 
 def test_tools_are_listed_with_their_schemas_across_pages(server):
     tools = {t.name: t for t in server.tools()}
-    assert list(tools) == ["add", "echo", "fail", "sleep", "crash"]  # page 2 followed
+    assert list(tools) == ["add", "echo", "fail", "sleep", "crash", "count"]  # page 2 followed
     assert tools["add"].description == "Add two integers."
     assert tools["add"].schema()["function"]["parameters"] == {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -189,6 +189,8 @@ def test_the_mcp_env_from_options(tmp_path):
     ({"servers": ["turnrl-no-such-mcp-server"], "tasks": "{tasks}"}, "cannot run"),
     ({"servers": [SERVER], "tasks": "missing.jsonl"}, "tasks file 'missing.jsonl' not found"),
     ({"servers": [SERVER], "tasks": "{tasks}", "reward": "fuzzy"}, "reward 'fuzzy' is unknown"),
+    ({"servers": [SERVER], "tasks": "{tasks}", "per_episode": "yes"},
+     "per_episode must be true or false, got 'yes'"),
 ])
 def test_bad_mcp_env_options_fail_in_one_line(tmp_path, options, message):
     tasks = tmp_path / "t.jsonl"

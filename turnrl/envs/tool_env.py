@@ -29,9 +29,12 @@ Built in: "tool-arithmetic", products of two 3-digit numbers with a calculator t
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 import operator
 import random
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +72,7 @@ class ToolEnv:
     def __init__(self, tasks: Callable[[int], Task], tools: list[Tool], reward: Callable,
                  *, instructions: str = "", max_turns: int = 4, call_timeout_s: float = 10.0,
                  fmt: str = "hermes", success_at: float = 1.0, tool_bonus: float = 0.0,
-                 native_tools: bool = True):
+                 native_tools: bool = True, own_servers: bool = False):
         if max_turns < 1:
             raise ValueError(f"ToolEnv max_turns must be >= 1, got {max_turns}")
         if fmt not in FORMATS:
@@ -80,6 +83,9 @@ class ToolEnv:
         self.instructions, self.native_tools = instructions, native_tools
         self.system_prompt = fallback_system_prompt(self.tools, instructions)
         self.servers = tool_servers(self.tools)  # MCP servers behind some of the tools
+        self.own_servers = own_servers
+        if own_servers:  # an episode's own servers: closed when it ends, or when dropped
+            weakref.finalize(self, close_soon, list(self.servers))
         self.task: Task | None = None
         self.turn = self.calls = self.malformed = 0
 
@@ -104,6 +110,22 @@ class ToolEnv:
         if self.task is None:
             raise RuntimeError("ToolEnv.step before reset")
         self.turn += 1
+        try:
+            result = await self._step(action)
+        except BaseException:  # the episode fails (or timed out: no awaiting here)
+            if self.own_servers:
+                close_soon(self.servers)
+            raise
+        if result.done:
+            await self.close()
+        return result
+
+    async def close(self) -> None:
+        """Close the MCP servers this env owns (``own_servers``: one per episode)."""
+        if self.own_servers:
+            await asyncio.to_thread(close_now, self.servers)
+
+    async def _step(self, action: str) -> StepResult:
         calls = parse_tool_calls(action, self.fmt)
         if calls:
             results = await run_tool_calls(calls, self.tools, self.call_timeout_s)
@@ -136,6 +158,17 @@ class ToolEnv:
         return {"success": answered and value >= self.success_at, "answered": answered,
                 "tool_calls": self.calls, "malformed_calls": self.malformed,
                 "well_formed_calls": self.calls > 0 and self.malformed == 0}
+
+
+def close_now(servers: list) -> None:
+    for server in servers:
+        server.close()
+
+
+def close_soon(servers: list) -> None:
+    """Close ``servers`` on a thread of their own (a finalizer must not block its caller)."""
+    threading.Thread(target=close_now, args=(servers,), daemon=True,
+                     name="mcp-episode-close").start()
 
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

@@ -9,9 +9,10 @@ here, ``algorithms/estimators.py`` (advantages) and ``trainer/step.py`` (the upd
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
-from turnrl.evaluation import EvalResult
+from turnrl.evaluation import EvalResult, count_end_reasons
 from turnrl.trainer.distill import distill_batch
 from turnrl.trainer.run import Learner, StageTimer, episode_metrics
 from turnrl.trainer.step import UpdateSettings, policy_update
@@ -28,6 +29,8 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
     ``distill.teacher``, ``teacher`` (between the two) scores the policy tokens under it and
     adds the per-token reverse-KL advantage (``trainer/distill.py``).
     """
+    if not any(ep.num_policy_tokens for ep in episodes):
+        return skipped_step(learner, episodes, timer)
     explore = learner.explore
     with timer("advantages"):
         # The estimator sees shaped rewards (novelty, overlong); the logs the env's own.
@@ -50,6 +53,25 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
         metrics.update(distill_metrics)
         metrics.update(learner.estimator.metrics())
         metrics.update(explore.end_step(update_metrics))
+    return summary, metrics
+
+
+def skipped_step(learner: Learner, episodes: list[Episode], timer: StageTimer
+                 ) -> tuple[EvalResult, dict[str, float]]:
+    """A step none of whose episodes has a policy token: each ended before the policy's first
+    reply (a prompt too long for the context, ``input_too_large``; a reset that failed or
+    timed out). There is nothing to learn from, so no update: a warning says why, the
+    progress line shows ``WARN=no_policy_tokens``, and the run goes on."""
+    reasons = ", ".join(f"{n} {reason}" for reason, n in count_end_reasons(episodes).items())
+    example = next((ep.info["reason"] for ep in episodes if ep.info.get("reason")), "")
+    warnings.warn(f"update skipped: none of the step's {len(episodes)} episodes has a policy "
+                  f"token ({reasons}){f'; e.g. {example}' if example else ''}; the weights "
+                  "are unchanged", stacklevel=2)
+    with timer("log"):
+        summary, metrics = episode_metrics(policy_episodes(episodes))
+        metrics.update({"update/skipped": float(learner.settings.algo.epochs),
+                        "warn/no_policy_tokens": 1.0})
+        metrics.update(learner.explore.end_step({}))
     return summary, metrics
 
 

@@ -47,6 +47,8 @@ def micro_batches(batch: Batch, size: int, token_budget: int = 0) -> list[Batch]
     (wasted compute) low. A micro-batch holds at most ``size`` rows and, when
     ``token_budget`` > 0, at most that many padded tokens (rows x longest row), so its
     activations fit the memory budget; a single row over the budget still goes alone.
+    Rows without a policy token (an episode that ended before the policy's first reply) add
+    nothing to any loss or score and are left out: no micro-batch is empty of them.
     """
     lengths = batch.attention_mask.sum(dim=1)
     split = shared_prefix_split(batch)
@@ -54,8 +56,9 @@ def micro_batches(batch: Batch, size: int, token_budget: int = 0) -> list[Batch]
     # Stable two-key sort: by owner, then longest first inside each owner.
     order = lengths.argsort(descending=True, stable=True)
     order = order[owner[order].argsort(stable=True)]
+    scored = set(policy_rows(batch).tolist())
     chunks, current, widest = [], [], 0
-    for row in order.tolist():
+    for row in (r for r in order.tolist() if r in scored):
         length = int(lengths[row])
         full = len(current) == size
         over = token_budget and current and max(widest, length) * (len(current) + 1) > token_budget
@@ -67,6 +70,11 @@ def micro_batches(batch: Batch, size: int, token_budget: int = 0) -> list[Batch]
     if current:
         chunks.append(current)
     return [batch.select(torch.tensor(rows)) for rows in chunks]
+
+
+def policy_rows(batch: Batch) -> torch.Tensor:
+    """Indices of the rows that hold at least one policy token."""
+    return batch.loss_mask.bool().any(dim=1).nonzero().flatten()
 
 
 def activation_bytes_per_token(config, dtype_bytes: int = 4) -> int:
@@ -137,8 +145,11 @@ class PrefixSplit:
 
 
 def shared_prefix_split(mb: Batch) -> PrefixSplit | None:
-    """Find the prompts rows share; None when no two rows share a prefix worth skipping."""
+    """Find the prompts rows share; None when no two rows share a prefix worth skipping (or
+    no row has a policy token)."""
     has_policy = mb.loss_mask.bool().any(dim=1)
+    if not bool(has_policy.any()):
+        return None
     cut = torch.where(has_policy, mb.loss_mask.argmax(dim=1) - 1, 0).clamp(min=0)
     ids = mb.input_ids.tolist()
     index: dict[tuple[int, ...], int] = {}
@@ -281,6 +292,10 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         warnings.warn(f"update skipped: {bad} advantage values are not finite (a reward or a "
                       "critic produced NaN/inf); the weights are unchanged", stacklevel=2)
         return {"update/skipped": float(settings.algo.epochs)}
+    if not len(policy_rows(batch)):  # rl_step says why; here for other callers
+        warnings.warn("update skipped: no row of the batch has a policy token; the weights "
+                      "are unchanged", stacklevel=2)
+        return {"update/skipped": float(settings.algo.epochs), "warn/no_policy_tokens": 1.0}
     if uses_proximal(settings.algo) and batch.prox_logprobs is None and settings.algo.epochs > 1:
         # Later epochs need the weights from before the first step; with one epoch the
         # update's own forward pass gives them and the extra scoring pass is skipped.
@@ -410,8 +425,9 @@ def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, rows_per_
     The proximal policy, a distillation teacher and guidance's demonstrations are scored so."""
     device = next(model.parameters()).device
     scores = torch.zeros_like(batch.old_logprobs)
-    for start in range(0, len(batch), rows_per_pass):
-        rows = torch.arange(start, min(start + rows_per_pass, len(batch)))
+    scored = policy_rows(batch)  # a row without policy tokens scores nothing
+    for start in range(0, len(scored), rows_per_pass):
+        rows = scored[start:start + rows_per_pass]
         logprobs, _ = score_policy_tokens(model, batch.select(rows).to(device), temperature,
                                           shared_prefix=shared_prefix)
         scores[rows, 1:logprobs.shape[1] + 1] = logprobs.to(scores.device)
