@@ -47,6 +47,19 @@ def test_reverse_kl_advantages_by_hand():
     assert not reverse_kl_advantages(student, TEACHER, MASK, 1.0).requires_grad
 
 
+def test_the_mean_baseline_subtracts_the_batch_mean_gap_on_policy_tokens_only():
+    got = reverse_kl_advantages(STUDENT, TEACHER, MASK, coef=0.5, baseline="mean")
+    # gaps -0.5, 1.0, 0.0 | 2.0, -2.0 have mean 0.1: (gap - 0.1) * -0.5 on policy tokens
+    expected = torch.tensor([[0.0, 0.3, -0.45, 0.05], [0.0, -0.95, 1.05, 0.0]])
+    assert torch.allclose(got, expected)
+    assert abs(float(got.sum())) < 1e-6  # centred over the policy tokens
+    # A gap shared by every token (the teacher uniformly less sure) teaches nothing.
+    assert torch.allclose(reverse_kl_advantages(TEACHER + 0.7, TEACHER, MASK, 1.0, "mean"),
+                          torch.zeros_like(MASK), atol=1e-6)
+    with pytest.raises(ValueError, match="none or mean"):
+        reverse_kl_advantages(STUDENT, TEACHER, MASK, 1.0, "median")
+
+
 def test_mean_reverse_kl_by_hand():
     # gaps on the 5 policy tokens: -0.5, 1.0, 0.0, 2.0, -2.0 -> mean 0.1
     assert math.isclose(mean_reverse_kl(STUDENT, TEACHER, MASK), 0.1, rel_tol=1e-6)
@@ -152,6 +165,8 @@ def test_a_bad_teacher_path_is_one_line_naming_the_key(tmp_path, where):
      "no learning signal"),
     (["--distill.teacher", "tiny", "--distill.coef", "-1"], "distill.coef must be >= 0"),
     (["--distill.teacher", "tiny", "--run.mode", "async"], "run.mode sync only"),
+    (["--distill.teacher", "tiny", "--distill.baseline", "median"],
+     "distill.baseline: 'median' is not one of mean, none"),
 ])
 def test_config_refuses_what_distillation_cannot_honour(args, message):
     with pytest.raises(ConfigError, match=message):

@@ -28,6 +28,13 @@ Departures from the papers:
   to the estimator's (normalised) task advantage, so ``coef`` trades one against the other.
 - Multi-turn: only the policy's own tokens are scored and trained; environment and prompt
   tokens are context for both models.
+- A baseline (``distill.baseline mean``, the default): the batch's mean gap over policy
+  tokens is subtracted before the sign flip. On its own samples the student's log-prob
+  usually exceeds the teacher's, so every raw term is negative and the update pushes down
+  every sampled token, the good ones too; a constant baseline leaves the expected gradient
+  unchanged (``E[b grad log p] = 0``) and keeps only which tokens the teacher likes more or
+  less than average (the usual variance reduction of REINFORCE, Williams 1992). ``none``
+  keeps the raw per-token term, as GKD's loss has it.
 """
 
 from __future__ import annotations
@@ -36,13 +43,20 @@ import torch
 
 
 def reverse_kl_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
-                          loss_mask: torch.Tensor, coef: float) -> torch.Tensor:
-    """``-coef * (log p_student - log p_teacher)`` on policy tokens, 0 elsewhere; detached.
+                          loss_mask: torch.Tensor, coef: float, baseline: str = "none"
+                          ) -> torch.Tensor:
+    """``-coef * (gap - b)`` on policy tokens, 0 elsewhere, where ``gap = log p_student - log
+    p_teacher``; detached. ``b`` is 0 (``baseline`` "none") or the mean gap over the batch's
+    policy tokens ("mean").
 
     All tensors ``[B, T]`` aligned with the token ids (entry ``t`` scores token ``t``), as
     ``Batch.old_logprobs`` and ``Batch.loss_mask`` are.
     """
-    gap = (student_logprobs - teacher_logprobs).detach()
+    gap = (student_logprobs - teacher_logprobs).detach() * loss_mask
+    if baseline == "mean":
+        gap = gap - float(gap.sum()) / max(float(loss_mask.sum()), 1.0)
+    elif baseline != "none":
+        raise ValueError(f"unknown distillation baseline {baseline!r}; use none or mean")
     return -coef * gap * loss_mask
 
 

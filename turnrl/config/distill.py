@@ -8,6 +8,7 @@ The maths lives in ``turnrl/algorithms/distill.py``, the teacher in ``turnrl/tra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from turnrl.config.types import ConfigError, Section
 
@@ -24,6 +25,11 @@ class DistillConfig(Section):
     only: bool = False
     """the reverse KL is the whole learning signal: the task's advantages are ignored (pure
     on-policy distillation, GKD/MiniLLM style)"""
+    baseline: Literal["mean", "none"] = "mean"
+    """subtracted from each token's log-prob gap before it becomes an advantage: mean (the
+    batch's mean gap over policy tokens: only tokens the teacher likes more or less than
+    average move) or none (the raw gap: every sampled token the teacher likes less than the
+    student is pushed down)"""
 
     def _check(self) -> None:
         self._at_least(0, "coef")

@@ -72,7 +72,7 @@ def distill_batch(teacher: nn.Module, batch: Batch, settings: UpdateSettings,
     teacher_lp = teacher_logprobs(teacher, batch, settings)
     seconds = time.perf_counter() - start
     mask = batch.loss_mask
-    kl_adv = reverse_kl_advantages(batch.old_logprobs, teacher_lp, mask, cfg.coef)
+    kl_adv = reverse_kl_advantages(batch.old_logprobs, teacher_lp, mask, cfg.coef, cfg.baseline)
     advantages = with_distillation(batch.advantages, kl_adv, mask, cfg.only)
     metrics = {"distill/reverse_kl": mean_reverse_kl(batch.old_logprobs, teacher_lp, mask),
                "distill/teacher_s": seconds}
