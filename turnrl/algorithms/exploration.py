@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from turnrl.algorithms.advantages import _group_sum
+from turnrl.algorithms.credit import episode_group_ids
 from turnrl.config import ExploreConfig
 from turnrl.types import Episode
 
@@ -345,7 +346,7 @@ class Exploration:
                 raise ValueError("explore.pass_k needs an episode-level algo.advantage (one "
                                  "advantage per episode)")
             advantages = passk_advantages(torch.tensor([ep.success for ep in episodes]),
-                                          torch.tensor([ep.group for ep in episodes]), c.pass_k)
+                                          episode_group_ids(episodes), c.pass_k)
         if c.positive_weight != 1 or c.negative_weight != 1:
             advantages = weight_advantages(advantages, c.positive_weight, c.negative_weight)
         return advantages

@@ -1,0 +1,187 @@
+"""Self-play: one game, one episode per seat (envs/contract.py ``seats``, rollout/loop.py),
+opponents (turnrl/selfplay.py) and per-role evaluation (docs/selfplay.md)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from turnrl.envs import StepResult, make_env, register_env
+from turnrl.rollout import ChatFormat, Completion, SamplingParams, run_episodes, run_sync
+
+
+class MovesEngine:
+    """Replies ``moves[k]`` at the ``k``-th generate call, to every row (a lock-step game's
+    moves, one per call); made-up logprobs. For bookkeeping tests: the tiny random model
+    rarely names a legal cell."""
+
+    def __init__(self, tokenizer, moves):
+        self.tokenizer, self.moves, self.version, self.calls = tokenizer, moves, 0, 0
+
+    def generate(self, prompts, params):
+        text = self.moves[min(self.calls, len(self.moves) - 1)]
+        self.calls += 1
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = ids + [self.tokenizer.eos_token_id]
+        return [Completion(list(ids), [-0.5] * len(ids), "stop") for _ in prompts]
+
+
+def _play(tokenizer, env_name, moves, games=1, max_turns=8, **options):
+    chat = ChatFormat(tokenizer)
+    params = SamplingParams(8, 1.0, stop_token_ids=(chat.end_of_turn,))
+    return run_sync(run_episodes(partial(make_env, env_name, **options),
+                                 [(seed, seed) for seed in range(games)],
+                                 MovesEngine(tokenizer, moves), chat, params,
+                                 env_name=env_name, max_turns=max_turns))
+
+
+def _trained_text(tokenizer, episode):
+    return [tokenizer.decode(episode.token_ids[t.start:t.end], skip_special_tokens=True)
+            for t in episode.turns]
+
+
+def test_one_tictactoe_game_gives_an_episode_per_seat_with_complementary_masks(tiny):
+    _, tok = tiny
+    # X 1, O 2, X 3, O 4, X 5, O 6, X 7: X completes the 3-5-7 diagonal on the 7th move
+    x, o = _play(tok, "tictactoe", [str(cell) for cell in range(1, 10)], opponent="self")
+    assert (x.info["role"], o.info["role"]) == ("X", "O")
+    assert x.info["opponent"] == o.info["opponent"] == "self"
+    assert (x.reward, o.reward) == (1.0, -1.0) and x.reward + o.reward == 0
+    assert (x.info["outcome"], o.info["outcome"]) == ("win", "loss")
+    assert x.success and not o.success
+    assert x.status == o.status == "done" and x.group == o.group
+    assert [t.action for t in x.turns] == ["1", "3", "5", "7"]
+    assert [t.action for t in o.turns] == ["2", "4", "6"]
+    # each seat trains exactly its own replies: every move is trained once, in one episode
+    for episode in (x, o):
+        trained = [i for i, m in enumerate(episode.loss_mask) if m]
+        spans = [i for t in episode.turns for i in range(t.start, t.end)]
+        assert trained == spans
+    moves = sorted(a.strip() for ep in (x, o) for a in _trained_text(tok, ep))
+    assert moves == ["1", "2", "3", "4", "5", "6", "7"]
+    # the other seat's moves reach each episode as environment tokens only
+    o_text_env = tok.decode([t for t, m in zip(o.token_ids, o.loss_mask, strict=True) if not m])
+    assert "X played 1." in o_text_env and "X played 3." in o_text_env
+    x_text_env = tok.decode([t for t, m in zip(x.token_ids, x.loss_mask, strict=True) if not m])
+    assert "O played 2." in x_text_env and "O played 6." in x_text_env
+    assert "X played" not in x_text_env  # a seat is not told its own moves as news
+    # the final turn of each seat carries the end of the game as that seat reads it
+    assert x.turns[-1].observation.endswith("You win.")
+    assert o.turns[-1].observation.endswith("You lose.")
+    assert x.turns[-1].reward == 1.0 and o.turns[-1].reward == -1.0
+    assert all(t.reward == 0.0 for t in x.turns[:-1] + o.turns[:-1])
+
+
+def test_a_draw_and_an_illegal_move(tiny):
+    _, tok = tiny
+    # X 1, O 5, X 9, O 3, X 7, O 4, X 6, O 8, X 2: a full board, no line
+    x, o = _play(tok, "tictactoe", ["1", "5", "9", "3", "7", "4", "6", "8", "2"],
+                 opponent="self")
+    assert (x.info["outcome"], o.info["outcome"]) == ("draw", "draw")
+    assert x.reward == o.reward == 0.0 and len(x.turns) == 5 and len(o.turns) == 4
+    # O names a taken cell on its first move: O loses, X wins, both say why
+    x, o = _play(tok, "tictactoe", ["5", "5"], opponent="self")
+    assert (x.reward, o.reward) == (1.0, -1.0)
+    assert o.info["outcome"] == "illegal" and "cell 5 is taken" in o.info["reason"]
+    assert "opponent's illegal move" in x.info["reason"]
+
+
+def test_kuhn_self_play_is_zero_sum_per_deal(tiny):
+    _, tok = tiny
+    # first bets, second calls: a showdown for 2 chips, the higher card wins
+    episodes = _play(tok, "kuhn-poker", ["bet", "call"], games=6, opponent="self")
+    assert len(episodes) == 12
+    for first, second in zip(episodes[::2], episodes[1::2], strict=True):
+        assert (first.info["role"], second.info["role"]) == ("first", "second")
+        assert first.reward + second.reward == 0 and abs(first.reward) == 1.0
+        assert first.info["history"] == "bb" and first.info["cards"] == second.info["cards"]
+        cards = first.info["cards"]
+        assert (first.reward > 0) == ("JQK".index(cards[0]) > "JQK".index(cards[1]))
+    # the second seat's prompt shows the first seat's bet as environment text
+    second = episodes[1]
+    env_text = tok.decode([t for t, m in zip(second.token_ids, second.loss_mask, strict=True)
+                           if not m])
+    assert "Player 1 bets." in env_text and "call or fold" in env_text
+
+
+def test_turn_limit_ends_every_seat_of_the_game(tiny):
+    _, tok = tiny
+    x, o = _play(tok, "tictactoe", [str(c) for c in range(1, 10)], max_turns=2,
+                 opponent="self")
+    assert x.status == o.status == "truncated"
+    assert x.end_reason == o.end_reason == "turn_limit"
+    assert "seat X ended the game" in o.info["reason"]
+    assert len(x.turns) == 2 and len(o.turns) == 2 and x.reward == o.reward == 0.0
+
+
+@register_env("test-unfair-game")
+class UnfairGame:
+    """Two seats that both win: a broken zero-sum game (or, ``fail``, one whose step raises
+    on the second seat's move, or that never ends)."""
+
+    zero_sum = True
+    seats = ("a", "b")
+
+    def __init__(self, mode: str = "same"):
+        self.mode, self.moves = mode, 0
+
+    async def reset(self, seed):
+        self.moves = 0
+        return self.observe("a")
+
+    @property
+    def seat_to_move(self):
+        return self.seats[self.moves % 2]
+
+    def observe(self, seat):
+        return f"move {self.moves}, seat {seat}"
+
+    async def step(self, action):
+        self.moves += 1
+        if self.mode == "fail" and self.moves == 2:
+            raise RuntimeError("the opponent's engine crashed")
+        if self.mode == "endless" or self.moves < 2:
+            return StepResult("ok", 0.0, False, {})
+        reward = {"same": 1.0, "fair": 1.0}[self.mode]
+        return StepResult("over", 0.0, True, {"seats": {
+            "a": {"reward": reward}, "b": {"reward": reward if self.mode == "same" else -1.0}}})
+
+
+@pytest.mark.parametrize("mode, flagged", [("same", True), ("fair", False)])
+def test_a_zero_sum_game_that_pays_both_seats_is_flagged(tiny, mode, flagged):
+    _, tok = tiny
+    a, b = _play(tok, "test-unfair-game", ["go"], mode=mode)
+    assert a.status == b.status == "done"
+    if flagged:
+        assert "every seat got the same reward" in a.info["zero_sum_violation"]
+        assert b.info["zero_sum_violation"] == a.info["zero_sum_violation"]
+    else:
+        assert "zero_sum_violation" not in a.info and a.reward + b.reward == 0
+
+
+def test_a_failing_or_endless_game_ends_with_its_reason_and_the_rest_play_on(tiny):
+    _, tok = tiny
+    episodes = _play(tok, "test-unfair-game", ["go"], games=3, mode="fail")
+    assert len(episodes) == 6
+    for episode in episodes:
+        assert episode.status == "error" and episode.end_reason == "env_error"
+        assert "the opponent's engine crashed" in episode.info["reason"]
+    a, b = _play(tok, "test-unfair-game", ["go"], max_turns=5, mode="endless")
+    assert a.end_reason == b.end_reason == "turn_limit"
+    assert len(a.turns) == 5 and len(b.turns) == 5
+
+
+def test_bad_seats_are_refused_in_one_line():
+    from turnrl.envs.contract import seats
+
+    class Env:
+        pass
+
+    for bad in [("only",), ("a", "a"), "ab", ("a", "")]:
+        env = Env()
+        env.seats = bad
+        with pytest.raises(ValueError, match="two or more distinct role names"):
+            seats(env)
+    assert seats(make_env("tictactoe")) == ()
+    assert seats(make_env("tictactoe", opponent="self")) == ("X", "O")
