@@ -185,3 +185,192 @@ def test_bad_seats_are_refused_in_one_line():
             seats(env)
     assert seats(make_env("tictactoe")) == ()
     assert seats(make_env("tictactoe", opponent="self")) == ("X", "O")
+
+
+# ---- groups per role, and per-role results ---------------------------------------------------
+
+def _episode(role, outcome, reward, group=0, status="done", env="tictactoe"):
+    from turnrl.types import Episode
+
+    info = {"role": role, "opponent": "self"}
+    if outcome is not None:
+        info["outcome"] = outcome
+    return Episode(env=env, seed=0, group=group, reward=reward, status=status, info=info)
+
+
+def test_grpo_groups_split_by_role():
+    from turnrl.algorithms.advantages import ADVANTAGE_FNS
+    from turnrl.algorithms.credit import episode_group_ids
+    from turnrl.algorithms.estimators import Outcome
+
+    games = [("X", "win", 1.0), ("O", "loss", -1.0), ("X", "draw", 0.0), ("O", "draw", 0.0)]
+    episodes = [_episode(role, outcome, reward) for role, outcome, reward in games]
+    ids = episode_group_ids(episodes).tolist()
+    assert ids[0] == ids[2] and ids[1] == ids[3] and ids[0] != ids[1]
+    # one group per role: X's baseline is 0.5, O's -0.5; a pooled group would give X's win +1
+    advantages = Outcome(ADVANTAGE_FNS["dr_grpo"]).advantages(episodes, None, 0).tolist()
+    assert advantages == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    # no role (every single-agent env): the groups stay as they were
+    plain = [_episode("X", "win", 1.0, group=g) for g in (3, 3, 5)]
+    for ep in plain:
+        del ep.info["role"]
+    assert episode_group_ids(plain).tolist() == [0, 0, 1]
+
+
+def test_per_role_outcomes_by_hand():
+    from turnrl.selfplay import outcome_metrics, role_outcomes
+    from turnrl.stats import wilson_interval
+
+    episodes = [_episode("X", "win", 1.0), _episode("X", "win", 1.0),
+                _episode("X", "illegal", -1.0), _episode("X", "draw", 0.0),
+                _episode("X", None, 0.0, status="error"),
+                _episode("O", "loss", -1.0), _episode("O", "draw", 0.0)]
+    table = role_outcomes(episodes)
+    x, o = table["X"], table["O"]
+    assert x["episodes"] == 5 and x["failed"] == 1
+    assert (x["win"], x["draw"], x["loss"]) == (0.4, 0.2, 0.2)  # illegal is a loss
+    assert (x["win_lo"], x["win_hi"]) == pytest.approx(wilson_interval(2, 5))
+    assert (x["loss_lo"], x["loss_hi"]) == pytest.approx(wilson_interval(1, 5))
+    assert x["reward"] == pytest.approx(0.2)
+    assert (o["win"], o["draw"], o["loss"]) == (0.0, 0.5, 0.5) and o["failed"] == 0
+    assert (o["win_lo"], o["win_hi"]) == pytest.approx(wilson_interval(0, 2))
+    # several opponents: one block each, labelled by the episode's env
+    vs = [_episode("X", "win", 1.0, env="ttt@random"), _episode("X", "loss", -1.0,
+                                                                  env="ttt@minimax")]
+    metrics = outcome_metrics(vs)
+    assert metrics["ttt@random/X/win"] == 1.0 and metrics["ttt@minimax/X/win"] == 0.0
+    assert outcome_metrics([_episode("X", "win", 1.0)])["X/win"] == 1.0
+
+
+# ---- opponents -----------------------------------------------------------------------------
+
+def test_the_pool_keeps_frozen_copies_by_its_rule_and_games_record_the_version(tiny):
+    import torch
+
+    from turnrl.selfplay import OpponentPool
+
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    params = SamplingParams(3, 1.0, stop_token_ids=(chat.end_of_turn,))
+    pool = OpponentPool(chat, params, size=2, every=2, seed=0)
+    offered = [pool.offer(version, model) for version in range(5)]
+    assert offered == [True, False, True, False, True] and pool.versions() == [2, 4]
+    assert not pool.offer(4, model)  # a version is kept once
+    frozen = pool.members[-1].model
+    weight = next(model.parameters())
+    with torch.no_grad():
+        weight.add_(1.0)  # training goes on: the frozen copy must not move
+    try:
+        assert not torch.equal(next(frozen.parameters()), weight)
+        assert not next(frozen.parameters()).requires_grad
+    finally:
+        with torch.no_grad():
+            weight.sub_(1.0)
+    # a resumed run's pool starts with the version it resumes from, whatever the rule says
+    resumed = OpponentPool(chat, params, size=2, every=2)
+    assert resumed.offer(3, model) and resumed.versions() == [3]
+    # games against the pool: every episode names the version it played
+    engine = MovesEngine(tok, ["5", "1", "9", "3"])
+    for env_name, options in (("tictactoe", {}), ("kuhn-poker", {})):
+        make = pool.attach(partial(make_env, env_name, opponent="pool", **options))
+        episodes = run_sync(run_episodes(make, [(s, s) for s in range(6)], engine, chat,
+                                         SamplingParams(4, 1.0, stop_token_ids=(
+                                             chat.end_of_turn,)), env_name=env_name))
+        assert {ep.info["opponent"] for ep in episodes} <= {"pool-v2", "pool-v4"}
+        assert all(ep.status == "done" for ep in episodes)
+    with pytest.raises(ValueError, match=">= 1"):
+        OpponentPool(chat, params, size=0, every=1)
+
+
+class FailingPlayer:
+    name = "broken"
+
+    def act(self, system_prompt, observation):
+        raise ConnectionError("opponent endpoint refused the connection")
+
+
+def test_a_failing_opponent_fails_its_game_with_the_reason_and_the_others_play_on(tiny):
+    from turnrl.selfplay import OpponentPool
+
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    params = SamplingParams(3, 1.0, stop_token_ids=(chat.end_of_turn,))
+    pool = OpponentPool(chat, params, size=1, every=1)
+    pool.offer(0, model)
+    built = []
+
+    def make():  # every other game's opponent is broken
+        env = make_env("tictactoe", opponent="pool", role="x")
+        env.set_opponent(FailingPlayer() if len(built) % 2 else pool.sample())
+        built.append(env)
+        return env
+    engine = MovesEngine(tok, ["5", "1", "9", "3"])
+    episodes = run_sync(run_episodes(make, [(s, s) for s in range(4)], engine, chat,
+                                     SamplingParams(4, 1.0, stop_token_ids=(chat.end_of_turn,)),
+                                     env_name="tictactoe"))
+    broken, fine = episodes[1::2], episodes[::2]
+    for episode in broken:
+        assert episode.status == "error" and episode.end_reason == "env_error"
+        assert "opponent endpoint refused the connection" in episode.info["reason"]
+    assert all(ep.status == "done" and ep.info["opponent"] == "pool-v0" for ep in fine)
+
+
+def test_pool_without_a_player_says_so():
+    env = make_env("kuhn-poker", opponent="pool", role="second")
+    with pytest.raises(RuntimeError, match="has no player"):
+        run_sync(env.reset(0))
+
+
+# ---- the trainer ---------------------------------------------------------------------------
+
+def _train_cfg(tmp_path, *extra):
+    from turnrl.config import load_config
+
+    return load_config(None, [
+        "--model.name", "tiny", "--env.name", "tictactoe", "--rollout.max_new_tokens", "3",
+        "--rollout.group_size", "2", "--rollout.groups_per_step", "2", "--run.steps", "2",
+        "--eval.episodes", "4", "--run.progress", "false", "--run.tensorboard", "false",
+        "--run.out_dir", str(tmp_path), *extra])
+
+
+def test_a_self_play_run_with_rae_trains_both_seats_and_evaluates_each_role(tmp_path, capsys):
+    import json
+
+    from turnrl.metrics import read_metrics
+    from turnrl.trainer import train
+    from turnrl.types import read_episodes
+
+    train(_train_cfg(tmp_path, "--env.options.opponent", "self", "--algo.advantage", "rae"))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        # one baseline per seat; self-play is zero-sum, so they mirror each other
+        x, o = row["rae/baseline/tictactoe/X"], row["rae/baseline/tictactoe/O"]
+        assert x == pytest.approx(-o, abs=1e-9)
+        assert row["game/X/reward"] == pytest.approx(-row["game/O/reward"])
+        assert row["game/opponent/self"] == 8.0 and row["warn/zero_sum"] == 0.0
+    sample = read_episodes(sorted((tmp_path / "episodes").glob("*.jsonl"))[0])
+    assert {ep.info["role"] for ep in sample} == {"X", "O"}
+    assert {ep.info["opponent"] for ep in sample} == {"self"}
+    # evaluation: against the fixed opponents, per role, with intervals
+    saved = json.loads((tmp_path / "eval_after.json").read_text())
+    assert set(saved["per_env"]) == {"tictactoe@random", "tictactoe@minimax"}
+    metrics = saved["env_metrics"]
+    for label in saved["per_env"]:
+        for role in ("X", "O"):
+            rates = [metrics[f"{label}/{role}/{k}"] for k in ("win", "draw", "loss")]
+            failed = metrics[f"{label}/{role}/failed"] / metrics[f"{label}/{role}/episodes"]
+            assert sum(rates) + failed == pytest.approx(1.0)
+            assert metrics[f"{label}/{role}/win_lo"] <= metrics[f"{label}/{role}/win"] \
+                <= metrics[f"{label}/{role}/win_hi"]
+    evaluated = read_episodes(tmp_path / "eval_after.jsonl")
+    assert {ep.info["opponent"] for ep in evaluated} == {"random", "minimax"}
+    assert "tictactoe@random/X/win: " in capsys.readouterr().out
+
+
+def test_async_mode_refuses_self_play_in_one_line(tmp_path):
+    from turnrl.config import ConfigError
+
+    for opponent in ("self", "pool"):
+        with pytest.raises(ConfigError, match=f"opponent {opponent} works in run.mode sync"):
+            _train_cfg(tmp_path, "--env.options.opponent", opponent, "--run.mode", "async")

@@ -92,6 +92,15 @@ def check_env_plan(cfg: Config) -> None:
         raise ConfigError(f"env.{used[0]} works in run.mode sync only; use --run.mode sync")
 
 
+def check_self_play(cfg: Config) -> None:
+    """Self-play and pool opponents are built in the sync trainer (the learner's engine plays
+    every seat; the pool keeps the learner's frozen weights): refuse them in async mode."""
+    opponent = cfg.env.options.get("opponent")
+    if cfg.run.mode == "async" and opponent in ("self", "pool"):
+        raise ConfigError(f"env.options.opponent {opponent} works in run.mode sync only (not "
+                          "yet with async rollout workers); use --run.mode sync")
+
+
 def check_across(cfg: Config) -> None:
     """Every cross-section check, in the order of the sections they start from."""
     if cfg.ray.engine == "vllm" or cfg.rollout.engine == "vllm":
@@ -104,6 +113,7 @@ def check_across(cfg: Config) -> None:
     check_self_seeds(cfg)
     check_distill(cfg)
     check_env_plan(cfg)
+    check_self_play(cfg)
 
 
 def check_self_seeds(cfg: Config) -> None:

@@ -38,6 +38,8 @@ that seat's ``reward`` and the info of its episode (``outcome``, ``success``, ..
 do not sum to zero (``info["zero_sum_violation"]``). An env without ``seats`` is
 single-agent, as before. ``set_opponent(player)`` (optional) hands a single-agent game an
 outside player (a frozen past policy: ``turnrl.selfplay``) for its other seat.
+``eval_opponents`` (a tuple of ``opponent`` option values) names the fixed opponents a run
+trained against ``self`` or ``pool`` is evaluated against, one row each.
 
 ``StepResult.info`` keys the framework reads (any others are kept with the episode, made
 JSON-safe): ``success`` (bool, a solved episode for evaluation) and ``state_key`` (above).

@@ -188,6 +188,7 @@ class KuhnPoker:
 
     cooperative = True  # pure Python, never blocks
     zero_sum = True  # self-play: the seats' rewards sum to zero (checked by the turn loop)
+    eval_opponents = ("random", "nash")  # what a self-play or pool run is evaluated against
 
     system_prompt = ("You are playing Kuhn Poker: three cards J < Q < K, one each, both ante 1 "
                      "chip. Player 1 checks or bets 1; facing a bet you call or fold; the higher "

@@ -135,6 +135,7 @@ class TicTacToe:
                      "bottom. Reply with the number of one empty cell only.")
 
     zero_sum = True  # self-play: the seats' rewards sum to zero (checked by the turn loop)
+    eval_opponents = ("random", "minimax")  # what a self-play or pool run is evaluated against
 
     def __init__(self, role: str = "both", skill: float = 1.0,
                  opponent: str = "scripted") -> None:

@@ -16,6 +16,7 @@ from turnrl.config import Config
 from turnrl.envs import Env
 from turnrl.policy import training_seeds
 from turnrl.rollout import run_episodes, run_sync
+from turnrl.selfplay import OpponentPool, uses_pool
 from turnrl.trainer.curriculum import TrainingEnvs
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults, learn
@@ -33,6 +34,10 @@ class LocalSource(SourceDefaults):
         explore = run.cfg.explore
         self.guidance = (Guidance(explore.guidance, explore.guidance_attempts)
                          if explore.guidance != "off" else None)
+        env = run.cfg.env
+        self.pool = (OpponentPool(run.policy.chat, run.policy.params, size=env.opponent_pool_size,
+                                  every=env.opponent_pool_every, seed=run.cfg.run.seed)
+                     if uses_pool(env.options) else None)
 
     def publish(self, version: int, model) -> None:
         """The HF engine samples from the learner's own tensors; another engine (vLLM)
@@ -40,6 +45,8 @@ class LocalSource(SourceDefaults):
         engine = self.run.policy.engine
         if hasattr(engine, "update_weights"):
             engine.update_weights(model.state_dict(), version)
+        if self.pool is not None:  # a frozen copy every opponent_pool_every versions
+            self.pool.offer(version, model)
 
     def collect(self, step: int) -> list[Episode]:
         cfg = self.run.cfg
@@ -61,16 +68,21 @@ class LocalSource(SourceDefaults):
         run = self.run
         cfg, policy = run.cfg, run.policy
         params = replace(policy.params, temperature=run.learner.explore.temperature())
+        guided, make = make is not None, make or self.envs.make
+        if self.pool is not None:
+            make = self.pool.attach(make)
         episodes = run_sync(run_episodes(
-            make or self.envs.make, seeds, policy.engine, policy.chat, params,
+            make, seeds, policy.engine, policy.chat, params,
             env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
             max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s))
         # guided replays (make given) do not count towards a curriculum's success
-        return episodes if make is not None else self.envs.record(episodes)
+        return episodes if guided else self.envs.record(episodes)
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
-        return {**self.extra, **self.envs.step_metrics()}
+        pool = ({"game/pool_versions": float(len(self.pool.members))}
+                if self.pool is not None else {})
+        return {**self.extra, **self.envs.step_metrics(), **pool}
 
     def state_dict(self) -> dict:
         return self.envs.state_dict()
