@@ -372,5 +372,58 @@ def test_async_mode_refuses_self_play_in_one_line(tmp_path):
     from turnrl.config import ConfigError
 
     for opponent in ("self", "pool"):
-        with pytest.raises(ConfigError, match=f"opponent {opponent} works in run.mode sync"):
+        with pytest.raises(ConfigError, match=rf"opponent {opponent}\) works in run.mode sync"):
             _train_cfg(tmp_path, "--env.options.opponent", opponent, "--run.mode", "async")
+
+
+def test_a_hanging_opponent_times_out_its_game_only(tiny):
+    import threading
+
+    _, tok = tiny
+    chat = ChatFormat(tok)
+    release = threading.Event()
+
+    class HangingPlayer:
+        name = "hangs"
+
+        def act(self, system_prompt, observation):
+            release.wait(60)  # a stuck opponent (released when the test ends)
+            return "5"
+
+    class RandomPlayer:
+        name = "quick"
+
+        def act(self, system_prompt, observation):
+            return next(str(c + 1) for c in range(9) if str(c + 1) in observation)
+
+    built = []
+
+    def make():
+        env = make_env("tictactoe", opponent="pool", role="x")
+        env.set_opponent(HangingPlayer() if len(built) == 0 else RandomPlayer())
+        built.append(env)
+        return env
+    try:
+        episodes = run_sync(run_episodes(
+            make, [(0, 0), (1, 1)], MovesEngine(tok, ["5", "1", "9", "3"]), chat,
+            SamplingParams(4, 1.0, stop_token_ids=(chat.end_of_turn,)), env_name="tictactoe",
+            env_timeout_s=1.0))
+    finally:
+        release.set()
+    stuck, fine = episodes
+    assert stuck.status == "timeout" and "timed out" in stuck.info["reason"]
+    assert fine.status == "done" and fine.info["opponent"] == "quick"
+
+
+def test_the_selfplay_names_default_to_self_play_and_mixes_refuse_them(tmp_path):
+    from turnrl.config import ConfigError, load_config
+
+    assert make_env("tictactoe-selfplay").seats == ("X", "O")
+    assert make_env("kuhn-poker-selfplay").seats == ("first", "second")
+    assert make_env("kuhn-poker-selfplay", opponent="nash").seats == ()
+    with pytest.raises(ConfigError, match="works in run.mode sync only"):
+        load_config(None, ["--env.name", "tictactoe-selfplay", "--run.mode", "async"])
+    with pytest.raises(ConfigError, match=r"env.mix\[1\] is a self-play or pool game"):
+        load_config(None, ["--env.name", "mix", "--env.mix",
+                           '[{"name": "tictactoe"}, {"name": "tictactoe", "label": "t2", '
+                           '"options": {"opponent": "self"}}]'])

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from turnrl.envs import Env, make_env
+from turnrl.envs.contract import seats
 from turnrl.evaluation import EvalResult
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 from turnrl.stats import wilson_interval
@@ -186,7 +187,7 @@ def evaluation_factories(name: str, options: dict[str, Any], env: Any
     against each fixed opponent it names in ``eval_opponents``, labelled ``NAME@OPPONENT``
     (the policy's own moving copies are no fixed yardstick); any other env: itself."""
     opponents = getattr(env, "eval_opponents", ())
-    if options.get("opponent") not in ("self", "pool") or not opponents:
+    if not (seats(env) or uses_pool(options)) or not opponents:
         return {name: partial(make_env, name, **options)}
     return {f"{name}@{opponent}": partial(make_env, name, **{**options, "opponent": opponent})
             for opponent in opponents}

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from turnrl.config.root import Config
 
 
+SELF_PLAY_SUFFIX = "-selfplay"
+"""Names of the built-in games registered with self-play as their default (envs/tictactoe.py)."""
+
 VLLM_TEMPERATURES = (0.01, 2.0)
 """vLLM raises a temperature in (0, 0.01) to 0.01 and rejects one above 2."""
 
@@ -96,9 +99,18 @@ def check_self_play(cfg: Config) -> None:
     """Self-play and pool opponents are built in the sync trainer (the learner's engine plays
     every seat; the pool keeps the learner's frozen weights): refuse them in async mode."""
     opponent = cfg.env.options.get("opponent")
-    if cfg.run.mode == "async" and opponent in ("self", "pool"):
-        raise ConfigError(f"env.options.opponent {opponent} works in run.mode sync only (not "
-                          "yet with async rollout workers); use --run.mode sync")
+    if cfg.run.mode == "async" and (opponent in ("self", "pool")
+                                    or cfg.env.name.endswith(SELF_PLAY_SUFFIX)):
+        raise ConfigError(f"self-play (env {cfg.env.name}, opponent {opponent or 'self'}) works "
+                          "in run.mode sync only (not yet with async rollout workers); use "
+                          "--run.mode sync")
+    for i, entry in enumerate(cfg.env.mix):
+        options = entry.get("options") or {} if isinstance(entry, dict) else {}
+        name = entry.get("name", "") if isinstance(entry, dict) else ""
+        if options.get("opponent") in ("self", "pool") or str(name).endswith(SELF_PLAY_SUFFIX):
+            raise ConfigError(f"env.mix[{i}] is a self-play or pool game, which a mix cannot "
+                              "play yet (its seats are known only after the draw); train it "
+                              "alone with --env.name")
 
 
 def check_across(cfg: Config) -> None:

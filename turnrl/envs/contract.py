@@ -140,6 +140,8 @@ def describe(name: str, factory: Callable[..., Any], env: Any | None) -> str:
     else:
         lines.append("  tools: (none)")
     lines.append(f"  cooperative: {is_cooperative(env)}")
+    if seats(env):
+        lines.append(f"  seats: {', '.join(seats(env))} (self-play: one episode per seat)")
     if hasattr(env, "state_key"):
         lines.append("  state_key: yes (names its states for GiGPO)")
     return "\n".join(lines)
