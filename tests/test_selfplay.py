@@ -427,3 +427,15 @@ def test_the_selfplay_names_default_to_self_play_and_mixes_refuse_them(tmp_path)
         load_config(None, ["--env.name", "mix", "--env.mix",
                            '[{"name": "tictactoe"}, {"name": "tictactoe", "label": "t2", '
                            '"options": {"opponent": "self"}}]'])
+
+
+def test_turnrl_eval_names_the_option_that_picks_a_fixed_opponent():
+    from turnrl.checkpoint_eval import refuse_self_play
+    from turnrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="add --env.options.opponent random"):
+        refuse_self_play(make_env("tictactoe-selfplay"), "tictactoe-selfplay", {})
+    with pytest.raises(ConfigError, match="one of random, nash"):
+        refuse_self_play(make_env("kuhn-poker", opponent="pool"), "kuhn-poker",
+                         {"opponent": "pool"})
+    refuse_self_play(make_env("kuhn-poker"), "kuhn-poker", {})  # a fixed opponent: fine
