@@ -439,3 +439,14 @@ def test_turnrl_eval_names_the_option_that_picks_a_fixed_opponent():
         refuse_self_play(make_env("kuhn-poker", opponent="pool"), "kuhn-poker",
                          {"opponent": "pool"})
     refuse_self_play(make_env("kuhn-poker"), "kuhn-poker", {})  # a fixed opponent: fine
+
+
+def test_demonstrations_of_a_self_play_game_play_its_fixed_opponent(tiny):
+    from turnrl.demos.scripted import env_demonstrations
+
+    _, tok = tiny
+    demos, failed = env_demonstrations("tictactoe-selfplay", {}, 8, ChatFormat(tok), 9)
+    # minimax against the random player: it wins most games, in both roles
+    assert len(demos) >= 5 and len(demos) + len(failed) == 8
+    openings = {d.messages[1]["content"].split(";")[0] for d in demos}
+    assert openings == {"You play X", "You play O"}

@@ -191,3 +191,13 @@ def evaluation_factories(name: str, options: dict[str, Any], env: Any
         return {name: partial(make_env, name, **options)}
     return {f"{name}@{opponent}": partial(make_env, name, **{**options, "opponent": opponent})
             for opponent in opponents}
+
+
+def fixed_opponent_options(env: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the env's first fixed opponent (``eval_opponents``) in place of
+    ``self`` or ``pool``: what scripted demonstrations (``sft.env_demos``) of a self-play game
+    play, the policy's role by the seed's parity. Other envs' options are returned as given."""
+    opponents = getattr(env, "eval_opponents", ())
+    if not (seats(env) or uses_pool(options)) or not opponents:
+        return options
+    return {**options, "opponent": opponents[0]}
