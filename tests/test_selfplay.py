@@ -217,6 +217,21 @@ def test_grpo_groups_split_by_role():
     assert episode_group_ids(plain).tolist() == [0, 0, 1]
 
 
+def test_dynamic_sampling_judges_a_self_play_group_per_role():
+    from turnrl.algorithms.exploration import dynamic_sampling
+
+    # group 0: X won both games (O lost both): every role's rewards are equal, no signal;
+    # group 1: X won one game and drew the other: signal, though the pooled rewards of
+    # group 0 differ as much
+    flat = [_episode("X", "win", 1.0, group=0), _episode("O", "loss", -1.0, group=0),
+            _episode("X", "win", 1.0, group=0), _episode("O", "loss", -1.0, group=0),
+            _episode("X", "win", 1.0, group=1), _episode("O", "loss", -1.0, group=1),
+            _episode("X", "draw", 0.0, group=1), _episode("O", "draw", 0.0, group=1)]
+    kept, metrics = dynamic_sampling(flat, lambda r: [], groups_needed=2, max_rounds=0)
+    assert {ep.group for ep in kept} == {1} and len(kept) == 4
+    assert metrics["dynamic/dropped_groups"] == 1.0
+
+
 def test_per_role_outcomes_by_hand():
     from turnrl.selfplay import outcome_metrics, role_outcomes
     from turnrl.stats import wilson_interval

@@ -84,7 +84,8 @@ def dynamic_sampling(first: list[Episode], collect_round: Callable[[int], list[E
         for group in _groups_of(batch):
             collected += 1
             rewards = torch.tensor([ep.reward for ep in group])
-            if bool(informative_groups(rewards, torch.zeros(len(group), dtype=torch.long))[0]):
+            # a self-play group holds every seat: informative when one role's rewards differ
+            if bool(informative_groups(rewards, episode_group_ids(group)).any()):
                 kept.append(group)
             else:
                 dropped += 1
