@@ -383,6 +383,23 @@ def test_a_self_play_run_with_rae_trains_both_seats_and_evaluates_each_role(tmp_
     assert "tictactoe@random/X/win: " in capsys.readouterr().out
 
 
+def test_kuhn_self_play_with_grpo_reports_exploitability_and_each_role(tmp_path):
+    import json
+
+    from turnrl.metrics import read_metrics
+    from turnrl.trainer import train
+
+    train(_train_cfg(tmp_path, "--env.name", "kuhn-poker-selfplay", "--run.steps", "1"))
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert row["game/first/reward"] == pytest.approx(-row["game/second/reward"])
+    saved = json.loads((tmp_path / "eval_after.json").read_text())
+    assert set(saved["per_env"]) == {"kuhn-poker-selfplay@random", "kuhn-poker-selfplay@nash"}
+    metrics = saved["env_metrics"]
+    assert 0 <= metrics["exploitability"] <= 2
+    assert {k.split("/")[1] for k in metrics if k.startswith("kuhn-poker-selfplay@nash/")} \
+        == {"first", "second"}
+
+
 def test_async_mode_refuses_self_play_in_one_line(tmp_path):
     from turnrl.config import ConfigError
 

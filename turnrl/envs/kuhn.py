@@ -344,8 +344,9 @@ class KuhnPoker:
 
 @register_env("kuhn-poker-selfplay")
 def kuhn_poker_selfplay(opponent: str = "self", alpha: float = 1 / 6) -> KuhnPoker:
-    """Kuhn Poker self-play: the policy plays both seats of every hand, one episode per seat,
-    zero-sum (chips won / 2). Evaluated against random and Nash opponents, per role, with the
+    """Kuhn Poker self-play: the policy plays both seats, one episode per seat (zero-sum).
+
+    Reward: chips won / 2. Evaluated against random and Nash opponents, per role, with the
     policy's exact exploitability. opponent: self, or any of ``kuhn-poker``'s (pool: frozen
     past policies). docs/selfplay.md."""
     return KuhnPoker(opponent=opponent, alpha=alpha)

@@ -303,8 +303,9 @@ class TicTacToe:
 
 @register_env("tictactoe-selfplay")
 def tictactoe_selfplay(opponent: str = "self", skill: float = 1.0) -> TicTacToe:
-    """TicTacToe self-play: the policy plays X and O of every game, one episode per seat,
-    zero-sum (win 1, draw 0, loss -1; an illegal move loses). Evaluated against random and
+    """TicTacToe self-play: the policy plays X and O, one episode per seat (zero-sum).
+
+    Win 1, draw 0, loss -1; an illegal move loses. Evaluated against random and
     minimax opponents, per role. opponent: self, or any of ``tictactoe``'s (pool: frozen past
     policies). docs/selfplay.md."""
     return TicTacToe(skill=skill, opponent=opponent)
