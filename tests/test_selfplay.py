@@ -132,6 +132,8 @@ class UnfairGame:
 
     @property
     def seat_to_move(self):
+        if self.mode == "bad-mover" and self.moves:
+            return "c"
         return self.seats[self.moves % 2]
 
     def observe(self, seat):
@@ -143,6 +145,11 @@ class UnfairGame:
             raise RuntimeError("the opponent's engine crashed")
         if self.mode == "endless" or self.moves < 2:
             return StepResult("ok", 0.0, False, {})
+        if self.mode == "no-seats":
+            return StepResult("over", 1.0, True, {"outcome": "win"})
+        if self.mode == "bad-reward":
+            return StepResult("over", 0.0, True, {"seats": {"a": {"reward": float("nan")},
+                                                            "b": {"reward": 0.0}}})
         reward = {"same": 1.0, "fair": 1.0}[self.mode]
         return StepResult("over", 0.0, True, {"seats": {
             "a": {"reward": reward}, "b": {"reward": reward if self.mode == "same" else -1.0}}})
@@ -170,6 +177,19 @@ def test_a_failing_or_endless_game_ends_with_its_reason_and_the_rest_play_on(tin
     a, b = _play(tok, "test-unfair-game", ["go"], max_turns=5, mode="endless")
     assert a.end_reason == b.end_reason == "turn_limit"
     assert len(a.turns) == 5 and len(b.turns) == 5
+
+
+@pytest.mark.parametrize("mode, reason", [
+    ("no-seats", "must give info['seats']"),
+    ("bad-reward", "info['seats']['a'] must be a dict with a finite 'reward'"),
+    ("bad-mover", "seat_to_move is 'c', not one of its seats"),
+])
+def test_a_malformed_game_fails_with_a_one_line_reason(tiny, mode, reason):
+    _, tok = tiny
+    a, b = _play(tok, "test-unfair-game", ["go"], mode=mode)
+    for episode in (a, b):
+        assert episode.status == "error" and episode.end_reason == "env_error"
+        assert reason in episode.info["reason"] and "\n" not in episode.info["reason"]
 
 
 def test_bad_seats_are_refused_in_one_line():
