@@ -420,12 +420,29 @@ def test_kuhn_self_play_with_grpo_reports_exploitability_and_each_role(tmp_path)
         == {"first", "second"}
 
 
+def test_another_local_model_plays_the_other_seat_and_is_recorded(tmp_path):
+    from turnrl.config import ConfigError
+    from turnrl.metrics import read_metrics
+    from turnrl.trainer import train
+    from turnrl.types import read_episodes
+
+    train(_train_cfg(tmp_path, "--env.options.opponent", "model", "--env.opponent_model",
+                     "tiny", "--run.steps", "1", "--eval.episodes", "0"))
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert row["game/opponent/model:tiny"] == 4.0 and "game/pool_versions" not in row
+    sample = read_episodes(sorted((tmp_path / "episodes").glob("*.jsonl"))[0])
+    assert {ep.info["opponent"] for ep in sample} == {"model:tiny"}
+    with pytest.raises(ConfigError, match="needs env.opponent_model"):
+        _train_cfg(tmp_path, "--env.options.opponent", "model")
+
+
 def test_async_mode_refuses_self_play_in_one_line(tmp_path):
     from turnrl.config import ConfigError
 
-    for opponent in ("self", "pool"):
+    for opponent in ("self", "pool", "model"):
         with pytest.raises(ConfigError, match=rf"opponent {opponent}\) works in run.mode sync"):
-            _train_cfg(tmp_path, "--env.options.opponent", opponent, "--run.mode", "async")
+            _train_cfg(tmp_path, "--env.options.opponent", opponent, "--run.mode", "async",
+                       "--env.opponent_model", "tiny")
 
 
 def test_a_hanging_opponent_times_out_its_game_only(tiny):

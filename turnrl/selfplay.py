@@ -50,10 +50,12 @@ class FrozenPolicy:
         self.engine = HFEngine(self.model, chat.tokenizer.pad_token_id, seed=seed + version,
                                reuse_cache=False)
         self.lock = threading.Lock()
+        self.label = ""
 
     @property
     def name(self) -> str:
-        return f"pool-v{self.version}"
+        """What episodes record as their ``opponent``."""
+        return self.label or f"pool-v{self.version}"
 
     def act(self, system_prompt: str | None, observation: str) -> str:
         _, _, ids = self.chat.start(observation, system_prompt)
@@ -96,15 +98,51 @@ class OpponentPool:
 
     def attach(self, make: Callable[[], Env]) -> Callable[[], Env]:
         """``make`` with each new env's opponent drawn from the pool (``set_opponent``)."""
-        def make_with_opponent() -> Env:
-            env = make()
-            env.set_opponent(self.sample())
-            return env
-        return make_with_opponent
+        return attach_player(make, self.sample)
 
 
 def uses_pool(options: dict[str, Any]) -> bool:
-    return options.get("opponent") == "pool"
+    """Whether the env plays an outside player the trainer hands over: the pool of frozen
+    past policies (``opponent: pool``) or another local model (``opponent: model``)."""
+    return options.get("opponent") in ("pool", "model")
+
+
+class ModelOpponent:
+    """Another local model in the other seat (``opponent: model``, ``env.opponent_model``):
+    one frozen player, its own tokenizer and chat template, for every game."""
+
+    def __init__(self, player: FrozenPolicy) -> None:
+        self.player = player
+        self.members = [player]
+
+    @classmethod
+    def load(cls, name: str, cfg: Any) -> ModelOpponent:
+        """``name`` loaded as ``model.name`` would be (same dtype and cache), on the CPU."""
+        from turnrl.models import load_model
+        from turnrl.policy import sampling_params
+
+        model, tokenizer = load_model(name, dtype=cfg.model.dtype,
+                                      cache_dir=cfg.model.cache_dir or None,
+                                      trust_remote_code=cfg.model.trust_remote_code)
+        chat = ChatFormat(tokenizer)
+        player = FrozenPolicy(model, chat, sampling_params(cfg, chat), 0, cfg.run.seed)
+        player.label = f"model:{name}"
+        return cls(player)
+
+    def sample(self) -> FrozenPolicy:
+        return self.player
+
+    def attach(self, make: Callable[[], Env]) -> Callable[[], Env]:
+        return attach_player(make, self.sample)
+
+
+def attach_player(make: Callable[[], Env], choose: Callable[[], Any]) -> Callable[[], Env]:
+    """``make`` with each new env's opponent ``choose()`` (handed over by ``set_opponent``)."""
+    def make_with_opponent() -> Env:
+        env = make()
+        env.set_opponent(choose())
+        return env
+    return make_with_opponent
 
 
 # --------------------------------------------------------------------- per-role results

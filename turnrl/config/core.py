@@ -65,6 +65,9 @@ class EnvConfig(Section):
     opponent_pool_every: int = 1
     """with --env.options.opponent pool: a frozen copy of the policy joins the pool at the start
     and after every this many updates"""
+    opponent_model: str = ""
+    """with --env.options.opponent model: the model that plays the other seat, frozen (a name as
+    model.name takes: a local directory, smollm2-135m-instruct, tiny)"""
 
     def _check(self) -> None:
         self._require("name", bool(self.name), "a registered environment name")

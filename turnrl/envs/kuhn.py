@@ -16,8 +16,9 @@ check, bet, call or fold. An illegal reply loses the most a hand can lose (2 chi
 the reason in ``info["reason"]``. The reward is the chips won over 2, in [-1, 1];
 ``info["chips"]`` keeps the chips and ``success`` is a won hand.
 
-Two more opponents: ``pool`` (an outside player handed over with ``set_opponent``: the
-trainer's frozen past policies, turnrl/selfplay.py; its illegal reply loses it 2 chips) and
+More opponents: ``pool`` and ``model`` (an outside player handed over with ``set_opponent``:
+the trainer's frozen past policies, or another local model, turnrl/selfplay.py; its illegal
+reply loses it 2 chips) and
 ``self``: the policy plays both seats of one hand (``seats`` first and second,
 envs/contract.py), one episode per seat, zero-sum (docs/selfplay.md).
 """
@@ -154,7 +155,9 @@ def describe(history: str) -> str:
     return " ".join(words[history])
 
 
-OPPONENTS = ("nash", "random", "pool", "self")
+OPPONENTS = ("nash", "random", "pool", "model", "self")
+OUTSIDE = ("pool", "model")
+"""Opponents that are an outside player handed over with ``set_opponent``."""
 SEATS = ("first", "second")
 
 
@@ -181,7 +184,7 @@ class KuhnPoker:
 
     role: first, second, or both (by the seed's parity). opponent: nash (an equilibrium,
     first-player family ``alpha`` in [0, 1/3]), random, pool (frozen past policies, set by the
-    trainer) or self (self-play: the policy plays both seats, one episode per seat). Replies: check, bet, call or fold;
+    trainer), model (another local model: env.opponent_model) or self (self-play: the policy plays both seats, one episode per seat). Replies: check, bet, call or fold;
     an illegal one loses 2 chips. Reward: chips won / 2, in [-1, 1]; success: a won hand.
     Exploitability of a strategy: ``turnrl.envs.kuhn.exploitability``.
     """
@@ -206,12 +209,12 @@ class KuhnPoker:
         self.seats = SEATS if opponent == "self" else ()
         self.player, self.opponent_error, self.outcome_chips = None, "", None
         # an outside player may run a model on this env's thread: not cooperative then
-        self.cooperative = opponent != "pool"
+        self.cooperative = opponent not in OUTSIDE
 
     @property
     def opponent(self) -> str:
-        if self.opponent_option == "pool":
-            return getattr(self.player, "name", "pool")
+        if self.opponent_option in OUTSIDE:
+            return getattr(self.player, "name", self.opponent_option)
         return self.opponent_option
 
     def set_opponent(self, player) -> None:
@@ -254,9 +257,9 @@ class KuhnPoker:
     def _opponent_acts(self) -> None:
         """The opponent's action; an outside player's illegal reply sets ``opponent_error``."""
         card = CARDS[self.cards[1 - self.seat]]
-        if self.opponent_option == "pool":
+        if self.opponent_option in OUTSIDE:
             if self.player is None:
-                raise RuntimeError("kuhn-poker opponent 'pool' has no player: the trainer hands "
+                raise RuntimeError(f"kuhn-poker opponent '{self.opponent_option}' has no player: the trainer hands "
                                    "one over (set_opponent); evaluate against nash or random")
             reply = self.player.act(self.system_prompt,
                                     observation(1 - self.seat, card, self.history))

@@ -13,9 +13,9 @@ reason in ``info["reason"]``. ``info`` also names the ``role``, the ``opponent``
 result is a draw, so evaluate against ``skill`` below 1 (or count draws) to see progress.
 
 ``opponent`` picks who plays the other side: ``scripted`` (the ``skill`` player above, the
-default), ``minimax`` (skill 1), ``random`` (skill 0), ``pool`` (an outside player handed over
-with ``set_opponent``: the trainer's frozen past policies, turnrl/selfplay.py; its illegal
-reply forfeits the game to the policy) or ``self``: the policy plays both seats of one game
+default), ``minimax`` (skill 1), ``random`` (skill 0), ``pool`` or ``model`` (an outside player
+handed over with ``set_opponent``: the trainer's frozen past policies, or another local
+model, turnrl/selfplay.py; its illegal reply forfeits the game to the policy) or ``self``: the policy plays both seats of one game
 (``seats`` X and O, envs/contract.py), one episode per seat, zero-sum (docs/selfplay.md).
 """
 
@@ -80,7 +80,9 @@ def render(board: str) -> str:
     return "\n---+---+---\n".join(rows)
 
 
-OPPONENTS = ("scripted", "minimax", "random", "pool", "self")
+OPPONENTS = ("scripted", "minimax", "random", "pool", "model", "self")
+OUTSIDE = ("pool", "model")
+"""Opponents that are an outside player handed over with ``set_opponent``."""
 OUTCOME_TEXT = {"win": "You win.", "loss": "You lose.", "draw": "Draw.",
                 "illegal": "Illegal move: you lose."}
 
@@ -125,7 +127,7 @@ class TicTacToe:
     role: x (moves first), o, or both (by the seed's parity). skill: the opponent plays the
     minimax move with this probability, else a random legal one (1 perfect, 0 random).
     opponent: scripted (the skill player), minimax, random, pool (frozen past policies, set by
-    the trainer) or self (self-play: the policy plays X and O, one episode per seat).
+    the trainer), model (another local model: env.opponent_model) or self (self-play: the policy plays X and O, one episode per seat).
     Reward: win 1, draw 0, loss -1; an illegal move loses. success: a win.
     """
 
@@ -154,7 +156,7 @@ class TicTacToe:
         self.moves: list[tuple[str, int]] = []
         self.outcomes: dict[str, str] = {}
         # an outside player may run a model on this env's thread: not cooperative then
-        self.cooperative = opponent != "pool"
+        self.cooperative = opponent not in OUTSIDE
 
     def set_opponent(self, player) -> None:
         """Play ``player`` (``act(system_prompt, observation) -> str``, and a ``name``) in the
@@ -165,8 +167,8 @@ class TicTacToe:
     def opponent(self) -> str:
         if self.opponent_option == "self":
             return "self"
-        if self.opponent_option == "pool":
-            return getattr(self.player, "name", "pool")
+        if self.opponent_option in OUTSIDE:
+            return getattr(self.player, "name", self.opponent_option)
         return {1.0: "minimax", 0.0: "random"}.get(float(self.skill), f"skill-{self.skill:g}")
 
     @property
@@ -198,9 +200,9 @@ class TicTacToe:
         """Play the opponent's move; its cell, or None when an outside player's reply was
         illegal (it forfeits)."""
         mover = to_move(self.board)
-        if self.opponent_option == "pool":
+        if self.opponent_option in OUTSIDE:
             if self.player is None:
-                raise RuntimeError("tictactoe opponent 'pool' has no player: the trainer hands "
+                raise RuntimeError(f"tictactoe opponent '{self.opponent_option}' has no player: the trainer hands "
                                    "one over (set_opponent); evaluate against minimax or random")
             move, self.opponent_error = parse_move(
                 self.player.act(self.system_prompt, seat_view(self.board, mover)), self.board)
@@ -223,7 +225,7 @@ class TicTacToe:
     async def step(self, action: str) -> StepResult:
         if self.seats:
             return self._seat_step(action)
-        if self.opponent_option == "pool" and getattr(self, "opponent_error", ""):
+        if self.opponent_option in OUTSIDE and self.opponent_error:
             # the outside player forfeited on its first move (the policy plays O)
             return StepResult("You win: your opponent's move was illegal.", 1.0, True,
                               self._info("win", reason=f"opponent's illegal move: "

@@ -16,7 +16,7 @@ from turnrl.config import Config
 from turnrl.envs import Env
 from turnrl.policy import training_seeds
 from turnrl.rollout import run_episodes, run_sync
-from turnrl.selfplay import OpponentPool, uses_pool
+from turnrl.selfplay import ModelOpponent, OpponentPool
 from turnrl.trainer.curriculum import TrainingEnvs
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults, learn
@@ -34,10 +34,7 @@ class LocalSource(SourceDefaults):
         explore = run.cfg.explore
         self.guidance = (Guidance(explore.guidance, explore.guidance_attempts)
                          if explore.guidance != "off" else None)
-        env = run.cfg.env
-        self.pool = (OpponentPool(run.policy.chat, run.policy.params, size=env.opponent_pool_size,
-                                  every=env.opponent_pool_every, seed=run.cfg.run.seed)
-                     if uses_pool(env.options) else None)
+        self.pool = opponents(run)
 
     def publish(self, version: int, model) -> None:
         """The HF engine samples from the learner's own tensors; another engine (vLLM)
@@ -45,7 +42,7 @@ class LocalSource(SourceDefaults):
         engine = self.run.policy.engine
         if hasattr(engine, "update_weights"):
             engine.update_weights(model.state_dict(), version)
-        if self.pool is not None:  # a frozen copy every opponent_pool_every versions
+        if isinstance(self.pool, OpponentPool):  # a frozen copy every opponent_pool_every
             self.pool.offer(version, model)
 
     def collect(self, step: int) -> list[Episode]:
@@ -81,11 +78,24 @@ class LocalSource(SourceDefaults):
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
         pool = ({"game/pool_versions": float(len(self.pool.members))}
-                if self.pool is not None else {})
+                if isinstance(self.pool, OpponentPool) else {})
         return {**self.extra, **self.envs.step_metrics(), **pool}
 
     def state_dict(self) -> dict:
         return self.envs.state_dict()
+
+
+def opponents(run: Run) -> OpponentPool | ModelOpponent | None:
+    """Who plays the other seat when it is not the env's own player: the pool of frozen past
+    policies (``opponent: pool``), another local model (``opponent: model``), else None."""
+    cfg = run.cfg
+    opponent = cfg.env.options.get("opponent")
+    if opponent == "model":
+        return ModelOpponent.load(cfg.env.opponent_model, cfg)
+    if opponent == "pool":
+        return OpponentPool(run.policy.chat, run.policy.params, size=cfg.env.opponent_pool_size,
+                            every=cfg.env.opponent_pool_every, seed=cfg.run.seed)
+    return None
 
 
 def resample_seeds(cfg: Config, step: int, round_: int) -> list[tuple[int, int]]:
