@@ -53,6 +53,10 @@ def test_one_tictactoe_game_gives_an_episode_per_seat_with_complementary_masks(t
     assert x.status == o.status == "done" and x.group == o.group
     assert [t.action for t in x.turns] == ["1", "3", "5", "7"]
     assert [t.action for t in o.turns] == ["2", "4", "6"]
+    # each turn's state is the env's state_key (GiGPO's anchors): the seat to move and board
+    assert [t.state for t in x.turns] == ["X:.........", "X:XO.......", "X:XOXO.....",
+                                          "X:XOXOXO..."]
+    assert [t.state for t in o.turns] == ["O:X........", "O:XOX......", "O:XOXOX...."]
     # each seat trains exactly its own replies: every move is trained once, in one episode
     for episode in (x, o):
         trained = [i for i, m in enumerate(episode.loss_mask) if m]

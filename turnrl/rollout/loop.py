@@ -515,9 +515,14 @@ class TurnLoop:
         if slot.turn is None and not episode.token_ids:
             self._after_reset(slot, None, observation)
         else:
+            try:  # the state this seat now moves in: the env's state_key when it names one
+                state = contract.start_state(slot.env, observation)
+            except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
+                error = EnvError(f"env state_key raised {type(err).__name__}: {err}")
+                return self._end_game(slot.game, error=error, where="step")
             completion, text, start, end = slot.turn
             slot.turn = None
-            result = StepResult(observation, slot.pending_reward, False, {})
+            result = StepResult(observation, slot.pending_reward, False, {"state_key": state})
             slot.pending_reward = 0.0
             reason, kept = self.bound.step_refused(episode, None, result, slot.tools)
             next_state = end_turn(episode, result, start, end, text, completion.finish_reason,
