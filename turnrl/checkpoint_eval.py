@@ -16,6 +16,7 @@ from safetensors.torch import load_model
 
 from turnrl.checkpoint import latest_checkpoint
 from turnrl.config import Config, ConfigError, load_config, load_run_config
+from turnrl.envs.contract import seats
 from turnrl.evaluation import (
     SampledEval,
     aggregate_seeds,
@@ -29,6 +30,7 @@ from turnrl.evaluation import (
 from turnrl.metrics import print_table as _print_table
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy, sampling_params
+from turnrl.selfplay import uses_pool
 
 BASE = "base"
 """Names the config's model as it loads, untrained, where a checkpoint is expected."""
@@ -65,6 +67,7 @@ def run_config(checkpoint: Path | None, config_path: str | None, overrides: list
 def play(policy: Policy, cfg: Config, samples: int, label: str) -> SampledEval:
     """``eval.episodes`` held-out tasks x ``samples`` episodes each, the sampler reseeded
     with ``run.seed`` first so two policies compared draw alike."""
+    refuse_self_play(policy.make_env(), cfg.env.name, cfg.env.options)
     policy.engine.generator.manual_seed(cfg.run.seed)
     tasks = range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes)
     seeds = [seed for seed in tasks for _ in range(samples)]
@@ -74,6 +77,17 @@ def play(policy: Policy, cfg: Config, samples: int, label: str) -> SampledEval:
                            env_timeout_s=cfg.rollout.env_timeout_s,
                            max_context=policy.max_context)
     return summarize_samples(label, episodes, samples)
+
+
+def refuse_self_play(env, name: str, options: dict) -> None:
+    """pass@k needs one episode per task against a fixed opponent: a self-play or pool env is
+    refused with the option that picks one (training evaluates against each of them)."""
+    if not (seats(env) or uses_pool(options)):
+        return
+    fixed = getattr(env, "eval_opponents", ()) or ("<a fixed opponent>",)
+    raise ConfigError(f"turnrl eval plays a fixed opponent, and env {name} is self-play (or a "
+                      f"pool): add --env.options.opponent {fixed[0]} (or one of "
+                      f"{', '.join(fixed)})")
 
 
 class Evaluator:

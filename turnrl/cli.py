@@ -177,10 +177,11 @@ def cmd_envs(argv: Sequence[str]) -> int:
         if why:
             print(f"\n(not built with default options: {why})")
         return 0
+    width = max([16, *map(len, ENVS)])  # one column, however long a name
     for name, factory in ENVS.items():
         doc = (factory.__doc__ or "").strip().splitlines()
         hint = " (needs: pip install 'turnrl[envs]')" if missing(name) else ""
-        print(f"{name:16s} {doc[0] if doc else ''}{hint}")
+        print(f"{name:{width}s} {doc[0] if doc else ''}{hint}")
     print("\nturnrl envs NAME describes one: its options, prompt and tools")
     return 0
 

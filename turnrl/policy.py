@@ -22,6 +22,7 @@ from turnrl.evaluation import EvalResult, evaluate, evaluate_each, reply_scorer,
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 from turnrl.rollout.engine import Engine
+from turnrl.selfplay import evaluation_factories, with_outcome_metrics
 
 
 @dataclass
@@ -81,7 +82,8 @@ def load_policy(cfg: Config) -> Policy:
 
     def run_eval() -> tuple[EvalResult, list]:
         result, episodes = play_eval()
-        return with_env_metrics(result, next(iter(eval_makes.values()))(), score), episodes
+        result = with_env_metrics(result, next(iter(eval_makes.values()))(), score)
+        return with_outcome_metrics(result, episodes), episodes
 
     return Policy(model, tokenizer, chat, engine, max_context, make, sampling_params(cfg, chat),
                   run_eval)
@@ -131,8 +133,11 @@ def env_factories(cfg: Config) -> tuple[Callable[[], Env], dict[str, Callable[[]
         hardest = level_factory(cfg, curriculum.levels[-1])
         return hardest, {cfg.env.name: hardest}
     make = partial(make_env, cfg.env.name, **cfg.env.options)
-    make()
-    return make, {cfg.env.name: make}
+    env = make()
+    evaluated = evaluation_factories(cfg.env.name, cfg.env.options, env)
+    for label, factory in evaluated.items():
+        _checked(f"evaluation env {label}", factory)
+    return make, evaluated
 
 
 def _checked(where: str, make: Callable[[], Env]) -> Callable[[], Env]:

@@ -83,10 +83,21 @@ def anchor_group_ids(group_ids: Sequence[int], state_keys: Sequence[str]) -> Ten
     return torch.tensor(out, dtype=torch.long)
 
 
+def episode_group_ids(episodes: Sequence[Episode]) -> Tensor:
+    """The group of each episode for group-relative baselines: its ``group``, split by the
+    role it played (``info["role"]``), so a self-play game's seats are compared only with
+    the same seat of the other games of their group (GRPO per role; one role, as in every
+    single-agent env, leaves the groups as they are). -> ``[N]`` long."""
+    ids: dict[tuple[int, str], int] = {}
+    return torch.tensor([ids.setdefault((ep.group, str(ep.info.get("role", ""))), len(ids))
+                         for ep in episodes], dtype=torch.long)
+
+
 def turn_anchor_ids(episodes: Sequence[Episode]) -> Tensor:
     """``anchor_group_ids`` of every turn of ``episodes``, flattened in episode then turn order.
     -> ``[sum of turns]`` long."""
-    groups = [ep.group for ep in episodes for _ in ep.turns]
+    groups = [int(g) for ep, g in zip(episodes, episode_group_ids(episodes), strict=True)
+              for _ in ep.turns]
     states = [turn.state for ep in episodes for turn in ep.turns]
     return anchor_group_ids(groups, states)
 
@@ -124,7 +135,7 @@ def gigpo_advantages(episodes: Sequence[Episode], gamma: float, step_weight: flo
     anchor group (``anchor_group_ids``).
     """
     returns = _as_float([ep.reward for ep in episodes])
-    groups = torch.tensor([ep.group for ep in episodes], dtype=torch.long)
+    groups = episode_group_ids(episodes)
     episode_adv = _relative(returns, groups, std_normalize)
     step_returns = [discounted_returns([t.reward for t in ep.turns], gamma) for ep in episodes]
     flat = torch.cat(step_returns) if step_returns else torch.zeros(0)

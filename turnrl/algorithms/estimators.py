@@ -45,6 +45,7 @@ from turnrl.algorithms.credit import (
     anchor_fraction,
     archer_advantages,
     discounted_returns,
+    episode_group_ids,
     gigpo_advantages,
     relative_fit_error,
     turn_anchor_ids,
@@ -135,7 +136,7 @@ class Outcome(Stateless):
 
     def advantages(self, episodes: Sequence[Episode], model: nn.Module, pad_id: int) -> Tensor:
         rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
-        groups = torch.tensor([ep.group for ep in episodes])
+        groups = episode_group_ids(episodes)
         return self.fn(rewards, groups)
 
 
@@ -215,7 +216,7 @@ class GiGPO(Stateless):
 def grpo_per_turn(episodes: Sequence[Episode]) -> list[Tensor]:
     """The outcome GRPO advantage of each episode, repeated on each of its turns."""
     rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
-    groups = torch.tensor([ep.group for ep in episodes])
+    groups = episode_group_ids(episodes)
     per_episode = grpo_advantages(rewards, groups) if episodes else rewards
     return [per_episode[b].repeat(len(ep.turns)) for b, ep in enumerate(episodes)]
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from turnrl.algorithms.advantages import _group_sum
+from turnrl.algorithms.credit import episode_group_ids
 from turnrl.config import ExploreConfig
 from turnrl.types import Episode
 
@@ -83,7 +84,8 @@ def dynamic_sampling(first: list[Episode], collect_round: Callable[[int], list[E
         for group in _groups_of(batch):
             collected += 1
             rewards = torch.tensor([ep.reward for ep in group])
-            if bool(informative_groups(rewards, torch.zeros(len(group), dtype=torch.long))[0]):
+            # a self-play group holds every seat: informative when one role's rewards differ
+            if bool(informative_groups(rewards, episode_group_ids(group)).any()):
                 kept.append(group)
             else:
                 dropped += 1
@@ -345,7 +347,7 @@ class Exploration:
                 raise ValueError("explore.pass_k needs an episode-level algo.advantage (one "
                                  "advantage per episode)")
             advantages = passk_advantages(torch.tensor([ep.success for ep in episodes]),
-                                          torch.tensor([ep.group for ep in episodes]), c.pass_k)
+                                          episode_group_ids(episodes), c.pass_k)
         if c.positive_weight != 1 or c.negative_weight != 1:
             advantages = weight_advantages(advantages, c.positive_weight, c.negative_weight)
         return advantages

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from turnrl.config.root import Config
 
 
+SELF_PLAY_SUFFIX = "-selfplay"
+"""Names of the built-in games registered with self-play as their default (envs/tictactoe.py)."""
+
 VLLM_TEMPERATURES = (0.01, 2.0)
 """vLLM raises a temperature in (0, 0.01) to 0.01 and rejects one above 2."""
 
@@ -89,6 +92,29 @@ def check_env_plan(cfg: Config) -> None:
         raise ConfigError(f"env.{used[0]} works in run.mode sync only; use --run.mode sync")
 
 
+def check_self_play(cfg: Config) -> None:
+    """Self-play and pool opponents are built in the sync trainer (the learner's engine plays
+    every seat; the pool keeps the learner's frozen weights): refuse them in async mode."""
+    opponent = cfg.env.options.get("opponent")
+    if cfg.run.mode == "async" and (opponent in ("self", "pool", "model")
+                                    or cfg.env.name.endswith(SELF_PLAY_SUFFIX)):
+        raise ConfigError(f"self-play (env {cfg.env.name}, opponent {opponent or 'self'}) works "
+                          "in run.mode sync only (not yet with async rollout workers); use "
+                          "--run.mode sync")
+    if opponent == "model" and not cfg.env.opponent_model:
+        raise ConfigError("env.options.opponent model needs env.opponent_model: the model that "
+                          "plays the other seat (a name as model.name takes), e.g. "
+                          "--env.opponent_model smollm2-135m-instruct")
+    for i, entry in enumerate(cfg.env.mix):
+        options = entry.get("options") or {} if isinstance(entry, dict) else {}
+        name = entry.get("name", "") if isinstance(entry, dict) else ""
+        if options.get("opponent") in ("self", "pool", "model") \
+                or str(name).endswith(SELF_PLAY_SUFFIX):
+            raise ConfigError(f"env.mix[{i}] is a self-play or pool game, which a mix cannot "
+                              "play yet (its seats are known only after the draw); train it "
+                              "alone with --env.name")
+
+
 def check_across(cfg: Config) -> None:
     """Every cross-section check, in the order of the sections they start from."""
     if cfg.ray.engine == "vllm" or cfg.rollout.engine == "vllm":
@@ -101,6 +127,7 @@ def check_across(cfg: Config) -> None:
     check_self_seeds(cfg)
     check_distill(cfg)
     check_env_plan(cfg)
+    check_self_play(cfg)
 
 
 def check_self_seeds(cfg: Config) -> None:

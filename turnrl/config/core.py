@@ -59,9 +59,20 @@ class EnvConfig(Section):
     mix: list[dict[str, Any]] = field(default_factory=list)
     """several envs in one run, with env.name mix: [{name, options, weight}, ...], each group's
     env drawn by weight (docs/curriculum.md); [] = the one env env.name"""
+    opponent_pool_size: int = 3
+    """with --env.options.opponent pool: how many frozen past policies the pool keeps (the
+    newest); each game's opponent is drawn uniformly from them (docs/selfplay.md)"""
+    opponent_pool_every: int = 1
+    """with --env.options.opponent pool: a frozen copy of the policy joins the pool at the start
+    and after every this many updates"""
+    opponent_model: str = ""
+    """with --env.options.opponent model: the model that plays the other seat, frozen (a name as
+    model.name takes: a local directory, smollm2-135m-instruct, tiny)"""
 
     def _check(self) -> None:
         self._require("name", bool(self.name), "a registered environment name")
+        self._require("opponent_pool_size", self.opponent_pool_size >= 1, ">= 1")
+        self._require("opponent_pool_every", self.opponent_pool_every >= 1, ">= 1")
         curriculum, mix = self.curriculum_plan(), self.mix_plan()
         if mix and self.name != MIX_NAME:
             raise ConfigError(f"env.mix is set but env.name is '{self.name}': set --env.name "

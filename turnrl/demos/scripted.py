@@ -3,7 +3,9 @@ each successful episode becomes a conversation as the turn loop would have rende
 env's system prompt, its observations as user messages, the player's replies).
 
 ``--sft.env_demos N`` plays seeds 0..N-1 of ``env.name`` (training seeds; the held-out
-evaluation's start at ``eval.seed_offset``) up to ``rollout.max_turns`` turns each.
+evaluation's start at ``eval.seed_offset``) up to ``rollout.max_turns`` turns each. A
+self-play game (``seats``) is played against its first fixed opponent (``eval_opponents``:
+TicTacToe's random player, Kuhn Poker's random one), both roles by the seed's parity.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from turnrl.envs import make_env
 from turnrl.envs.reference import REFERENCE_POLICIES, reference_player
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import run_sync
+from turnrl.selfplay import fixed_opponent_options
 
 
 def env_demonstrations(env_name: str, options: dict, count: int, chat: ChatFormat,
@@ -21,6 +24,8 @@ def env_demonstrations(env_name: str, options: dict, count: int, chat: ChatForma
     if count == 0:
         return [], []
     demos, failed = [], []
+    # a self-play game's demonstrations: its reference player against a fixed opponent
+    options = fixed_opponent_options(make_env(env_name, **options), options)
     for seed in range(count):
         env = make_env(env_name, **options)
         messages, tools, success, _ = run_sync(scripted_conversation(

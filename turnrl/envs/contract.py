@@ -31,6 +31,21 @@ scripted player (``reset``/``act``, envs/reference.py) for this env; it is calle
 ``reply``; what it returns (name -> number) is logged as ``eval/NAME`` and kept with the
 before/after results (Kuhn Poker: its exploitability, envs/kuhn.py).
 
+Games with several seats (self-play, docs/selfplay.md): an env whose ``seats`` (a tuple of
+two or more role names) is non-empty is played by the policy in every seat at once; one game
+gives one episode per seat, each seat's replies trained under its own mask with its own
+reward, the other seats' moves reaching it as environment text. Such an env also has
+``seat_to_move`` (the seat whose reply the next ``step`` takes; read after ``reset`` and after
+every step that is not done), ``observe(seat) -> str`` (what that seat reads before its next
+move, or at the end), and, when a step ends the game, ``info["seats"]``: seat -> a dict with
+that seat's ``reward`` and the info of its episode (``outcome``, ``success``, ...).
+``zero_sum = True`` (class attribute) makes the turn loop flag a finished game whose rewards
+do not sum to zero (``info["zero_sum_violation"]``). An env without ``seats`` is
+single-agent, as before. ``set_opponent(player)`` (optional) hands a single-agent game an
+outside player (a frozen past policy: ``turnrl.selfplay``) for its other seat.
+``eval_opponents`` (a tuple of ``opponent`` option values) names the fixed opponents a run
+trained against ``self`` or ``pool`` is evaluated against, one row each.
+
 ``StepResult.info`` keys the framework reads (any others are kept with the episode, made
 JSON-safe): ``success`` (bool, a solved episode for evaluation) and ``state_key`` (above).
 """
@@ -84,6 +99,24 @@ def hint(env: Any, level: int) -> str | None:
     return text or None
 
 
+def seats(env: Any) -> tuple[str, ...]:
+    """The roles the policy plays in one game of ``env`` (empty: a single-agent env). Read
+    once per game, after the env is built; a value that is not two or more distinct names is
+    refused with one line."""
+    value = getattr(env, "seats", ())
+    if not value:
+        return ()
+    if (not isinstance(value, (tuple, list)) or len(value) < 2
+            or not all(isinstance(s, str) and s for s in value) or len(set(value)) != len(value)):
+        raise ValueError(f"env seats must be two or more distinct role names, got {value!r}")
+    return tuple(value)
+
+
+def is_zero_sum(env: Any) -> bool:
+    """Whether the env declares (``zero_sum = True``) that its seats' rewards sum to zero."""
+    return getattr(env, "zero_sum", False) is True
+
+
 def is_cooperative(env: Any) -> bool:
     """Whether ``env`` declares (class attribute ``cooperative = True``) that its reset and
     step never block their event loop: they await all waiting and do little work between."""
@@ -124,6 +157,8 @@ def describe(name: str, factory: Callable[..., Any], env: Any | None) -> str:
     else:
         lines.append("  tools: (none)")
     lines.append(f"  cooperative: {is_cooperative(env)}")
+    if seats(env):
+        lines.append(f"  seats: {', '.join(seats(env))} (self-play: one episode per seat)")
     if hasattr(env, "state_key"):
         lines.append("  state_key: yes (names its states for GiGPO)")
     return "\n".join(lines)

@@ -15,6 +15,12 @@ family with ``alpha`` = 1/6, Kuhn's second-player strategy) or ``random``. Repli
 check, bet, call or fold. An illegal reply loses the most a hand can lose (2 chips), with
 the reason in ``info["reason"]``. The reward is the chips won over 2, in [-1, 1];
 ``info["chips"]`` keeps the chips and ``success`` is a won hand.
+
+More opponents: ``pool`` and ``model`` (an outside player handed over with ``set_opponent``:
+the trainer's frozen past policies, or another local model, turnrl/selfplay.py; its illegal
+reply loses it 2 chips) and
+``self``: the policy plays both seats of one hand (``seats`` first and second,
+envs/contract.py), one episode per seat, zero-sum (docs/selfplay.md).
 """
 
 from __future__ import annotations
@@ -149,6 +155,12 @@ def describe(history: str) -> str:
     return " ".join(words[history])
 
 
+OPPONENTS = ("nash", "random", "pool", "model", "self")
+OUTSIDE = ("pool", "model")
+"""Opponents that are an outside player handed over with ``set_opponent``."""
+SEATS = ("first", "second")
+
+
 class NashPlayer:
     """Plays the equilibrium strategy (``nash_strategy()``) in the policy's seat, reading its
     card and the betting from the env; a reference player (envs/reference.py)."""
@@ -171,12 +183,15 @@ class KuhnPoker:
     """Kuhn Poker (J < Q < K, ante 1, bet 1) against a built-in opponent.
 
     role: first, second, or both (by the seed's parity). opponent: nash (an equilibrium,
-    first-player family ``alpha`` in [0, 1/3]) or random. Replies: check, bet, call or fold;
+    first-player family ``alpha`` in [0, 1/3]), random, pool (frozen past policies, set by the
+    trainer), model (another local model: env.opponent_model) or self (self-play: the policy plays both seats, one episode per seat). Replies: check, bet, call or fold;
     an illegal one loses 2 chips. Reward: chips won / 2, in [-1, 1]; success: a won hand.
     Exploitability of a strategy: ``turnrl.envs.kuhn.exploitability``.
     """
 
     cooperative = True  # pure Python, never blocks
+    zero_sum = True  # self-play: the seats' rewards sum to zero (checked by the turn loop)
+    eval_opponents = ("random", "nash")  # what a self-play or pool run is evaluated against
 
     system_prompt = ("You are playing Kuhn Poker: three cards J < Q < K, one each, both ante 1 "
                      "chip. Player 1 checks or bets 1; facing a bet you call or fold; the higher "
@@ -185,11 +200,27 @@ class KuhnPoker:
     def __init__(self, role: str = "both", opponent: str = "nash", alpha: float = 1 / 6):
         if role not in ("first", "second", "both"):
             raise ValueError(f"kuhn-poker role must be first, second or both, got {role!r}")
-        if opponent not in ("nash", "random"):
-            raise ValueError(f"kuhn-poker opponent must be nash or random, got {opponent!r}")
-        self.role_option, self.opponent = role, opponent
+        if opponent not in OPPONENTS:
+            raise ValueError(f"kuhn-poker opponent must be nash or random (or pool, self), "
+                             f"got {opponent!r}")
+        self.role_option, self.opponent_option = role, opponent
         self.strategy = nash_strategy(alpha) if opponent == "nash" else dict(UNIFORM)
         self.cards, self.history, self.seat, self.rng = (0, 1), "", 0, random.Random(0)
+        self.seats = SEATS if opponent == "self" else ()
+        self.player, self.opponent_error, self.outcome_chips = None, "", None
+        # an outside player may run a model on this env's thread: not cooperative then
+        self.cooperative = opponent not in OUTSIDE
+
+    @property
+    def opponent(self) -> str:
+        if self.opponent_option in OUTSIDE:
+            return getattr(self.player, "name", self.opponent_option)
+        return self.opponent_option
+
+    def set_opponent(self, player) -> None:
+        """Play ``player`` (``act(system_prompt, observation) -> str``, and a ``name``) in the
+        other seat (``opponent: pool``)."""
+        self.player = player
 
     def reference_player(self) -> NashPlayer:
         return NashPlayer(self)
@@ -216,13 +247,28 @@ class KuhnPoker:
         self.rng = random.Random(seed)
         self.cards = tuple(self.rng.sample(range(3), 2))
         self.seat = {"first": 0, "second": 1}.get(self.role_option, seed % 2)
-        self.history = ""
+        self.history, self.opponent_error, self.outcome_chips = "", "", None
+        if self.seats:
+            return self.observe("first")
         if self.seat == 1:
             self._opponent_acts()
         return self._observation()
 
     def _opponent_acts(self) -> None:
+        """The opponent's action; an outside player's illegal reply sets ``opponent_error``."""
         card = CARDS[self.cards[1 - self.seat]]
+        if self.opponent_option in OUTSIDE:
+            if self.player is None:
+                raise RuntimeError(f"kuhn-poker opponent '{self.opponent_option}' has no player: the trainer hands "
+                                   "one over (set_opponent); evaluate against nash or random")
+            reply = self.player.act(self.system_prompt,
+                                    observation(1 - self.seat, card, self.history))
+            move = parse_action(reply, self.history)
+            if move is None:
+                self.opponent_error = f"expected {' or '.join(ACTION_WORDS[self.history])}"
+                return
+            self.history += move
+            return
         p_bet = self.strategy[(card, self.history)]
         self.history += "b" if self.rng.random() < p_bet else "p"
 
@@ -235,6 +281,10 @@ class KuhnPoker:
                           chips / 2, True, info)
 
     async def step(self, action: str) -> StepResult:
+        if self.seats:
+            return self._seat_step(action)
+        if self.opponent_error:  # an outside player's illegal reply before the policy's
+            return self._end(2, "win", reason=f"opponent's illegal action: {self.opponent_error}")
         move = parse_action(action, self.history)
         if move is None:
             words = " or ".join(ACTION_WORDS[self.history])
@@ -242,8 +292,64 @@ class KuhnPoker:
         self.history += move
         if self.history not in TERMINAL:
             self._opponent_acts()
+            if self.opponent_error:
+                return self._end(2, "win",
+                                 reason=f"opponent's illegal action: {self.opponent_error}")
         if self.history in TERMINAL:
             chips = payoff(self.cards, self.history) * (1 if self.seat == 0 else -1)
             return self._end(chips, "win" if chips > 0 else "loss")
         info = {"role": ("first", "second")[self.seat], "opponent": self.opponent}
         return StepResult(self._observation(), 0.0, False, info)
+
+    # ---- self-play: both seats are the policy (``opponent: self``) ------------------------
+
+    @property
+    def seat_to_move(self) -> str:
+        return SEATS[acting(self.history)]
+
+    def observe(self, seat: str) -> str:
+        """What ``seat`` reads: its card and the betting so far, or how the hand ended for it."""
+        index = SEATS.index(seat)
+        if self.outcome_chips is None:
+            return observation(index, CARDS[self.cards[index]], self.history)
+        chips = self.outcome_chips[seat]
+        return (f"Hand over: you {'win' if chips > 0 else 'lose'} {abs(chips)} "
+                f"(cards {CARDS[self.cards[0]]}{CARDS[self.cards[1]]}, betting {self.history}).")
+
+    def _seat_step(self, action: str) -> StepResult:
+        """The action of the seat to move; when it ends the hand, both seats' rewards."""
+        mover = acting(self.history)
+        move = parse_action(action, self.history)
+        if move is None:
+            why = f"expected {' or '.join(ACTION_WORDS[self.history])}"
+            chips = -2 if mover == 0 else 2  # the first seat's chips
+            return self._hand_over(chips, {SEATS[mover]: "illegal"},
+                                   {SEATS[mover]: f"illegal action: {why}",
+                                    SEATS[1 - mover]: f"opponent's illegal action: {why}"})
+        self.history += move
+        if self.history in TERMINAL:
+            return self._hand_over(payoff(self.cards, self.history))
+        return StepResult(self.observe(self.seat_to_move), 0.0, False, {})
+
+    def _hand_over(self, first_chips: int, outcomes: dict[str, str] | None = None,
+                   reasons: dict[str, str] | None = None) -> StepResult:
+        self.outcome_chips = {"first": first_chips, "second": -first_chips}
+        seats = {}
+        for seat, chips in self.outcome_chips.items():
+            outcome = (outcomes or {}).get(seat, "win" if chips > 0 else "loss")
+            seats[seat] = {"reward": chips / 2, "role": seat, "opponent": "self", "chips": chips,
+                           "outcome": outcome, "success": chips > 0,
+                           "cards": f"{CARDS[self.cards[0]]}{CARDS[self.cards[1]]}",
+                           "history": self.history,
+                           **({"reason": reasons[seat]} if reasons else {})}
+        return StepResult("Hand over.", 0.0, True, {"seats": seats})
+
+
+@register_env("kuhn-poker-selfplay")
+def kuhn_poker_selfplay(opponent: str = "self", alpha: float = 1 / 6) -> KuhnPoker:
+    """Kuhn Poker self-play: the policy plays both seats, one episode per seat (zero-sum).
+
+    Reward: chips won / 2. Evaluated against random and Nash opponents, per role, with the
+    policy's exact exploitability. opponent: self, or any of ``kuhn-poker``'s (pool: frozen
+    past policies). docs/selfplay.md."""
+    return KuhnPoker(opponent=opponent, alpha=alpha)

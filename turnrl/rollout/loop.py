@@ -31,6 +31,13 @@ environment fails its own episode (status "timeout" or "error", the reason in ``
 never stalls the loop; env text that cannot fit the context ends its episode before it is
 rendered or tokenised (``input_bounds``). Envs that declare ``cooperative = True`` share one thread instead
 (one that blocks anyway also holds up its loop-mates until their timeouts: ``EnvThreads``).
+Multi-seat games (an env with ``seats``, envs/contract.py; self-play, docs/selfplay.md): one
+game is one env with one episode per seat, each seat a slot of its own sharing the game's env
+and thread. Only the seat to move waits for the policy; the others wait for their turn
+(``_WAIT``: no env call in flight, so a lock-step batch never waits on them). A seat's turn
+stays open until it is that seat's turn again (its reply, then the other seats' moves as its
+observation) or the game ends (its own reward from ``info["seats"]``); a seat that fails, runs
+out of turns or of context ends the whole game, each seat with that reason.
 Plain asyncio: a Ray ``RolloutWorker`` runs it in a thread; ``submit``,
 ``take_groups``, ``known_assignments`` and ``stop`` may be called from any thread.
 """
@@ -45,7 +52,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from turnrl import leftovers
-from turnrl.envs.base import Env
+from turnrl.envs import contract
+from turnrl.envs.base import Env, StepResult
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, Engine, SamplingParams
 from turnrl.rollout.env_calls import (
@@ -57,9 +65,12 @@ from turnrl.rollout.env_calls import (
     end_turn,
     env_prompt,
     fail_episode,
+    record_turn,
 )
 from turnrl.rollout.input_bounds import InputBound
 from turnrl.rollout.loop_stats import LoopStats
+from turnrl.rollout.seats import seat_results, zero_sum_violation
+from turnrl.safe_json import json_safe
 from turnrl.types import ENV_VERSION, Episode
 
 
@@ -92,8 +103,8 @@ BATCH_WINDOW_S = 0.002
 generate call (a decode step costs about the same for 1 row as for 16), so a group played
 alone samples what the lock-step loop samples from its seed (common random numbers)."""
 
-# Where a live episode stands.
-_RESET, _POLICY, _ENV = "reset", "policy", "env"
+# Where a live episode stands (_WAIT: a seat of a game waiting for the other seats' moves).
+_RESET, _POLICY, _ENV, _WAIT = "reset", "policy", "env", "wait"
 
 
 @dataclass
@@ -114,6 +125,19 @@ class _Slot:
     """Tool schemas the template renders (an env with tools, a template that has them)."""
     state: str = ""
     """Key of the state the next action is taken in (see ``Turn.state``)."""
+    game: _Game | None = None
+    """The multi-seat game this slot is one seat of (None: a single-agent episode)."""
+    seat: str = ""
+    pending_reward: float = 0.0
+    """Reward the env gave this seat's open turn (a mid-game step's reward)."""
+
+
+@dataclass
+class _Game:
+    """One play of a multi-seat env: its seats' slots share ``env`` and its thread."""
+
+    env: Env
+    seats: dict[str, _Slot] = field(default_factory=dict)
 
 
 @dataclass
@@ -320,15 +344,33 @@ class TurnLoop:
                 self._queued.discard(assignment)
                 episodes = []
                 for _ in range(count):
-                    env = self.make()
-                    episode = Episode(env=self.env_name, seed=seed, group=group)
-                    slot = _Slot(episode, assignment, env, self._threads.runner(env))
-                    slot.task = self._env_call(slot, "reset", seed)
-                    self._slots.append(slot)
-                    episodes.append(episode)
-                self._groups[assignment] = _GroupState(seed, episodes, count, time.time())
-                self.stats.episodes_started += count
+                    slots = self._start(assignment, seed, group)
+                    self._slots += slots
+                    episodes += [slot.episode for slot in slots]
+                self._groups[assignment] = _GroupState(seed, episodes, len(episodes),
+                                                       time.time())
+                self.stats.episodes_started += len(episodes)
         self.stats.max_live = max(self.stats.max_live, len(self._slots))
+
+    def _start(self, assignment: int, seed: int, group: int) -> list[_Slot]:
+        """The slots of one new env, its reset launched: one slot, or one per seat of a
+        multi-seat game (sharing the env and its thread; the reset runs on the first)."""
+        env = self.make()
+        runner = self._threads.runner(env)
+        seats = contract.seats(env)
+        if not seats:
+            slot = _Slot(Episode(env=self.env_name, seed=seed, group=group), assignment, env,
+                         runner)
+            slot.task = self._env_call(slot, "reset", seed)
+            return [slot]
+        game = _Game(env)
+        for seat in seats:
+            episode = Episode(env=self.env_name, seed=seed, group=group,
+                              info={"role": seat, "opponent": "self"})
+            game.seats[seat] = _Slot(episode, assignment, env, runner, game=game, seat=seat)
+        first = game.seats[seats[0]]
+        first.task = self._env_call(first, "reset", seed)
+        return list(game.seats.values())
 
     def _env_call(self, slot: _Slot, method: str, arg) -> asyncio.Future:
         """``env.reset(seed)`` or ``env.step(text)`` on the env's own thread, under the
@@ -385,16 +427,21 @@ class TurnLoop:
         return self.engine.generate(prompts, self.params), version
 
     def _harvest(self) -> None:
-        """Apply every finished reset and env step; move ended episodes out of the pool."""
-        still = []
+        """Apply every finished reset and env step; move ended episodes out of the pool (a
+        game's step may end its other seats too, so the ends are collected after)."""
         for slot in self._slots:
             if slot.task is not None and slot.task.done():
                 task, slot.task = slot.task, None
                 error = task.exception() if not task.cancelled() else TimeoutError()
-                if slot.phase == _RESET:
-                    self._after_reset(slot, error, None if error else task.result())
+                result = None if error else task.result()
+                if slot.game is not None:
+                    self._after_game_call(slot, error, result)
+                elif slot.phase == _RESET:
+                    self._after_reset(slot, error, result)
                 else:
-                    self._after_step(slot, error, None if error else task.result())
+                    self._after_step(slot, error, result)
+        still = []
+        for slot in self._slots:
             if slot.episode.status == "running":
                 still.append(slot)
             else:
@@ -416,6 +463,128 @@ class TurnLoop:
             return
         slot.episode.append(ids, policy=False)
         slot.state, slot.phase = state, _POLICY
+
+    # ---- multi-seat games ----------------------------------------------------------------
+
+    def _after_game_call(self, slot: _Slot, error: BaseException | None, result) -> None:
+        """A game's reset, or its mover's step, has finished: on to the next seat's turn, or
+        the end of the game for every seat."""
+        game = slot.game
+        where = "reset" if slot.phase == _RESET else "step"
+        if error is not None:
+            return self._end_game(game, error=error, where=where)
+        if where == "step":
+            slot.phase = _WAIT
+            if result.done:  # the rewards are info["seats"]'s; result.reward is not added
+                return self._finish_game(game, result)
+            slot.pending_reward += float(result.reward)
+        try:
+            mover = self._seat_to_move(game)
+            observation = self._observe(game, mover)
+        except EnvError as err:
+            return self._end_game(game, error=err, where=where)
+        for other in game.seats.values():
+            if other.phase == _RESET:
+                other.phase = _WAIT
+        self._seat_moves(game.seats[mover], observation)
+
+    def _seat_to_move(self, game: _Game) -> str:
+        try:
+            mover = game.env.seat_to_move
+        except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
+            raise EnvError(f"env seat_to_move raised {type(err).__name__}: {err}") from None
+        if mover not in game.seats:
+            raise EnvError(f"env seat_to_move is {mover!r}, not one of its seats "
+                           f"{tuple(game.seats)}")
+        return mover
+
+    def _observe(self, game: _Game, seat: str) -> str:
+        try:
+            text = game.env.observe(seat)
+        except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
+            raise EnvError(f"env observe({seat!r}) raised {type(err).__name__}: {err}") from None
+        if not isinstance(text, str):
+            raise EnvError(f"env observe({seat!r}) returned {type(text).__name__}, not str")
+        return text
+
+    def _seat_moves(self, slot: _Slot, observation: str) -> None:
+        """It is ``slot``'s turn: close its open turn with what it has seen since (or start
+        its conversation), and let it wait for the policy; a seat that cannot go on (turn
+        limit, context) ends the game."""
+        episode = slot.episode
+        if slot.turn is None and not episode.token_ids:
+            self._after_reset(slot, None, observation)
+        else:
+            try:  # the state this seat now moves in: the env's state_key when it names one
+                state = contract.start_state(slot.env, observation)
+            except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
+                error = EnvError(f"env state_key raised {type(err).__name__}: {err}")
+                return self._end_game(slot.game, error=error, where="step")
+            completion, text, start, end = slot.turn
+            slot.turn = None
+            result = StepResult(observation, slot.pending_reward, False, {"state_key": state})
+            slot.pending_reward = 0.0
+            reason, kept = self.bound.step_refused(episode, None, result, slot.tools)
+            next_state = end_turn(episode, result, start, end, text, completion.finish_reason,
+                                  slot.state, self.max_turns, observation=kept)
+            if next_state is not None and reason is not None:
+                episode.end("truncated", "input_too_large", reason)
+            if episode.status == "running":
+                slot.state = next_state
+                slot.rendered, ids = self.chat.continue_after(
+                    slot.messages, slot.rendered, text, completion.finish_reason == "stop",
+                    observation, None, slot.tools)
+                if not self._overflows(episode, ids):
+                    episode.append(ids, policy=False)
+                    slot.phase = _POLICY
+        if episode.status != "running":
+            self._end_game(slot.game, ended=episode)
+
+    def _finish_game(self, game: _Game, result: StepResult) -> None:
+        """The game is over: each seat's open turn closed with its own reward and end text."""
+        try:
+            results = seat_results(result.info or {}, tuple(game.seats))
+            endings = {seat: self._observe(game, seat) for seat in game.seats}
+        except EnvError as err:
+            return self._end_game(game, error=err, where="step")
+        flag = (zero_sum_violation({seat: float(r["reward"]) for seat, r in results.items()})
+                if contract.is_zero_sum(game.env) else None)
+        for seat, slot in game.seats.items():
+            info = results[seat]
+            reward = float(info.pop("reward")) + slot.pending_reward
+            if flag:
+                info["zero_sum_violation"] = flag
+            final = StepResult(endings[seat], reward, True, info)
+            if slot.turn is not None:
+                completion, text, start, end = slot.turn
+                record_turn(slot.episode, final, start, end, text, completion.finish_reason,
+                            slot.state)
+            else:  # the game ended before this seat moved: its reward without a turn
+                slot.episode.reward += reward
+                slot.episode.success = bool(info.pop("success", False))
+                slot.episode.info.update(json_safe(info))
+            slot.turn = None
+            slot.episode.end("done", "done")
+
+    def _end_game(self, game: _Game, *, error: BaseException | None = None, where: str = "",
+                  ended: Episode | None = None) -> None:
+        """End every running seat of ``game``: with ``error`` (an env call failed), or as
+        ``ended`` ended (a seat ran out of turns or context). Open turns are kept, unrewarded."""
+        for slot in game.seats.values():
+            episode = slot.episode
+            if episode.status != "running":
+                continue
+            if slot.turn is not None:
+                completion, text, start, end = slot.turn
+                record_turn(episode, StepResult("", slot.pending_reward, False, {}), start,
+                            end, text, completion.finish_reason, slot.state)
+                slot.turn = None
+            if error is not None:
+                fail_episode(episode, error, where)
+            else:
+                seat = next(s for s, other in game.seats.items() if other.episode is ended)
+                episode.end(ended.status, ended.end_reason,
+                            f"seat {seat} ended the game: {ended.info.get('reason', '')}")
 
     def _after_step(self, slot: _Slot, error: BaseException | None, result) -> None:
         """Record the turn; end the episode, or render the env's reply for the next turn."""

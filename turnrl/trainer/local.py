@@ -14,6 +14,7 @@ from turnrl.algorithms.exploration import dynamic_sampling
 from turnrl.config import Config
 from turnrl.envs import Env
 from turnrl.policy import training_seeds
+from turnrl.selfplay import ModelOpponent, OpponentPool
 from turnrl.trainer.curriculum import TrainingEnvs
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults, learn
@@ -29,6 +30,7 @@ class LocalSource(SourceDefaults):
         self.extra: dict[str, float] = {}
         self.envs = TrainingEnvs(run)  # a curriculum's level, a mix's labels (curriculum.py)
         self.guidance = Guidance.for_run(run)
+        self.pool = opponents(run)
 
     def publish(self, version: int, model) -> None:
         """The HF engine samples from the learner's own tensors; another engine (vLLM)
@@ -36,6 +38,8 @@ class LocalSource(SourceDefaults):
         engine = self.run.policy.engine
         if hasattr(engine, "update_weights"):
             engine.update_weights(model.state_dict(), version)
+        if isinstance(self.pool, OpponentPool):  # a frozen copy every opponent_pool_every
+            self.pool.offer(version, model)
 
     def collect(self, step: int) -> list[Episode]:
         cfg = self.run.cfg
@@ -54,17 +58,35 @@ class LocalSource(SourceDefaults):
              ) -> list[Episode]:
         """Play ``seeds`` at the step's (scheduled) temperature, on envs from ``make`` (default
         the run's env)."""
-        episodes = play_seeds(self.run, seeds, make or self.envs.make)
+        guided, make = make is not None, make or self.envs.make
+        if self.pool is not None:
+            make = self.pool.attach(make)
+        episodes = play_seeds(self.run, seeds, make)
         # guided replays (make given) do not count towards a curriculum's success
-        return episodes if make is not None else self.envs.record(episodes)
+        return episodes if guided else self.envs.record(episodes)
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
-        return {**self.extra, **self.envs.step_metrics()}
+        pool = ({"game/pool_versions": float(len(self.pool.members))}
+                if isinstance(self.pool, OpponentPool) else {})
+        return {**self.extra, **self.envs.step_metrics(), **pool}
 
     def state_dict(self) -> dict:
         return {**self.envs.state_dict(),
                 **(self.guidance.state_dict() if self.guidance is not None else {})}
+
+
+def opponents(run: Run) -> OpponentPool | ModelOpponent | None:
+    """Who plays the other seat when it is not the env's own player: the pool of frozen past
+    policies (``opponent: pool``), another local model (``opponent: model``), else None."""
+    cfg = run.cfg
+    opponent = cfg.env.options.get("opponent")
+    if opponent == "model":
+        return ModelOpponent.load(cfg.env.opponent_model, cfg)
+    if opponent == "pool":
+        return OpponentPool(run.policy.chat, run.policy.params, size=cfg.env.opponent_pool_size,
+                            every=cfg.env.opponent_pool_every, seed=cfg.run.seed)
+    return None
 
 
 def resample_seeds(cfg: Config, step: int, round_: int) -> list[tuple[int, int]]:

@@ -54,6 +54,7 @@ from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_m
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy
 from turnrl.rollout import run_episodes, run_sync
+from turnrl.selfplay import game_step_metrics
 from turnrl.trainer.distill import load_teacher
 from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
 from turnrl.types import Episode, write_episodes
@@ -306,6 +307,7 @@ def episode_metrics(episodes: list[Episode]) -> tuple[EvalResult, dict[str, floa
         "episode/tokens": float(np.mean([len(ep.token_ids) for ep in episodes])),
         "episode/policy_tokens": float(np.mean([ep.num_policy_tokens for ep in episodes])),
         "episode/failed": summary.failed,
+        **game_step_metrics(episodes),
     }
 
 
@@ -373,8 +375,13 @@ def finish_run(run: Run, before: EvalResult | None, after: EvalResult | None,
             rows += [before.per_env[label].row(f"{label} before"),
                      after.per_env[label].row(f"{label} after")]
         table = print_table(f"{held_out}, before vs after", COLUMNS, rows)
-        for key, value in (after.env_metrics or {}).items():  # what the env measured itself
+        measured = after.env_metrics or {}
+        for key, value in measured.items():  # what the env measured itself
+            if key.endswith(("_lo", "_hi", "/episodes")):  # shown with their rate, or in the file
+                continue
             line = f"{key}: {(before.env_metrics or {}).get(key, float('nan')):.4f} -> {value:.4f}"
+            if f"{key}_lo" in measured:  # a per-role rate (selfplay.role_outcomes)
+                line += f" [95% CI {measured[f'{key}_lo']:.4f}, {measured[f'{key}_hi']:.4f}]"
             print(line)
             table += line + "\n"
         (run.run_dir / "summary.txt").write_text(table)

@@ -1,0 +1,241 @@
+"""Opponents for two-seat games and what their games say, per role (docs/selfplay.md).
+
+Opponents a game can be set to (``--env.options.opponent``): ``self`` (the policy in every
+seat: one episode per seat, rollout/loop.py), ``pool`` (a frozen past policy from an
+``OpponentPool``, below), the game's scripted player (TicTacToe's minimax, Kuhn Poker's
+Nash strategy) and ``random``. Each episode records its ``role`` and ``opponent`` in
+``info``; a pool opponent is named ``pool-v<version>``, the training step its weights are
+from.
+
+The pool's rule: a frozen copy of the policy's weights is taken at the start (version 0, or
+the step a resumed run starts from) and then after every ``env.opponent_pool_every``-th update; the newest ``env.opponent_pool_size``
+are kept, in memory; each game's opponent is drawn uniformly from them (its own random
+stream, seeded by ``run.seed``). A resumed run's pool starts again from the weights it
+resumes with.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from turnrl.envs import Env, make_env
+from turnrl.envs.contract import seats
+from turnrl.evaluation import EvalResult
+from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+from turnrl.stats import wilson_interval
+from turnrl.types import Episode
+
+OUTCOMES = ("win", "draw", "loss")
+"""Rates a role's table gives; an illegal move counts as a loss, an episode that did not
+finish (``failed``: env error, timeout, turn limit) as none of them."""
+
+
+class FrozenPolicy:
+    """A past policy, frozen, answering one move at a time: ``act(system_prompt,
+    observation)`` is its reply to a one-message chat (the game's whole state is in the
+    observation). Safe to call from several env threads (one generation at a time)."""
+
+    def __init__(self, model: torch.nn.Module, chat: ChatFormat, params: SamplingParams,
+                 version: int, seed: int = 0) -> None:
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.chat, self.params, self.version = chat, params, version
+        self.engine = HFEngine(self.model, chat.tokenizer.pad_token_id, seed=seed + version,
+                               reuse_cache=False)
+        self.lock = threading.Lock()
+        self.label = ""
+
+    @property
+    def name(self) -> str:
+        """What episodes record as their ``opponent``."""
+        return self.label or f"pool-v{self.version}"
+
+    def act(self, system_prompt: str | None, observation: str) -> str:
+        _, _, ids = self.chat.start(observation, system_prompt)
+        with self.lock, torch.no_grad():
+            completion = self.engine.generate([ids], self.params)[0]
+        tokens = completion.token_ids
+        if completion.finish_reason == "stop":
+            tokens = tokens[:-1]
+        return self.chat.tokenizer.decode(tokens)
+
+
+class OpponentPool:
+    """Frozen copies of the policy (see the module docstring for the rule)."""
+
+    def __init__(self, chat: ChatFormat, params: SamplingParams, *, size: int, every: int,
+                 seed: int = 0) -> None:
+        if size < 1 or every < 1:
+            raise ValueError(f"opponent pool size and every must be >= 1, got {size}, {every}")
+        self.chat, self.params, self.size, self.every = chat, params, size, every
+        self.seed, self.rng = seed, random.Random(seed)
+        self.members: list[FrozenPolicy] = []
+
+    def offer(self, version: int, model: torch.nn.Module) -> bool:
+        """Keep a frozen copy of ``model`` as ``version`` when the rule says so (the first
+        offered, then every ``every``-th version); the oldest goes past ``size``."""
+        if self.members and version % self.every or any(m.version == version
+                                                         for m in self.members):
+            return False
+        self.members.append(FrozenPolicy(model, self.chat, self.params, version, self.seed))
+        del self.members[:-self.size]
+        return True
+
+    def sample(self) -> FrozenPolicy:
+        if not self.members:
+            raise RuntimeError("the opponent pool is empty: offer the policy first")
+        return self.rng.choice(self.members)
+
+    def versions(self) -> list[int]:
+        return [m.version for m in self.members]
+
+    def attach(self, make: Callable[[], Env]) -> Callable[[], Env]:
+        """``make`` with each new env's opponent drawn from the pool (``set_opponent``)."""
+        return attach_player(make, self.sample)
+
+
+def uses_pool(options: dict[str, Any]) -> bool:
+    """Whether the env plays an outside player the trainer hands over: the pool of frozen
+    past policies (``opponent: pool``) or another local model (``opponent: model``)."""
+    return options.get("opponent") in ("pool", "model")
+
+
+class ModelOpponent:
+    """Another local model in the other seat (``opponent: model``, ``env.opponent_model``):
+    one frozen player, its own tokenizer and chat template, for every game."""
+
+    def __init__(self, player: FrozenPolicy) -> None:
+        self.player = player
+        self.members = [player]
+
+    @classmethod
+    def load(cls, name: str, cfg: Any) -> ModelOpponent:
+        """``name`` loaded as ``model.name`` would be (same dtype and cache), on the CPU."""
+        from turnrl.models import load_model
+        from turnrl.policy import sampling_params
+
+        model, tokenizer = load_model(name, dtype=cfg.model.dtype,
+                                      cache_dir=cfg.model.cache_dir or None,
+                                      trust_remote_code=cfg.model.trust_remote_code)
+        chat = ChatFormat(tokenizer)
+        player = FrozenPolicy(model, chat, sampling_params(cfg, chat), 0, cfg.run.seed)
+        player.label = f"model:{name}"
+        return cls(player)
+
+    def sample(self) -> FrozenPolicy:
+        return self.player
+
+    def attach(self, make: Callable[[], Env]) -> Callable[[], Env]:
+        return attach_player(make, self.sample)
+
+
+def attach_player(make: Callable[[], Env], choose: Callable[[], Any]) -> Callable[[], Env]:
+    """``make`` with each new env's opponent ``choose()`` (handed over by ``set_opponent``)."""
+    def make_with_opponent() -> Env:
+        env = make()
+        env.set_opponent(choose())
+        return env
+    return make_with_opponent
+
+
+# --------------------------------------------------------------------- per-role results
+
+def role_outcomes(episodes: Sequence[Episode]) -> dict[str, dict[str, float]]:
+    """Win/draw/loss counts, rates and 95% Wilson intervals per role, over the episodes that
+    name a ``role`` (``info``): role -> {episodes, win, win_lo, win_hi, draw, ..., loss, ...,
+    failed, reward}. An ``illegal`` outcome is a loss; an episode without an outcome (it
+    failed or was cut off) is ``failed`` and counts in the denominator of every rate."""
+    by_role: dict[str, list[Episode]] = {}
+    for ep in episodes:
+        if "role" in ep.info:
+            by_role.setdefault(str(ep.info["role"]), []).append(ep)
+    table = {}
+    for role, played in sorted(by_role.items()):
+        n = len(played)
+        counts = {name: 0 for name in OUTCOMES}
+        failed = 0
+        for ep in played:
+            outcome = ep.info.get("outcome") if ep.status == "done" else None
+            outcome = "loss" if outcome == "illegal" else outcome
+            if outcome in counts:
+                counts[outcome] += 1
+            else:
+                failed += 1
+        row: dict[str, float] = {"episodes": n, "failed": failed,
+                                 "reward": sum(ep.reward for ep in played) / n}
+        for name, count in counts.items():
+            lo, hi = wilson_interval(count, n)
+            row.update({name: count / n, f"{name}_lo": lo, f"{name}_hi": hi})
+        table[role] = row
+    return table
+
+
+def outcome_metrics(episodes: Sequence[Episode], prefix: str = "") -> dict[str, float]:
+    """``role_outcomes`` flattened to metric names, ``{prefix}{role}/{key}``, per env label
+    (``Episode.env``) when the episodes come from several (an evaluation's opponents)."""
+    labels = sorted({ep.env for ep in episodes})
+    metrics = {}
+    for label in labels:
+        mine = [ep for ep in episodes if ep.env == label]
+        head = f"{prefix}{label}/" if len(labels) > 1 else prefix
+        for role, row in role_outcomes(mine).items():
+            metrics.update({f"{head}{role}/{key}": float(v) for key, v in row.items()})
+    return metrics
+
+
+def game_step_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """A training step's game metrics: per role win rate and mean reward, how many episodes
+    come from games that broke the zero-sum rule (``warn/zero_sum``), and how many episodes
+    each opponent played."""
+    if not any("role" in ep.info and "opponent" in ep.info for ep in episodes):
+        return {}
+    metrics = {}
+    for role, row in role_outcomes(episodes).items():
+        metrics[f"game/{role}/win"] = row["win"]
+        metrics[f"game/{role}/reward"] = row["reward"]
+    # warn/: shown on the progress bar while it is nonzero (trainer/run.py end_step)
+    metrics["warn/zero_sum"] = float(sum("zero_sum_violation" in ep.info for ep in episodes))
+    for ep in episodes:
+        key = f"game/opponent/{ep.info.get('opponent', 'none')}"
+        metrics[key] = metrics.get(key, 0.0) + 1
+    return metrics
+
+
+def with_outcome_metrics(result: EvalResult, episodes: Sequence[Episode]) -> EvalResult:
+    """``result`` with each role's win/draw/loss rates and intervals (``outcome_metrics``,
+    per opponent when evaluation played several) added to its ``env_metrics``: logged as
+    ``eval/...`` and saved with the before/after results. Unchanged for episodes without
+    roles."""
+    table = outcome_metrics(episodes)
+    if not table:
+        return result
+    return dataclasses.replace(result, env_metrics={**(result.env_metrics or {}), **table})
+
+
+def evaluation_factories(name: str, options: dict[str, Any], env: Any
+                         ) -> dict[str, Callable[[], Env]]:
+    """What evaluation plays for an env trained against ``self`` or a ``pool``: the same game
+    against each fixed opponent it names in ``eval_opponents``, labelled ``NAME@OPPONENT``
+    (the policy's own moving copies are no fixed yardstick); any other env: itself."""
+    opponents = getattr(env, "eval_opponents", ())
+    if not (seats(env) or uses_pool(options)) or not opponents:
+        return {name: partial(make_env, name, **options)}
+    return {f"{name}@{opponent}": partial(make_env, name, **{**options, "opponent": opponent})
+            for opponent in opponents}
+
+
+def fixed_opponent_options(env: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the env's first fixed opponent (``eval_opponents``) in place of
+    ``self`` or ``pool``: what scripted demonstrations (``sft.env_demos``) of a self-play game
+    play, the policy's role by the seed's parity. Other envs' options are returned as given."""
+    opponents = getattr(env, "eval_opponents", ())
+    if not (seats(env) or uses_pool(options)) or not opponents:
+        return options
+    return {**options, "opponent": opponents[0]}
