@@ -173,7 +173,7 @@ def test_resume_before_the_first_checkpoint_samples_what_the_uninterrupted_run_s
         raise KeyboardInterrupt
     cut = load_config(None, run + ["--run.out_dir", str(tmp_path / "cut")])
     with monkeypatch.context() as patch:
-        patch.setattr(local, "run_episodes", killed)
+        patch.setattr(local, "play_seeds", killed)
         with pytest.raises(KeyboardInterrupt):
             train(cut)
     assert (tmp_path / "cut" / "eval_before.json").exists()
