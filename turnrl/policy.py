@@ -32,7 +32,8 @@ class Policy:
     tokenizer: object
     chat: ChatFormat
     engine: Engine
-    """``HFEngine`` (samples from ``model`` itself) or ``VLLMEngine`` (``rollout.engine``)"""
+    """``HFEngine`` (samples from ``model`` itself, or ``HFCopyEngine`` from a copy in
+    ``rollout.engine_dtype``), ``VLLMEngine`` or ``CT2Engine`` (``rollout.engine``)"""
     max_context: int | None
     make_env: Callable[[], Env]
     """The env training plays (a mix: ``MixEnv``; a curriculum: its hardest level, which the
@@ -61,11 +62,7 @@ def load_policy(cfg: Config) -> Policy:
     chat = ChatFormat(tokenizer)
     chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
     make, eval_makes = env_factories(cfg)  # bad names or options fail here, in one line
-    if cfg.rollout.engine == "vllm":
-        engine = vllm_sampler(cfg, model, tokenizer)
-    else:
-        engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
-                          reuse_cache=cfg.rollout.reuse_cache)
+    engine = sampler(cfg, model, tokenizer)
     eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
     max_context = getattr(model.config, "max_position_embeddings", None)
     eval_params = sampling_params(cfg, chat, cfg.eval.temperature)
@@ -85,6 +82,25 @@ def load_policy(cfg: Config) -> Policy:
 
     return Policy(model, tokenizer, chat, engine, max_context, make, sampling_params(cfg, chat),
                   run_eval)
+
+
+def sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
+    """The engine ``rollout.engine`` and ``rollout.engine_dtype`` name: the HF engine on the
+    learner's own tensors (or on a copy in another dtype), vLLM, or CTranslate2."""
+    if cfg.rollout.engine == "vllm":
+        return vllm_sampler(cfg, model, tokenizer)
+    if cfg.rollout.engine == "ct2":
+        from turnrl.rollout.ct2_engine import CT2Engine
+
+        return CT2Engine(model, compute_type=cfg.rollout.engine_dtype, seed=cfg.run.seed)
+    dtype = getattr(torch, cfg.rollout.engine_dtype, model.dtype)
+    if dtype != model.dtype:
+        from turnrl.rollout.hf_engine import HFCopyEngine
+
+        return HFCopyEngine(model, dtype, tokenizer.pad_token_id, seed=cfg.run.seed,
+                            reuse_cache=cfg.rollout.reuse_cache)
+    return HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
+                    reuse_cache=cfg.rollout.reuse_cache)
 
 
 def vllm_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
