@@ -119,10 +119,10 @@ def check_sampler(cfg: Config) -> None:
 
     engine, dtype = cfg.rollout.engine, cfg.rollout.engine_dtype
     if engine == "ct2":
-        import importlib.util
-
-        if importlib.util.find_spec("ctranslate2") is None:
-            raise ConfigError(MISSING_CT2)
+        try:
+            import ctranslate2  # noqa: F401 - present and importable, or the one line
+        except ImportError:
+            raise ConfigError(MISSING_CT2) from None
         if cfg.run.mode == "async":
             raise ConfigError("rollout.engine ct2 is the sync sampler (run.mode sync); async "
                               "rollout workers take theirs from ray.engine")

@@ -71,9 +71,14 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def cpu_has_bf16() -> bool:
-    """Native bf16 arithmetic (AVX512-BF16 or AMX-BF16), detected at run time."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+"""CPU flags of native bf16 arithmetic (x86: AVX512-BF16, AMX; Arm: bf16); without one, bf16
+is emulated, slower than fp32."""
+
+
+def cpu_has_bf16(flags: set[str] | None = None) -> bool:
+    """Native bf16 arithmetic in ``flags`` (default: this CPU's, read at run time)."""
+    return bool((cpu_flags() if flags is None else flags) & BF16_FLAGS)
 
 
 def load_ctranslate2() -> Any:
@@ -117,10 +122,14 @@ def _loaders() -> dict[str, Any]:
 
 
 def check_architecture(config: Any) -> None:
-    """Fail in one line when CTranslate2 has no loader for the model's configuration."""
+    """Fail in one line unless CTranslate2 converts the model's configuration to a decoder-only
+    language model (it also converts encoders and encoder-decoders, which cannot sample
+    here)."""
     load_ctranslate2()
     name = type(config).__name__
-    if name not in _loaders():
+    loader = _loaders().get(name)
+    architecture = getattr(loader, "architecture_name", None) or ""
+    if not architecture.endswith(("ForCausalLM", "LMHeadModel")):  # a decoder-only LM
         raise ValueError(f"rollout.engine ct2 cannot convert {name} models (CTranslate2 "
                          "converts Llama, Qwen2, Mistral, Gemma, ...); use --rollout.engine hf")
 
@@ -258,8 +267,9 @@ class CT2Engine:
             if not prompt:
                 raise ValueError("CT2Engine.generate got an empty prompt")
             if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-                raise ValueError(f"token id {max(prompt) if max(prompt) >= 0 else min(prompt)}"
-                                 f" is outside the model's vocabulary (0..{self.vocab_size - 1})")
+                bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+                raise ValueError(f"token id {bad} is outside the model's vocabulary "
+                                 f"(0..{self.vocab_size - 1})")
 
     def close(self) -> None:
         """Free the loaded models and their scratch folder."""
