@@ -302,3 +302,47 @@ def test_a_lock_step_run_samples_with_ct2_and_logs_the_mismatch(tmp_path, dtype)
             assert row["mismatch/kl"] < 1e-2
         else:
             assert row["mismatch/logprob_diff_max"] < 1e-3
+
+
+@pytest.mark.parametrize("timings,chosen", [
+    ({"hf float32": [2.0, 2.1, 9.0], "ct2 int8": [1.0, 1.1, 1.2]}, "ct2 int8"),
+    ({"hf float32": [2.0, 2.0, 2.0], "ct2 int8": [1.8, 1.8, 0.1]}, "hf float32"),  # < margin
+    ({"hf float32": [1.0], "ct2 int8": [3.0], "hf bfloat16": [0.5]}, "hf bfloat16"),
+    ({"hf float32": [1.0], "ct2 int8": [1.0 / 1.15]}, "ct2 int8"),  # exactly the margin
+])
+def test_pick_fastest_needs_the_margin_over_the_default(timings, chosen):
+    from turnrl.rollout.engine_choice import pick_fastest
+
+    assert pick_fastest(timings, default="hf float32") == chosen
+
+
+def test_auto_times_the_candidates_and_keeps_the_fastest(capsys):
+    """`rollout.engine auto` on this machine: every sampler it can run is timed (ct2 int8
+    here; hf bf16 where the CPU has it), the printed choice is the engine returned, its
+    seed and version start fresh."""
+    from turnrl.policy import load_policy
+    from turnrl.rollout.hf_engine import HFEngine
+
+    cfg = _cfg("--rollout.engine", "auto", "--rollout.group_size", "4",
+               "--rollout.groups_per_step", "2", "--rollout.max_new_tokens", "4")
+    policy = load_policy(cfg)
+    line = [x for x in capsys.readouterr().out.splitlines() if "rollout.engine auto" in x]
+    assert len(line) == 1, line
+    assert "hf float32" in line[0] and "ct2 int8" in line[0]
+    assert ("hf bfloat16" in line[0]) is cpu_has_bf16()
+    chosen = line[0].split("auto: ")[1].split(" (")[0]
+    engine = policy.engine
+    kind = {CT2Engine: "ct2 int8", HFCopyEngine: "hf bfloat16", HFEngine: "hf float32"}
+    assert kind[type(engine)] == chosen
+    assert engine.version == 0
+    fresh = torch.Generator().manual_seed(cfg.run.seed)
+    assert torch.equal(engine.generator.get_state(), fresh.get_state())
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--rollout.engine", "auto", "--rollout.engine_dtype", "int8"], "picks the precision"),
+    (["--rollout.engine", "auto", "--run.mode", "async"], "sync sampler"),
+])
+def test_auto_config_errors(args, needle):
+    with pytest.raises(ConfigError, match=needle):
+        _cfg(*args)

@@ -118,6 +118,9 @@ def check_sampler(cfg: Config) -> None:
     )
 
     engine, dtype = cfg.rollout.engine, cfg.rollout.engine_dtype
+    if engine == "auto" and cfg.run.mode == "async":
+        raise ConfigError("rollout.engine auto picks the sync sampler (run.mode sync); async "
+                          "rollout workers take theirs from ray.engine")
     if engine == "ct2":
         try:
             import ctranslate2  # noqa: F401 - present and importable, or the one line
