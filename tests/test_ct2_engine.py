@@ -160,7 +160,8 @@ def test_converting_leaves_the_learner_untouched(compute_type):
     model = peaked_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     engine = CT2Engine(model, compute_type=compute_type)
-    engine.update_weights(model.state_dict(), 1)
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, temperature=1.0))
+    engine.update_weights(model.state_dict(), 1)  # converts T=1 again, at once
     engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, temperature=0.7))  # T=0.7 model
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
@@ -190,6 +191,11 @@ def test_refreshed_weights_change_the_samples(as_pairs):
         fresh = engine.generate(PROMPTS, p)
         assert drift(model, PROMPTS, fresh, temperature).max() < 1e-3
         assert drift(old, PROMPTS, fresh, temperature).max() > 0.1
+    # An engine updated before it ever sampled (a run's first publish) samples the update.
+    unused = CT2Engine(old, compute_type="float32")
+    unused.update_weights(weights, 1)
+    fresh = unused.generate(PROMPTS, params[1.0])
+    assert drift(model, PROMPTS, fresh, 1.0).max() < 1e-3
 
 
 def test_unsupported_architecture_and_dtypes_fail_in_one_line():

@@ -214,8 +214,8 @@ class CT2Engine:
     """Samples with CTranslate2 from the learner's weights, converted at each update; implements
     the ``Engine`` protocol (see the module docstring for the choices).
 
-    ``model`` gives the architecture and the first weights (it is not kept: later versions come
-    through ``update_weights``). ``compute_type`` is CTranslate2's (``int8``, ``int8_float32``,
+    ``model`` gives the architecture and the first weights (its tensors, converted on first
+    use; later versions come through ``update_weights``). ``compute_type`` is CTranslate2's (``int8``, ``int8_float32``,
     ``float32``, ``bfloat16`` where the CPU has it); ``threads`` defaults to torch's count.
     """
 
@@ -230,18 +230,20 @@ class CT2Engine:
         self.generator = torch.Generator().manual_seed(seed)
         self._root = tempfile.mkdtemp(prefix="turnrl-ct2-", dir=_scratch_dir())
         self._generators: dict[float, Any] = {}
-        self._weights: WeightsLike = {}
+        self._weights: WeightsLike = model.state_dict()  # converted on first use
         self.version = version
-        self.update_weights(model.state_dict(), version)
 
     def update_weights(self, weights: WeightsLike, version: int) -> None:
         """Adopt the learner's weights (a state dict or ``(name, tensor)`` pairs) as
-        ``version``: the temperature sampled last is converted now, others on first use."""
+        ``version``: the temperature sampled last is converted now, others on first use
+        (before any sampling, nothing is: a run publishes its first weights right after
+        building the engine, and those would be converted twice)."""
         self._weights = weights if isinstance(weights, dict) else dict(weights)
-        recent = list(self._generators) or [1.0]
+        recent = list(self._generators)
         self._generators.clear()
         self.version = version
-        self._generator_at(recent[-1])
+        if recent:
+            self._generator_at(recent[-1])
 
     def _generator_at(self, temperature: float) -> Any:
         """The loaded model whose output layer is divided by ``temperature``."""
