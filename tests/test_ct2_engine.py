@@ -352,3 +352,23 @@ def test_auto_times_the_candidates_and_keeps_the_fastest(capsys):
 def test_auto_config_errors(args, needle):
     with pytest.raises(ConfigError, match=needle):
         _cfg(*args)
+
+
+def test_served_training_refreshes_the_ct2_engine(tmp_path):
+    """`train_agent` (agent code behind the server) with `--rollout.engine ct2`: each update
+    reaches the served engine, so step 2's sampler log-probs are the updated learner's (in
+    float32, up to float noise; a stale engine would be off by the update, lr 1e-2)."""
+    from test_serve_train import rollout
+
+    from turnrl.metrics import read_metrics
+    from turnrl.serve.train import train_agent
+
+    cfg = load_config(None, [
+        "--model.name", "tiny", "--run.out_dir", str(tmp_path / "run"), "--run.steps", "2",
+        "--rollout.group_size", "4", "--rollout.groups_per_step", "2", "--serve.port", "0",
+        "--rollout.engine", "ct2", "--rollout.engine_dtype", "float32",
+        "--run.progress", "false", "--optim.lr", "1e-2", "--run.tensorboard", "false"])
+    train_agent(rollout, ["Say a digit.", "Name a number."], cfg)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 2
+    assert all(row["mismatch/logprob_diff_max"] < 1e-3 for row in rows), rows

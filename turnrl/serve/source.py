@@ -164,13 +164,17 @@ class ServedSource(SourceDefaults):
                                           self.cfg.serve.api_key, self.success_at))
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
-        """Copy the learner's weights into the served model (between generate calls)."""
+        """Copy the learner's weights into the served model (between generate calls); an
+        engine with weights of its own (ct2, a bf16 copy, vLLM) reloads them."""
         with self.server.weights_lock, torch.no_grad():
             served = self.server.model
             if served is not model:
                 for mine, theirs in zip(served.parameters(), model.parameters(), strict=True):
                     mine.copy_(theirs)
-            self.server.engine.version = version
+            if hasattr(self.server.engine, "update_weights"):
+                self.server.engine.update_weights(served.state_dict(), version)
+            else:
+                self.server.engine.version = version
         self.version = version
 
     def wait_ready(self) -> None:
