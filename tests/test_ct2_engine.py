@@ -372,3 +372,32 @@ def test_served_training_refreshes_the_ct2_engine(tmp_path):
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 2
     assert all(row["mismatch/logprob_diff_max"] < 1e-3 for row in rows), rows
+
+
+def test_turnrl_eval_gives_each_checkpoint_to_the_ct2_engine(tmp_path):
+    """`turnrl eval` swaps checkpoints into one loaded model; the ct2 engine, with weights of
+    its own, must sample each checkpoint (before, it kept the first weights it converted)."""
+    from safetensors.torch import save_model
+
+    from turnrl.checkpoint_eval import Evaluator
+
+    cfg = _cfg("--rollout.engine", "ct2", "--rollout.engine_dtype", "float32",
+               "--eval.episodes", "2", "--rollout.max_turns", "1")
+    evaluator = Evaluator(cfg)
+    policy = evaluator.policy
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    evaluator.run(None, 1)  # the base weights, converted
+    trained = copy.deepcopy(policy.model)
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    (tmp_path / "ckpt").mkdir()
+    save_model(trained, str(tmp_path / "ckpt" / "model.safetensors"))
+    evaluator.run(tmp_path / "ckpt", 1)
+    completions = policy.engine.generate(PROMPTS, params)
+    assert drift(trained, PROMPTS, completions, 1.0).max() < 1e-3
+    evaluator.run(None, 1)  # and back to the base
+    base = copy.deepcopy(policy.model)
+    completions = policy.engine.generate(PROMPTS, params)
+    assert drift(base, PROMPTS, completions, 1.0).max() < 1e-3
+    assert drift(trained, PROMPTS, completions, 1.0).max() > 0.1

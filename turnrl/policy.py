@@ -84,6 +84,16 @@ def load_policy(cfg: Config) -> Policy:
                   run_eval)
 
 
+def refresh_sampler(engine: Engine, model: torch.nn.Module, version: int) -> None:
+    """After ``model``'s weights changed (an update, a checkpoint loaded): an engine with
+    weights of its own (ct2, a bf16 copy, vLLM) reloads them as ``version``; the HF engine
+    samples from ``model`` itself, so only its version moves."""
+    if hasattr(engine, "update_weights"):
+        engine.update_weights(model.state_dict(), version)
+    else:
+        engine.version = version
+
+
 def sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
     """The engine ``rollout.engine`` and ``rollout.engine_dtype`` name: the HF engine on the
     learner's own tensors (or on a copy in another dtype), vLLM, or CTranslate2."""

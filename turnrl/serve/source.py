@@ -35,7 +35,7 @@ import torch
 
 from turnrl.config import Config, ConfigError
 from turnrl.evaluation import EvalResult
-from turnrl.policy import load_policy
+from turnrl.policy import load_policy, refresh_sampler
 from turnrl.registry import ESTIMATORS, estimator_level
 from turnrl.rollout.loop import Group
 from turnrl.serve.agents import Judge, Rollout, evaluate_agent, play_groups, self_judge
@@ -171,10 +171,7 @@ class ServedSource(SourceDefaults):
             if served is not model:
                 for mine, theirs in zip(served.parameters(), model.parameters(), strict=True):
                     mine.copy_(theirs)
-            if hasattr(self.server.engine, "update_weights"):
-                self.server.engine.update_weights(served.state_dict(), version)
-            else:
-                self.server.engine.version = version
+            refresh_sampler(self.server.engine, served, version)
         self.version = version
 
     def wait_ready(self) -> None:
