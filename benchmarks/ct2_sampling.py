@@ -43,8 +43,8 @@ def main() -> None:
     from turnrl.algorithms.losses import token_logprobs
     from turnrl.models import SMOLLM2, load_model
     from turnrl.rollout import HFEngine, SamplingParams
+    from turnrl.rollout.copy_engine import HFCopyEngine
     from turnrl.rollout.ct2_engine import CT2Engine, cpu_has_bf16
-    from turnrl.rollout.hf_engine import HFCopyEngine
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(SMOLLM2)

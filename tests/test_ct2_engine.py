@@ -20,13 +20,13 @@ from turnrl.algorithms.losses import token_logprobs
 from turnrl.config import ConfigError, load_config
 from turnrl.models import tiny_model
 from turnrl.rollout import SamplingParams
+from turnrl.rollout.copy_engine import HFCopyEngine
 from turnrl.rollout.ct2_engine import (
     MISSING_CT2,
     check_architecture,
     cpu_has_bf16,
     resolve_ct2_dtype,
 )
-from turnrl.rollout.hf_engine import HFCopyEngine
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="the ct2 extra is not installed")
 

@@ -113,7 +113,7 @@ def cpu_sampler(cfg: Config, model: torch.nn.Module, tokenizer, engine: str,
         return CT2Engine(model, compute_type=engine_dtype, seed=cfg.run.seed)
     dtype = getattr(torch, engine_dtype, model.dtype)
     if dtype != model.dtype:
-        from turnrl.rollout.hf_engine import HFCopyEngine
+        from turnrl.rollout.copy_engine import HFCopyEngine
 
         return HFCopyEngine(model, dtype, tokenizer.pad_token_id, seed=cfg.run.seed,
                             reuse_cache=cfg.rollout.reuse_cache)

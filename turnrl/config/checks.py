@@ -11,6 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from turnrl.config.critic import CriticConfig
+from turnrl.config.precision import MISSING_CT2, cpu_has_bf16, resolve_ct2_dtype
 from turnrl.config.types import ConfigError
 from turnrl.registry import ESTIMATORS
 
@@ -111,12 +112,6 @@ def check_sampler(cfg: Config) -> None:
     """A sampler this machine cannot run fails here, at start-up, in one line: the ct2 engine
     without CTranslate2 (naming the extra), in async mode, or in a precision the CPU or the
     CTranslate2 build lacks; bf16 without native bf16 (never assumed: read from the CPU)."""
-    from turnrl.rollout.ct2_engine import (
-        MISSING_CT2,
-        cpu_has_bf16,
-        resolve_ct2_dtype,
-    )
-
     engine, dtype = cfg.rollout.engine, cfg.rollout.engine_dtype
     if engine == "auto" and cfg.run.mode == "async":
         raise ConfigError("rollout.engine auto picks the sync sampler (run.mode sync); async "
