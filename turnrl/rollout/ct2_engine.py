@@ -67,6 +67,10 @@ def quantization_of(compute_type: str) -> str:
 
 @cache
 def _loaders() -> dict[str, Any]:
+    """CTranslate2's per-architecture Transformers loaders, by configuration class name. Its
+    public ``TransformersConverter`` takes a path and loads the model again with
+    ``from_pretrained`` (the issue measured 28 s for SmolLM2); the loaders take a model
+    object, so the learner's tensors are converted in process."""
     from ctranslate2.converters.transformers import _MODEL_LOADERS
 
     return _MODEL_LOADERS
