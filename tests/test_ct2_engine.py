@@ -401,3 +401,24 @@ def test_turnrl_eval_gives_each_checkpoint_to_the_ct2_engine(tmp_path):
     completions = policy.engine.generate(PROMPTS, params)
     assert drift(base, PROMPTS, completions, 1.0).max() < 1e-3
     assert drift(trained, PROMPTS, completions, 1.0).max() > 0.1
+
+
+def test_the_scratch_folder_goes_with_the_engine(tmp_path):
+    """Converted models are written to a scratch folder (in /dev/shm): removed on close, and
+    at interpreter exit for an engine never closed (a run's)."""
+    import os
+
+    closed = CT2Engine(peaked_model(), compute_type="int8")
+    closed.generate(PROMPTS, SamplingParams(max_new_tokens=1))
+    assert os.path.isdir(closed._root)
+    closed.close()
+    assert not os.path.exists(closed._root)
+    code = ("from turnrl.models import tiny_model; from turnrl.rollout import SamplingParams; "
+            "from turnrl.rollout.ct2_engine import CT2Engine; "
+            "engine = CT2Engine(tiny_model()[0]); engine.generate([[1, 2]], SamplingParams()); "
+            "print(engine._root)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    root = done.stdout.strip().splitlines()[-1]
+    assert "turnrl-ct2-" in root and not os.path.exists(root)

@@ -41,6 +41,7 @@ import gc
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
@@ -182,6 +183,8 @@ class CT2Engine:
         self.vocab_size = int(model.config.vocab_size)
         self.generator = torch.Generator().manual_seed(seed)
         self._root = tempfile.mkdtemp(prefix="turnrl-ct2-", dir=_scratch_dir())
+        # removed when the engine goes or the interpreter exits (__del__ may never run then)
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._root, True)
         self._generators: dict[float, Any] = {}
         self._weights: WeightsLike = model.state_dict()  # converted on first use
         self.version = version
@@ -252,10 +255,7 @@ class CT2Engine:
     def close(self) -> None:
         """Free the loaded models and their scratch folder."""
         self._generators.clear()
-        shutil.rmtree(self._root, ignore_errors=True)
-
-    def __del__(self) -> None:
-        shutil.rmtree(getattr(self, "_root", ""), ignore_errors=True)
+        self._cleanup()
 
 
 def _completion(steps: list[tuple[int, float]], stop: set[int]) -> Completion:
