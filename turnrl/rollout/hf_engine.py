@@ -473,4 +473,3 @@ class HFEngine:
         for i, row in enumerate(live):
             kvs[row] = batch.row(i) if self.reuse_cache else None
         return completions, kvs
-
