@@ -29,7 +29,7 @@ from turnrl.evaluation import (
 )
 from turnrl.metrics import print_table as _print_table
 from turnrl.models import configure_torch
-from turnrl.policy import Policy, load_policy, sampling_params
+from turnrl.policy import Policy, load_policy, refresh_sampler, sampling_params
 from turnrl.selfplay import uses_pool
 
 BASE = "base"
@@ -105,6 +105,8 @@ class Evaluator:
             self.policy.model.load_state_dict(self.base)
         else:
             load_model(self.policy.model, str(checkpoint / "model.safetensors"))
+        # ct2, a bf16 copy or vLLM sample from weights of their own: give them these
+        refresh_sampler(self.policy.engine, self.policy.model, self.policy.engine.version)
         name = label or (BASE if checkpoint is None else _label(checkpoint))
         return play(self.policy, self.cfg, samples, name)
 

@@ -33,7 +33,8 @@ class Policy:
     tokenizer: object
     chat: ChatFormat
     engine: Engine
-    """``HFEngine`` (samples from ``model`` itself) or ``VLLMEngine`` (``rollout.engine``)"""
+    """``HFEngine`` (samples from ``model`` itself, or ``HFCopyEngine`` from a copy in
+    ``rollout.engine_dtype``), ``VLLMEngine`` or ``CT2Engine`` (``rollout.engine``)"""
     max_context: int | None
     make_env: Callable[[], Env]
     """The env training plays (a mix: ``MixEnv``; a curriculum: its hardest level, which the
@@ -62,11 +63,7 @@ def load_policy(cfg: Config) -> Policy:
     chat = ChatFormat(tokenizer)
     chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
     make, eval_makes = env_factories(cfg)  # bad names or options fail here, in one line
-    if cfg.rollout.engine == "vllm":
-        engine = vllm_sampler(cfg, model, tokenizer)
-    else:
-        engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
-                          reuse_cache=cfg.rollout.reuse_cache)
+    engine = sampler(cfg, model, tokenizer)
     eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
     max_context = getattr(model.config, "max_position_embeddings", None)
     eval_params = sampling_params(cfg, chat, cfg.eval.temperature)
@@ -87,6 +84,95 @@ def load_policy(cfg: Config) -> Policy:
 
     return Policy(model, tokenizer, chat, engine, max_context, make, sampling_params(cfg, chat),
                   run_eval)
+
+
+def refresh_sampler(engine: Engine, model: torch.nn.Module, version: int) -> None:
+    """After ``model``'s weights changed (an update, a checkpoint loaded): an engine with
+    weights of its own (ct2, a bf16 copy, vLLM) reloads them as ``version``; the HF engine
+    samples from ``model`` itself, so only its version moves."""
+    if hasattr(engine, "update_weights"):
+        engine.update_weights(model.state_dict(), version)
+    else:
+        engine.version = version
+
+
+def sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
+    """The engine ``rollout.engine`` and ``rollout.engine_dtype`` name: the HF engine on the
+    learner's own tensors (or on a copy in another dtype), vLLM, or CTranslate2."""
+    if cfg.rollout.engine == "vllm":
+        return vllm_sampler(cfg, model, tokenizer)
+    if cfg.rollout.engine == "auto":
+        return fastest_sampler(cfg, model, tokenizer)
+    return cpu_sampler(cfg, model, tokenizer, cfg.rollout.engine, cfg.rollout.engine_dtype)
+
+
+def cpu_sampler(cfg: Config, model: torch.nn.Module, tokenizer, engine: str,
+                engine_dtype: str) -> Engine:
+    """An HF engine (on ``model`` itself, or a copy in ``engine_dtype``) or a ct2 one."""
+    if engine == "ct2":
+        from turnrl.rollout.ct2_engine import CT2Engine
+
+        return CT2Engine(model, compute_type=engine_dtype, seed=cfg.run.seed)
+    dtype = getattr(torch, engine_dtype, model.dtype)
+    if dtype != model.dtype:
+        from turnrl.rollout.copy_engine import HFCopyEngine
+
+        return HFCopyEngine(model, dtype, tokenizer.pad_token_id, seed=cfg.run.seed,
+                            reuse_cache=cfg.rollout.reuse_cache)
+    return HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
+                    reuse_cache=cfg.rollout.reuse_cache)
+
+
+def sampler_candidates(cfg: Config, model: torch.nn.Module) -> list[tuple[str, str]]:
+    """``(engine, engine_dtype)`` pairs this machine can run for ``rollout.engine auto``: the
+    HF engine in the model's dtype always; CTranslate2 int8 where the ct2 extra is installed
+    and converts the model; the HF engine on a bf16 copy where the CPU has native bf16."""
+    from turnrl.config.checks import samples_on_cpu
+    from turnrl.rollout.ct2_engine import check_architecture, cpu_has_bf16
+
+    candidates = [("hf", "auto")]
+    if not samples_on_cpu(cfg.model.device):
+        return candidates  # a GPU: the HF engine (vllm is chosen by name)
+    try:
+        check_architecture(model.config)
+        candidates.append(("ct2", "int8"))
+    except (ImportError, ValueError):
+        pass
+    if cpu_has_bf16() and model.dtype != torch.bfloat16:
+        candidates.append(("hf", "bfloat16"))
+    return candidates
+
+
+def fastest_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
+    """``rollout.engine auto``: every candidate timed on the run's batch shape, the fastest
+    kept (``turnrl.rollout.engine_choice``); the choice and the timings printed in one line."""
+    from turnrl.rollout import engine_choice
+
+    candidates = sampler_candidates(cfg, model)
+    label = {pair: f"{pair[0]} {model_dtype_name(model) if pair[1] == 'auto' else pair[1]}"
+             for pair in candidates}
+    if len(candidates) == 1:
+        print(f"rollout.engine auto: {label[candidates[0]]} (the only sampler this machine has)")
+        return cpu_sampler(cfg, model, tokenizer, *candidates[0])
+    rows = cfg.rollout.group_size * cfg.rollout.groups_per_step
+    builders = {label[pair]: partial(cpu_sampler, cfg, model, tokenizer, *pair)
+                for pair in candidates}
+    was_training = model.training
+    engines, timings = engine_choice.time_engines(
+        builders, rows, int(model.config.vocab_size), min(cfg.rollout.max_new_tokens, 32))
+    model.train(was_training)
+    chosen = engine_choice.pick_fastest(timings, default=label[candidates[0]])
+    print(engine_choice.describe(chosen, timings, rows))
+    engine = engines.pop(chosen)
+    for other in engines.values():
+        getattr(other, "close", lambda: None)()
+    engine.generator.manual_seed(cfg.run.seed)  # the run's draws start where they would have
+    engine.version = 0  # forgets the probe's kept keys and values
+    return engine
+
+
+def model_dtype_name(model: torch.nn.Module) -> str:
+    return str(model.dtype).removeprefix("torch.")
 
 
 def vllm_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:

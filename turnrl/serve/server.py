@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from turnrl.config import Config, ServeConfig
-from turnrl.policy import Policy, load_policy
+from turnrl.policy import Policy, load_policy, refresh_sampler
 from turnrl.rollout import ChatFormat, Completion, SamplingParams
 from turnrl.serve.batcher import Batcher
 from turnrl.serve.prompt import ReplyMemory, call_format, forced_call, render, split_reply
@@ -202,5 +202,6 @@ def load_server(cfg: Config) -> Server:
                                     "RUN_DIR/checkpoints/step-NNNNNN")
         state, _ = load_checkpoint(checkpoint, policy.model,
                                    torch.optim.AdamW(policy.model.parameters()))
-        policy.engine.version = state["step"]  # recorded tokens carry the checkpoint's step
+        # recorded tokens carry the checkpoint's step; an engine with its own weights reloads
+        refresh_sampler(policy.engine, policy.model, state["step"])
     return Server.from_policy(policy, cfg)

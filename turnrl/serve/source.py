@@ -35,7 +35,7 @@ import torch
 
 from turnrl.config import Config, ConfigError
 from turnrl.evaluation import EvalResult
-from turnrl.policy import load_policy
+from turnrl.policy import load_policy, refresh_sampler
 from turnrl.registry import ESTIMATORS, estimator_level
 from turnrl.rollout.loop import Group
 from turnrl.serve.agents import Judge, Rollout, evaluate_agent, play_groups, self_judge
@@ -164,13 +164,14 @@ class ServedSource(SourceDefaults):
                                           self.cfg.serve.api_key, self.success_at))
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
-        """Copy the learner's weights into the served model (between generate calls)."""
+        """Copy the learner's weights into the served model (between generate calls); an
+        engine with weights of its own (ct2, a bf16 copy, vLLM) reloads them."""
         with self.server.weights_lock, torch.no_grad():
             served = self.server.model
             if served is not model:
                 for mine, theirs in zip(served.parameters(), model.parameters(), strict=True):
                     mine.copy_(theirs)
-            self.server.engine.version = version
+            refresh_sampler(self.server.engine, served, version)
         self.version = version
 
     def wait_ready(self) -> None:

@@ -1,0 +1,37 @@
+"""``HFCopyEngine``: the HF engine on its own copy of the learner in a lower precision
+(``rollout.engine hf --rollout.engine_dtype bfloat16``, on a CPU with native bf16)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import PreTrainedModel
+
+from turnrl.rollout.hf_engine import HFEngine
+
+
+class HFCopyEngine(HFEngine):
+    """``HFEngine`` on its own copy of the learner in another dtype (bfloat16 on a CPU with
+    native bf16: fewer bytes read per decoded token), refreshed by ``update_weights``.
+
+    The learner keeps its dtype; the sampler's log-probs are the copy's, and the mismatch/*
+    metrics measure the difference (docs/mismatch.md). A refresh copies every tensor in
+    place, converting its dtype (no re-allocation)."""
+
+    def __init__(self, model: PreTrainedModel, dtype: torch.dtype, pad_token_id: int,
+                 **kwargs):
+        sampler = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+        super().__init__(sampler, pad_token_id, **kwargs)
+
+    @torch.no_grad()
+    def update_weights(self, weights, version: int) -> None:
+        """Copy the learner's tensors (a state dict or ``(name, tensor)`` pairs) into the
+        sampler's, then adopt ``version`` (which drops the kept keys and values)."""
+        own = self.model.state_dict()
+        pairs = weights.items() if isinstance(weights, dict) else weights
+        for name, tensor in pairs:
+            if name not in own:
+                raise KeyError(f"update_weights: the sampler has no tensor {name!r}")
+            own[name].copy_(tensor.detach())
+        self.version = version
