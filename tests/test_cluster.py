@@ -223,3 +223,57 @@ def test_a_lost_node_without_spare_room_is_named_and_its_worker_killed(joined, t
     assert "node dead" in message and re.search(r"dead nodes: \S+ \(\w{8}\)", message)
     assert "a restart needs CPU 1 (free 0)" in message and "ray.node_loss_wait_s" in message
     assert "\n" not in message
+
+
+def _wait_for_steps(run_dir, steps: int, timeout_s: float = 300) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and metrics.read_text().count("\n") >= steps):
+        assert time.monotonic() < deadline, f"no step {steps} within {timeout_s:g} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("user_module", "away_s"), [(False, 0.0), (True, 20.0)],
+                         ids=["builtin-env-back-at-once", "shipped-env-back-after-20s"])
+def test_a_node_removed_then_added_back_the_run_finishes_every_group_once(
+        joined, shipped_env, tmp_path, user_module, away_s):
+    """The worker restarts on the replacement node (with and without py_modules to set up
+    there; the node back at once, or after Ray has declared the old one dead) and the run
+    trains every group exactly once. The learner runs in a thread: Ray
+    starts a node only from the main thread (it sets a signal handler)."""
+    from turnrl.launch import train_async
+
+    _ensure_worker_node(joined)
+    run_dir = tmp_path / "run"
+    env = shipped_env if user_module else "say-digit"
+    cfg = load_config(None, TINY + ["--env.name", env, "--run.steps", "4",
+                                    "--ray.node_loss_wait_s", "600",
+                                    "--run.out_dir", str(run_dir)])
+    outcome: dict = {}
+
+    def learn():
+        try:
+            outcome["result"] = train_async(cfg)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
+            outcome["error"] = err
+
+    learner = threading.Thread(target=learn, daemon=True)
+    learner.start()
+    _wait_for_steps(run_dir, 1)
+    joined.remove_node(next(iter(joined.worker_nodes)))
+    time.sleep(away_s)
+    joined.add_node(num_cpus=1)
+    added = time.monotonic()
+    learner.join(600)
+    assert not learner.is_alive(), "the run did not finish within 600 s of the node's return"
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
+    assert result.worker_restarts >= 1
+    ids = [assignment for assignment, _ in result.trained]
+    assert len(ids) == 4 * 2 and len(set(ids)) == len(ids)  # every group trained once
+    # Loose: a restart on the new node takes seconds; the bug was minutes (not a timing test).
+    back_s = time.monotonic() - added
+    print(f"run finished {back_s:.1f} s after the node came back")
+    assert back_s < 180
