@@ -277,3 +277,52 @@ def test_a_node_removed_then_added_back_the_run_finishes_every_group_once(
     back_s = time.monotonic() - added
     print(f"run finished {back_s:.1f} s after the node came back")
     assert back_s < 180
+
+
+def _rollout_actors() -> list[str]:
+    """Names of this cluster's rollout workers that are not dead (restarting counts)."""
+    return [name for name in ray.util.list_named_actors() if "-rollout-" in name]
+
+
+@pytest.mark.slow
+def test_a_given_up_worker_is_killed_and_the_others_finish_the_run(joined, tmp_path, caplog):
+    """Two workers on two nodes; one node goes with no room left for its worker: that worker
+    is given up after ray.node_loss_wait_s and killed (not left restarting for when a node
+    joins), its work moves to the other, and every group is still trained once."""
+    from turnrl.launch import train_async
+
+    _ensure_worker_node(joined)
+    joined.add_node(num_cpus=1)
+    joined.wait_for_nodes()
+    run_dir = tmp_path / "run"
+    steps = 30
+    cfg = load_config(None, TINY + ["--env.name", "say-digit", "--run.steps", str(steps),
+                                    "--ray.num_workers", "2", "--ray.node_loss_wait_s", "3",
+                                    "--run.out_dir", str(run_dir)])
+    outcome: dict = {}
+
+    def learn():
+        try:
+            outcome["result"] = train_async(cfg)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
+            outcome["error"] = err
+
+    with caplog.at_level("WARNING", logger="turnrl.worker"):
+        learner = threading.Thread(target=learn, daemon=True)
+        learner.start()
+        _wait_for_steps(run_dir, 1)
+        assert len(_rollout_actors()) == 2
+        joined.remove_node(next(iter(joined.worker_nodes)))
+        deadline = time.monotonic() + 300
+        while not any("given up" in r.getMessage() for r in caplog.records):
+            assert learner.is_alive() and time.monotonic() < deadline, "no worker given up"
+            time.sleep(0.1)
+        alive = _rollout_actors()  # read while the run goes on (its end kills every worker)
+        learner.join(600)
+    if "error" in outcome:
+        raise outcome["error"]
+    assert len(alive) == 1, f"the given-up worker was not killed: {alive}"
+    [given_up] = [r.getMessage() for r in caplog.records if "given up" in r.getMessage()]
+    assert "node dead" in given_up and "ray.node_loss_wait_s" in given_up
+    ids = [assignment for assignment, _ in outcome["result"].trained]
+    assert len(ids) == steps * 2 and len(set(ids)) == len(ids)
