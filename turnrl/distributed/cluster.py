@@ -74,7 +74,8 @@ def connect(cfg: Config) -> bool:
                               "empty to start a local one") from None
         return True
     # Workers' own CPUs are reserved logically; on a small machine they may oversubscribe.
-    cpus = max(os.cpu_count() or 1, math.ceil(cfg.ray.num_workers * cfg.ray.worker_cpus))
+    cpus = max(os.cpu_count() or 1,
+               math.ceil(cfg.ray.num_workers * cfg.ray.worker_cpus + cfg.ray.learner_cpus))
     # log_to_driver=False: worker start-up chatter would break the progress bar; worker
     # warnings reach the learner in their reports (Fleet.reconcile), errors as exceptions.
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)

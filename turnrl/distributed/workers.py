@@ -61,6 +61,7 @@ import torch
 
 from turnrl.config import Config
 from turnrl.distributed.cluster import WorkerSetup, node_label, uploaded, worker_runtime_env
+from turnrl.distributed.placement import worker_options
 from turnrl.envs.base import ENVS, make_env
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy, use_chat_template
@@ -366,12 +367,14 @@ def with_tied_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None = None,
-                  threads: int | None = None, name_prefix: str | None = None) -> list:
+                  threads: int | None = None, name_prefix: str | None = None,
+                  group: Any = None) -> list:
     """Start ``cfg.ray.num_workers`` restartable ``RolloutWorker`` actors; return handles.
 
     With ``name_prefix`` the actors are named ``{name_prefix}-{i}`` (visible in
     ``ray list actors``; ``ray.get_actor`` finds them). ``max_task_retries=0``: a call that
     was in flight when a worker died fails instead of running twice; the learner reconciles.
+    Worker ``i`` goes in bundle ``i`` of ``group`` (``placement.worker_group``) when given.
     """
     import ray
 
@@ -381,8 +384,7 @@ def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None
     handles = []
     for index in range(cfg.ray.num_workers):
         options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0,
-                                   "num_cpus": cfg.ray.worker_cpus,
-                                   "num_gpus": cfg.ray.worker_gpus}
+                                   **worker_options(cfg, group, index)}
         if runtime_env:
             options["runtime_env"] = runtime_env
         if name_prefix:
@@ -394,7 +396,8 @@ def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None
 
 def worker_needs(cfg: Config) -> dict[str, float]:
     """The resources one worker reserves, as ``ray status`` names them."""
-    return {"CPU": cfg.ray.worker_cpus, "GPU": cfg.ray.worker_gpus}
+    return {"CPU": cfg.ray.worker_cpus, "GPU": cfg.ray.worker_gpus,
+            **{k: float(v) for k, v in cfg.ray.worker_resources.items()}}
 
 
 def worker_pool_size(cfg: Config, outstanding_groups: int) -> int:
