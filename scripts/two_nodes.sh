@@ -8,6 +8,12 @@ PORT=${PORT:-6380}
 PYTHON=${PYTHON:-python}
 RAY="$PYTHON -m ray.scripts.scripts"
 NODE_HOME=$(mktemp -d)
+# Ray 2.5x+ turns token authentication on for `ray start --head` when ~/.ray/auth_token exists
+# (any earlier local ray.init writes one) but not for processes joining by address: give every
+# process here the same mode and token (a node with its own HOME has no ~/.ray of its own).
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$($PYTHON -c "import secrets; print(secrets.token_hex(32))")}
+export RAY_AUTH_TOKEN
 RUN_DIR=${RUN_DIR:-$(mktemp -d)/run}
 pids=()
 cleanup() {
