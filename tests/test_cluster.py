@@ -285,17 +285,20 @@ def _rollout_actors() -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_given_up_worker_is_killed_and_the_others_finish_the_run(joined, tmp_path, caplog):
+def test_a_given_up_worker_is_killed_then_revived_when_a_node_returns(joined, tmp_path, caplog):
     """Two workers on two nodes; one node goes with no room left for its worker: that worker
-    is given up after ray.node_loss_wait_s and killed (not left restarting for when a node
-    joins), its work moves to the other, and every group is still trained once."""
+    is given up after ray.node_loss_wait_s and killed (not left restarting), its work moves to
+    the other; a node added later gets a fresh actor in its place, which trains groups again,
+    and every group is still trained once."""
+    import json
+
     from turnrl.launch import train_async
 
     _ensure_worker_node(joined)
     joined.add_node(num_cpus=1)
     joined.wait_for_nodes()
     run_dir = tmp_path / "run"
-    steps = 30
+    steps = 200  # long enough to see the given-up worker come back and train (~2 min)
     cfg = load_config(None, TINY + ["--env.name", "say-digit", "--run.steps", str(steps),
                                     "--ray.num_workers", "2", "--ray.node_loss_wait_s", "3",
                                     "--run.out_dir", str(run_dir)])
@@ -307,22 +310,35 @@ def test_a_given_up_worker_is_killed_and_the_others_finish_the_run(joined, tmp_p
         except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
             outcome["error"] = err
 
+    def wait_for_log(text: str) -> str:
+        deadline = time.monotonic() + 300
+        while not (found := [r.getMessage() for r in caplog.records if text in r.getMessage()]):
+            assert learner.is_alive(), f"the run ended before {text!r}: {outcome}"
+            assert time.monotonic() < deadline, f"no {text!r} logged"
+            time.sleep(0.1)
+        return found[0]
+
     with caplog.at_level("WARNING", logger="turnrl.worker"):
         learner = threading.Thread(target=learn, daemon=True)
         learner.start()
         _wait_for_steps(run_dir, 1)
         assert len(_rollout_actors()) == 2
         joined.remove_node(next(iter(joined.worker_nodes)))
-        deadline = time.monotonic() + 300
-        while not any("given up" in r.getMessage() for r in caplog.records):
-            assert learner.is_alive() and time.monotonic() < deadline, "no worker given up"
-            time.sleep(0.1)
+        given_up = wait_for_log("given up")
         alive = _rollout_actors()  # read while the run goes on (its end kills every worker)
+        joined.add_node(num_cpus=1)
+        wait_for_log("revived")
+        revived_at = (run_dir / "assignments.jsonl").read_text().count("\n")
+        revived = _rollout_actors()
         learner.join(600)
     if "error" in outcome:
         raise outcome["error"]
     assert len(alive) == 1, f"the given-up worker was not killed: {alive}"
-    [given_up] = [r.getMessage() for r in caplog.records if "given up" in r.getMessage()]
     assert "node dead" in given_up and "ray.node_loss_wait_s" in given_up
+    lost = int(re.search(r"rollout worker (\d) given up", given_up).group(1))
+    assert sorted(name.rsplit("-rollout-", 1)[1] for name in revived) == sorted(
+        [str(1 - lost), f"{lost}-revived-1"])
+    lines = (run_dir / "assignments.jsonl").read_text().splitlines()[revived_at:]
+    assert any(worker == lost for line in lines for _, _, worker in json.loads(line)["trained"])
     ids = [assignment for assignment, _ in outcome["result"].trained]
     assert len(ids) == steps * 2 and len(set(ids)) == len(ids)

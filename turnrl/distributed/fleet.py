@@ -3,7 +3,8 @@
 ``Fleet`` owns every call to the Ray actors (turnrl/distributed/workers.py) and reconciles
 what each worker reports with the ``AssignmentBook``: a restarted worker (new incarnation)
 gets the newest weights again and the assignments it lost, with the same ids and seeds; a
-worker failing every call for ``WORKER_DOWN_AFTER_S`` is given up and its work moved.
+worker failing every call for ``WORKER_DOWN_AFTER_S`` is given up (killed) and its work
+moved; once the cluster has room for it again, a fresh actor takes its place (``revive``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ POLL_WAIT_S = 0.1
 """How long a worker's ``take_groups`` waits for a group before answering empty."""
 WORKER_DOWN_AFTER_S = 120.0
 """Default of ``ray.node_loss_wait_s``: a worker failing every call this long is given up."""
+REVIVE_EVERY_S = 5.0
+"""How often the learner looks for room to revive a given-up worker."""
 log = logging.getLogger("turnrl.worker")
 
 
@@ -30,7 +33,8 @@ class Fleet:
     """The worker handles, their in-flight polls, and what the learner knows of each."""
 
     def __init__(self, handles: list, book: AssignmentBook,
-                 down_after_s: float = WORKER_DOWN_AFTER_S, needs: dict | None = None):
+                 down_after_s: float = WORKER_DOWN_AFTER_S, needs: dict | None = None,
+                 respawn=None, has_room=None):
         import ray
 
         self.ray = ray
@@ -60,6 +64,12 @@ class Fleet:
         """Resources one worker reserves, named when none is left to restart it on."""
         self.node: dict[int, tuple[str, str]] = {}
         """(node id, 'host (ip)') each worker last reported from."""
+        self.respawn = respawn
+        """``respawn(w, n)``: a fresh actor for given-up worker ``w`` (its ``n``-th revival)."""
+        self.has_room = has_room or self._free_for_one
+        """``has_room(w)``: whether the cluster could start worker ``w`` now."""
+        self.revive_at = 0.0
+        self.revivals: dict[int, int] = {}
         self.published_bytes: dict[int, int] = {}
         """Version -> bytes of its published state dict (the last few versions)."""
         self.node_versions: dict[str, set[int]] = {}
@@ -129,8 +139,38 @@ class Fleet:
     def assign(self, w: int, assignments: list[Assignment]) -> None:
         self._fire(self.handles[w].assign.remote([(a.id, a.seed) for a in assignments]))
 
+    def revive(self) -> None:
+        """Start a fresh actor for each given-up worker the cluster has room for again (a node
+        came back); it gets the newest weights and the pool size, then work as any other."""
+        now = time.monotonic()
+        if not self.dead or self.respawn is None or now < self.revive_at:
+            return
+        self.revive_at = now + REVIVE_EVERY_S
+        for w in sorted(self.dead):
+            if not self.has_room(w):
+                return
+            self.revivals[w] = self.revivals.get(w, 0) + 1
+            self.handles[w] = self.respawn(w, self.revivals[w])
+            self.dead.discard(w)
+            for books in (self.down_since, self.failures, self.retry_at, self.incarnation):
+                books.pop(w, None)  # its first report sets the incarnation
+            log.warning("rollout worker %d revived: the cluster has room for it again", w)
+            if self.pool_size is not None:
+                self._fire(self.handles[w].resize.remote(self.pool_size))
+            if self.weights:
+                self.send_weights(w)
+
+    def _free_for_one(self, w: int) -> bool:
+        """Whether the cluster's free resources hold one worker's (``needs``)."""
+        try:
+            free = self.ray.available_resources()
+        except Exception:  # noqa: BLE001 - the cluster is going
+            return False
+        return all(free.get(k, 0.0) >= v for k, v in self.needs.items() if v > 0)
+
     def poll(self, timeout_s: float) -> list[tuple[int, int, object]]:
         """Reports that arrived within ``timeout_s``: ``(worker, poll seq, WorkerReport)``."""
+        self.revive()
         now = time.monotonic()
         for w in self.alive():
             if w not in self.polls and now >= self.retry_at.get(w, 0.0):

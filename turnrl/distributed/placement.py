@@ -78,6 +78,24 @@ def worker_group(cfg: Config, wait_s: float = PLACE_WAIT_S):
     return group
 
 
+def bundle_placed(group: Any):
+    """With a placement group, ``has_room(w)`` for a revived worker: its bundle is placed
+    (Ray re-places a lost node's bundles when room returns; free CPUs do not show it). None
+    without one (the fleet then looks at the cluster's free resources)."""
+    if group is None:
+        return None
+
+    def has_room(w: int) -> bool:
+        from ray.util.placement_group import placement_group_table
+
+        try:
+            return placement_group_table(group).get("state") == "CREATED"
+        except Exception:  # noqa: BLE001 - the cluster is going
+            return False
+
+    return has_room
+
+
 def free_resources(ray) -> str:
     """The cluster's free CPUs, GPUs and custom resources, short (no per-node ones)."""
     free = ray.available_resources()

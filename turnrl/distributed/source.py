@@ -32,7 +32,12 @@ from turnrl.algorithms.offpolicy import AdaptiveStaleness
 from turnrl.config import Config
 from turnrl.distributed.book import Assignment, AssignmentBook, in_flight_groups
 from turnrl.distributed.fleet import Fleet, learner_threads
-from turnrl.distributed.placement import LearnerSeat, release_placement, worker_group
+from turnrl.distributed.placement import (
+    LearnerSeat,
+    bundle_placed,
+    release_placement,
+    worker_group,
+)
 from turnrl.distributed.rates import MeasuredRates
 from turnrl.distributed.sizing import (
     SizingController,
@@ -138,11 +143,16 @@ class RaySource(SourceDefaults):
         except BaseException:
             release_placement(self.seat, None)
             raise
-        handles = spawn_workers(
-            cfg, env_factory=ENVS.get(cfg.env.name),
-            pool_size=worker_pool_size(cfg, in_flight_groups(cfg)),
-            name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout", group=self.group)
-        self.fleet = Fleet(handles, book, cfg.ray.node_loss_wait_s, worker_needs(cfg))
+        spawn = partial(spawn_workers, cfg, env_factory=ENVS.get(cfg.env.name),
+                        pool_size=worker_pool_size(cfg, in_flight_groups(cfg)),
+                        name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout",
+                        group=self.group)
+
+        def respawn(w: int, revival: int):
+            return spawn(indices=[w], name_suffix=f"-revived-{revival}")[0]
+
+        self.fleet = Fleet(spawn(), book, cfg.ray.node_loss_wait_s, worker_needs(cfg),
+                           respawn=respawn, has_room=bundle_placed(self.group))
 
     def label(self, cfg: Config) -> str:
         return f"{cfg.env.name} (async)"

@@ -368,13 +368,15 @@ def with_tied_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None = None,
                   threads: int | None = None, name_prefix: str | None = None,
-                  group: Any = None) -> list:
+                  group: Any = None, indices: list[int] | None = None,
+                  name_suffix: str = "") -> list:
     """Start ``cfg.ray.num_workers`` restartable ``RolloutWorker`` actors; return handles.
 
     With ``name_prefix`` the actors are named ``{name_prefix}-{i}`` (visible in
     ``ray list actors``; ``ray.get_actor`` finds them). ``max_task_retries=0``: a call that
     was in flight when a worker died fails instead of running twice; the learner reconciles.
     Worker ``i`` goes in bundle ``i`` of ``group`` (``placement.worker_group``) when given.
+    ``indices`` starts only those workers (a given-up one revived, named with ``name_suffix``).
     """
     import ray
 
@@ -382,13 +384,13 @@ def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None
     sent, setup = WorkerSetup.of(cfg)
     runtime_env = uploaded(worker_runtime_env(cfg, [env_factory]))
     handles = []
-    for index in range(cfg.ray.num_workers):
+    for index in range(cfg.ray.num_workers) if indices is None else indices:
         options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0,
                                    **worker_options(cfg, group, index)}
         if runtime_env:
             options["runtime_env"] = runtime_env
         if name_prefix:
-            options["name"] = f"{name_prefix}-{index}"
+            options["name"] = f"{name_prefix}-{index}{name_suffix}"
         handles.append(actor.options(**options).remote(sent, index, env_factory, pool_size,
                                                         threads, setup))
     return handles
