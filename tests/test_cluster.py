@@ -284,22 +284,59 @@ def _rollout_actors() -> list[str]:
     return [name for name in ray.util.list_named_actors() if "-rollout-" in name]
 
 
+HELD_ENV_MODULE = '''
+import asyncio
+import os
+from turnrl.envs import StepResult, register_env
+
+@register_env("{name}")
+class HeldDigit:
+    """Steps wait while the file HOLD exists: the test pauses every worker's work with it."""
+
+    async def reset(self, seed):
+        return "Say a digit."
+
+    async def step(self, action):
+        while os.path.exists({hold!r}):
+            await asyncio.sleep(0.05)
+        return StepResult("", float(action[:1].isdigit()), True, {{}})
+'''
+
+
+@pytest.fixture
+def held_env(tmp_path):
+    """An env whose steps wait while a file exists (shipped to the workers by py_modules)."""
+    folder = tmp_path / "held_code"
+    folder.mkdir()
+    module = f"held_env_{uuid.uuid4().hex[:8]}"
+    name = f"held-digit-{module[-8:]}"
+    hold = tmp_path / "hold"
+    (folder / f"{module}.py").write_text(HELD_ENV_MODULE.format(name=name, hold=str(hold)))
+    sys.path.insert(0, str(folder))
+    __import__(module)
+    yield name, hold
+    sys.path.remove(str(folder))
+
+
 @pytest.mark.slow
-def test_a_given_up_worker_is_killed_then_revived_when_a_node_returns(joined, tmp_path, caplog):
+def test_a_given_up_worker_is_killed_then_revived_when_a_node_returns(joined, held_env,
+                                                                       tmp_path, caplog):
     """Two workers on two nodes; one node goes with no room left for its worker: that worker
     is given up after ray.node_loss_wait_s and killed (not left restarting), its work moves to
     the other; a node added later gets a fresh actor in its place, which trains groups again,
-    and every group is still trained once."""
+    and every group is still trained once. The work is held (the env waits on a file) from
+    the node's loss until the revived worker is up, so the run cannot end before."""
     import json
 
     from turnrl.launch import train_async
 
+    env, hold = held_env
     _ensure_worker_node(joined)
     joined.add_node(num_cpus=1)
     joined.wait_for_nodes()
     run_dir = tmp_path / "run"
-    steps = 200  # long enough to see the given-up worker come back and train (~2 min)
-    cfg = load_config(None, TINY + ["--env.name", "say-digit", "--run.steps", str(steps),
+    steps = 30
+    cfg = load_config(None, TINY + ["--env.name", env, "--run.steps", str(steps),
                                     "--ray.num_workers", "2", "--ray.node_loss_wait_s", "3",
                                     "--run.out_dir", str(run_dir)])
     outcome: dict = {}
@@ -323,13 +360,17 @@ def test_a_given_up_worker_is_killed_then_revived_when_a_node_returns(joined, tm
         learner.start()
         _wait_for_steps(run_dir, 1)
         assert len(_rollout_actors()) == 2
+        hold.touch()
         joined.remove_node(next(iter(joined.worker_nodes)))
         given_up = wait_for_log("given up")
         alive = _rollout_actors()  # read while the run goes on (its end kills every worker)
         joined.add_node(num_cpus=1)
         wait_for_log("revived")
+        [revived_name] = [n for n in _rollout_actors() if "-revived-" in n]
+        ray.get(ray.get_actor(revived_name).ping.remote(), timeout=300)  # built its model
         revived_at = (run_dir / "assignments.jsonl").read_text().count("\n")
         revived = _rollout_actors()
+        hold.unlink()
         learner.join(600)
     if "error" in outcome:
         raise outcome["error"]

@@ -62,7 +62,8 @@ class RayConfig(Section):
     the share of one GPU the workers leave when the learner trains on CUDA, else 0"""
     node_loss_wait_s: float = 120.0
     """a worker failing every call this long (its node lost, no room to restart it) is given
-    up: killed, its work moved to the others; with none left the run stops naming the node"""
+    up: killed, its work moved to the others, revived once the cluster has room again; with
+    none left the run stops naming the node"""
 
     def _check(self) -> None:
         self._at_least(1, "num_workers")
