@@ -150,7 +150,9 @@ class LearnerSeat:
 
         node_id = ray.get_runtime_context().get_node_id()
         gpus = cfg.ray.learner_gpus
-        if gpus < 0:
+        if gpus < 0 and not on_cuda:
+            gpus = 0.0
+        elif gpus < 0:  # no public call gives one node's free resources
             node_free = ray._private.state.available_resources_per_node().get(node_id, {})
             gpus = auto_learner_gpus(on_cuda, ray.cluster_resources().get("GPU", 0.0),
                                      cfg.ray.worker_gpus, cfg.ray.num_workers,
