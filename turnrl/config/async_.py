@@ -44,13 +44,39 @@ class RayConfig(Section):
     runtime_env: dict[str, Any] = field(default_factory=dict)
     """Ray runtime_env of the workers (py_modules, working_dir, env_vars, pip, ...); the env's
     own module and $TURNRL_CACHE are added to it, e.g. --ray.runtime_env.env_vars.HF_HOME /data"""
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    """custom Ray resources each worker reserves, e.g. --ray.worker_resources.rollout 1 (only
+    nodes started with `ray start --resources '{"rollout": 4}'` take workers)"""
+    worker_labels: dict[str, str] = field(default_factory=dict)
+    """node labels a worker's node must carry (Ray label selector), e.g.
+    --ray.worker_labels.pool rollout for nodes started with `ray start --labels pool=rollout`"""
+    placement: Literal["default", "spread", "pack", "strict_spread", "strict_pack"] = "default"
+    """where the workers go: default = Ray's scheduler; the others reserve one placement-group
+    bundle per worker with that strategy (spread: across nodes, pack: on as few as possible;
+    strict_*: or not at all)"""
+    learner_cpus: float = 0.0
+    """CPUs reserved in Ray on the learner's node (its torch threads follow); 0 reserves none
+    and the learner uses the cores left by local workers (docs/cluster.md)"""
+    learner_gpus: float = -1.0
+    """GPUs reserved in Ray on the learner's node so no vLLM worker lands on its GPU; -1 = auto:
+    the share of one GPU the workers leave when the learner trains on CUDA, else 0"""
     node_loss_wait_s: float = 120.0
     """a worker failing every call this long (its node lost, no room to restart it) is given
-    up: killed, its work moved to the others; with none left the run stops naming the node"""
+    up: killed, its work moved to the others, revived once the cluster has room again; with
+    none left the run stops naming the node"""
 
     def _check(self) -> None:
         self._at_least(1, "num_workers")
-        self._at_least(0, "worker_cpus", "worker_gpus", "node_loss_wait_s")
+        self._at_least(0, "worker_cpus", "worker_gpus", "node_loss_wait_s", "learner_cpus")
+        self._require("learner_gpus", self.learner_gpus == -1 or self.learner_gpus >= 0,
+                      "-1 (auto) or at least 0")
+        for name, amount in self.worker_resources.items():
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
+                raise ConfigError(f"ray.worker_resources.{name} is {amount!r}: give a positive "
+                                  f"amount, e.g. --ray.worker_resources.{name} 1")
+            if name in ("CPU", "GPU", "memory"):
+                raise ConfigError(f"ray.worker_resources.{name}: set CPUs and GPUs with "
+                                  "ray.worker_cpus / ray.worker_gpus; this is for custom ones")
         self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1,
                       "in (0, 1]")
         if self.engine == "vllm" and self.worker_gpus <= 0 and vllm_platform() != "cpu":

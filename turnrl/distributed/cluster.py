@@ -69,18 +69,32 @@ def connect(cfg: Config) -> bool:
         try:
             ray.init(address=address, log_to_driver=False)
         except ConnectionError as err:
-            raise ConfigError(f"cannot join the Ray cluster at {address!r}: {err}; start one "
-                              "(`ray start --head`) or leave ray.address and $RAY_ADDRESS "
-                              "empty to start a local one") from None
+            raise ConfigError(f"cannot join the Ray cluster at {address!r}: {err}; "
+                              f"{auth_hint()}start one (`ray start --head`) or leave "
+                              "ray.address and $RAY_ADDRESS empty to start a local one"
+                              ) from None
         return True
     # Workers' own CPUs are reserved logically; on a small machine they may oversubscribe.
-    cpus = max(os.cpu_count() or 1, math.ceil(cfg.ray.num_workers * cfg.ray.worker_cpus))
+    cpus = max(os.cpu_count() or 1,
+               math.ceil(cfg.ray.num_workers * cfg.ray.worker_cpus + cfg.ray.learner_cpus))
     # log_to_driver=False: worker start-up chatter would break the progress bar; worker
     # warnings reach the learner in their reports (Fleet.reconcile), errors as exceptions.
     # address="local": a new cluster even where another one runs on this host (a plain
     # ray.init would join it, and then refuses num_cpus).
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return True
+
+
+def auth_hint() -> str:
+    """A hint when the head may use token authentication that this process does not send.
+
+    Ray turns it on for ``ray start --head`` when ``~/.ray/auth_token`` exists there (any
+    earlier local ``ray.init`` writes one), but never for a process joining by address."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return ""
+    return ("if the head uses token authentication (Ray enables it when ~/.ray/auth_token "
+            "exists where `ray start --head` ran), set RAY_AUTH_MODE=token and the head's "
+            "token ($RAY_AUTH_TOKEN or ~/.ray/auth_token) for the learner and every node; ")
 
 
 def installed(path: Path) -> bool:

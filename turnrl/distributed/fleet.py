@@ -3,7 +3,8 @@
 ``Fleet`` owns every call to the Ray actors (turnrl/distributed/workers.py) and reconciles
 what each worker reports with the ``AssignmentBook``: a restarted worker (new incarnation)
 gets the newest weights again and the assignments it lost, with the same ids and seeds; a
-worker failing every call for ``WORKER_DOWN_AFTER_S`` is given up and its work moved.
+worker failing every call for ``WORKER_DOWN_AFTER_S`` is given up (killed) and its work
+moved; once the cluster has room for it again, a fresh actor takes its place (``revive``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ POLL_WAIT_S = 0.1
 """How long a worker's ``take_groups`` waits for a group before answering empty."""
 WORKER_DOWN_AFTER_S = 120.0
 """Default of ``ray.node_loss_wait_s``: a worker failing every call this long is given up."""
+REVIVE_EVERY_S = 5.0
+"""How often the learner looks for room to revive a given-up worker."""
 log = logging.getLogger("turnrl.worker")
 
 
@@ -30,7 +33,8 @@ class Fleet:
     """The worker handles, their in-flight polls, and what the learner knows of each."""
 
     def __init__(self, handles: list, book: AssignmentBook,
-                 down_after_s: float = WORKER_DOWN_AFTER_S, needs: dict | None = None):
+                 down_after_s: float = WORKER_DOWN_AFTER_S, needs: dict | None = None,
+                 respawn=None, has_room=None):
         import ray
 
         self.ray = ray
@@ -60,6 +64,19 @@ class Fleet:
         """Resources one worker reserves, named when none is left to restart it on."""
         self.node: dict[int, tuple[str, str]] = {}
         """(node id, 'host (ip)') each worker last reported from."""
+        self.respawn = respawn
+        """``respawn(w, n)``: a fresh actor for given-up worker ``w`` (its ``n``-th revival)."""
+        self.has_room = has_room or self._free_for_one
+        """``has_room(w)``: whether the cluster could start worker ``w`` now."""
+        self.revive_at = 0.0
+        self.revivals: dict[int, int] = {}
+        self.published_bytes: dict[int, int] = {}
+        """Version -> bytes of its published state dict (the last few versions)."""
+        self.node_versions: dict[str, set[int]] = {}
+        """Node id -> the versions its workers have loaded: Ray pulls an object into a node's
+        store once, and every worker there reads that copy."""
+        self.pulled: dict[str, int] = {}
+        """Node label -> weight bytes pulled to it since the learner last looked."""
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -102,6 +119,9 @@ class Fleet:
         state = without_tied_weights({k: v.detach() for k, v in model.state_dict().items()})
         state = {k: v.to("cpu") if torch.is_tensor(v) else v for k, v in state.items()}
         self.weights = (version, self.ray.put(state))  # once per version, for all workers
+        self.published_bytes[version] = state_bytes(state)
+        for old in [v for v in self.published_bytes if v < version - 16]:
+            del self.published_bytes[old]
         for w in self.alive():
             self.send_weights(w)
 
@@ -119,8 +139,38 @@ class Fleet:
     def assign(self, w: int, assignments: list[Assignment]) -> None:
         self._fire(self.handles[w].assign.remote([(a.id, a.seed) for a in assignments]))
 
+    def revive(self) -> None:
+        """Start a fresh actor for each given-up worker the cluster has room for again (a node
+        came back); it gets the newest weights and the pool size, then work as any other."""
+        now = time.monotonic()
+        if not self.dead or self.respawn is None or now < self.revive_at:
+            return
+        self.revive_at = now + REVIVE_EVERY_S
+        for w in sorted(self.dead):
+            if not self.has_room(w):
+                return
+            self.revivals[w] = self.revivals.get(w, 0) + 1
+            self.handles[w] = self.respawn(w, self.revivals[w])
+            self.dead.discard(w)
+            for books in (self.down_since, self.failures, self.retry_at, self.incarnation):
+                books.pop(w, None)  # its first report sets the incarnation
+            log.warning("rollout worker %d revived: the cluster has room for it again", w)
+            if self.pool_size is not None:
+                self._fire(self.handles[w].resize.remote(self.pool_size))
+            if self.weights:
+                self.send_weights(w)
+
+    def _free_for_one(self, w: int) -> bool:
+        """Whether the cluster's free resources hold one worker's (``needs``)."""
+        try:
+            free = self.ray.available_resources()
+        except Exception:  # noqa: BLE001 - the cluster is going
+            return False
+        return all(free.get(k, 0.0) >= v for k, v in self.needs.items() if v > 0)
+
     def poll(self, timeout_s: float) -> list[tuple[int, int, object]]:
         """Reports that arrived within ``timeout_s``: ``(worker, poll seq, WorkerReport)``."""
+        self.revive()
         now = time.monotonic()
         for w in self.alive():
             if w not in self.polls and now >= self.retry_at.get(w, 0.0):
@@ -207,6 +257,7 @@ class Fleet:
                 self._fire(self.handles[w].resize.remote(self.pool_size))
         self.incarnation[w] = report.incarnation
         self.version[w] = report.version
+        self._count_pull(w, report.version)
         self.stats[w] = report.stats
         if self.weights and report.weights_version < self.weights[0] \
                 and self.weights_seq.get(w, seq) < seq:
@@ -220,6 +271,25 @@ class Fleet:
                 self.reissued.append(assignment.id)
             self.assign(w, lost)
 
+    def _count_pull(self, w: int, version: int) -> None:
+        """Weight bytes pulled to worker ``w``'s node: a version's first load on that node."""
+        node_id, label = self.node.get(w, (f"worker-{w}", f"worker {w}"))
+        seen = self.node_versions.setdefault(node_id, set())
+        if version in seen or version not in self.published_bytes:
+            return
+        seen.add(version)
+        seen.difference_update([v for v in seen if v not in self.published_bytes])
+        self.pulled[f"{label} {node_id[:8]}"] = (self.pulled.get(f"{label} {node_id[:8]}", 0)
+                                                  + self.published_bytes[version])
+
+    def take_pulled(self) -> dict[str, int]:
+        """Weight bytes pulled per node since the last call (each node that has workers)."""
+        nodes = {f"{label} {node_id[:8]}" for node_id, label in
+                 (self.node.get(w, ("", "")) for w in self.alive()) if node_id}
+        pulled = {node: self.pulled.get(node, 0) for node in nodes | set(self.pulled)}
+        self.pulled = {}
+        return pulled
+
     def shutdown(self) -> None:
         for handle in self.handles:
             try:
@@ -228,20 +298,28 @@ class Fleet:
                 pass
 
 
+def state_bytes(state: dict) -> int:
+    """Bytes of the tensors in a published state dict."""
+    return sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+
+
 def learner_threads(cfg: Config) -> int:
     """Torch threads of the learner process.
 
-    On a local cluster the learner and the workers share this machine's cores: each worker
-    runs ``int(worker_cpus)`` threads, the learner gets what is left. On a 2-core laptop
-    with one worker that is 1 thread each: 2 processes on 2 cores, where torch's default of
-    one thread per core in every process would put 4 busy threads on 2 cores and thrash.
+    ``run.threads`` (0: every core this process may use), at most the learner's own CPUs in
+    Ray (``ray.learner_cpus``) when it reserves some; else on a local cluster at most the
+    cores the workers leave: each worker runs
+    ``int(worker_cpus)`` threads, the learner gets what is left. On a 2-core laptop with one
+    worker that is 1 thread each: 2 processes on 2 cores, where torch's default of one thread
+    per core in every process would put 4 busy threads on 2 cores and thrash.
     """
     threads = cfg.run.threads or learner_cores()
+    if cfg.ray.learner_cpus > 0:  # its own share in Ray's books; the workers have theirs
+        return max(1, min(threads, int(cfg.ray.learner_cpus)))
     if cluster_address(cfg):  # the workers run elsewhere (or say so by their own reservations)
         return threads
-    cores = os.cpu_count() or 1
     workers = cfg.ray.num_workers * max(1, int(cfg.ray.worker_cpus))
-    return max(1, min(threads, cores - workers))
+    return max(1, min(threads, (os.cpu_count() or 1) - workers))
 
 
 def learner_cores() -> int:

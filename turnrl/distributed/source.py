@@ -32,6 +32,12 @@ from turnrl.algorithms.offpolicy import AdaptiveStaleness
 from turnrl.config import Config
 from turnrl.distributed.book import Assignment, AssignmentBook, in_flight_groups
 from turnrl.distributed.fleet import Fleet, learner_threads
+from turnrl.distributed.placement import (
+    LearnerSeat,
+    bundle_placed,
+    release_placement,
+    worker_group,
+)
 from turnrl.distributed.rates import MeasuredRates
 from turnrl.distributed.sizing import (
     SizingController,
@@ -110,6 +116,9 @@ class RaySource(SourceDefaults):
         self.guidance: Guidance | None = None
         self.guided: dict[str, float] = {}
         """The step's ``guide/*`` metrics."""
+        self.seat: LearnerSeat | None = None
+        self.group = None
+        """The learner's reservation and the workers' placement group (placement.py)."""
 
     def open(self, run: Run) -> None:
         """Spawn the workers (they build their models while the learner evaluates) and open
@@ -134,11 +143,24 @@ class RaySource(SourceDefaults):
             ledger_path.unlink(missing_ok=True)
         truncate_metrics(ledger_path, after_step=run.start_step)
         self.ledger = open(ledger_path, "a")  # noqa: SIM115 - closed by close()
-        handles = spawn_workers(
-            cfg, env_factory=ENVS.get(cfg.env.name),
-            pool_size=worker_pool_size(cfg, in_flight_groups(cfg)),
-            name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout")
-        self.fleet = Fleet(handles, book, cfg.ray.node_loss_wait_s, worker_needs(cfg))
+        device = next(run.learner.model.parameters()).device
+        # The learner's seat first: its GPU is then taken before a worker could be put on it.
+        self.seat = LearnerSeat.take(cfg, device.type == "cuda", device.index or 0)
+        try:
+            self.group = worker_group(cfg)
+        except BaseException:
+            release_placement(self.seat, None)
+            raise
+        spawn = partial(spawn_workers, cfg, env_factory=ENVS.get(cfg.env.name),
+                        pool_size=worker_pool_size(cfg, in_flight_groups(cfg)),
+                        name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout",
+                        group=self.group)
+
+        def respawn(w: int, revival: int):
+            return spawn(indices=[w], name_suffix=f"-revived-{revival}")[0]
+
+        self.fleet = Fleet(spawn(), book, cfg.ray.node_loss_wait_s, worker_needs(cfg),
+                           respawn=respawn, has_room=bundle_placed(self.group))
 
     def label(self, cfg: Config) -> str:
         return f"{cfg.env.name} (async)"
@@ -225,6 +247,10 @@ class RaySource(SourceDefaults):
             "async/worker_restarts": fleet.restarts,
             "async/version_lag": step - min(worker_versions) if worker_versions else 0,
         }
+        pulled = fleet.take_pulled() if hasattr(fleet, "take_pulled") else {}
+        if pulled:  # Ray pulls a version into a node once; every worker there shares it
+            metrics["async/weights_mb_per_node"] = sum(pulled.values()) / len(pulled) / 1e6
+            metrics["async/weights_mb_max_node"] = max(pulled.values()) / 1e6
         if self.adaptive is not None:  # the bound for the next step's groups
             decision = self.adaptive.update(update_metrics.get("offpolicy/ess", float("nan")))
             metrics.update(decision.metrics())
@@ -235,7 +261,7 @@ class RaySource(SourceDefaults):
         self.ledger.write(json.dumps({
             "step": step + 1, "trained": [[g.assignment, g.seed, g.worker] for g in groups],
             "dropped": dropped, **events, "reissued": fleet.reissued,
-            "worker_restarts": fleet.restarts}) + "\n")
+            "worker_restarts": fleet.restarts, "weights_bytes_by_node": pulled}) + "\n")
         self.ledger.flush()
         self.totals["reissued"] += fleet.reissued
         self.totals["regenerated"] += events["regenerated"]
@@ -257,6 +283,7 @@ class RaySource(SourceDefaults):
             return
         self.closed = True
         self.fleet.shutdown()
+        release_placement(self.seat, self.group)
         self.ledger.close()
         for assignment in self.abandoned():
             if assignment not in self.book.outcome:

@@ -61,6 +61,7 @@ import torch
 
 from turnrl.config import Config
 from turnrl.distributed.cluster import WorkerSetup, node_label, uploaded, worker_runtime_env
+from turnrl.distributed.placement import worker_options
 from turnrl.envs.base import ENVS, make_env
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy, use_chat_template
@@ -366,12 +367,16 @@ def with_tied_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None = None,
-                  threads: int | None = None, name_prefix: str | None = None) -> list:
+                  threads: int | None = None, name_prefix: str | None = None,
+                  group: Any = None, indices: list[int] | None = None,
+                  name_suffix: str = "") -> list:
     """Start ``cfg.ray.num_workers`` restartable ``RolloutWorker`` actors; return handles.
 
     With ``name_prefix`` the actors are named ``{name_prefix}-{i}`` (visible in
     ``ray list actors``; ``ray.get_actor`` finds them). ``max_task_retries=0``: a call that
     was in flight when a worker died fails instead of running twice; the learner reconciles.
+    Worker ``i`` goes in bundle ``i`` of ``group`` (``placement.worker_group``) when given.
+    ``indices`` starts only those workers (a given-up one revived, named with ``name_suffix``).
     """
     import ray
 
@@ -379,14 +384,13 @@ def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None
     sent, setup = WorkerSetup.of(cfg)
     runtime_env = uploaded(worker_runtime_env(cfg, [env_factory]))
     handles = []
-    for index in range(cfg.ray.num_workers):
+    for index in range(cfg.ray.num_workers) if indices is None else indices:
         options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0,
-                                   "num_cpus": cfg.ray.worker_cpus,
-                                   "num_gpus": cfg.ray.worker_gpus}
+                                   **worker_options(cfg, group, index)}
         if runtime_env:
             options["runtime_env"] = runtime_env
         if name_prefix:
-            options["name"] = f"{name_prefix}-{index}"
+            options["name"] = f"{name_prefix}-{index}{name_suffix}"
         handles.append(actor.options(**options).remote(sent, index, env_factory, pool_size,
                                                         threads, setup))
     return handles
@@ -394,7 +398,8 @@ def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None
 
 def worker_needs(cfg: Config) -> dict[str, float]:
     """The resources one worker reserves, as ``ray status`` names them."""
-    return {"CPU": cfg.ray.worker_cpus, "GPU": cfg.ray.worker_gpus}
+    return {"CPU": cfg.ray.worker_cpus, "GPU": cfg.ray.worker_gpus,
+            **{k: float(v) for k, v in cfg.ray.worker_resources.items()}}
 
 
 def worker_pool_size(cfg: Config, outstanding_groups: int) -> int:

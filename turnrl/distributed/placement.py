@@ -1,0 +1,205 @@
+"""Where the rollout workers and the learner sit on a Ray cluster (docs/cluster.md).
+
+- Workers: each reserves ``ray.worker_cpus`` / ``worker_gpus`` plus ``ray.worker_resources``
+  (custom resources) on a node carrying ``ray.worker_labels``; ``ray.placement`` other than
+  ``default`` reserves one placement-group bundle per worker with that strategy (SPREAD, PACK,
+  STRICT_*), and a restarted worker comes back in its own bundle.
+- The learner is this (driver) process, which Ray does not count: ``LearnerSeat`` reserves
+  ``ray.learner_cpus`` and its GPU on the learner's node with a placeholder actor, so no worker
+  is placed on them, and the learner's torch threads follow its CPUs.
+
+Pure helpers besides ``worker_group`` and ``LearnerSeat.take`` (which talk to Ray).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from turnrl.config import Config, ConfigError
+
+STRATEGIES = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREAD",
+              "strict_pack": "STRICT_PACK"}
+"""``ray.placement`` -> Ray's placement-group strategy."""
+PLACE_WAIT_S = 120.0
+"""How long the workers' placement group or the learner's seat may wait for room."""
+log = logging.getLogger("turnrl.worker")
+
+
+def worker_bundle(cfg: Config) -> dict[str, float]:
+    """The resources one worker reserves, as ``ray status`` names them (zeros left out)."""
+    bundle = {"CPU": float(cfg.ray.worker_cpus), "GPU": float(cfg.ray.worker_gpus)}
+    bundle.update({name: float(amount) for name, amount in cfg.ray.worker_resources.items()})
+    return {name: amount for name, amount in bundle.items() if amount > 0}
+
+
+def worker_options(cfg: Config, group: Any = None, index: int = 0) -> dict[str, Any]:
+    """Ray actor options placing worker ``index``: its resources, and its bundle of ``group``
+    (the bundle carries the labels) or else a label selector."""
+    options: dict[str, Any] = {"num_cpus": cfg.ray.worker_cpus, "num_gpus": cfg.ray.worker_gpus}
+    if cfg.ray.worker_resources:
+        options["resources"] = {k: float(v) for k, v in cfg.ray.worker_resources.items()}
+    if group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=index)
+    elif cfg.ray.worker_labels:
+        options["label_selector"] = {k: str(v) for k, v in cfg.ray.worker_labels.items()}
+    return options
+
+
+def worker_group(cfg: Config, wait_s: float = PLACE_WAIT_S):
+    """The placement group of ``ray.placement`` (one bundle per worker), once Ray has placed
+    it; None for ``default``. One clear line when the cluster cannot hold it."""
+    if cfg.ray.placement == "default":
+        return None
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = worker_bundle(cfg)
+    if not bundle:
+        raise ConfigError(f"ray.placement {cfg.ray.placement} reserves a bundle per worker, "
+                          "but a worker reserves nothing: set ray.worker_cpus above 0")
+    count = cfg.ray.num_workers
+    labels = [{k: str(v) for k, v in cfg.ray.worker_labels.items()}] * count
+    group = placement_group([bundle] * count, strategy=STRATEGIES[cfg.ray.placement],
+                            bundle_label_selector=labels if cfg.ray.worker_labels else None)
+    if not group.wait(timeout_seconds=wait_s):
+        remove_placement_group(group)
+        on = f" on nodes labelled {cfg.ray.worker_labels}" if cfg.ray.worker_labels else ""
+        raise RuntimeError(
+            f"ray.placement {cfg.ray.placement}: {count} worker bundles of {bundle}{on} did "
+            f"not fit the cluster within {wait_s:g} s (free now: {free_resources(ray)}); add "
+            "nodes, lower ray.num_workers or the worker's resources, or use a looser "
+            "placement (`ray status` shows the nodes)")
+    return group
+
+
+def bundle_placed(group: Any):
+    """With a placement group, ``has_room(w)`` for a revived worker: its bundle is placed
+    (Ray re-places a lost node's bundles when room returns; free CPUs do not show it). None
+    without one (the fleet then looks at the cluster's free resources)."""
+    if group is None:
+        return None
+
+    def has_room(w: int) -> bool:
+        from ray.util.placement_group import placement_group_table
+
+        try:
+            return placement_group_table(group).get("state") == "CREATED"
+        except Exception:  # noqa: BLE001 - the cluster is going
+            return False
+
+    return has_room
+
+
+def free_resources(ray) -> str:
+    """The cluster's free CPUs, GPUs and custom resources, short (no per-node ones)."""
+    free = ray.available_resources()
+    shown = {k: v for k, v in sorted(free.items())
+             if not k.startswith(("node:", "memory", "object_store_memory", "bundle_group"))
+             and "_group_" not in k}
+    return ", ".join(f"{k} {v:g}" for k, v in shown.items()) or "nothing"
+
+
+def auto_learner_gpus(on_cuda: bool, cluster_gpus: float, worker_gpus: float, workers: int,
+                      node_free_gpus: float) -> float:
+    """``ray.learner_gpus -1``: the share of one GPU the workers leave free in the cluster,
+    at most what the learner's node has free; 0 when the learner is not on CUDA (a single
+    GPU that workers reserve whole, as vLLM's default does, stays shared: nothing reserved)."""
+    if not on_cuda:
+        return 0.0
+    spare = min(1.0, cluster_gpus - worker_gpus * workers, node_free_gpus)
+    return round(spare, 4) if spare >= 0.01 else 0.0
+
+
+def physical_gpu(index: int) -> str:
+    """The id Ray gives CUDA device ``index`` of this process (under CUDA_VISIBLE_DEVICES)."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    return visible[index] if index < len(visible) else str(index)
+
+
+class _Seat:
+    """Holds the learner's CPUs and GPUs in Ray's books; does nothing else."""
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()]
+
+
+@dataclass
+class LearnerSeat:
+    """The learner's reservation on its own node (a placeholder actor pinned there)."""
+
+    cpus: float
+    gpus: float
+    gpu_ids: list[str]
+    handle: Any = None
+
+    @classmethod
+    def take(cls, cfg: Config, on_cuda: bool, cuda_index: int = 0,
+             wait_s: float = PLACE_WAIT_S) -> LearnerSeat:
+        """Reserve ``ray.learner_cpus`` and the learner's GPU (``learner_gpus``, -1 = auto)
+        on this process's node, before the workers are placed."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node_id = ray.get_runtime_context().get_node_id()
+        gpus = cfg.ray.learner_gpus
+        if gpus < 0 and not on_cuda:
+            gpus = 0.0
+        elif gpus < 0:  # no public call gives one node's free resources
+            node_free = ray._private.state.available_resources_per_node().get(node_id, {})
+            gpus = auto_learner_gpus(on_cuda, ray.cluster_resources().get("GPU", 0.0),
+                                     cfg.ray.worker_gpus, cfg.ray.num_workers,
+                                     node_free.get("GPU", 0.0))
+        cpus = cfg.ray.learner_cpus
+        if cpus <= 0 and gpus <= 0:
+            return cls(0.0, 0.0, [])
+        seat = ray.remote(_Seat).options(
+            num_cpus=cpus, num_gpus=gpus, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+        try:
+            gpu_ids = ray.get(seat.gpu_ids.remote(), timeout=wait_s)
+        except ray.exceptions.RayError:  # timed out, or more than the node has (infeasible)
+            ray.kill(seat)
+            from turnrl.distributed.cluster import node_label
+
+            raise RuntimeError(
+                f"the learner's reservation (ray.learner_cpus {cpus:g}, ray.learner_gpus "
+                f"{gpus:g}) is not free on its node {node_label()} within {wait_s:g} s (free "
+                f"in the cluster: {free_resources(ray)}); lower them, or run the learner on "
+                "a node with room (`ray status`)") from None
+        if on_cuda and gpu_ids and physical_gpu(cuda_index) not in gpu_ids:
+            log.warning("the learner trains on GPU %s but Ray reserved GPU %s for it: a "
+                        "worker may share the learner's GPU; set CUDA_VISIBLE_DEVICES=%s for "
+                        "the learner", physical_gpu(cuda_index), ",".join(gpu_ids),
+                        gpu_ids[0])
+        return cls(cpus, gpus, gpu_ids, seat)
+
+    def release(self) -> None:
+        if self.handle is not None:
+            import ray
+
+            try:
+                ray.kill(self.handle)
+            except Exception:  # noqa: BLE001 - the cluster is already gone
+                pass
+            self.handle = None
+
+
+def release_placement(seat: LearnerSeat | None, group: Any) -> None:
+    """Give back the learner's seat and the workers' placement group (either may be None)."""
+    if seat is not None:
+        seat.release()
+    if group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001 - the cluster is already gone
+            pass
