@@ -122,8 +122,10 @@ def outcome_of(reward: float, invalid: bool) -> str:
 
 @register_env("textarena-2p")
 class TextArenaTwoPlayer:
-    """Multi-turn: a two-player TextArena game (game=TicTacToe-v0, ConnectFour-v0,
-    KuhnPoker-v0, Nim-v0, ...), offline, with TextArena's own rules and rewards.
+    """Multi-turn: a two-player TextArena game (game=TicTacToe-v0, ...) against an opponent.
+
+    Offline, with TextArena's own rules and rewards (TicTacToe-v0, ConnectFour-v0,
+    KuhnPoker-v0, Nim-v0, SimpleNegotiation-v0, ...).
 
     opponent: random (a move the game offers, default), self (self-play: the policy plays
     both seats, player0 and player1, one episode per seat), pool / model / endpoint (an
@@ -290,7 +292,9 @@ class TextArenaTwoPlayer:
 @register_env("textarena-selfplay")
 def textarena_selfplay(game: str = "TicTacToe-v0", opponent: str = "self",
                        **options: Any) -> TextArenaTwoPlayer:
-    """Multi-turn: self-play on a two-player TextArena game (game=TicTacToe-v0, ...): the
-    policy plays player0 and player1, one episode per seat, TextArena's own rewards.
-    Evaluated against the random player. docs/selfplay.md."""
+    """Multi-turn: self-play on a two-player TextArena game (game=TicTacToe-v0, ...).
+
+    The policy plays player0 and player1, one episode per seat, TextArena's own rewards.
+    Evaluated against the random player. Any ``textarena-2p`` option (opponent, seat,
+    zero_sum) and the game's own options pass through. docs/selfplay.md."""
     return TextArenaTwoPlayer(game=game, opponent=opponent, **options)
