@@ -264,6 +264,30 @@ def test_a_dead_or_hanging_endpoint_fails_its_game_with_the_reason_and_the_rest_
         reply_content({"error": "overloaded"})
 
 
+def test_the_built_in_games_take_the_endpoint_opponent_too(tiny, tmp_path):
+    from turnrl.config import ConfigError, load_config
+    from turnrl.selfplay import EndpointOpponent
+
+    _, tok = tiny
+    with chat_server(moves=["1", "2", "4"]) as (server, url):
+        opponent = EndpointOpponent(url + "/v1/chat/completions", "scripted", timeout_s=30)
+        make = partial(make_env, "tictactoe", opponent="endpoint", role="x")
+        (episode,) = _play(tok, lambda: _attach(make(), opponent), ["5", "9", "3", "7"])
+    # X 5, O 1, X 9, O 2, X 3, O 4, then X 7 completes 3-5-7
+    assert episode.info["opponent"] == "endpoint:scripted" and episode.reward == 1.0
+    assert episode.info["outcome"] == "win" and "reason" not in episode.info
+    assert len(server.requests) == 3
+    assert "You play O." in server.requests[0][1]["messages"][1]["content"]
+    with pytest.raises(ConfigError, match=r"opponent endpoint\) works in run.mode sync"):
+        load_config(None, ["--env.name", "tictactoe", "--env.options.opponent", "endpoint",
+                           "--run.mode", "async", "--run.out_dir", str(tmp_path)])
+
+
+def _attach(env, player):
+    env.set_opponent(player)
+    return env
+
+
 # ---- the trainer -----------------------------------------------------------------------------
 
 def _train_cfg(tmp_path, *extra):
