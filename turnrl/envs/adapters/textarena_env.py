@@ -247,8 +247,8 @@ class TextArenaTwoPlayer:
 
     async def reset(self, seed: int) -> str:
         await asyncio.to_thread(self._start, seed)
-        if self.seats:
-            return self.observe(self.seat_to_move)
+        if self.seats:  # the turn loop reads the first mover's prompt with observe(): peek
+            return "\n".join(self.unread.get(self.seat_to_move, [])).strip()
         self.mine = int(self.seat_option) if self.seat_option != "both" else seed % 2
         if self.opponent_option == "random":
             self.player = RandomMover(seed)
