@@ -87,6 +87,7 @@ def test_tictactoe_self_play_gives_an_episode_per_seat_with_textarenas_rewards(t
     assert "[Player 1] [0]" in p0_env and "[Player 1] [1]" in p0_env
     assert "You are Player 1" in p1_env and "You are Player 0" not in p1_env
     assert "You are Player 0" in p0_env and "You are Player 1" not in p0_env
+    assert "[Player 0]" not in p0_env and "[Player 1]" not in p1_env  # no echo of its own
     assert "Game over: win" in p0.turns[-1].observation
     assert "Game over: loss" in p1.turns[-1].observation
     assert p0.turns[-1].reward == 1 and p1.turns[-1].reward == -1

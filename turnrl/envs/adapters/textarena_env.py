@@ -176,16 +176,22 @@ class TextArenaTwoPlayer:
     def _collect(self) -> None:
         """Move every player's new TextArena messages into that seat's unread text and its
         transcript (TextArena hands them out only to the player to move; the other seat's
-        moves must reach each seat as its observation, so all are read here)."""
+        moves must reach each seat as its observation, so all are read here). TextArena
+        echoes a move to its mover too: the policy's seat skips that echo (its reply is
+        already in its conversation); the transcript, which a stateless outside player
+        reads whole, keeps it."""
         state = self.env.state
         for player_id, messages in state.observations.items():
             if player_id < 0 or not messages:
                 continue
-            text = format_messages(messages, state.role_mapping)
             state.observations[player_id] = []
             seat = seat_name(player_id)
-            self.unread.setdefault(seat, []).append(text)
-            self.transcript.setdefault(seat, []).append(text)
+            news = [m for m in messages if m[0] != player_id]
+            if news:
+                self.unread.setdefault(seat, []).append(format_messages(news,
+                                                                        state.role_mapping))
+            self.transcript.setdefault(seat, []).append(format_messages(messages,
+                                                                        state.role_mapping))
 
     def _take_unread(self, seat: str) -> str:
         text = "\n".join(self.unread.pop(seat, [])).strip()
