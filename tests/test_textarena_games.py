@@ -255,9 +255,11 @@ def test_a_dead_or_hanging_endpoint_fails_its_game_with_the_reason_and_the_rest_
             built.append(env)
             return env
         dead, slow, fine = _play(tok, make, ["[4]", "[2]", "[6]"], seeds=(0, 1, 2))
-    assert dead.status == "error" and "unreachable" in dead.info["reason"]
+    assert dead.status == "error" and "opponent endpoint:gone at" in dead.info["reason"]
+    assert "unreachable" in dead.info["reason"]
     assert "127.0.0.1" in dead.info["reason"]
     assert slow.status == "error" and "did not answer within 1s" in slow.info["reason"]
+    assert "endpoint:slow" in slow.info["reason"]
     assert stuck.requests  # the hanging server was asked
     assert fine.status == "done" and fine.info["opponent"] == "endpoint:ok"
     # a reply that is not a chat completion: the game fails, naming what is missing

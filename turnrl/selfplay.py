@@ -215,21 +215,22 @@ class EndpointOpponent:
                                         timeout=self.timeout_s) as response:
                 payload = json.loads(response.read())
         except urllib.error.HTTPError as err:
-            raise EndpointError(f"opponent endpoint {self.url} answered HTTP {err.code}: "
+            raise EndpointError(f"opponent {self.name} at {self.url} answered HTTP {err.code}: "
                                 f"{err.read()[:200].decode(errors='replace')}") from None
         except TimeoutError:
-            raise EndpointError(f"opponent endpoint {self.url} did not answer within "
+            raise EndpointError(f"opponent {self.name} at {self.url} did not answer within "
                                 f"{self.timeout_s:g}s (env.opponent_endpoint_timeout_s)"
                                 ) from None
         except urllib.error.URLError as err:
             reason = err.reason
             if isinstance(reason, TimeoutError):
-                raise EndpointError(f"opponent endpoint {self.url} did not answer within "
+                raise EndpointError(f"opponent {self.name} at {self.url} did not answer within "
                                     f"{self.timeout_s:g}s (env.opponent_endpoint_timeout_s)"
                                     ) from None
-            raise EndpointError(f"opponent endpoint {self.url} unreachable: {reason}") from None
+            raise EndpointError(f"opponent {self.name} at {self.url} unreachable: {reason}"
+                                ) from None
         except (OSError, ValueError) as err:
-            raise EndpointError(f"opponent endpoint {self.url} failed: "
+            raise EndpointError(f"opponent {self.name} at {self.url} failed: "
                                 f"{type(err).__name__}: {err}") from None
         return reply_content(payload)
 
