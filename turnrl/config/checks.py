@@ -97,7 +97,7 @@ def check_self_play(cfg: Config) -> None:
     """Self-play and pool opponents are built in the sync trainer (the learner's engine plays
     every seat; the pool keeps the learner's frozen weights): refuse them in async mode."""
     opponent = cfg.env.options.get("opponent")
-    if cfg.run.mode == "async" and (opponent in ("self", "pool", "model")
+    if cfg.run.mode == "async" and (opponent in ("self", "pool", "model", "endpoint")
                                     or cfg.env.name.endswith(SELF_PLAY_SUFFIX)):
         raise ConfigError(f"self-play (env {cfg.env.name}, opponent {opponent or 'self'}) works "
                           "in run.mode sync only (not yet with async rollout workers); use "
@@ -106,10 +106,16 @@ def check_self_play(cfg: Config) -> None:
         raise ConfigError("env.options.opponent model needs env.opponent_model: the model that "
                           "plays the other seat (a name as model.name takes), e.g. "
                           "--env.opponent_model smollm2-135m-instruct")
+    if opponent == "endpoint" and not (cfg.env.opponent_endpoint
+                                       and cfg.env.opponent_endpoint_model):
+        raise ConfigError("env.options.opponent endpoint needs env.opponent_endpoint and "
+                          "env.opponent_endpoint_model: the OpenAI-compatible endpoint and the "
+                          "model it serves, e.g. --env.opponent_endpoint "
+                          "http://127.0.0.1:8000/v1 --env.opponent_endpoint_model tiny")
     for i, entry in enumerate(cfg.env.mix):
         options = entry.get("options") or {} if isinstance(entry, dict) else {}
         name = entry.get("name", "") if isinstance(entry, dict) else ""
-        if options.get("opponent") in ("self", "pool", "model") \
+        if options.get("opponent") in ("self", "pool", "model", "endpoint") \
                 or str(name).endswith(SELF_PLAY_SUFFIX):
             raise ConfigError(f"env.mix[{i}] is a self-play or pool game, which a mix cannot "
                               "play yet (its seats are known only after the draw); train it "

@@ -68,11 +68,21 @@ class EnvConfig(Section):
     opponent_model: str = ""
     """with --env.options.opponent model: the model that plays the other seat, frozen (a name as
     model.name takes: a local directory, smollm2-135m-instruct, tiny)"""
+    opponent_endpoint: str = ""
+    """with --env.options.opponent endpoint: the OpenAI-compatible endpoint whose agent plays
+    the other seat (a base URL such as http://127.0.0.1:8000/v1; one POST
+    /v1/chat/completions a move; a key, if it needs one, from TURNRL_OPPONENT_API_KEY)"""
+    opponent_endpoint_model: str = ""
+    """the model name sent to env.opponent_endpoint (recorded as opponent endpoint:<name>)"""
+    opponent_endpoint_timeout_s: float = 60.0
+    """seconds one move of the endpoint opponent may take; past it that game fails with the
+    reason and the run goes on"""
 
     def _check(self) -> None:
         self._require("name", bool(self.name), "a registered environment name")
         self._require("opponent_pool_size", self.opponent_pool_size >= 1, ">= 1")
         self._require("opponent_pool_every", self.opponent_pool_every >= 1, ">= 1")
+        self._require("opponent_endpoint_timeout_s", self.opponent_endpoint_timeout_s > 0, "> 0")
         curriculum, mix = self.curriculum_plan(), self.mix_plan()
         if mix and self.name != MIX_NAME:
             raise ConfigError(f"env.mix is set but env.name is '{self.name}': set --env.name "

@@ -155,8 +155,8 @@ def describe(history: str) -> str:
     return " ".join(words[history])
 
 
-OPPONENTS = ("nash", "random", "pool", "model", "self")
-OUTSIDE = ("pool", "model")
+OPPONENTS = ("nash", "random", "pool", "model", "endpoint", "self")
+OUTSIDE = ("pool", "model", "endpoint")
 """Opponents that are an outside player handed over with ``set_opponent``."""
 SEATS = ("first", "second")
 
@@ -184,7 +184,8 @@ class KuhnPoker:
 
     role: first, second, or both (by the seed's parity). opponent: nash (an equilibrium,
     first-player family ``alpha`` in [0, 1/3]), random, pool (frozen past policies, set by the
-    trainer), model (another local model: env.opponent_model) or self (self-play: the policy plays both seats, one episode per seat). Replies: check, bet, call or fold;
+    trainer), model (another local model: env.opponent_model), endpoint (an OpenAI-compatible
+    endpoint: env.opponent_endpoint) or self (self-play: the policy plays both seats, one episode per seat). Replies: check, bet, call or fold;
     an illegal one loses 2 chips. Reward: chips won / 2, in [-1, 1]; success: a won hand.
     Exploitability of a strategy: ``turnrl.envs.kuhn.exploitability``.
     """

@@ -80,8 +80,8 @@ def render(board: str) -> str:
     return "\n---+---+---\n".join(rows)
 
 
-OPPONENTS = ("scripted", "minimax", "random", "pool", "model", "self")
-OUTSIDE = ("pool", "model")
+OPPONENTS = ("scripted", "minimax", "random", "pool", "model", "endpoint", "self")
+OUTSIDE = ("pool", "model", "endpoint")
 """Opponents that are an outside player handed over with ``set_opponent``."""
 OUTCOME_TEXT = {"win": "You win.", "loss": "You lose.", "draw": "Draw.",
                 "illegal": "Illegal move: you lose."}
@@ -127,7 +127,8 @@ class TicTacToe:
     role: x (moves first), o, or both (by the seed's parity). skill: the opponent plays the
     minimax move with this probability, else a random legal one (1 perfect, 0 random).
     opponent: scripted (the skill player), minimax, random, pool (frozen past policies, set by
-    the trainer), model (another local model: env.opponent_model) or self (self-play: the policy plays X and O, one episode per seat).
+    the trainer), model (another local model: env.opponent_model), endpoint (an OpenAI-compatible
+    endpoint: env.opponent_endpoint) or self (self-play: the policy plays X and O, one episode per seat).
     Reward: win 1, draw 0, loss -1; an illegal move loses. success: a win.
     """
 

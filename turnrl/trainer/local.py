@@ -14,7 +14,7 @@ from turnrl.algorithms.exploration import dynamic_sampling
 from turnrl.config import Config
 from turnrl.envs import Env
 from turnrl.policy import training_seeds
-from turnrl.selfplay import ModelOpponent, OpponentPool
+from turnrl.selfplay import EndpointOpponent, ModelOpponent, OpponentPool
 from turnrl.trainer.curriculum import TrainingEnvs
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults, learn
@@ -76,13 +76,16 @@ class LocalSource(SourceDefaults):
                 **(self.guidance.state_dict() if self.guidance is not None else {})}
 
 
-def opponents(run: Run) -> OpponentPool | ModelOpponent | None:
+def opponents(run: Run) -> OpponentPool | ModelOpponent | EndpointOpponent | None:
     """Who plays the other seat when it is not the env's own player: the pool of frozen past
-    policies (``opponent: pool``), another local model (``opponent: model``), else None."""
+    policies (``opponent: pool``), another local model (``opponent: model``), an agent behind
+    an OpenAI-compatible endpoint (``opponent: endpoint``), else None."""
     cfg = run.cfg
     opponent = cfg.env.options.get("opponent")
     if opponent == "model":
         return ModelOpponent.load(cfg.env.opponent_model, cfg)
+    if opponent == "endpoint":
+        return EndpointOpponent.from_config(cfg)
     if opponent == "pool":
         return OpponentPool(run.policy.chat, run.policy.params, size=cfg.env.opponent_pool_size,
                             every=cfg.env.opponent_pool_every, seed=cfg.run.seed)
