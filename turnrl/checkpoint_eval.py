@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 
 from rich.console import Console
-from safetensors.torch import load_model
 
-from turnrl.checkpoint import latest_checkpoint
+from turnrl.checkpoint import is_checkpoint, latest_checkpoint, load_weights
 from turnrl.config import Config, ConfigError, load_config, load_run_config
 from turnrl.evaluation import (
     SampledEval,
@@ -40,7 +39,7 @@ def resolve_checkpoint(target: str) -> Path | None:
     if target == BASE:
         return None
     path = Path(target)
-    if (path / "model.safetensors").is_file():
+    if is_checkpoint(path):
         return path
     if (path / "config.yaml").is_file():
         found = latest_checkpoint(path)
@@ -90,7 +89,7 @@ class Evaluator:
         if checkpoint is None:
             self.policy.model.load_state_dict(self.base)
         else:
-            load_model(self.policy.model, str(checkpoint / "model.safetensors"))
+            load_weights(checkpoint, self.policy.model)  # LoRA: the adapter
         name = label or (BASE if checkpoint is None else _label(checkpoint))
         return play(self.policy, self.cfg, samples, name)
 

@@ -18,6 +18,7 @@ from turnrl.config import Config
 from turnrl.distributed.book import Assignment, AssignmentBook
 from turnrl.distributed.cluster import cluster_address
 from turnrl.distributed.workers import without_tied_weights
+from turnrl.lora import published_state, state_bytes
 
 POLL_WAIT_S = 0.1
 """How long a worker's ``take_groups`` waits for a group before answering empty."""
@@ -48,6 +49,8 @@ class Fleet:
         self.failures: dict[int, int] = {}
         self.dead: set[int] = set()
         self.weights: tuple[int, object] | None = None
+        self.published_bytes = 0
+        """Tensor bytes of the newest published version (a LoRA run: the adapter's)."""
         self.fired: list = []
         # Events since the learner last looked (it logs them per step).
         self.restarts = 0
@@ -99,8 +102,10 @@ class Fleet:
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
         # Tied tensors are found on the model's device (copies to the CPU no longer alias).
-        state = without_tied_weights({k: v.detach() for k, v in model.state_dict().items()})
+        # LoRA: the adapter's tensors alone (``published_state``), a fraction of the model.
+        state = without_tied_weights(published_state(model))
         state = {k: v.to("cpu") if torch.is_tensor(v) else v for k, v in state.items()}
+        self.published_bytes = state_bytes(state)
         self.weights = (version, self.ray.put(state))  # once per version, for all workers
         for w in self.alive():
             self.send_weights(w)

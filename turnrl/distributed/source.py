@@ -208,6 +208,8 @@ class RaySource(SourceDefaults):
             "async/duplicate_groups": book.duplicates,
             "async/worker_restarts": fleet.restarts,
             "async/version_lag": step - min(worker_versions) if worker_versions else 0,
+            # What one version costs to ship to each worker (LoRA: the adapter alone).
+            "async/weight_bytes_per_version": getattr(fleet, "published_bytes", 0),
         }
         if self.adaptive is not None:  # the bound for the next step's groups
             decision = self.adaptive.update(update_metrics.get("offpolicy/ess", float("nan")))

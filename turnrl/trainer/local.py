@@ -14,6 +14,7 @@ from dataclasses import replace
 from turnrl.algorithms.exploration import dynamic_sampling
 from turnrl.config import Config
 from turnrl.envs import Env
+from turnrl.lora import published_state
 from turnrl.policy import training_seeds
 from turnrl.rollout import run_episodes, run_sync
 from turnrl.trainer.curriculum import TrainingEnvs
@@ -39,7 +40,7 @@ class LocalSource(SourceDefaults):
         reloads them as ``version``."""
         engine = self.run.policy.engine
         if hasattr(engine, "update_weights"):
-            engine.update_weights(model.state_dict(), version)
+            engine.update_weights(published_state(model), version)  # LoRA: the adapter
 
     def collect(self, step: int) -> list[Episode]:
         cfg = self.run.cfg
