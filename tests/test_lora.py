@@ -90,7 +90,7 @@ def test_a_step_changes_the_adapter_alone_and_the_optimiser_holds_only_it():
 
 
 def test_the_kl_reference_is_the_base_model_with_the_adapter_off_and_no_copy():
-    cfg, policy = lora_policy("--algo.kl_coef", "0.1", "--algo.epochs", "2")
+    cfg, policy = lora_policy("--algo.kl_coef", "0.1", "--algo.epochs", "1")
     learner = build_learner(cfg, policy)
     model = learner.model
     assert learner.ref_model is model  # the same weights: no second copy of the base
@@ -131,10 +131,12 @@ def test_a_worker_receives_the_adapter_alone_and_then_samples_the_learners_polic
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """A LoRA run on the tiny model: 2 steps, a checkpoint after each, 2 held-out episodes."""
+    """A LoRA run on the tiny model: 2 steps, a checkpoint after each, 2 held-out episodes
+    (an entropy bonus moves the adapter whatever the few episodes' rewards)."""
     out = tmp_path_factory.mktemp("lora") / "run"
     cfg = load_config(None, TINY + LORA + [
-        "--optim.lr", "5e-2", "--run.steps", "2", "--run.checkpoint_every", "1",
+        "--optim.lr", "5e-2", "--algo.entropy_coef", "0.05", "--run.steps", "2",
+        "--run.checkpoint_every", "1",
         "--eval.episodes", "2", "--rollout.groups_per_step", "2", "--rollout.group_size", "2",
         "--run.out_dir", str(out)])
     train(cfg)
@@ -167,7 +169,8 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_moments_only(lora_run, tmp_
 
 def test_a_resumed_lora_run_is_the_uninterrupted_one_bit_for_bit(lora_run, tmp_path):
     cut = load_config(None, TINY + LORA + [
-        "--optim.lr", "5e-2", "--run.steps", "1", "--run.checkpoint_every", "1",
+        "--optim.lr", "5e-2", "--algo.entropy_coef", "0.05", "--run.steps", "1",
+        "--run.checkpoint_every", "1",
         "--eval.episodes", "2", "--rollout.groups_per_step", "2", "--rollout.group_size", "2",
         "--run.out_dir", str(tmp_path / "cut")])
     train(cut)
@@ -232,8 +235,8 @@ def test_eval_serve_and_report_take_a_lora_run(lora_run, tmp_path, capsys):
     assert main(["eval", str(lora_run), "--eval.episodes", "2"]) == 0
     checkpoint = latest_checkpoint(lora_run)
     server = load_server(load_config(None, TINY + ["--serve.checkpoint", str(checkpoint)]))
-    assert is_lora(server.policy.model) and server.policy.engine.version == 2
-    served = probe_logprobs(server.policy.model.eval(), server.policy.tokenizer)
+    assert is_lora(server.model) and server.engine.version == 2  # the run's model.lora
+    served = probe_logprobs(server.model.eval(), server.tokenizer)
     assert torch.allclose(served, checkpoint_logprobs(checkpoint), atol=1e-6)
     assert main(["report", str(lora_run), "--out", str(tmp_path / "r.png"),
                  "--html", str(tmp_path / "r.html")]) == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,10 @@ def add_adapter(model: nn.Module, spec: LoraSpec) -> nn.Module:
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                         target_modules=targets if isinstance(targets, str) else list(targets),
                         bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # PEFT asks transformers a since-renamed question
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", 
+                                category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -99,11 +103,13 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
     adapter tensor (another rank, other targets) is an error, not a silent partial load."""
     from peft import set_peft_model_state_dict
 
-    expected = set(adapter_state(model))
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ValueError(f"the adapter weights do not fit this run's model.lora: missing "
-                         f"{missing[:3]}, unexpected {extra[:3]}; load them with the "
+    expected = {k: tuple(v.shape) for k, v in adapter_state(model).items()}
+    given = {k: tuple(v.shape) for k, v in state.items()}
+    if given != expected:
+        wrong = sorted(k for k in expected.keys() ^ given.keys()) or sorted(
+            k for k in expected if expected[k] != given[k])
+        raise ValueError(f"the adapter weights do not fit this run's model.lora (another "
+                         f"rank or other target modules: {wrong[0]}); load them with the "
                          "model.lora section they were trained with")
     result = set_peft_model_state_dict(model, state)
     unexpected = getattr(result, "unexpected_keys", [])
