@@ -301,7 +301,8 @@ def test_the_cli_says_in_one_line_what_is_wrong(tmp_path):
 def ray_cluster():
     ray = pytest.importorskip("ray")
     ray.cloudpickle.register_pickle_by_value(sys.modules["conftest"])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a cluster of its own, even where another one runs on the machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
     ray.cloudpickle.unregister_pickle_by_value(sys.modules["conftest"])
