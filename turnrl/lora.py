@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,12 +40,10 @@ def require_peft() -> None:
 
 
 def is_lora(model: nn.Module) -> bool:
-    """Whether ``model`` is a PEFT model (its trainable state is the adapter)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+    """Whether ``model`` is a PEFT model (its trainable state is the adapter). PEFT not yet
+    imported means no PEFT model exists: a full fine-tune never pays for importing it."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
