@@ -67,7 +67,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
                                     "one is written (run.checkpoint_every) and export again")
         return found
     raise FileNotFoundError(f"'{path}' is neither a TurnRL checkpoint (model.safetensors or "
-                            "adapter_model.safetensors, state.json) nor a run directory (config.yaml, checkpoints/)")
+                            "adapter_model.safetensors, state.json) nor a run directory "
+                            "(config.yaml, checkpoints/)")
 
 
 def export_model(source: str | Path, out_dir: str | Path, *, adapter_only: bool = False

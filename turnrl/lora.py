@@ -80,7 +80,7 @@ def add_adapter(model: nn.Module, spec: LoraSpec) -> nn.Module:
                         target_modules=targets if isinstance(targets, str) else list(targets),
                         bias="none", task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # PEFT asks transformers a since-renamed question
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", 
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing",
                                 category=FutureWarning)
         return get_peft_model(model, config)
 

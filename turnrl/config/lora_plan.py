@@ -32,10 +32,6 @@ class LoraSpec:
     target_modules: tuple[str, ...] | str
     """Module names (a name matches a module whose dotted path ends with it) or 'all-linear'."""
 
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.r
-
 
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
