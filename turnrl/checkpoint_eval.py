@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 
 from rich.console import Console
-from safetensors.torch import load_model
 
-from turnrl.checkpoint import latest_checkpoint
+from turnrl.checkpoint import is_checkpoint, latest_checkpoint, load_weights
 from turnrl.config import Config, ConfigError, load_config, load_run_config
 from turnrl.envs.contract import seats
 from turnrl.evaluation import (
@@ -42,7 +41,7 @@ def resolve_checkpoint(target: str) -> Path | None:
     if target == BASE:
         return None
     path = Path(target)
-    if (path / "model.safetensors").is_file():
+    if is_checkpoint(path):
         return path
     if (path / "config.yaml").is_file():
         found = latest_checkpoint(path)
@@ -104,7 +103,7 @@ class Evaluator:
         if checkpoint is None:
             self.policy.model.load_state_dict(self.base)
         else:
-            load_model(self.policy.model, str(checkpoint / "model.safetensors"))
+            load_weights(checkpoint, self.policy.model)  # LoRA: the adapter
         # ct2, a bf16 copy or vLLM sample from weights of their own: give them these
         refresh_sampler(self.policy.engine, self.policy.model, self.policy.engine.version)
         name = label or (BASE if checkpoint is None else _label(checkpoint))

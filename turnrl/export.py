@@ -8,6 +8,12 @@ model with the checkpoint's weights, puts on its tokenizer the chat template the
 load with nothing of TurnRL. The directory is built aside and renamed into place, then read
 back and checked: the reloaded model's log-probabilities on a probe conversation against the
 checkpoint's (the largest absolute difference is printed and recorded).
+
+A LoRA run's checkpoint (the adapter alone) exports merged by default: the adapter folded into
+the base weights, a plain model like any other. ``--adapter-only`` writes the PEFT adapter
+(``adapter_model.safetensors``, ``adapter_config.json``, whose ``base_model_name_or_path`` is
+the hub id or local directory of the base) with the tokenizer; it is checked through
+``PeftModel.from_pretrained`` on a freshly loaded base.
 """
 
 from __future__ import annotations
@@ -17,17 +23,20 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from turnrl.checkpoint import latest_checkpoint
+from turnrl.checkpoint import is_checkpoint, latest_checkpoint
 from turnrl.config import ConfigError, load_run_config
-from turnrl.models import load_model
+from turnrl.hub import is_hub_id
+from turnrl.lora import ADAPTER_WEIGHTS, add_adapter, load_adapter, merged, save_adapter
+from turnrl.models import load_model, model_directory
 from turnrl.policy import use_chat_template
 
 EXPORT_RECORD = "turnrl_export.json"
-ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_FILE = ADAPTER_WEIGHTS
 # Exported weights must reproduce the checkpoint's log-probs to this; a wrong weight moves
 # them by far more (whole nats), float32 rounding by ~1e-6. In bfloat16 the in-process model
 # may hold its rotary frequencies in bfloat16 (the tiny model is cast with .to()) where a
@@ -49,7 +58,7 @@ class ExportResult:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory itself, or a run directory's newest checkpoint."""
     path = Path(path).expanduser()
-    if (path / "model.safetensors").is_file() and (path / "state.json").is_file():
+    if is_checkpoint(path):
         return path
     if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
         found = latest_checkpoint(path)
@@ -57,36 +66,56 @@ def resolve_checkpoint(path: str | Path) -> Path:
             raise FileNotFoundError(f"run directory '{path}' has no checkpoint yet; train until "
                                     "one is written (run.checkpoint_every) and export again")
         return found
-    raise FileNotFoundError(f"'{path}' is neither a TurnRL checkpoint (model.safetensors, "
-                            "state.json) nor a run directory (config.yaml, checkpoints/)")
+    raise FileNotFoundError(f"'{path}' is neither a TurnRL checkpoint (model.safetensors or "
+                            "adapter_model.safetensors, state.json) nor a run directory "
+                            "(config.yaml, checkpoints/)")
 
 
 def export_model(source: str | Path, out_dir: str | Path, *, adapter_only: bool = False
                  ) -> ExportResult:
     """Write the checkpoint at ``source`` (or a run's newest) to ``out_dir`` as a Hugging Face
-    model directory with its tokenizer and chat template; ``out_dir`` must not hold files."""
+    model directory with its tokenizer and chat template; ``out_dir`` must not hold files.
+
+    A LoRA run's checkpoint is written merged (the adapter folded into the base weights: a
+    plain model) or, with ``adapter_only``, as the PEFT adapter alone, which
+    ``PeftModel.from_pretrained(base, OUT_DIR)`` puts on the base model. Either is read back
+    and compared with the checkpoint as trained (base + adapter, unmerged)."""
     checkpoint = resolve_checkpoint(source)
     saved = checkpoint.parent.parent / "config.yaml"
     if not saved.is_file():
         raise FileNotFoundError(f"checkpoint '{checkpoint}' has no run config at {saved}; "
                                 "export needs the run directory the checkpoint was written in")
     cfg = load_run_config(str(saved))  # checks model.chat_template, the file still exists
-    if adapter_only:
-        export_adapter(checkpoint, Path(out_dir))
+    lora = (checkpoint / ADAPTER_FILE).is_file()
+    if adapter_only and not lora:
+        raise ConfigError(f"--adapter-only: this run has no LoRA adapter (checkpoint "
+                          f"'{checkpoint}' holds full weights); export without --adapter-only")
     out = Path(out_dir).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"export target '{out}' exists and is not empty; name a new "
                               "directory or remove it first")
-    model, tokenizer = load_model(str(checkpoint), dtype=cfg.model.dtype,
-                                  cache_dir=cfg.model.cache_dir or None)
+    if lora:
+        model, tokenizer = trained_policy(checkpoint, cfg)
+    else:
+        model, tokenizer = load_model(str(checkpoint), dtype=cfg.model.dtype,
+                                      cache_dir=cfg.model.cache_dir or None)
     use_chat_template(tokenizer, cfg.model.chat_template)
     model.eval()
+    expected = probe_logprobs(model, tokenizer)  # the checkpoint as trained
     step = json.loads((checkpoint / "state.json").read_text()).get("step")
     record = {"checkpoint": str(checkpoint.resolve()), "step": step,
               "base_model": cfg.model.name, "revision": cfg.model.revision,
-              "dtype": cfg.model.dtype, "chat_template_file": cfg.model.chat_template}
-    _write_atomically(out, model, tokenizer, record)
-    diff = reload_difference(model, tokenizer, out, cfg.model.trust_remote_code)
+              "dtype": cfg.model.dtype, "chat_template_file": cfg.model.chat_template,
+              "lora": dict(cfg.model.lora) if lora else None, "adapter_only": adapter_only}
+    if adapter_only:
+        _write_atomically(out, partial(save_adapter, model, base_model=adapter_base(cfg)),
+                          tokenizer, record)
+        reloaded = reload_adapter(out, cfg)
+    else:
+        model = merged(model)  # LoRA: W + (alpha / r) B A, a plain transformers model
+        _write_atomically(out, model.save_pretrained, tokenizer, record)
+        reloaded = reload_plain(out, model.dtype, cfg.model.trust_remote_code)
+    diff = logprob_difference(expected, tokenizer, reloaded, out)
     record["max_logprob_diff"] = diff
     (out / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     if diff > MAX_LOGPROB_DIFF[cfg.model.dtype]:
@@ -95,24 +124,48 @@ def export_model(source: str | Path, out_dir: str | Path, *, adapter_only: bool 
     return ExportResult(out, checkpoint, cfg.model.name, diff)
 
 
-def export_adapter(checkpoint: Path, out: Path) -> None:
-    """``--adapter-only``: the LoRA adapter alone. Runs without one say so; adapter export
-    itself comes with LoRA training (the checkpoint's ``adapter_model.safetensors``)."""
-    if not (checkpoint / ADAPTER_FILE).is_file():
-        raise ConfigError(f"--adapter-only: this run has no LoRA adapter (checkpoint "
-                          f"'{checkpoint}' holds full weights); export without --adapter-only")
-    raise ConfigError("--adapter-only: exporting a LoRA adapter is not supported yet; export "
-                      "without --adapter-only for the merged model")
+def trained_policy(checkpoint: Path, cfg):
+    """A LoRA checkpoint as training ran it: the base model with the adapter on top."""
+    base, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
+                                 cache_dir=cfg.model.cache_dir or None,
+                                 revision=cfg.model.revision,
+                                 trust_remote_code=cfg.model.trust_remote_code)
+    with torch.random.fork_rng(devices=[]):  # A's fresh draw is overwritten
+        model = add_adapter(base, cfg.model.lora_plan())
+    load_adapter(model, checkpoint)
+    return model, tokenizer
 
 
-def _write_atomically(out: Path, model, tokenizer, record: dict) -> None:
-    """Build the directory beside ``out`` and rename it into place: an export that fails
-    half-way leaves no directory that looks complete."""
+def adapter_base(cfg) -> str:
+    """``base_model_name_or_path`` of an exported adapter: a hub id as such, else the local
+    directory the base was read from ('tiny', built in code, has none)."""
+    if is_hub_id(cfg.model.name) and not Path(cfg.model.name).expanduser().exists():
+        return cfg.model.name
+    path = model_directory(cfg.model.name, cfg.model.cache_dir or None, cfg.model.revision)
+    return str(path.resolve()) if path is not None else cfg.model.name
+
+
+def reload_adapter(out: Path, cfg):
+    """The exported adapter as PEFT loads it onto a freshly loaded base model."""
+    from peft import PeftModel
+
+    base, _ = load_model(cfg.model.name, dtype=cfg.model.dtype,
+                         cache_dir=cfg.model.cache_dir or None, revision=cfg.model.revision,
+                         trust_remote_code=cfg.model.trust_remote_code)
+    return PeftModel.from_pretrained(base, out).eval()
+
+
+def _write_atomically(out: Path, save_weights, tokenizer, record: dict) -> None:
+    """Build the directory beside ``out`` (``save_weights(directory)`` writes the weights) and
+    rename it into place: an export that fails half-way leaves no directory that looks
+    complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        model.config.name_or_path = ""  # the exported directory is its own source
-        model.save_pretrained(tmp)
+        config = getattr(getattr(save_weights, "__self__", None), "config", None)
+        if config is not None:
+            config.name_or_path = ""  # the exported directory is its own source
+        save_weights(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
@@ -133,17 +186,23 @@ def probe_logprobs(model, tokenizer) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
 
 
-def reload_difference(model, tokenizer, out: Path, trust_remote_code: bool = False) -> float:
-    """Largest |log-prob difference| between ``model`` and the one plain transformers loads
-    from ``out`` (with ``out``'s own tokenizer and template), on the probe conversation."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def reload_plain(out: Path, dtype: torch.dtype, trust_remote_code: bool = False):
+    """The exported model as plain transformers loads it."""
+    from transformers import AutoModelForCausalLM
 
     local = {"local_files_only": True, "trust_remote_code": trust_remote_code}
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=model.dtype, **local)
-    reloaded_tokenizer = AutoTokenizer.from_pretrained(out, **local)
+    return AutoModelForCausalLM.from_pretrained(out, dtype=dtype, **local).eval()
+
+
+def logprob_difference(expected: torch.Tensor, tokenizer, reloaded, out: Path) -> float:
+    """Largest |log-prob difference| between ``expected`` (the checkpoint's, on the probe)
+    and ``reloaded`` read with ``out``'s own tokenizer and template."""
+    from transformers import AutoTokenizer
+
+    reloaded_tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
     if reloaded_tokenizer.chat_template != tokenizer.chat_template:
         raise ValueError(f"the tokenizer saved in '{out}' lost the run's chat template")
-    ours, theirs = probe_logprobs(model, tokenizer), probe_logprobs(reloaded, reloaded_tokenizer)
-    if ours.shape != theirs.shape:
+    theirs = probe_logprobs(reloaded, reloaded_tokenizer)
+    if expected.shape != theirs.shape:
         raise ValueError(f"the tokenizer saved in '{out}' encodes the probe differently")
-    return float((ours - theirs).abs().max())
+    return float((expected - theirs).abs().max())

@@ -86,9 +86,7 @@ def load_model(
         model, tokenizer = load_model(
             base, dtype=dtype, cache_dir=cache_dir, revision=str(saved.get("revision") or ""),
             trust_remote_code=bool(saved.get("trust_remote_code")))
-        from safetensors.torch import load_model as load_weights
-
-        load_weights(model, str(Path(name).expanduser() / "model.safetensors"))
+        model = _with_checkpoint_weights(model, Path(name).expanduser(), saved)
     else:
         model, tokenizer = _load_dir(_local_or_hub_dir(name, revision), torch_dtype,
                                      trust_remote_code)
@@ -104,11 +102,35 @@ def checkpoint_base(name: str) -> str | None:
     checkpoint loads as that model with the checkpoint's weights (an SFT run's, to start RL)."""
     path = Path(name).expanduser()
     saved = path.parent.parent / "config.yaml"
-    if (path / "config.json").is_file() or not (path / "model.safetensors").is_file() \
+    weights = ("model.safetensors", "adapter_model.safetensors")
+    if (path / "config.json").is_file() or not any((path / w).is_file() for w in weights) \
             or not (path / "state.json").is_file() or not saved.is_file():
         return None
     base = checkpoint_model_section(name).get("name")
     return str(base) if base else None
+
+
+def _with_checkpoint_weights(model: PreTrainedModel, path: Path, section: dict
+                             ) -> PreTrainedModel:
+    """``model`` with checkpoint ``path``'s weights: the whole model's, or a LoRA run's
+    adapter (built as the run's ``model.lora`` built it) merged into the base weights, so
+    the result is a plain transformers model."""
+    if not (path / "adapter_model.safetensors").is_file():
+        from safetensors.torch import load_model as load_weights
+
+        load_weights(model, str(path / "model.safetensors"))
+        return model
+    from turnrl.config.lora_plan import parse_lora
+    from turnrl.lora import add_adapter, load_adapter, merged
+
+    spec = parse_lora(section.get("lora") or {})
+    if spec is None:
+        raise ValueError(f"checkpoint '{path}' holds a LoRA adapter but its run config has no "
+                         "model.lora section; the run directory's config.yaml was changed")
+    with torch.random.fork_rng(devices=[]):  # A's fresh draw is overwritten: leave no trace
+        peft_model = add_adapter(model, spec)
+    load_adapter(peft_model, path)
+    return merged(peft_model)
 
 
 def checkpoint_model_section(name: str) -> dict:
@@ -465,7 +487,9 @@ def cache_kwargs(module: torch.nn.Module, cache: object) -> dict[str, object]:
     """``{name: cache}`` for ``module``'s forward: transformers 5.x names the key/value cache
     ``cache`` (and warns on ``past_key_values``); the 4.x versions the pin allows take only
     ``past_key_values``."""
-    return {_cache_keyword(type(module)): cache}
+    # A PEFT model's forward takes **kwargs on to the model it wraps: ask that one.
+    inner = module.get_base_model() if hasattr(type(module), "get_base_model") else module
+    return {_cache_keyword(type(inner)): cache}
 
 
 @functools.cache

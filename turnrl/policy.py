@@ -19,6 +19,7 @@ from turnrl.config import Config
 from turnrl.envs import Env, make_env
 from turnrl.envs.mix import MixEnv
 from turnrl.evaluation import EvalResult, evaluate, evaluate_each, reply_scorer, with_env_metrics
+from turnrl.lora import add_adapter, base_copy, require_peft, vllm_lora_config
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 from turnrl.rollout.engine import Engine
@@ -53,12 +54,18 @@ def sampling_params(cfg: Config, chat: ChatFormat, temperature: float | None = N
 
 
 def load_policy(cfg: Config) -> Policy:
-    """Load the model on its device, check its chat template and the env, wire evaluation."""
+    """Load the model on its device (with a fresh LoRA adapter under ``model.lora``), check
+    its chat template and the env, wire evaluation."""
+    lora = cfg.model.lora_plan()
+    if lora is not None:
+        require_peft()  # before the model loads: one line, not a traceback minutes later
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
                                   cache_dir=cfg.model.cache_dir or None,
                                   revision=cfg.model.revision,
                                   trust_remote_code=cfg.model.trust_remote_code)
     model.to(resolve_device(cfg.model.device))
+    if lora is not None:
+        model = add_adapter(model, lora)
     use_chat_template(tokenizer, cfg.model.chat_template)
     chat = ChatFormat(tokenizer)
     chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
@@ -187,11 +194,12 @@ def vllm_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
     path = model_directory(cfg.model.name, cfg.model.cache_dir or None)
     if path is None:
         path = Path(tempfile.mkdtemp(prefix="turnrl-vllm-sync-"))
-        model.save_pretrained(path)
+        base_copy(model).save_pretrained(path)  # LoRA: the base; the adapter comes per version
         tokenizer.save_pretrained(path)
     dtype = cfg.model.dtype if cfg.rollout.engine_dtype == "auto" else cfg.rollout.engine_dtype
     return VLLMEngine(path, seed=cfg.run.seed, dtype=dtype,
-                      max_model_len=getattr(model.config, "max_position_embeddings", None))
+                      max_model_len=getattr(model.config, "max_position_embeddings", None),
+                      lora_config=vllm_lora_config(cfg.model.lora_plan()))
 
 
 def level_factory(cfg: Config, value: Any) -> Callable[[], Env]:

@@ -51,6 +51,7 @@ from turnrl.config.load import (
     load_run_config,
     save_config,
 )
+from turnrl.config.lora_plan import LoraSpec
 from turnrl.config.renames import MOVED, translate_stored
 from turnrl.config.root import Config, sections
 from turnrl.config.serve import ServeConfig
@@ -79,6 +80,7 @@ __all__ = [
     "EvalConfig",
     "ExploreConfig",
     "LossAgg",
+    "LoraSpec",
     "MixEntry",
     "ModelConfig",
     "OptimConfig",

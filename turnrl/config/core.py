@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from turnrl.config.env_plan import MIX_NAME, Curriculum, MixEntry, parse_curriculum, parse_mix
+from turnrl.config.lora_plan import LoraSpec, parse_lora
 from turnrl.config.types import ConfigError, Section
 from turnrl.registry import ESTIMATORS, UnknownName
 
@@ -37,13 +38,23 @@ class ModelConfig(Section):
     chat_template: str = ""
     """a Jinja chat template file replacing the tokenizer's ('' keeps it): for models whose
     own template rewrites earlier turns (start-up says so)"""
+    lora: dict[str, Any] = field(default_factory=dict)
+    """a LoRA adapter trained instead of the whole model (needs the peft extra): {r, alpha,
+    dropout, target_modules}, e.g. --model.lora.r 16; alpha defaults to 2r, dropout to 0,
+    target_modules to 'all-linear' (or names: q_proj,v_proj); {} or r 0 = full fine-tuning
+    (docs/lora.md)"""
 
     def _check(self) -> None:
         self._require("name", bool(self.name), "a model name or path")
+        self.lora_plan()  # a bad rank or key fails here, in one line
         self._require("device", self.device in ("auto", "cpu") or self.device.startswith("cuda"),
                       "'auto', 'cpu', 'cuda' or 'cuda:N'")
         self._require("chat_template", not self.chat_template
                       or Path(self.chat_template).expanduser().is_file(), "an existing file")
+
+    def lora_plan(self) -> LoraSpec | None:
+        """``lora`` parsed (None: full fine-tuning)."""
+        return parse_lora(self.lora)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from turnrl.config import Config
 from turnrl.distributed.book import Assignment, AssignmentBook
 from turnrl.distributed.cluster import cluster_address
 from turnrl.distributed.workers import without_tied_weights
+from turnrl.lora import published_state, state_bytes
 
 POLL_WAIT_S = 0.1
 """How long a worker's ``take_groups`` waits for a group before answering empty."""
@@ -52,6 +53,8 @@ class Fleet:
         self.failures: dict[int, int] = {}
         self.dead: set[int] = set()
         self.weights: tuple[int, object] | None = None
+        self.version_bytes = 0
+        """Tensor bytes of the newest published version (a LoRA run: the adapter's)."""
         self.fired: list = []
         # Events since the learner last looked (it logs them per step).
         self.restarts = 0
@@ -116,8 +119,10 @@ class Fleet:
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
         # Tied tensors are found on the model's device (copies to the CPU no longer alias).
-        state = without_tied_weights({k: v.detach() for k, v in model.state_dict().items()})
+        # LoRA: the adapter's tensors alone (``published_state``), a fraction of the model.
+        state = without_tied_weights(published_state(model))
         state = {k: v.to("cpu") if torch.is_tensor(v) else v for k, v in state.items()}
+        self.version_bytes = state_bytes(state)
         self.weights = (version, self.ray.put(state))  # once per version, for all workers
         self.published_bytes[version] = state_bytes(state)
         for old in [v for v in self.published_bytes if v < version - 16]:
@@ -296,11 +301,6 @@ class Fleet:
                 self.ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-
-
-def state_bytes(state: dict) -> int:
-    """Bytes of the tensors in a published state dict."""
-    return sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
 
 
 def learner_threads(cfg: Config) -> int:

@@ -246,6 +246,8 @@ class RaySource(SourceDefaults):
             "async/duplicate_groups": book.duplicates,
             "async/worker_restarts": fleet.restarts,
             "async/version_lag": step - min(worker_versions) if worker_versions else 0,
+            # What one version costs to ship to each worker (LoRA: the adapter alone).
+            "async/weight_bytes_per_version": getattr(fleet, "version_bytes", 0),
         }
         pulled = fleet.take_pulled() if hasattr(fleet, "take_pulled") else {}
         if pulled:  # Ray pulls a version into a node once; every worker there shares it

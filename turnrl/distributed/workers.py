@@ -63,6 +63,7 @@ from turnrl.config import Config
 from turnrl.distributed.cluster import WorkerSetup, node_label, uploaded, worker_runtime_env
 from turnrl.distributed.placement import worker_options
 from turnrl.envs.base import ENVS, make_env
+from turnrl.lora import base_copy, load_published, vllm_lora_config
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
@@ -174,7 +175,7 @@ class RolloutWorker:
         if self.model is None:  # vLLM: its own loader, in place
             self.engine.update_weights(with_tied_weights(state), version)
             return
-        self.model.load_state_dict(with_tied_weights(state))
+        load_published(self.model, with_tied_weights(state))  # LoRA: the adapter alone
         self.engine.version = version  # also invalidates the engine's KV cache
 
     # ---- actor methods -------------------------------------------------------------------
@@ -330,11 +331,12 @@ def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
     path = policy.model_dir
     if path is None:  # the tiny model, built in code: saved for vLLM to load
         path = Path(tempfile.mkdtemp(prefix=f"turnrl-vllm-{index}-"))
-        policy.model.save_pretrained(path)
+        base_copy(policy.model).save_pretrained(path)  # LoRA: the adapter comes per version
         policy.tokenizer.save_pretrained(path)
     return VLLMEngine(path, seed=sampling_seed(cfg.run.seed, index), dtype=engine_dtype(cfg),
                       gpu_memory_utilization=cfg.ray.gpu_memory_utilization,
-                      max_model_len=policy.max_context)
+                      max_model_len=policy.max_context,
+                      lora_config=vllm_lora_config(cfg.model.lora_plan()))
 
 
 TIED_KEYS = "__tied__"

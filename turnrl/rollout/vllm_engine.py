@@ -29,6 +29,13 @@ Choices (and where they depart from vLLM's defaults):
   engine alike, without insecure serialisation (a closure through ``apply_model`` would
   not). Then the prefix cache is reset: cached KV blocks were computed by the old weights,
   and a next-turn prompt that extends an earlier one would otherwise reuse them.
+- LoRA (``lora_config``, a PEFT ``adapter_config.json`` dict; ``turnrl.lora.vllm_lora_config``,
+  its target modules read off the tensors' names): the engine is built with
+  ``enable_lora`` and the base model's weights stay as loaded; ``update_weights`` then takes the
+  adapter's tensors (PEFT names), writes them with the config as a PEFT adapter directory and
+  samples with a ``LoRARequest`` of a new id per version (vLLM's own adapter loader; its prefix
+  cache is keyed by adapter, so blocks of an older version are never reused). The previous
+  version's adapter is removed from the engine and its directory deleted.
 - The log-probability mode is checked after the engine is built: a user's ``llm_kwargs``
   that override it would silently train on the wrong probabilities, so that fails at once.
 - Precision: ``dtype`` defaults to ``bfloat16`` (FlashAttention needs 16-bit weights; the
@@ -39,6 +46,7 @@ Choices (and where they depart from vLLM's defaults):
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -159,7 +167,8 @@ class VLLMEngine:
     def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, dtype: str = "bfloat16",
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  enforce_eager: bool | None = None, version: int = 0,
-                 keep_cache_across_versions: bool = False, **llm_kwargs: Any):
+                 keep_cache_across_versions: bool = False, lora_config: dict | None = None,
+                 **llm_kwargs: Any):
         try:
             import vllm
             from vllm.inputs import TokensPrompt
@@ -184,6 +193,13 @@ class VLLMEngine:
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        self.lora_config = lora_config
+        self.lora_request: Any = None
+        """The adapter generation uses (None: the base weights, or full fine-tuning)."""
+        self._adapter_dir: str | None = None
+        if lora_config is not None:
+            kwargs.update(enable_lora=True, max_loras=1,
+                          max_lora_rank=vllm_lora_rank(int(lora_config["r"])))
         kwargs.update(llm_kwargs)
         self.tied_embeddings = _tied_embeddings(model_path)
         self.generator = torch.Generator().manual_seed(seed)
@@ -223,14 +239,20 @@ class VLLMEngine:
         if params.max_new_tokens < 1:  # vLLM rejects max_tokens=0; HFEngine samples nothing
             return [Completion() for _ in prompts]
         requests = [self._tokens_prompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-        outputs = self.llm.generate(requests, self._vllm_params(params), use_tqdm=False)
+        adapter = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        outputs = self.llm.generate(requests, self._vllm_params(params), use_tqdm=False,
+                                    **adapter)
         return [to_completion(out.outputs[0]) for out in outputs]
 
     def update_weights(self, weights: WeightsLike, version: int) -> None:
         """Copy the learner's weights (a state dict, or ``(name, tensor)`` pairs with Hugging
         Face names) into the vLLM model in place, then adopt ``version``. The prefix cache
         (keys and values of the old weights) is dropped unless ``keep_cache_across_versions``
-        (PipelineRL's in-flight update)."""
+        (PipelineRL's in-flight update). A LoRA engine takes the adapter's tensors instead
+        (``turnrl.lora.adapter_state``) and loads them as a new adapter."""
+        if self.lora_config is not None:
+            self._update_adapter(named_tensors(weights, to_cpu=True), version)
+            return
         pairs = with_tied_output(named_tensors(weights, to_cpu=True), self.tied_embeddings)
         if not pairs:
             raise ValueError("update_weights got no tensors")
@@ -243,3 +265,56 @@ class VLLMEngine:
         if stale and self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM could not reset its prefix cache after the weight update")
         self.version = version
+
+    def _update_adapter(self, pairs: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Sample with the adapter ``pairs`` from now on, as ``version``."""
+        from vllm.lora.request import LoRARequest
+
+        if not pairs:
+            raise ValueError("update_weights got no adapter tensors")
+        old_request, old_dir = self.lora_request, self._adapter_dir
+        self._adapter_dir = write_adapter_dir(pairs, self.lora_config or {})
+        # Ids must be positive and new per version: vLLM caches an adapter by its id.
+        self.lora_request = LoRARequest(f"turnrl-v{version}", version + 1, self._adapter_dir)
+        if old_request is not None:
+            remove = getattr(self.llm.llm_engine, "remove_lora", None)
+            if remove is not None:
+                remove(old_request.lora_int_id)
+        if old_dir is not None:
+            shutil.rmtree(old_dir, ignore_errors=True)
+        self.version = version
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (its kernels are built for these)."""
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts that holds an adapter of rank ``r``."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; model.lora.r is {r}")
+
+
+def write_adapter_dir(pairs: list[tuple[str, torch.Tensor]], config: dict) -> str:
+    """A PEFT adapter directory (``adapter_model.safetensors`` and ``adapter_config.json``) in
+    shared memory (or the temp dir) for vLLM's LoRA loader; its path."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix="turnrl-adapter-", dir=folder)
+    save_file({name: t.contiguous() for name, t in pairs},
+              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({**config, "target_modules": adapter_targets(name for name, _ in pairs)}, f)
+    return path
+
+
+def adapter_targets(names) -> list[str]:
+    """The module names an adapter's tensors adapt: ``...self_attn.q_proj.lora_A.weight``
+    -> ``q_proj``."""
+    return sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in names
+                   if ".lora_" in name})

@@ -8,6 +8,7 @@ the recorder. ``app.py`` puts it behind HTTP.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from dataclasses import dataclass
 
@@ -186,22 +187,39 @@ class Server:
         return [self.tokenizer.decode([i]) for i in ids]
 
 
+def with_checkpoint_lora(cfg: Config, checkpoint) -> Config:
+    """``cfg`` with the ``model.lora`` section of the run that wrote ``checkpoint`` when that
+    holds a LoRA adapter and ``cfg`` names none: the adapter is served on the base it was
+    trained on without repeating its rank on the command line."""
+    from dataclasses import replace
+
+    from turnrl.lora import ADAPTER_WEIGHTS
+    from turnrl.models import checkpoint_model_section
+
+    if cfg.model.lora or not (checkpoint / ADAPTER_WEIGHTS).is_file():
+        return cfg
+    lora = checkpoint_model_section(str(checkpoint)).get("lora") or {}
+    return replace(cfg, model=replace(cfg.model, lora=dict(lora)))
+
+
 def load_server(cfg: Config) -> Server:
     """The model of ``cfg`` (and ``serve.checkpoint``'s weights), ready to serve."""
     from pathlib import Path
 
-    from turnrl.checkpoint import load_checkpoint
+    from turnrl.checkpoint import is_checkpoint, load_weights
     from turnrl.models import configure_torch
 
     configure_torch(cfg.run.threads)
+    if cfg.serve.checkpoint:
+        cfg = with_checkpoint_lora(cfg, Path(cfg.serve.checkpoint))
     policy = load_policy(cfg)
     if cfg.serve.checkpoint:
         checkpoint = Path(cfg.serve.checkpoint)
-        if not (checkpoint / "model.safetensors").is_file():
+        if not is_checkpoint(checkpoint):
             raise FileNotFoundError(f"no checkpoint at '{checkpoint}'; pass --serve.checkpoint "
                                     "RUN_DIR/checkpoints/step-NNNNNN")
-        state, _ = load_checkpoint(checkpoint, policy.model,
-                                   torch.optim.AdamW(policy.model.parameters()))
+        load_weights(checkpoint, policy.model)  # a LoRA run's: its adapter
+        state = json.loads((checkpoint / "state.json").read_text())
         # recorded tokens carry the checkpoint's step; an engine with its own weights reloads
         refresh_sampler(policy.engine, policy.model, state["step"])
     return Server.from_policy(policy, cfg)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from turnrl.algorithms.exploration import dynamic_sampling
 from turnrl.config import Config
 from turnrl.envs import Env
+from turnrl.lora import published_state
 from turnrl.policy import training_seeds
 from turnrl.selfplay import EndpointOpponent, ModelOpponent, OpponentPool
 from turnrl.trainer.curriculum import TrainingEnvs
@@ -37,7 +38,7 @@ class LocalSource(SourceDefaults):
         reloads them as ``version``."""
         engine = self.run.policy.engine
         if hasattr(engine, "update_weights"):
-            engine.update_weights(model.state_dict(), version)
+            engine.update_weights(published_state(model), version)  # LoRA: the adapter
         if isinstance(self.pool, OpponentPool):  # a frozen copy every opponent_pool_every
             self.pool.offer(version, model)
 

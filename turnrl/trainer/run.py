@@ -50,6 +50,7 @@ from turnrl.config import (
     save_config,
 )
 from turnrl.evaluation import COLUMNS, EvalResult, episode_transcript, summarize
+from turnrl.lora import is_lora
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy
@@ -183,9 +184,16 @@ def build_learner(cfg: Config, policy: Policy, *, decoupled: bool = False) -> Le
     return Learner(model, make_optimizer(model, cfg.optim), settings,
                    make_estimator(EstimatorSettings.from_config(cfg, model.config.hidden_size)),
                    policy.tokenizer.pad_token_id,
-                   copy.deepcopy(model).eval() if cfg.algo.kl_coef > 0 else None, explore,
+                   reference_model(model) if cfg.algo.kl_coef > 0 else None, explore,
                    load_teacher(cfg, policy.tokenizer, next(model.parameters()).device),
                    cfg.distill)
+
+
+def reference_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The KL reference: a frozen copy of the initial model; a LoRA policy is its own
+    reference (scored with the adapter disabled, ``turnrl.lora.adapter_disabled``), so no
+    second copy of the base is held."""
+    return model if is_lora(model) else copy.deepcopy(model).eval()
 
 
 def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
