@@ -68,7 +68,7 @@ class EnvConfig(Section):
                               f"{MIX_NAME} (the mix replaces the one env)")
         if self.name == MIX_NAME and not mix:
             raise ConfigError(f"env.name {MIX_NAME} needs env.mix, a list of {{name, options, "
-                              "weight}} entries (docs/curriculum.md)")
+                              "weight} entries (docs/curriculum.md)")
         if mix and self.options:
             raise ConfigError("env.options is unused with env.mix: put each env's options in "
                               "its entry (env.mix[i].options)")
