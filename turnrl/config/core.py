@@ -44,6 +44,9 @@ class ModelConfig(Section):
                       "'auto', 'cpu', 'cuda' or 'cuda:N'")
         self._require("chat_template", not self.chat_template
                       or Path(self.chat_template).expanduser().is_file(), "an existing file")
+        if self.chat_template:  # stored absolute: export, resume, eval run from anywhere
+            object.__setattr__(self, "chat_template",
+                               str(Path(self.chat_template).expanduser().resolve()))
 
 
 @dataclass(frozen=True)
