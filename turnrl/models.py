@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from turnrl.hub import HubModelNotFound, hub_snapshot, is_hub_id
+from turnrl.hub import HubModelNotFound, hub_snapshot, is_hub_id, near_hub_id
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -131,6 +131,8 @@ def _local_or_hub_dir(name: str, revision: str) -> Path:
             return hub_snapshot(name, revision)
         except HubModelNotFound as err:
             raise ModelNotFoundError(str(err)) from None
+    if near := near_hub_id(name):
+        raise ModelNotFoundError(f"model '{name}' not found: {near}")
     raise ModelNotFoundError(
         f"model '{name}' not found; pass a local Hugging Face model directory, a hub id "
         f"ORG/NAME, or one of: {', '.join(BUILTIN_MODELS)}")
