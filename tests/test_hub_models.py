@@ -188,8 +188,8 @@ def test_the_cli_says_how_to_pre_download_in_one_line(tmp_path):
     (f" {REPO}", f"did you mean the hub id '{REPO}'?"),
     (f"{REPO}\n", f"did you mean the hub id '{REPO}'?"),
     (f"https://huggingface.co/{REPO}", f"did you mean the hub id '{REPO}'?"),
-    ("shadow/model", "'shadow/model' is a local directory without config.json, which hides the "
-                     "hub id shadow/model"),
+    ("shadow/model", "'shadow/model' is a local directory without config.json (not a model "
+                     "directory), and as a path it hides the hub id shadow/model"),
     ("shadow/model/", "'shadow/model' is a local directory without config.json"),
 ])
 def test_a_name_that_nearly_reads_as_a_hub_id_says_what_is_wrong(hub_cache, tmp_path,

@@ -43,8 +43,9 @@ def near_hub_id(name: str) -> str:
     if not _HUB_ID.fullmatch(text):
         return ""
     if Path(text).expanduser().is_dir():  # a path wins over a hub id of the same name
-        return (f"'{text}' is a local directory without config.json, which hides the hub id "
-                f"{text}; run from another directory or rename that one")
+        return (f"'{text}' is a local directory without config.json (not a model directory), "
+                f"and as a path it hides the hub id {text}: run from another directory or "
+                "rename it to load the hub model")
     return f"did you mean the hub id '{text}'?" if text != name else ""
 
 
