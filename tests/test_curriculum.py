@@ -103,11 +103,11 @@ CURRICULUM = ["--env.name", "test-knob", "--env.curriculum.option", "difficulty"
      "env.curriculum works in run.mode sync only"),
     (["--env.name", "mix", "--env.mix", "[{name: test-always, weight: 0}]"], "weight must be"),
     (["--env.name", "mix", "--env.mix", "[{name: test-always, weight: 0}, "
-      "{name: test-never, weight: 0}]"], "env.mix[0].weight must be a number > 0"),
+      "{name: test-never, weight: 0}]"], "env.mix[0].weight must be a finite number > 0"),
     (["--env.name", "mix", "--env.mix", "[{name: test-always}, {name: test-never, weight: -1}]"],
-     "env.mix[1].weight must be a number > 0"),
+     "env.mix[1].weight must be a finite number > 0"),
     (["--env.name", "mix", "--env.mix", "[{name: test-always, weight: lots}]"],
-     "weight must be a number > 0"),
+     "weight must be a finite number > 0"),
     (["--env.name", "mix", "--env.mix", "[{name: test-always}, {name: test-always}]"],
      "'test-always' appears twice"),
     (["--env.name", "mix", "--env.mix", "[{weight: 2}]"], "env.mix[0].name must be"),
@@ -116,7 +116,17 @@ CURRICULUM = ["--env.name", "test-knob", "--env.curriculum.option", "difficulty"
     (["--env.name", "mix", "--env.mix", "[{name:test-always}]"],
      "YAML needs a space after the colon"),
     (["--env.name", "mix", "--env.mix", "{name: test-always}"], "env.mix: expected list"),
-    (["--env.name", "mix"], "env.name mix needs env.mix"),
+    (["--env.name", "mix"], "env.name mix needs env.mix, a list of {name, options, weight} "
+     "entries"),
+    # review: an infinite weight, or finite ones summing past the largest float, drew NaNs
+    (["--env.name", "mix", "--env.mix", "[{name: test-always, weight: .inf}]"],
+     "env.mix[0].weight must be a finite number > 0, got inf"),
+    (["--env.name", "mix", "--env.mix", "[{name: test-always}, {name: test-never, weight: "
+      "-.inf}]"], "env.mix[1].weight must be a finite number > 0"),
+    (["--env.name", "mix", "--env.mix", "[{name: test-always, weight: 1.0e308}, "
+      "{name: test-never, weight: 1e308}]"], "env.mix: the weights sum past the largest"),
+    (["--env.name", "mix", "--env.mix", "[{name: test-always, weight: nan}]"],
+     "env.mix[0].weight must be a finite number > 0, got nan"),
     (["--env.mix", "[{name: test-always}]"], "set --env.name mix"),
     (["--env.name", "mix", "--env.mix", "[{name: test-always}]", "--env.options.x", "1"],
      "env.options is unused with env.mix"),
@@ -215,6 +225,19 @@ def test_the_level_follows_training_success_and_resume_keeps_it(tmp_path):
 
 MIX = TINY + ["--env.name", "mix", "--env.mix",
               "[{name: test-always, weight: 3}, {name: test-never, weight: 1}]"]
+
+
+def test_numbers_yaml_reads_as_text_are_the_numbers_they_spell():
+    """YAML 1.1 reads 1e-1 and 3E0 as text (its exponents need a dot and a sign): as a weight
+    or a band edge they were refused as 'not a number'."""
+    cfg = _config("--env.name", "mix", "--env.mix",
+                  "[{name: test-always, weight: 3E0}, {name: test-never, weight: 1e0}]")
+    assert [e.weight for e in cfg.env.mix_plan()] == [3.0, 1.0]
+    cfg = _config(*CURRICULUM, "--env.curriculum.levels", "[0, 2]", "--env.curriculum.band",
+                  "[3e-1, 8e-1]")
+    assert cfg.env.curriculum_plan().band == (0.3, 0.8)
+    with pytest.raises(ConfigError, match="weight must be a finite number > 0, got 'lots'"):
+        _config("--env.name", "mix", "--env.mix", "[{name: test-always, weight: lots}]")
 
 
 def test_groups_are_drawn_by_weight_deterministically():

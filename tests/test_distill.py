@@ -255,3 +255,26 @@ def test_a_fresh_student_learns_the_teachers_behaviour_from_the_reverse_kl_alone
     assert result.before.success_rate < 0.15
     assert result.after.success_rate > result.before.success_rate + 0.3, (result.before,
                                                                          result.after)
+
+
+@pytest.mark.parametrize("given", ["run", "run/", "run/checkpoints", "run/checkpoints/step-000009"])
+def test_a_teacher_named_by_its_run_or_a_missing_step_names_the_checkpoint_to_use(tmp_path,
+                                                                                given):
+    """A run directory (or its checkpoints/, or a step it does not have) as the teacher: the
+    line names the run's newest checkpoint (before: 'pass a local Hugging Face model
+    directory, a hub id ORG/NAME, ...', or for checkpoints/ that it hid a hub id)."""
+    from test_export import make_run
+
+    make_run(tmp_path / "run", step=2, scale=0.0)
+    newest = make_run(tmp_path / "run", step=4, scale=0.0)
+    _, tokenizer = tiny_model()
+    with pytest.raises(ConfigError) as err:
+        load_teacher(_cfg("--distill.teacher", str(tmp_path / given)), tokenizer,
+                     torch.device("cpu"))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("distill.teacher: model")
+    assert f"name a checkpoint of the TurnRL run '{tmp_path / 'run'}', e.g. its newest " \
+           f"{newest}" in message
+    teacher = load_teacher(_cfg("--distill.teacher", str(newest)), tokenizer,
+                           torch.device("cpu"))
+    assert not teacher.training

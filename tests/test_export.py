@@ -144,3 +144,32 @@ def test_bad_exports_are_one_line_with_the_fix_and_write_nothing(tmp_path, case,
     else:
         assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+
+
+def test_a_run_with_a_relative_chat_template_exports_and_resumes_from_another_directory(
+        tmp_path, monkeypatch):
+    """``--model.chat_template my.jinja`` was stored as given: export, resume or eval run
+    from any other directory refused the run ('must be an existing file')."""
+    home, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    # trainable (the generation prompt is the assistant's own), and only this run's
+    template = CHATML_TEMPLATE.replace("message['role']", "(message['role'] | replace('user', "
+                                       "'USER'))")
+    (home / "upper.jinja").write_text(template)
+    monkeypatch.chdir(home)
+    args = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.group_size", "2",
+            "--rollout.groups_per_step", "1", "--eval.episodes", "0", "--run.progress",
+            "false", "--run.tensorboard", "false", "--run.out_dir", str(tmp_path / "run"),
+            "--model.chat_template", "upper.jinja"]
+    train(load_config(None, [*args, "--run.steps", "1"]))
+    monkeypatch.chdir(elsewhere)
+    result = export_model(tmp_path / "run", "out")
+    assert result.max_logprob_diff <= 1e-5
+    assert plain_load(elsewhere / "out")[1].chat_template == template
+    monkeypatch.chdir(home)
+    assert load_config(None, args).model.chat_template == str(home / "upper.jinja")
+    monkeypatch.chdir(elsewhere)
+    stored = [a if a != "upper.jinja" else str(home / "upper.jinja") for a in args]
+    train(load_config(None, [*stored, "--run.steps", "2"]), resume=True)
+    assert (tmp_path / "run" / "checkpoints" / "step-000002").is_dir()

@@ -436,3 +436,94 @@ def test_a_demonstration_longer_than_the_policy_may_write_is_left_out(tmp_path):
                    "--rollout.max_new_tokens", "2"))
     (row,) = read_metrics(tmp_path / "say-seven" / "metrics.jsonl")
     assert row["guide/episodes"] == 0
+
+
+# ---- review: players that break, mixes, tool calls in the model's own format -------------
+
+
+def _replying(reply):
+    """say-seven whose reference player answers ``reply`` (not text, for these tests)."""
+
+    class Player:
+        def reset(self, first_observation):
+            pass
+
+        def act(self, observation):
+            return reply
+
+    class Env(SaySeven):
+        def reference_player(self):
+            return Player()
+    return Env
+
+
+@pytest.mark.parametrize("mode, reply", [("demo", None), ("demo", 777), ("demo", ["777"]),
+                                         ("hint", None), ("hint", ["777"])])
+def test_a_player_that_replies_with_no_text_is_named_once_and_training_goes_on(
+        tmp_path, mode, reply):
+    """A reply that is not text used to crash the run deep in the tokenizer (demo: None or a
+    number) or to train on garbage (a list); now the group trains unguided, named once."""
+    name = f"say-seven-replies-{type(reply).__name__}"
+    register_env(name)(_replying(reply))
+    with pytest.warns(UserWarning, match=rf"act\(\) returned {type(reply).__name__}, not "
+                      r"text; return the reply as a str") as caught:
+        train(_cfg(tmp_path, name, "--run.steps", "2", "--explore.guidance", mode,
+                   "--eval.episodes", "0"))
+    assert sum("cannot be guided" in str(w.message) for w in caught) == 1
+    rows = read_metrics(tmp_path / name / "metrics.jsonl")
+    assert [r["guide/episodes"] for r in rows] == [0.0, 0.0]
+
+
+MIXED = ["--env.name", "mix", "--env.mix",
+         "[{name: guess-number, options: {high: 8}}, {name: say-seven, label: seven}]"]
+
+
+@pytest.mark.parametrize("mode", ["demo", "hint"])
+def test_in_a_mix_each_group_is_guided_by_its_own_env_s_player(tmp_path, mode):
+    """A mix's env is drawn at reset: its groups used to get no guidance at all (demo: 'no
+    reference player'; hint: none for an env whose player is built in by name)."""
+    cfg = load_config(None, [
+        "--model.name", "tiny", *MIXED, "--rollout.max_new_tokens", "4",
+        "--rollout.group_size", "2", "--rollout.groups_per_step", "4", "--rollout.max_turns",
+        "6", "--eval.episodes", "0", "--run.progress", "false", "--run.tensorboard", "false",
+        "--run.sample_episodes", "64", "--run.out_dir", str(tmp_path), "--run.steps", "1",
+        "--explore.guidance", mode])
+    train(cfg)
+    episodes = read_episodes(tmp_path / "episodes" / "step-000001.jsonl")
+    own = {ep.group: ep.env for ep in episodes if "guided" not in ep.info}
+    failed = {g for g in own if not any(ep.success for ep in episodes
+                                        if ep.group == g and "guided" not in ep.info)}
+    assert failed and set(own.values()) == {"guess-number", "seven"}  # both envs drawn
+    guided = [ep for ep in episodes if ep.info.get("guided") == mode]
+    assert {ep.group for ep in guided} == failed  # every failed group, whichever env
+    assert all(ep.env == own[ep.group] for ep in guided)  # labelled as its group's env
+    if mode == "demo":
+        assert all(ep.success for ep in guided)
+    else:  # the guess-number player's first guess (4, the middle of 1..8) shows in its hint
+        for ep in guided:
+            prompt = tiny_tokenizer().decode(ep.token_ids[:ep.turns[0].start])
+            assert "Hint: a good first reply here" in prompt
+            assert ("4" if ep.env == "guess-number" else "7") in prompt.split("Hint:")[1]
+
+
+def test_a_tool_env_demonstration_calls_in_the_model_s_own_format(tmp_path):
+    """Under a template with Llama-style JSON tool calls, the demonstration's call is that
+    JSON, not the fallback <tool_call> tags it used to be (the player was built before the
+    env learnt the model's format)."""
+    from test_tool_loop import LLAMA
+
+    from turnrl.tools import parse_tool_calls
+
+    template = tmp_path / "llama.jinja"
+    template.write_text(LLAMA)
+    train(_cfg(tmp_path, "tool-arithmetic", "--run.steps", "1", "--explore.guidance", "demo",
+               "--model.chat_template", str(template), "--rollout.max_new_tokens", "96",
+               "--rollout.max_turns", "3", "--rollout.group_size", "2", "--eval.episodes", "0"))
+    episodes = read_episodes(tmp_path / "tool-arithmetic" / "episodes" / "step-000001.jsonl")
+    demos = [ep for ep in episodes if ep.info.get("guided") == "demo"]
+    assert len(demos) == 2 and all(ep.success for ep in demos)
+    for ep in demos:
+        call = ep.turns[0].action
+        assert "<tool_call>" not in call and '"parameters"' in call
+        (parsed,) = parse_tool_calls(call, "llama3-json")
+        assert parsed.name == "calculator" and parsed.problem == ""

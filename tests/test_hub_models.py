@@ -180,3 +180,26 @@ def test_the_cli_says_how_to_pre_download_in_one_line(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "turnrl train: error: hub model 'some-org/some-model'" in lines[0]
     assert "hf download some-org/some-model" in lines[0] and str(tmp_path / "empty") in lines[0]
+
+
+@pytest.mark.parametrize("name, says", [
+    (f"{REPO}@v2", f"a revision is not part of the name: --model.name {REPO} --model.revision v2"),
+    (f"{REPO}/", f"did you mean the hub id '{REPO}'?"),
+    (f" {REPO}", f"did you mean the hub id '{REPO}'?"),
+    (f"{REPO}\n", f"did you mean the hub id '{REPO}'?"),
+    (f"https://huggingface.co/{REPO}", f"did you mean the hub id '{REPO}'?"),
+    ("shadow/model", "'shadow/model' is a local directory without config.json (not a model "
+                     "directory), and as a path it hides the hub id shadow/model"),
+    ("shadow/model/", "'shadow/model' is a local directory without config.json"),
+])
+def test_a_name_that_nearly_reads_as_a_hub_id_says_what_is_wrong(hub_cache, tmp_path,
+                                                                 monkeypatch, name, says):
+    """Before: the same generic 'pass a local directory, a hub id ORG/NAME, ...' line for
+    each, which names none of the actual mistakes."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shadow" / "model").mkdir(parents=True)  # e.g. a run's output, no config.json
+    with pytest.raises(ModelNotFoundError) as caught:
+        load_model(name)
+    message = str(caught.value)
+    assert says in message and message.count("\n") == name.count("\n")
+    load_model(REPO)  # the id itself loads

@@ -96,3 +96,58 @@ def test_env_demos_render_exactly_as_the_loop_plays_their_replies(env_name, opti
                                         max_turns=max_turns))
         assert played.success
         _same(conversation_episode(chat, demo.messages, demo.tools), played)
+
+
+@pytest.mark.parametrize("template", ["LLAMA", "NATIVE"])
+def test_env_demos_use_the_tool_format_and_tool_role_of_the_model_s_template(template):
+    """Under a template with tools of its own, the demonstration is what the turn loop plays:
+    its call in the template's format (it was written before the env learnt the format: as
+    <tool_call> tags under a Llama-style JSON template) and the results as ``tool`` messages
+    (they were user messages), so replaying it gives the same tokens."""
+    import test_tool_loop
+
+    from turnrl.demos.scripted import env_demonstrations
+
+    chat = _chat(getattr(test_tool_loop, template))
+    fmt = {"LLAMA": "llama3-json", "NATIVE": "hermes"}[template]
+    assert chat.native_tools == fmt and chat.tool_role
+    demos, failed = env_demonstrations("tool-arithmetic", {}, 2, chat, max_turns=3)
+    assert failed == [] and len(demos) == 2
+    for demo in demos:
+        call = next(m["content"] for m in demo.messages if m["role"] == "assistant")
+        assert ("<tool_call>" in call) == (fmt == "hermes")
+        assert parse_tool_calls(call, fmt)[0].name == "calculator"
+        assert [m["role"] for m in demo.messages] == ["system", "user", "assistant", "tool",
+                                                      "assistant"]
+        replies = [m["content"] for m in demo.messages if m["role"] == "assistant"]
+        seed = int(demo.where.rsplit(" ", 1)[1])
+        played, = run_sync(run_episodes(lambda: make_env("tool-arithmetic"), [(seed, 0)],
+                                        ScriptedEngine(chat.tokenizer, replies), chat,
+                                        SamplingParams(max_new_tokens=96), max_turns=3))
+        assert played.success
+        _same(conversation_episode(chat, demo.messages, demo.tools), played)
+
+
+@pytest.mark.parametrize("reply", [None, 42, ["4"]])
+def test_env_demos_refuse_a_player_reply_that_is_not_text_in_one_line(reply):
+    from turnrl.demos.data import DataError
+    from turnrl.demos.scripted import env_demonstrations
+    from turnrl.envs import register_env
+    from turnrl.envs.builtin import GuessNumber
+
+    class Player:
+        def reset(self, first_observation):
+            pass
+
+        def act(self, observation):
+            return reply
+
+    @register_env("guess-number-odd-player")
+    class OddPlayer(GuessNumber):
+        def reference_player(self):
+            return Player()
+
+    with pytest.raises(DataError, match=rf"guess-number-odd-player' seed 0: the reference "
+                       rf"player's act\(\) returned {type(reply).__name__}, not text") as err:
+        env_demonstrations("guess-number-odd-player", {}, 1, _chat(), max_turns=3)
+    assert "\n" not in str(err.value)

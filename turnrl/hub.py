@@ -25,7 +25,28 @@ class HubModelNotFound(FileNotFoundError):
 
 def is_hub_id(name: str) -> bool:
     """Whether ``name`` reads as ``ORG/NAME`` and is not an existing local path."""
-    return bool(_HUB_ID.match(name)) and not Path(name).expanduser().exists()
+    return bool(_HUB_ID.fullmatch(name)) and not Path(name).expanduser().exists()
+
+
+def near_hub_id(name: str) -> str:
+    """Why ``name``, which is neither a model directory nor a hub id, is not one when it nearly
+    reads as a hub id, with the fix ('' when it does not look like one)."""
+    text = name.strip()
+    for prefix in ("https://huggingface.co/", "http://huggingface.co/", "hf.co/"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    text = text.rstrip("/")
+    repo, sep, revision = text.partition("@")
+    if sep and _HUB_ID.fullmatch(repo) and revision:
+        return (f"a revision is not part of the name: --model.name {repo} "
+                f"--model.revision {revision}")
+    if not _HUB_ID.fullmatch(text):
+        return ""
+    if Path(text).expanduser().is_dir():  # a path wins over a hub id of the same name
+        return (f"'{text}' is a local directory without config.json (not a model directory), "
+                f"and as a path it hides the hub id {text}: run from another directory or "
+                "rename it to load the hub model")
+    return f"did you mean the hub id '{text}'?" if text != name else ""
 
 
 def hub_cache_dir() -> Path:

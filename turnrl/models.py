@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from turnrl.hub import HubModelNotFound, hub_snapshot, is_hub_id
+from turnrl.hub import HubModelNotFound, hub_snapshot, is_hub_id, near_hub_id
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -153,9 +153,29 @@ def _local_or_hub_dir(name: str, revision: str) -> Path:
             return hub_snapshot(name, revision)
         except HubModelNotFound as err:
             raise ModelNotFoundError(str(err)) from None
+    if near := run_dir_hint(path) or near_hub_id(name):
+        raise ModelNotFoundError(f"model '{name}' not found: {near}")
     raise ModelNotFoundError(
         f"model '{name}' not found; pass a local Hugging Face model directory, a hub id "
         f"ORG/NAME, or one of: {', '.join(BUILTIN_MODELS)}")
+
+
+def run_dir_hint(path: Path) -> str:
+    """Where ``path`` is a TurnRL run directory, its ``checkpoints/`` or a checkpoint it does
+    not have: which checkpoint to name instead ('' otherwise)."""
+    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+        checkpoints = path / "checkpoints"
+    elif path.name == "checkpoints" or path.parent.name == "checkpoints":
+        checkpoints = path if path.name == "checkpoints" else path.parent
+        if not (checkpoints.parent / "config.yaml").is_file():
+            return ""
+    else:
+        return ""
+    steps = sorted(p for p in checkpoints.glob("step-*") if (p / "model.safetensors").is_file())
+    if not steps:
+        return f"the TurnRL run '{checkpoints.parent}' has no checkpoint yet"
+    return (f"name a checkpoint of the TurnRL run '{checkpoints.parent}', e.g. its newest "
+            f"{steps[-1]}")
 
 
 def model_directory(name: str, cache_dir: str | None = None, revision: str = ""

@@ -218,7 +218,8 @@ def env_factories(cfg: Config) -> tuple[Callable[[], Env], dict[str, Callable[[]
     if mix:
         makes = {e.label: _checked(f"env.mix[{i}]", partial(make_env, e.name, **e.options))
                  for i, e in enumerate(mix)}
-        train = partial(MixEnv, list(makes.values()), [e.weight for e in mix], cfg.run.seed)
+        train = partial(MixEnv, list(makes.values()), [e.weight for e in mix], cfg.run.seed,
+                        [e.name for e in mix])
         return train, makes
     if curriculum:
         for i, value in enumerate(curriculum.levels):

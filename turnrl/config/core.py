@@ -51,6 +51,9 @@ class ModelConfig(Section):
                       "'auto', 'cpu', 'cuda' or 'cuda:N'")
         self._require("chat_template", not self.chat_template
                       or Path(self.chat_template).expanduser().is_file(), "an existing file")
+        if self.chat_template:  # stored absolute: export, resume, eval run from anywhere
+            object.__setattr__(self, "chat_template",
+                               str(Path(self.chat_template).expanduser().resolve()))
 
     def lora_plan(self) -> LoraSpec | None:
         """``lora`` parsed (None: full fine-tuning)."""
@@ -100,7 +103,7 @@ class EnvConfig(Section):
                               f"{MIX_NAME} (the mix replaces the one env)")
         if self.name == MIX_NAME and not mix:
             raise ConfigError(f"env.name {MIX_NAME} needs env.mix, a list of {{name, options, "
-                              "weight}} entries (docs/curriculum.md)")
+                              "weight} entries (docs/curriculum.md)")
         if mix and self.options:
             raise ConfigError("env.options is unused with env.mix: put each env's options in "
                               "its entry (env.mix[i].options)")

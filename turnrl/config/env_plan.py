@@ -7,6 +7,7 @@ and accept the options is checked when the policy builds them (``turnrl.policy``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,17 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _yaml_number(value: Any) -> Any:
+    """A number written in a form YAML 1.1 reads as text (``1e3``, ``1.0e308``: an exponent
+    needs a dot and a sign there) as the number it spells; anything else as it is."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _unknown_keys(where: str, given: Mapping, valid: tuple[str, ...]) -> None:
     extra = [str(k) for k in given if k not in valid]
     if extra:
@@ -70,6 +82,8 @@ def parse_curriculum(raw: Mapping[str, Any]) -> Curriculum | None:
         raise ConfigError("env.curriculum.levels must be a non-empty list of values, easy to "
                           f"hard, e.g. --env.curriculum.levels '[10, 100, 1000]'; got {levels!r}")
     band = raw.get("band", list(DEFAULT_BAND))
+    if isinstance(band, list | tuple):
+        band = [_yaml_number(edge) for edge in band]
     if (not isinstance(band, list | tuple) or len(band) != 2 or not all(map(_number, band))
             or not 0 <= band[0] < band[1] <= 1):
         raise ConfigError("env.curriculum.band must be [low, high] with 0 <= low < high <= 1 "
@@ -84,6 +98,9 @@ def parse_curriculum(raw: Mapping[str, Any]) -> Curriculum | None:
 def parse_mix(raw: list) -> tuple[MixEntry, ...]:
     """``env.mix`` as ``MixEntry`` records (empty: one env, ``env.name``)."""
     entries = tuple(_mix_entry(i, item) for i, item in enumerate(raw))
+    if not math.isfinite(sum(e.weight for e in entries)):  # the draw divides by the sum
+        raise ConfigError("env.mix: the weights sum past the largest float; only their ratios "
+                          "matter, so scale them down (e.g. 3 and 1)")
     labels = [e.label for e in entries]
     repeated = next((label for label in labels if labels.count(label) > 1), None)
     if repeated is not None:
@@ -98,15 +115,15 @@ def _mix_entry(index: int, item: Any) -> MixEntry:
         raise ConfigError(f"{where} must be a mapping {{name, options, weight}}, got {item!r}")
     _unknown_keys(where, item, MIX_KEYS)
     name, options = item.get("name"), item.get("options", {}) or {}
-    weight, label = item.get("weight", 1.0), item.get("label", name)
+    weight, label = _yaml_number(item.get("weight", 1.0)), item.get("label", name)
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}.name must be a registered environment name, got {name!r}")
     if not isinstance(options, Mapping):
         raise ConfigError(f"{where}.options must be a mapping of constructor options, "
                           f"got {options!r}")
-    if not _number(weight) or not weight > 0:
-        raise ConfigError(f"{where}.weight must be a number > 0, got {weight!r}; every entry "
-                          "needs a positive weight (drop an entry to leave it out)")
+    if not _number(weight) or not 0 < weight < math.inf:
+        raise ConfigError(f"{where}.weight must be a finite number > 0, got {weight!r}; every "
+                          "entry needs a positive weight (drop an entry to leave it out)")
     if not isinstance(label, str) or not label or "/" in label:
         raise ConfigError(f"{where}.label must be a non-empty name without '/', got {label!r}")
     return MixEntry(name, dict(options), float(weight), label)

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from turnrl.demos.data import DataError, Demonstration
 from turnrl.envs import make_env
-from turnrl.envs.reference import REFERENCE_POLICIES, reference_player
+from turnrl.envs.reference import (
+    REFERENCE_POLICIES,
+    NotTextReply,
+    player_reply,
+    reference_player,
+)
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import run_sync
 from turnrl.selfplay import fixed_opponent_options
@@ -48,18 +53,23 @@ async def scripted_conversation(env, env_name: str, seed: int, chat: ChatFormat,
     the next user message), the last observation left out (an episode ends with the policy's
     reply)."""
     observation = await env.reset(seed)
+    # the prompt first: a ToolEnv learns the model's call format there, and its player
+    # writes its calls in that format
+    system_prompt, tools = chat.env_prompt(env)
     player = reference_player(env, env_name)
     if player is None:
         raise DataError(f"sft.env_demos: env '{env_name}' offers no scripted demonstrations "
                         f"(no reference_player(); built-in ones: {', '.join(REFERENCE_POLICIES)})")
-    system_prompt, tools = chat.env_prompt(env)
     system_prompt = system_prompt or chat.system_prompt
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": observation})
     player.reset(observation)
     total = 0.0
     for turn in range(max_turns):
-        action = player.act(observation)
+        try:
+            action = player_reply(player, observation)
+        except NotTextReply as err:
+            raise DataError(f"sft.env_demos: env '{env_name}' seed {seed}: {err}") from None
         messages.append({"role": "assistant", "content": action})
         result = await env.step(action)
         total += result.reward
@@ -67,5 +77,6 @@ async def scripted_conversation(env, env_name: str, seed: int, chat: ChatFormat,
             success = bool(result.done and (result.info or {}).get("success"))
             return messages, tools, success, total
         observation = result.observation
-        messages.append({"role": "user", "content": observation})
+        # as the loop renders it: tool results as tool messages where the template has them
+        messages += chat.env_messages(observation, (result.info or {}).get("tool_results"), tools)
     return messages, tools, False, total

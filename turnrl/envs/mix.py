@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from turnrl.envs.base import Env, StepResult
+from turnrl.envs.reference import reference_player
 
 
 def mix_choice(weights: Sequence[float], run_seed: int, seed: int) -> int:
@@ -26,16 +27,27 @@ def mix_choice(weights: Sequence[float], run_seed: int, seed: int) -> int:
 
 
 class MixEnv:
-    """Plays, per ``reset(seed)``, the env ``mix_choice`` draws; every other call goes to it."""
+    """Plays, per ``reset(seed)``, the env ``mix_choice`` draws; every other call goes to it.
+    ``names``: each entry's registered env name, for its built-in reference player."""
 
     def __init__(self, makers: Sequence[Callable[[], Env]], weights: Sequence[float],
-                 run_seed: int) -> None:
+                 run_seed: int, names: Sequence[str] = ()) -> None:
         self.makers, self.weights, self.run_seed = list(makers), list(weights), run_seed
+        self.names = list(names) or [""] * len(self.makers)
         self.current: Env | None = None
+        self.drawn = 0
 
     async def reset(self, seed: int) -> str:
-        self.current = self.makers[mix_choice(self.weights, self.run_seed, seed)]()
+        self.drawn = mix_choice(self.weights, self.run_seed, seed)
+        self.current = self.makers[self.drawn]()
         return await self.current.reset(seed)
+
+    def reference_player(self):
+        """The drawn env's reference player: its own, else the built-in one for its name
+        (envs/reference.py); None when it has neither or nothing is drawn yet."""
+        if self.current is None:
+            return None
+        return reference_player(self.current, self.names[self.drawn])
 
     async def step(self, action: str) -> StepResult:
         if self.current is None:

@@ -161,6 +161,20 @@ def reference_player(env: Env, env_name: str) -> Policy | None:
     return cls() if cls is not None else None
 
 
+class NotTextReply(TypeError):
+    """A reference player replied with something that is not text."""
+
+
+def player_reply(player: Policy, observation: str) -> str:
+    """``player.act(observation)``, refused in one line unless it is text (a player returning
+    None or a number would otherwise fail deep in the tokenizer, far from its cause)."""
+    reply = player.act(observation)
+    if not isinstance(reply, str):
+        raise NotTextReply(f"the reference player's act() returned {type(reply).__name__}, not "
+                        "text; return the reply as a str")
+    return reply
+
+
 async def play(env: Env, policy: Policy, seed: int,
                transcript: list[tuple[str, str]] | None = None) -> tuple[float, bool, int]:
     """One episode; returns (total reward, success, turns) and appends each
@@ -169,7 +183,7 @@ async def play(env: Env, policy: Policy, seed: int,
     policy.reset(observation)
     total, turns = 0.0, 0
     while True:
-        action = policy.act(observation)
+        action = player_reply(policy, observation)
         if transcript is not None:
             transcript.append((observation, action))
         result = await env.step(action)

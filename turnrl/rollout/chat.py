@@ -92,6 +92,17 @@ class ChatFormat:
         call format; with a template without tools it teaches the fallback itself."""
         return prompt_and_tools(env, self.native_tools)  # the env contract: envs/contract.py
 
+    def env_messages(self, observation: str, tool_results: list[dict] | None,
+                     tools: list[dict] | None) -> list[dict]:
+        """The messages that carry the env's reply: ``tool`` messages for ``tool_results`` of
+        an episode started with ``tools`` where the template has that role, else the
+        observation as a user message."""
+        if tool_results and tools is not None and self.tool_role:
+            return [{"role": "tool", "name": r["name"],
+                     "content": r["content"] if "content" in r else f"error: {r['error']}"}
+                    for r in tool_results]
+        return [{"role": "user", "content": observation}]
+
     def continue_after(self, messages: list[dict], rendered: str, action: str, stopped: bool,
                        observation: str, tool_results: list[dict] | None = None,
                        tools: list[dict] | None = None) -> tuple[str, list[int]]:
@@ -113,12 +124,7 @@ class ChatFormat:
                 tools: list[dict] | None) -> tuple[str, str]:
         """``continue_after`` without the tokenising: (new rendered text, the new text)."""
         messages.append({"role": "assistant", "content": action})
-        if tool_results and tools is not None and self.tool_role:
-            messages += [{"role": "tool", "name": r["name"],
-                          "content": r["content"] if "content" in r else f"error: {r['error']}"}
-                         for r in tool_results]
-        else:
-            messages.append({"role": "user", "content": observation})
+        messages += self.env_messages(observation, tool_results, tools)
         full = self.render(messages, True, tools)
         prefix = rendered + action
         if not full.startswith(prefix):

@@ -60,7 +60,8 @@ from typing import Any
 import torch
 
 from turnrl.envs.contract import hint as env_hint
-from turnrl.envs.reference import REFERENCE_POLICIES, reference_player
+from turnrl.envs.contract import prompt_and_tools
+from turnrl.envs.reference import REFERENCE_POLICIES, player_reply, reference_player
 from turnrl.rollout import run_episodes, run_sync
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, SamplingParams
@@ -117,26 +118,38 @@ class HintedEnv(_Delegating):
 
 class ScriptedEnv(_Delegating):
     """``env`` with its reference player's next reply ready for ``PlayerEngine``: the player
-    reads each observation as the env returns it, before the loop asks for the reply."""
+    reads each observation as the env returns it, before the loop asks for the reply. The
+    player's failures (it raises, or replies with something not text) are the env's: its
+    episode fails with the reason, and training goes on."""
 
-    def __init__(self, env: Any, env_name: str) -> None:
+    def __init__(self, env: Any, env_name: str, native_format: str | None = None) -> None:
         super().__init__(env)
-        self._env_name, self.player, self.next_reply = env_name, None, ""
+        self._env_name, self._native = env_name, native_format
+        self.player, self.next_reply = None, ""
 
     async def reset(self, seed: int) -> str:
         observation = await _maybe_await(self._env.reset(seed))
-        self.player = reference_player(self._env, self._env_name)
+        self.player = player_for(self._env, self._env_name, self._native)
         if self.player is None:
-            raise RuntimeError(f"env '{self._env_name}' reference_player() returned None")
+            raise RuntimeError(f"env '{self._env_name}' offers no reference player for seed "
+                               f"{seed} (reference_player() returned None)")
         self.player.reset(observation)
-        self.next_reply = self.player.act(observation)
+        self.next_reply = player_reply(self.player, observation)
         return observation
 
     async def step(self, action: str):
         result = await super().step(action)
         if not getattr(result, "done", True):  # a malformed result is the loop's to refuse
-            self.next_reply = self.player.act(result.observation)
+            self.next_reply = player_reply(self.player, result.observation)
         return result
+
+
+def player_for(env: Any, env_name: str, native_format: str | None) -> Any:
+    """The reference player of a freshly reset ``env``, once the env knows the model's own
+    tool-call format: a ``ToolEnv`` learns it from ``tool_prompt``, which the turn loop calls
+    only after ``reset``, and its player writes calls in the format the env then holds."""
+    prompt_and_tools(env, native_format)
+    return reference_player(env, env_name)
 
 
 class PlayerEngine:
@@ -209,18 +222,20 @@ def derived_hint(reply: str, level: int, levels: int) -> str:
     return f"Hint: a good first reply here starts with: {shown}"
 
 
-async def hint_at(env: Any, env_name: str, seed: int, level: int, levels: int) -> str | None:
+async def hint_at(env: Any, env_name: str, seed: int, level: int, levels: int,
+                  native_format: str | None = None) -> str | None:
     """The hint for ``seed`` at ``level``: the env's own ``hint(level)``, else one derived from
-    its reference player's first reply (None: neither)."""
+    its reference player's first reply (None: neither); tool calls in the model's own format
+    (``native_format``, ``player_for``)."""
     observation = await _maybe_await(env.reset(seed))
     own = env_hint(env, level)
     if own is not None:
         return own
-    player = reference_player(env, env_name)
+    player = player_for(env, env_name, native_format)
     if player is None:
         return None
     player.reset(observation)
-    return derived_hint(player.act(observation), level, levels)
+    return derived_hint(player_reply(player, observation), level, levels)
 
 
 def learner_logprobs(model: torch.nn.Module, episodes: list[Episode], pad_id: int,
@@ -298,6 +313,7 @@ class Guidance:
             self._warn(run.cfg.env.name, self.why)
         for ep in guided:
             ep.info["guided"] = self.mode
+            ep.env = firsts[ep.group].env  # a mix's label for the group's env, as its own
         fired = len({ep.group for ep in guided})
         metrics = {"guide/fired_groups": float(fired), "guide/episodes": float(len(guided)),
                    "guide/success": (sum(ep.success for ep in guided) / len(guided)
@@ -323,7 +339,7 @@ class Guidance:
         env = make()
         if not has_reference_player(env, cfg.env.name):
             return []
-        scripted = ScriptedEnv(env, cfg.env.name)
+        scripted = ScriptedEnv(env, cfg.env.name, policy.chat.native_tools)
         engine = PlayerEngine(scripted, policy.chat, policy.engine.version)
         (ep,) = run_sync(run_episodes(
             lambda: scripted, [(seed, group)], engine, policy.chat, policy.params,
@@ -350,7 +366,8 @@ class Guidance:
                 play: Callable[..., list[Episode]]) -> list[Episode]:
         name = run.cfg.env.name
         try:
-            hint = run_sync(hint_at(make(), name, seed, level, self.hint_levels.levels))
+            hint = run_sync(hint_at(make(), name, seed, level, self.hint_levels.levels,
+                                    run.policy.chat.native_tools))
         except Exception as err:  # noqa: BLE001 - an env's hint() or player may raise anything
             self._warn(name, f"its hint failed: {type(err).__name__}: {err}")
             return []
