@@ -253,6 +253,11 @@ def test_eval_serve_and_report_take_a_lora_run(lora_run, tmp_path, capsys):
     (["--model.lora.r", "4", "--model.lora.dropout", "1"], "model.lora.dropout must be"),
     (["--model.lora.r", "4", "--model.lora.target_modules", "[]"],
      "model.lora.target_modules must be"),
+    # samplers that convert or copy the whole model would never see the adapter
+    (["--model.lora.r", "4", "--rollout.engine", "ct2"], "model.lora trains an adapter"),
+    (["--model.lora.r", "4", "--rollout.engine", "auto"], "model.lora trains an adapter"),
+    (["--model.lora.r", "4", "--rollout.engine_dtype", "bfloat16"],
+     "model.lora trains an adapter"),
 ])
 def test_bad_lora_settings_fail_in_one_line(args, message):
     with pytest.raises(ConfigError, match=message) as err:

@@ -143,6 +143,12 @@ def check_sampler(cfg: Config) -> None:
     without CTranslate2 (naming the extra), in async mode, or in a precision the CPU or the
     CTranslate2 build lacks; bf16 without native bf16 (never assumed: read from the CPU)."""
     engine, dtype = cfg.rollout.engine, cfg.rollout.engine_dtype
+    if cfg.model.lora_plan() and (engine in ("ct2", "auto") or dtype not in ("auto", "float32")):
+        # these samplers convert or copy whole weights; a LoRA run publishes its adapter alone
+        raise ConfigError(f"model.lora trains an adapter; rollout.engine {engine} with "
+                          f"engine_dtype {dtype} samples from a converted copy of the whole "
+                          "model, which the adapter never reaches: use rollout.engine hf "
+                          "(engine_dtype auto) or vllm, or export the merged model first")
     if engine == "auto" and cfg.run.mode == "async":
         raise ConfigError("rollout.engine auto picks the sync sampler (run.mode sync); async "
                           "rollout workers take theirs from ray.engine")
