@@ -70,6 +70,10 @@ class Workload:
     warmup: int = 1
     measured: int = 4
     """Measured steps the worker will be asked for in all (TRL needs ``max_steps`` upfront)."""
+    engine: str = "hf"
+    engine_dtype: str = "auto"
+    """TurnRL's sampler (``rollout.engine``/``engine_dtype``: ct2 int8, a bf16 copy); the
+    learner and TRL stay float32."""
 
     @property
     def completions(self) -> int:
@@ -153,7 +157,8 @@ def turnrl_config(wl: Workload):
         "env": {"name": wl.env, "options": dict(wl.env_options)},
         "rollout": {"group_size": wl.group_size, "groups_per_step": wl.prompts,
                     "max_new_tokens": wl.completion_length, "max_turns": wl.turns,
-                    "temperature": 1.0, "top_p": 1.0},
+                    "temperature": 1.0, "top_p": 1.0, "engine": wl.engine,
+                    "engine_dtype": wl.engine_dtype},
         "algo": {"advantage": "grpo", "kl_coef": 0.0, "entropy_coef": 0.0, "epochs": 1},
         "optim": {"lr": wl.lr},
         "eval": {"episodes": 0},
@@ -203,7 +208,7 @@ def turnrl_step(session: TurnRLSession) -> dict[str, Any]:
     """
     import torch
 
-    from turnrl.policy import training_seeds
+    from turnrl.policy import refresh_sampler, training_seeds
     from turnrl.rollout import run_episodes, run_sync
     from turnrl.trainer.rl_step import rl_step
     from turnrl.trainer.run import StageTimer
@@ -218,7 +223,8 @@ def turnrl_step(session: TurnRLSession) -> dict[str, Any]:
             max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s))
     summary, _ = rl_step(session.learner, episodes, timer)
     session.step += 1
-    policy.engine.version = session.step
+    with timer("publish"):  # an engine with weights of its own reloads them (counted)
+        refresh_sampler(policy.engine, policy.model, session.step)
     step_s = time.perf_counter() - start
     turn_lengths = [t.end - t.start for ep in episodes for t in ep.turns]
     return {
@@ -712,6 +718,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--scaling-turns", type=int, nargs="+", default=None,
                         help="turns of guess-number in the scaling table (default 1 2 4)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--engine", default="hf", choices=("hf", "ct2"),
+                        help="TurnRL's sampler (rollout.engine; default hf)")
+    parser.add_argument("--engine-dtype", default="auto",
+                        help="TurnRL's sampler precision (rollout.engine_dtype: auto, int8, "
+                             "bfloat16...; default auto)")
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate (default 1e-6)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
@@ -763,12 +774,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             base = Workload(model_dir=model_dir, prompts=args.prompts,
                             completion_length=args.completion_length, lr=args.lr,
                             seed=args.seed, threads=args.threads, warmup=args.warmup,
-                            measured=args.steps)
+                            measured=args.steps, engine=args.engine,
+                            engine_dtype=args.engine_dtype)
             order = ", ".join(f"{s} {n}" for n in split_blocks(args.steps, args.rounds)
                               for s in systems)
             print(f"step_throughput: {args.model}, arithmetic (seeded, single turn), "
                   f"{args.prompts} prompt(s)/step, completions of exactly "
-                  f"{args.completion_length} tokens, float32, {args.threads} thread(s), "
+                  f"{args.completion_length} tokens, float32 (TurnRL sampler: {args.engine} "
+                  f"{args.engine_dtype}), {args.threads} thread(s), "
                   f"lr {args.lr:g}, no KL, 1 optimiser step per step")
             print(f"each system in its own process: {args.warmup} warm-up step(s), then "
                   f"measured steps in turn ({order}); {versions}; load average {load:.2f}")

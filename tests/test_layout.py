@@ -12,10 +12,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
-    {"registry", "types", "config", "stats", "safe_json", "leftovers"},
+    {"registry", "types", "config", "stats", "safe_json", "leftovers", "devices"},
     {"models", "hub", "lora", "envs", "rewards", "tools", "sandbox", "rollout", "metrics",
      "checkpoint", "demos", "evaluation"},
-    {"algorithms", "policy"},
+    {"algorithms", "policy", "selfplay"},
     {"trainer", "sft"},
     {"distributed"},
     {"launch", "cli", "report", "serve", "checkpoint_eval", "export"},

@@ -22,6 +22,7 @@ from turnrl.evaluation import EvalResult, evaluate, evaluate_each, reply_scorer,
 from turnrl.lora import add_adapter, base_copy, require_peft, vllm_lora_config
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+from turnrl.rollout.chat import sampling_params  # noqa: F401 - also imported from here
 from turnrl.rollout.engine import Engine
 from turnrl.selfplay import evaluation_factories, with_outcome_metrics
 
@@ -44,13 +45,6 @@ class Policy:
     """Training-time sampling (``rollout.*``)."""
     run_eval: Callable[[], tuple[EvalResult, list]]
     """Plays the held-out seeds ``eval.seed_offset ...`` once with the current weights."""
-
-
-def sampling_params(cfg: Config, chat: ChatFormat, temperature: float | None = None
-                    ) -> SamplingParams:
-    temperature = cfg.rollout.temperature if temperature is None else temperature
-    return SamplingParams(cfg.rollout.max_new_tokens, temperature, cfg.rollout.top_p,
-                          stop_token_ids=(chat.end_of_turn,))
 
 
 def load_policy(cfg: Config) -> Policy:

@@ -32,13 +32,17 @@ from typing import Any
 import torch
 
 from turnrl.envs import Env, make_env
-from turnrl.envs.contract import seats
+from turnrl.envs.contract import (  # noqa: F401 - uses_pool, fixed_opponent_options re-exported
+    OUTSIDE_OPPONENTS,
+    fixed_opponent_options,
+    seats,
+    uses_pool,
+)
 from turnrl.evaluation import EvalResult
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 from turnrl.stats import wilson_interval
 from turnrl.types import Episode
 
-OUTSIDE_OPPONENTS = ("pool", "model", "endpoint")
 """``opponent`` values whose player the trainer hands over (``set_opponent``)."""
 OUTCOMES = ("win", "draw", "loss")
 """Rates a role's table gives; an illegal move counts as a loss, an episode that did not
@@ -108,13 +112,6 @@ class OpponentPool:
         return attach_player(make, self.sample)
 
 
-def uses_pool(options: dict[str, Any]) -> bool:
-    """Whether the env plays an outside player the trainer hands over: the pool of frozen
-    past policies (``opponent: pool``), another local model (``opponent: model``) or an
-    agent behind an OpenAI-compatible endpoint (``opponent: endpoint``)."""
-    return options.get("opponent") in OUTSIDE_OPPONENTS
-
-
 class ModelOpponent:
     """Another local model in the other seat (``opponent: model``, ``env.opponent_model``):
     one frozen player, its own tokenizer and chat template, for every game."""
@@ -127,7 +124,7 @@ class ModelOpponent:
     def load(cls, name: str, cfg: Any) -> ModelOpponent:
         """``name`` loaded as ``model.name`` would be (same dtype and cache), on the CPU."""
         from turnrl.models import load_model
-        from turnrl.policy import sampling_params
+        from turnrl.rollout.chat import sampling_params
 
         model, tokenizer = load_model(name, dtype=cfg.model.dtype,
                                       cache_dir=cfg.model.cache_dir or None,
@@ -334,13 +331,3 @@ def evaluation_factories(name: str, options: dict[str, Any], env: Any
         return {name: partial(make_env, name, **options)}
     return {f"{name}@{opponent}": partial(make_env, name, **{**options, "opponent": opponent})
             for opponent in opponents}
-
-
-def fixed_opponent_options(env: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with the env's first fixed opponent (``eval_opponents``) in place of
-    ``self`` or ``pool``: what scripted demonstrations (``sft.env_demos``) of a self-play game
-    play, the policy's role by the seed's parity. Other envs' options are returned as given."""
-    opponents = getattr(env, "eval_opponents", ())
-    if not (seats(env) or uses_pool(options)) or not opponents:
-        return options
-    return {**options, "opponent": opponents[0]}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from turnrl.demos.data import DataError, Demonstration
 from turnrl.envs import make_env
+from turnrl.envs.contract import fixed_opponent_options
 from turnrl.envs.reference import (
     REFERENCE_POLICIES,
     NotTextReply,
@@ -20,7 +21,6 @@ from turnrl.envs.reference import (
 )
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import run_sync
-from turnrl.selfplay import fixed_opponent_options
 
 
 def env_demonstrations(env_name: str, options: dict, count: int, chat: ChatFormat,

@@ -162,3 +162,24 @@ def describe(name: str, factory: Callable[..., Any], env: Any | None) -> str:
     if hasattr(env, "state_key"):
         lines.append("  state_key: yes (names its states for GiGPO)")
     return "\n".join(lines)
+
+
+OUTSIDE_OPPONENTS = ("pool", "model", "endpoint")
+"""``opponent`` values whose player the trainer hands over (turnrl/selfplay.py)."""
+
+
+def uses_pool(options: dict[str, Any]) -> bool:
+    """Whether the env plays an outside player the trainer hands over: the pool of frozen
+    past policies (``opponent: pool``), another local model (``opponent: model``) or an
+    agent behind an OpenAI-compatible endpoint (``opponent: endpoint``)."""
+    return options.get("opponent") in OUTSIDE_OPPONENTS
+
+
+def fixed_opponent_options(env: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the env's first fixed opponent (``eval_opponents``) in place of
+    ``self`` or ``pool``: what scripted demonstrations (``sft.env_demos``) of a self-play game
+    play, the policy's role by the seed's parity. Other envs' options are returned as given."""
+    opponents = getattr(env, "eval_opponents", ())
+    if not (seats(env) or uses_pool(options)) or not opponents:
+        return options
+    return {**options, "opponent": opponents[0]}

@@ -23,6 +23,7 @@ import threading
 from transformers import PreTrainedTokenizerBase
 
 from turnrl.envs.contract import prompt_and_tools
+from turnrl.rollout.engine import SamplingParams
 from turnrl.tools.native import native_tool_format
 
 
@@ -396,3 +397,11 @@ by length (truncating long results or turns, trimming a long conversation) or by
 (after k turns, older calls). Single long contents and many short turns come before the
 long history, so a template that truncates one long message, or rewrites by position, is
 named for that, not for the history."""
+
+
+def sampling_params(cfg, chat: ChatFormat, temperature: float | None = None) -> SamplingParams:
+    """The run's sampling settings (``rollout.*`` of config ``cfg``) for a model chatting in
+    ``chat``: its end-of-turn token stops a reply."""
+    temperature = cfg.rollout.temperature if temperature is None else temperature
+    return SamplingParams(cfg.rollout.max_new_tokens, temperature, cfg.rollout.top_p,
+                          stop_token_ids=(chat.end_of_turn,))

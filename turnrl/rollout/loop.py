@@ -50,106 +50,40 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from turnrl import leftovers
 from turnrl.envs import contract
-from turnrl.envs.base import Env, StepResult
+from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, Engine, SamplingParams
 from turnrl.rollout.env_calls import (
     EnvError,
-    EnvRunner,
     EnvThreads,
     checked_observation,
     checked_step,
     end_turn,
     env_prompt,
     fail_episode,
-    record_turn,
 )
 from turnrl.rollout.input_bounds import InputBound
 from turnrl.rollout.loop_stats import LoopStats
-from turnrl.rollout.seats import seat_results, zero_sum_violation
-from turnrl.safe_json import json_safe
-from turnrl.types import ENV_VERSION, Episode
-
-
-@dataclass
-class Group:
-    """The ``group_size`` episodes of one assignment (one seed), all ended."""
-
-    assignment: int
-    """Id the learner gave this piece of work; a redelivered id is a duplicate."""
-    seed: int
-    episodes: list[Episode]
-    worker: int = -1
-    """Index of the rollout worker that played it (-1 outside Ray)."""
-    started_at: float = 0.0
-    finished_at: float = 0.0
-
-    def policy_versions(self) -> list[int]:
-        """Version of every policy token of every episode (environment tokens left out)."""
-        return [v for ep in self.episodes for v in ep.versions if v != ENV_VERSION]
-
-    @property
-    def oldest_version(self) -> int | None:
-        """Version of the group's oldest policy token; None if no episode generated any."""
-        versions = self.policy_versions()
-        return min(versions) if versions else None
-
+from turnrl.rollout.seats import SeatedGames
+from turnrl.rollout.slots import ENV as _ENV
+from turnrl.rollout.slots import POLICY as _POLICY
+from turnrl.rollout.slots import RESET as _RESET
+from turnrl.rollout.slots import Game as _Game
+from turnrl.rollout.slots import Group  # noqa: F401 - imported from here by the trainers
+from turnrl.rollout.slots import GroupState as _GroupState
+from turnrl.rollout.slots import Slot as _Slot
+from turnrl.types import Episode
 
 BATCH_WINDOW_S = 0.002
 """An idle pool waits this long after one env step ends for the others to join the next
 generate call (a decode step costs about the same for 1 row as for 16), so a group played
 alone samples what the lock-step loop samples from its seed (common random numbers)."""
 
-# Where a live episode stands (_WAIT: a seat of a game waiting for the other seats' moves).
-_RESET, _POLICY, _ENV, _WAIT = "reset", "policy", "env", "wait"
 
-
-@dataclass
-class _Slot:
-    episode: Episode
-    assignment: int
-    env: Env
-    runner: EnvRunner
-    phase: str = _RESET
-    task: asyncio.Future | None = None
-    """The env.reset or env.step in flight."""
-    turn: tuple | None = None
-    """(completion, text, start, end) of the action whose env step is in flight."""
-    messages: list[dict] = field(default_factory=list)
-    rendered: str = ""
-    """The conversation so far, as the chat template renders it (the policy's reply aside)."""
-    tools: list[dict] | None = None
-    """Tool schemas the template renders (an env with tools, a template that has them)."""
-    state: str = ""
-    """Key of the state the next action is taken in (see ``Turn.state``)."""
-    game: _Game | None = None
-    """The multi-seat game this slot is one seat of (None: a single-agent episode)."""
-    seat: str = ""
-    pending_reward: float = 0.0
-    """Reward the env gave this seat's open turn (a mid-game step's reward)."""
-
-
-@dataclass
-class _Game:
-    """One play of a multi-seat env: its seats' slots share ``env`` and its thread."""
-
-    env: Env
-    seats: dict[str, _Slot] = field(default_factory=dict)
-
-
-@dataclass
-class _GroupState:
-    seed: int
-    episodes: list[Episode]
-    open: int
-    started_at: float
-
-
-class TurnLoop:
+class TurnLoop(SeatedGames):
     """A pool of episodes over one engine; see the module docstring.
 
     ``pool_size`` is the target number of live episodes (None: start everything submitted);
@@ -472,128 +406,6 @@ class TurnLoop:
             return
         slot.episode.append(ids, policy=False)
         slot.state, slot.phase = state, _POLICY
-
-    # ---- multi-seat games ----------------------------------------------------------------
-
-    def _after_game_call(self, slot: _Slot, error: BaseException | None, result) -> None:
-        """A game's reset, or its mover's step, has finished: on to the next seat's turn, or
-        the end of the game for every seat."""
-        game = slot.game
-        where = "reset" if slot.phase == _RESET else "step"
-        if error is not None:
-            return self._end_game(game, error=error, where=where)
-        if where == "step":
-            slot.phase = _WAIT
-            if result.done:  # the rewards are info["seats"]'s; result.reward is not added
-                return self._finish_game(game, result)
-            slot.pending_reward += float(result.reward)
-        try:
-            mover = self._seat_to_move(game)
-            observation = self._observe(game, mover)
-        except EnvError as err:
-            return self._end_game(game, error=err, where=where)
-        for other in game.seats.values():
-            if other.phase == _RESET:
-                other.phase = _WAIT
-        self._seat_moves(game.seats[mover], observation)
-
-    def _seat_to_move(self, game: _Game) -> str:
-        try:
-            mover = game.env.seat_to_move
-        except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
-            raise EnvError(f"env seat_to_move raised {type(err).__name__}: {err}") from None
-        if mover not in game.seats:
-            raise EnvError(f"env seat_to_move is {mover!r}, not one of its seats "
-                           f"{tuple(game.seats)}")
-        return mover
-
-    def _observe(self, game: _Game, seat: str) -> str:
-        try:
-            text = game.env.observe(seat)
-        except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
-            raise EnvError(f"env observe({seat!r}) raised {type(err).__name__}: {err}") from None
-        if not isinstance(text, str):
-            raise EnvError(f"env observe({seat!r}) returned {type(text).__name__}, not str")
-        return text
-
-    def _seat_moves(self, slot: _Slot, observation: str) -> None:
-        """It is ``slot``'s turn: close its open turn with what it has seen since (or start
-        its conversation), and let it wait for the policy; a seat that cannot go on (turn
-        limit, context) ends the game."""
-        episode = slot.episode
-        if slot.turn is None and not episode.token_ids:
-            self._after_reset(slot, None, observation)
-        else:
-            try:  # the state this seat now moves in: the env's state_key when it names one
-                state = contract.start_state(slot.env, observation)
-            except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
-                error = EnvError(f"env state_key raised {type(err).__name__}: {err}")
-                return self._end_game(slot.game, error=error, where="step")
-            completion, text, start, end = slot.turn
-            slot.turn = None
-            result = StepResult(observation, slot.pending_reward, False, {"state_key": state})
-            slot.pending_reward = 0.0
-            reason, kept = self.bound.step_refused(episode, None, result, slot.tools)
-            next_state = end_turn(episode, result, start, end, text, completion.finish_reason,
-                                  slot.state, self.max_turns, observation=kept)
-            if next_state is not None and reason is not None:
-                episode.end("truncated", "input_too_large", reason)
-            if episode.status == "running":
-                slot.state = next_state
-                slot.rendered, ids = self.chat.continue_after(
-                    slot.messages, slot.rendered, text, completion.finish_reason == "stop",
-                    observation, None, slot.tools)
-                if not self._overflows(episode, ids):
-                    episode.append(ids, policy=False)
-                    slot.phase = _POLICY
-        if episode.status != "running":
-            self._end_game(slot.game, ended=episode)
-
-    def _finish_game(self, game: _Game, result: StepResult) -> None:
-        """The game is over: each seat's open turn closed with its own reward and end text."""
-        try:
-            results = seat_results(result.info or {}, tuple(game.seats))
-            endings = {seat: self._observe(game, seat) for seat in game.seats}
-        except EnvError as err:
-            return self._end_game(game, error=err, where="step")
-        flag = (zero_sum_violation({seat: float(r["reward"]) for seat, r in results.items()})
-                if contract.is_zero_sum(game.env) else None)
-        for seat, slot in game.seats.items():
-            info = results[seat]
-            reward = float(info.pop("reward")) + slot.pending_reward
-            if flag:
-                info["zero_sum_violation"] = flag
-            final = StepResult(endings[seat], reward, True, info)
-            if slot.turn is not None:
-                completion, text, start, end = slot.turn
-                record_turn(slot.episode, final, start, end, text, completion.finish_reason,
-                            slot.state)
-            else:  # the game ended before this seat moved: its reward without a turn
-                slot.episode.reward += reward
-                slot.episode.success = bool(info.pop("success", False))
-                slot.episode.info.update(json_safe(info))
-            slot.turn = None
-            slot.episode.end("done", "done")
-
-    def _end_game(self, game: _Game, *, error: BaseException | None = None, where: str = "",
-                  ended: Episode | None = None) -> None:
-        """End every running seat of ``game``: with ``error`` (an env call failed), or as
-        ``ended`` ended (a seat ran out of turns or context). Open turns are kept, unrewarded."""
-        for slot in game.seats.values():
-            episode = slot.episode
-            if episode.status != "running":
-                continue
-            if slot.turn is not None:
-                completion, text, start, end = slot.turn
-                record_turn(episode, StepResult("", slot.pending_reward, False, {}), start,
-                            end, text, completion.finish_reason, slot.state)
-                slot.turn = None
-            if error is not None:
-                fail_episode(episode, error, where)
-            else:
-                seat = next(s for s, other in game.seats.items() if other.episode is ended)
-                episode.end(ended.status, ended.end_reason,
-                            f"seat {seat} ended the game: {ended.info.get('reason', '')}")
 
     def _after_step(self, slot: _Slot, error: BaseException | None, result) -> None:
         """Record the turn; end the episode, or render the env's reply for the next turn."""

@@ -10,7 +10,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from turnrl.rollout.env_calls import EnvError
+from turnrl.envs import contract
+from turnrl.envs.base import StepResult
+from turnrl.rollout.env_calls import EnvError, end_turn, fail_episode, record_turn
+from turnrl.rollout.slots import POLICY as _POLICY
+from turnrl.rollout.slots import RESET as _RESET
+from turnrl.rollout.slots import WAIT as _WAIT
+from turnrl.rollout.slots import Game as _Game
+from turnrl.rollout.slots import Slot as _Slot
+from turnrl.safe_json import json_safe
+from turnrl.types import Episode
 
 ZERO_SUM_TOLERANCE = 1e-6
 
@@ -51,3 +60,129 @@ def zero_sum_violation(rewards: dict[str, float]) -> str | None:
 def _preview(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+class SeatedGames:
+    """The turn loop's multi-seat part (a mixin of ``TurnLoop``): a game's seats take turns
+    over one env; each seat's episode sees the others' moves as environment text."""
+
+
+    def _after_game_call(self, slot: _Slot, error: BaseException | None, result) -> None:
+        """A game's reset, or its mover's step, has finished: on to the next seat's turn, or
+        the end of the game for every seat."""
+        game = slot.game
+        where = "reset" if slot.phase == _RESET else "step"
+        if error is not None:
+            return self._end_game(game, error=error, where=where)
+        if where == "step":
+            slot.phase = _WAIT
+            if result.done:  # the rewards are info["seats"]'s; result.reward is not added
+                return self._finish_game(game, result)
+            slot.pending_reward += float(result.reward)
+        try:
+            mover = self._seat_to_move(game)
+            observation = self._observe(game, mover)
+        except EnvError as err:
+            return self._end_game(game, error=err, where=where)
+        for other in game.seats.values():
+            if other.phase == _RESET:
+                other.phase = _WAIT
+        self._seat_moves(game.seats[mover], observation)
+
+    def _seat_to_move(self, game: _Game) -> str:
+        try:
+            mover = game.env.seat_to_move
+        except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
+            raise EnvError(f"env seat_to_move raised {type(err).__name__}: {err}") from None
+        if mover not in game.seats:
+            raise EnvError(f"env seat_to_move is {mover!r}, not one of its seats "
+                           f"{tuple(game.seats)}")
+        return mover
+
+    def _observe(self, game: _Game, seat: str) -> str:
+        try:
+            text = game.env.observe(seat)
+        except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
+            raise EnvError(f"env observe({seat!r}) raised {type(err).__name__}: {err}") from None
+        if not isinstance(text, str):
+            raise EnvError(f"env observe({seat!r}) returned {type(text).__name__}, not str")
+        return text
+
+    def _seat_moves(self, slot: _Slot, observation: str) -> None:
+        """It is ``slot``'s turn: close its open turn with what it has seen since (or start
+        its conversation), and let it wait for the policy; a seat that cannot go on (turn
+        limit, context) ends the game."""
+        episode = slot.episode
+        if slot.turn is None and not episode.token_ids:
+            self._after_reset(slot, None, observation)
+        else:
+            try:  # the state this seat now moves in: the env's state_key when it names one
+                state = contract.start_state(slot.env, observation)
+            except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
+                error = EnvError(f"env state_key raised {type(err).__name__}: {err}")
+                return self._end_game(slot.game, error=error, where="step")
+            completion, text, start, end = slot.turn
+            slot.turn = None
+            result = StepResult(observation, slot.pending_reward, False, {"state_key": state})
+            slot.pending_reward = 0.0
+            reason, kept = self.bound.step_refused(episode, None, result, slot.tools)
+            next_state = end_turn(episode, result, start, end, text, completion.finish_reason,
+                                  slot.state, self.max_turns, observation=kept)
+            if next_state is not None and reason is not None:
+                episode.end("truncated", "input_too_large", reason)
+            if episode.status == "running":
+                slot.state = next_state
+                slot.rendered, ids = self.chat.continue_after(
+                    slot.messages, slot.rendered, text, completion.finish_reason == "stop",
+                    observation, None, slot.tools)
+                if not self._overflows(episode, ids):
+                    episode.append(ids, policy=False)
+                    slot.phase = _POLICY
+        if episode.status != "running":
+            self._end_game(slot.game, ended=episode)
+
+    def _finish_game(self, game: _Game, result: StepResult) -> None:
+        """The game is over: each seat's open turn closed with its own reward and end text."""
+        try:
+            results = seat_results(result.info or {}, tuple(game.seats))
+            endings = {seat: self._observe(game, seat) for seat in game.seats}
+        except EnvError as err:
+            return self._end_game(game, error=err, where="step")
+        flag = (zero_sum_violation({seat: float(r["reward"]) for seat, r in results.items()})
+                if contract.is_zero_sum(game.env) else None)
+        for seat, slot in game.seats.items():
+            info = results[seat]
+            reward = float(info.pop("reward")) + slot.pending_reward
+            if flag:
+                info["zero_sum_violation"] = flag
+            final = StepResult(endings[seat], reward, True, info)
+            if slot.turn is not None:
+                completion, text, start, end = slot.turn
+                record_turn(slot.episode, final, start, end, text, completion.finish_reason,
+                            slot.state)
+            else:  # the game ended before this seat moved: its reward without a turn
+                slot.episode.reward += reward
+                slot.episode.success = bool(info.pop("success", False))
+                slot.episode.info.update(json_safe(info))
+            slot.turn = None
+            slot.episode.end("done", "done")
+
+    def _end_game(self, game: _Game, *, error: BaseException | None = None, where: str = "",
+                  ended: Episode | None = None) -> None:
+        """End every running seat of ``game``: with ``error`` (an env call failed), or as
+        ``ended`` ended (a seat ran out of turns or context). Open turns are kept, unrewarded."""
+        for slot in game.seats.values():
+            episode = slot.episode
+            if episode.status != "running":
+                continue
+            if slot.turn is not None:
+                completion, text, start, end = slot.turn
+                record_turn(episode, StepResult("", slot.pending_reward, False, {}), start,
+                            end, text, completion.finish_reason, slot.state)
+                slot.turn = None
+            if error is not None:
+                fail_episode(episode, error, where)
+            else:
+                seat = next(s for s, other in game.seats.items() if other.episode is ended)
+                episode.end(ended.status, ended.end_reason,
+                            f"seat {seat} ended the game: {ended.info.get('reason', '')}")

@@ -1,0 +1,80 @@
+"""The turn loop's records of what is in play (rollout/loop.py): one live episode (``Slot``),
+one multi-seat game (``Game``, rollout/seats.py), one group's progress (``GroupState``) and
+a finished group as the loop hands it out (``Group``)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from turnrl.envs.base import Env
+from turnrl.rollout.env_calls import EnvRunner
+from turnrl.types import ENV_VERSION, Episode
+
+# Where a live episode stands (_WAIT: a seat of a game waiting for the other seats' moves).
+RESET, POLICY, ENV, WAIT = "reset", "policy", "env", "wait"
+
+
+@dataclass
+class Slot:
+    episode: Episode
+    assignment: int
+    env: Env
+    runner: EnvRunner
+    phase: str = RESET
+    task: asyncio.Future | None = None
+    """The env.reset or env.step in flight."""
+    turn: tuple | None = None
+    """(completion, text, start, end) of the action whose env step is in flight."""
+    messages: list[dict] = field(default_factory=list)
+    rendered: str = ""
+    """The conversation so far, as the chat template renders it (the policy's reply aside)."""
+    tools: list[dict] | None = None
+    """Tool schemas the template renders (an env with tools, a template that has them)."""
+    state: str = ""
+    """Key of the state the next action is taken in (see ``Turn.state``)."""
+    game: Game | None = None
+    """The multi-seat game this slot is one seat of (None: a single-agent episode)."""
+    seat: str = ""
+    pending_reward: float = 0.0
+    """Reward the env gave this seat's open turn (a mid-game step's reward)."""
+
+
+@dataclass
+class Game:
+    """One play of a multi-seat env: its seats' slots share ``env`` and its thread."""
+
+    env: Env
+    seats: dict[str, Slot] = field(default_factory=dict)
+
+
+@dataclass
+class GroupState:
+    seed: int
+    episodes: list[Episode]
+    open: int
+    started_at: float
+
+
+@dataclass
+class Group:
+    """The ``group_size`` episodes of one assignment (one seed), all ended."""
+
+    assignment: int
+    """Id the learner gave this piece of work; a redelivered id is a duplicate."""
+    seed: int
+    episodes: list[Episode]
+    worker: int = -1
+    """Index of the rollout worker that played it (-1 outside Ray)."""
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+    def policy_versions(self) -> list[int]:
+        """Version of every policy token of every episode (environment tokens left out)."""
+        return [v for ep in self.episodes for v in ep.versions if v != ENV_VERSION]
+
+    @property
+    def oldest_version(self) -> int | None:
+        """Version of the group's oldest policy token; None if no episode generated any."""
+        versions = self.policy_versions()
+        return min(versions) if versions else None

@@ -1,0 +1,268 @@
+"""The transport-independent half of TurnRL's MCP client: the handshake, tool listing and
+calls over JSON-RPC 2.0 (``MCPClient``), the errors, and how MCP's tool entries and results
+become TurnRL's. The transports: stdio in ``tools/mcp.py`` (``MCPServer``), Streamable HTTP
+in ``tools/mcp_http.py`` (``MCPHttpServer``); the module docstring of ``tools/mcp.py`` says
+how the whole client behaves."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from turnrl.tools.schema import Tool
+
+PROTOCOL_VERSION = "2025-06-18"
+STDERR_TAIL = 20
+"""Lines of the server's stderr kept for error messages."""
+
+
+class MCPServerError(RuntimeError):
+    """The server could not start, stopped answering the protocol, or exited."""
+
+
+class MCPToolError(Exception):
+    """A tool call the server answered with an error (``isError`` or a JSON-RPC error):
+    the model's observation, not a failure of the episode."""
+
+
+class MCPClient:
+    """The transport-independent part of an MCP client: JSON-RPC requests resolved through
+    futures, the handshake, the tool listing and the calls. ``MCPServer`` (stdio) and
+    ``MCPHttpServer`` (Streamable HTTP) add how messages travel."""
+
+    name: str
+    start_timeout_s: float
+
+    def __init__(self) -> None:
+        self._pending: dict[int, Future] = {}
+        self._ids = itertools.count(1)
+        self._starting = threading.Lock()
+        self._death = ""
+        self._listed: list[dict] = []
+        self.server_info: dict = {}
+
+    # --- what a transport provides -------------------------------------------------------------
+
+    @property
+    def where(self) -> str:
+        """The command or URL, for messages."""
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def _open(self) -> None:
+        """Start the process or the connection (the handshake comes after)."""
+        raise NotImplementedError
+
+    def _send(self, message: dict) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise ``MCPServerError`` if the server is gone (or was never started)."""
+        if self._death:
+            raise MCPServerError(self._death)
+        if not self.alive:
+            raise MCPServerError(f"MCP server '{self.name}' is not running")
+
+    def _detail(self) -> str:
+        """More words for a failure (the stdio server's stderr tail)."""
+        return ""
+
+    def _abandoned(self, request_id: int) -> None:
+        """A request nobody waits for any more (timed out): tell the server."""
+        if self.alive:
+            try:
+                self.notify("notifications/cancelled",
+                            {"requestId": request_id, "reason": "timed out"})
+            except MCPServerError:
+                pass
+
+    # --- life cycle ------------------------------------------------------------------------
+
+    def start(self) -> MCPClient:
+        """Open the server and do the handshake and the tool listing; a no-op while it runs."""
+        with self._starting:  # envs of concurrent episodes share a server: one starts it
+            if not self.alive:
+                self._start()
+        return self
+
+    def _start(self) -> None:
+        try:
+            self._open()
+            init = self.request("initialize", {
+                "protocolVersion": PROTOCOL_VERSION, "capabilities": {},
+                "clientInfo": {"name": "turnrl", "version": _version()}},
+                self.start_timeout_s)
+            self._initialized(init)
+            self.notify("notifications/initialized")
+            self._listed = self._list_tools()
+        except (MCPServerError, MCPToolError) as err:
+            self.close()
+            reason = str(err).removeprefix(f"MCP server '{self.name}' ")
+            raise MCPServerError(f"MCP server '{self.name}' ({self.where}) did "
+                                 f"not start: {reason}") from None
+
+    def _initialized(self, result: dict) -> None:
+        self.server_info = result.get("serverInfo") or {}
+
+    def _fail_pending(self, reason: str) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(MCPServerError(reason))
+
+    # --- JSON-RPC --------------------------------------------------------------------------
+
+    def notify(self, method: str, params: dict | None = None) -> None:
+        self._send({"jsonrpc": "2.0", "method": method, **({"params": params} if params
+                                                            else {})})
+
+    def _submit(self, method: str, params: dict) -> tuple[int, Future]:
+        request_id, future = next(self._ids), Future()
+        self._pending[request_id] = future
+        try:
+            self._send({"jsonrpc": "2.0", "id": request_id, "method": method,
+                        "params": params})
+        except MCPServerError:
+            self._pending.pop(request_id, None)
+            raise
+        return request_id, future
+
+    def request(self, method: str, params: dict, timeout_s: float) -> dict:
+        """Send a request and wait (blocking) for its result, at most ``timeout_s``."""
+        request_id, future = self._submit(method, params)
+        try:
+            return future.result(timeout_s)
+        except FutureTimeout:
+            self._pending.pop(request_id, None)
+            self._abandoned(request_id)
+            raise MCPServerError(f"no answer to {method} within {timeout_s:g} s"
+                                 f"{self._detail()}") from None
+
+    async def arequest(self, method: str, params: dict) -> dict:
+        """Send a request and await its result; the caller bounds the wait. A wait that is
+        cancelled (a timeout) tells the server with ``notifications/cancelled``."""
+        request_id, future = self._submit(method, params)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._pending.pop(request_id, None)
+            self._abandoned(request_id)
+            raise
+
+    def _dispatch(self, message: dict) -> None:
+        if "method" in message:  # the server asks or tells us something
+            if "id" in message:  # a request: only ping is ours to answer
+                answer = {"result": {}} if message["method"] == "ping" else {
+                    "error": {"code": -32601, "message": "method not found"}}
+                try:
+                    self._send({"jsonrpc": "2.0", "id": message["id"], **answer})
+                except MCPServerError:
+                    pass
+            return
+        future = self._pending.pop(message.get("id"), None)
+        if future is None or future.done():  # a late answer to a cancelled request
+            return
+        if "error" in message:
+            error = message["error"] if isinstance(message["error"], dict) else {}
+            future.set_exception(MCPToolError(
+                f"{error.get('message', 'error')} (JSON-RPC error {error.get('code')})"))
+        else:
+            future.set_result(message.get("result") or {})
+
+    # --- tools -----------------------------------------------------------------------------
+
+    def _list_tools(self) -> list[dict]:
+        listed, cursor = [], None
+        for _ in range(1000):  # pages; a server that never stops paging is cut off
+            result = self.request("tools/list", {"cursor": cursor} if cursor else {},
+                                  self.start_timeout_s)
+            listed += [t for t in result.get("tools", []) if isinstance(t, dict)
+                       and isinstance(t.get("name"), str)]
+            cursor = result.get("nextCursor")
+            if not cursor:
+                break
+        return listed
+
+    def tools(self) -> list[Tool]:
+        """The server's tools (starting it if needed), each a ``Tool`` calling it."""
+        self.start()
+        return [self._as_tool(entry) for entry in self._listed]
+
+    def _as_tool(self, entry: dict) -> Tool:
+        name = entry["name"]
+
+        async def call(**arguments: Any) -> str:
+            return await self.call(name, arguments)
+
+        call.mcp_server = self  # ToolEnv finds the servers its tools need through this
+        return Tool(name, entry.get("description") or "", input_schema(entry), call)
+
+    async def call(self, name: str, arguments: dict) -> str:
+        """``tools/call``: the result's text; ``MCPToolError`` when the server says the call
+        failed, ``MCPServerError`` when the server is gone."""
+        result = await self.arequest("tools/call", {"name": name, "arguments": arguments})
+        text = result_text(result)
+        if result.get("isError"):
+            raise MCPToolError(text or "the tool reported an error")
+        return text
+
+
+def input_schema(entry: dict) -> dict:
+    """A tool's ``inputSchema`` in the shape ``Tool`` checks arguments against: an object with
+    ``properties`` and ``required``; a nullable type list (["string", "null"]) becomes the
+    type and ``nullable``; other type lists are left unchecked."""
+    schema = dict(entry.get("inputSchema") or {})
+    properties = {}
+    for key, prop in (schema.get("properties") or {}).items():
+        prop = dict(prop) if isinstance(prop, dict) else {}
+        kinds = prop.get("type")
+        if isinstance(kinds, list):
+            kept = [k for k in kinds if k != "null"]
+            prop.pop("type")
+            if len(kept) == 1:
+                prop["type"] = kept[0]
+            if "null" in kinds:
+                prop["nullable"] = True
+        properties[key] = prop
+    required = [r for r in schema.get("required") or [] if r in properties]
+    return {**schema, "type": "object", "properties": properties, "required": required}
+
+
+def result_text(result: dict) -> str:
+    """The text of a ``tools/call`` result: its text parts joined; other parts described
+    (an image by its MIME type, a resource by its text or URI); else the structured content."""
+    parts = []
+    for item in result.get("content") or []:
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "text":
+            parts.append(str(item.get("text", "")))
+        elif kind == "resource":
+            resource = item.get("resource") or {}
+            parts.append(str(resource.get("text") or f"[resource {resource.get('uri')}]"))
+        elif kind is not None:
+            parts.append(f"[{kind} {item.get('mimeType') or item.get('uri') or ''}]".strip())
+    if not parts and result.get("structuredContent") is not None:
+        return json.dumps(result["structuredContent"], ensure_ascii=False)
+    return "\n".join(parts)
+
+
+def _version() -> str:
+    """TurnRL's installed version, for ``clientInfo`` (the package itself is not imported
+    here: it imports the envs, which import this module)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("turnrl")
+    except PackageNotFoundError:
+        return "unknown"
