@@ -63,6 +63,7 @@ def test_weights_reach_the_worker_as_a_file_and_load_in_place(tiny):
                                        reset_prefix_cache=lambda: True)
     engine.keep_cache_across_versions = False
     engine.tied_embeddings = False
+    engine.lora_config = None  # full weights (a LoRA engine loads adapters: test_lora_gpu.py)
     engine.update_weights(model.state_dict(), version=7)
     assert engine.version == 7 and [m for m, _ in calls] == ["turnrl_load_weights"]
     assert isinstance(calls[0][1][0], str) and not os.path.exists(calls[0][1][0])  # cleaned up
