@@ -39,9 +39,25 @@ def test_turnrl_side_and_scaling(capsys, tmp_path):
     assert turnrl["completion_tokens_per_step"] == 4 * 16
     assert turnrl["completion_len_range"] == [16, 16]
     assert turnrl["median_step_s"] > 0 and turnrl["peak_rss_mb"] > 0
-    assert set(turnrl["records"][0]["stages_s"]) == {"collect", "advantages", "update", "log"}
+    # the sync trainer's stages, publish included (an engine with its own weights reloads)
+    assert set(turnrl["records"][0]["stages_s"]) == {"collect", "advantages", "update", "log",
+                                                      "publish"}
     turns = {r["label"]: r for r in report["scaling"]}
     assert turns["turns 2 (guess-number)"]["turns"] > 1  # the multi-turn rows really are
+
+
+def test_turnrl_side_with_the_ct2_sampler(tmp_path):
+    """``--engine ct2``: TurnRL samples with CTranslate2 int8 (the learner stays float32) and
+    each step has a publish stage, where the sampler takes the updated weights."""
+    pytest.importorskip("ctranslate2")
+    out = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--systems", "turnrl", "--groups", "4", "--threads", "1",
+                       "--no-scaling", "--engine", "ct2", "--engine-dtype", "int8",
+                       "--json", str(out)]) == 0
+    turnrl = json.loads(out.read_text())["workloads"][0]["systems"]["turnrl"]
+    assert turnrl["completion_tokens_per_step"] == 4 * 16
+    assert turnrl["completion_len_range"] == [16, 16]  # ct2 stops on stop tokens only
+    assert all("publish" in record["stages_s"] for record in turnrl["records"])
 
 
 def test_turnrl_and_trl_side_by_side(capsys, tmp_path):
