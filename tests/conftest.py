@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -53,3 +54,45 @@ def groups_within(worker, seconds: float) -> list:
         if groups := worker.take_groups(wait_s=1.0).groups:
             return groups
     raise AssertionError(f"the worker returned no group within {seconds:.0f} s")
+
+
+@contextlib.contextmanager
+def local_ray(*modules):
+    """A Ray cluster of the test's own, with ``modules`` (which define envs the workers cannot
+    import) shipped by value. ``address="local"``: never one another process on this machine
+    started (a plain ``ray.init`` joins it, then refuses ``num_cpus``)."""
+    ray = pytest.importorskip("ray")
+    for module in modules:
+        ray.cloudpickle.register_pickle_by_value(module)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        for module in modules:
+            ray.cloudpickle.unregister_pickle_by_value(module)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for a test module whose envs this file registers (say-digit...)."""
+    with local_ray(sys.modules[__name__]) as ray:
+        yield ray
+
+
+class MovesEngine:
+    """Replies ``moves[k]`` at the ``k``-th generate call, to every row (a lock-step game's
+    moves, one per call); made-up logprobs. For bookkeeping tests of games: the tiny random
+    model rarely writes a legal move."""
+
+    def __init__(self, tokenizer, moves):
+        self.tokenizer, self.moves, self.version, self.calls = tokenizer, moves, 0, 0
+
+    def generate(self, prompts, params):
+        from turnrl.rollout import Completion
+
+        text = self.moves[min(self.calls, len(self.moves) - 1)]
+        self.calls += 1
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = ids + [self.tokenizer.eos_token_id]
+        return [Completion(list(ids), [-0.5] * len(ids), "stop") for _ in prompts]

@@ -6,7 +6,6 @@ import asyncio
 import json
 import math
 import random
-import sys
 import threading
 import time
 from functools import partial
@@ -460,19 +459,6 @@ TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_to
         "--run.progress", "false", "--run.tensorboard", "false", "--run.mode", "async",
         "--optim.lr", "1e-3", "--ray.num_workers", "1", "--rollout.group_size", "4",
         "--rollout.groups_per_step", "2"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    # say-digit is registered by conftest, a module the workers cannot import: ship it by
-    # value (a user's env in an importable package or in __main__ needs nothing of the kind).
-    ray.cloudpickle.register_pickle_by_value(sys.modules["conftest"])
-    # address="local": never join another cluster on this host (it would refuse num_cpus).
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-    ray.cloudpickle.unregister_pickle_by_value(sys.modules["conftest"])
 
 
 def _books_balance(result):

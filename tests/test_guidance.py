@@ -8,6 +8,7 @@ import re
 import sys
 
 import pytest
+from conftest import local_ray
 
 from turnrl.config import ConfigError, load_config
 from turnrl.envs import StepResult, register_env
@@ -361,14 +362,9 @@ def test_in_async_mode_hint_levels_are_kept_with_the_checkpoint(tmp_path):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray")
-    # the envs are registered by this module, which the workers cannot import: ship it by value
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    # a cluster of its own, never one that another process on this machine started
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    # the envs are registered by this module, which the workers cannot import: ship it
+    with local_ray(sys.modules[__name__]) as ray:
+        yield ray
 
 
 @pytest.mark.slow

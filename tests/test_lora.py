@@ -302,17 +302,6 @@ def test_the_cli_says_in_one_line_what_is_wrong(tmp_path):
     assert "'qkv' is no linear layer" in lines[0]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.cloudpickle.register_pickle_by_value(sys.modules["conftest"])
-    # address="local": a cluster of its own, even where another one runs on the machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-    ray.cloudpickle.unregister_pickle_by_value(sys.modules["conftest"])
-
-
 @pytest.mark.slow
 def test_an_async_lora_run_ships_the_adapter_alone(ray_cluster, tmp_path):
     from turnrl.launch import train_async

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import local_ray
 
 from turnrl.config import AlgoConfig, OptimConfig, load_config
 from turnrl.envs import StepResult, register_env
@@ -160,17 +161,11 @@ def test_a_run_where_some_prompts_are_too_long_trains_on_the_others(tmp_path):
 
 @pytest.mark.slow
 def test_async_steps_with_no_policy_token_skip_their_updates(tmp_path):
-    ray = pytest.importorskip("ray")
     from turnrl.launch import train_async
 
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_ray(sys.modules[__name__]):
         train_async(run_cfg(tmp_path, "async", 1, "--run.mode", "async",
                             "--ray.num_workers", "1", "--eval.episodes", "0"))
-    finally:
-        ray.shutdown()
-        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     records = read_metrics(tmp_path / "async" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["warn/no_policy_tokens"] == 1.0 for r in records)

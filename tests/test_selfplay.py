@@ -6,25 +6,10 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
+from conftest import MovesEngine
 
 from turnrl.envs import StepResult, make_env, register_env
-from turnrl.rollout import ChatFormat, Completion, SamplingParams, run_episodes, run_sync
-
-
-class MovesEngine:
-    """Replies ``moves[k]`` at the ``k``-th generate call, to every row (a lock-step game's
-    moves, one per call); made-up logprobs. For bookkeeping tests: the tiny random model
-    rarely names a legal cell."""
-
-    def __init__(self, tokenizer, moves):
-        self.tokenizer, self.moves, self.version, self.calls = tokenizer, moves, 0, 0
-
-    def generate(self, prompts, params):
-        text = self.moves[min(self.calls, len(self.moves) - 1)]
-        self.calls += 1
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids = ids + [self.tokenizer.eos_token_id]
-        return [Completion(list(ids), [-0.5] * len(ids), "stop") for _ in prompts]
+from turnrl.rollout import ChatFormat, SamplingParams, run_episodes, run_sync
 
 
 def _play(tokenizer, env_name, moves, games=1, max_turns=8, **options):

@@ -12,27 +12,14 @@ from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from conftest import MovesEngine
 
 from turnrl.envs import make_env
-from turnrl.rollout import ChatFormat, Completion, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, SamplingParams, run_episodes, run_sync
 
 pytest.importorskip("textarena")
 
 
-class MovesEngine:
-    """Replies ``moves[k]`` at the ``k``-th generate call, to every row (one game's moves in
-    lock-step, one per call); made-up logprobs. The tiny random model never writes a legal
-    TextArena move, and these tests check bookkeeping against TextArena's own results."""
-
-    def __init__(self, tokenizer, moves):
-        self.tokenizer, self.moves, self.version, self.calls = tokenizer, moves, 0, 0
-
-    def generate(self, prompts, params):
-        text = self.moves[min(self.calls, len(self.moves) - 1)]
-        self.calls += 1
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids = ids + [self.tokenizer.eos_token_id]
-        return [Completion(list(ids), [-0.5] * len(ids), "stop") for _ in prompts]
 
 
 def _play(tokenizer, make, moves, seeds=(0,), max_turns=12, env_timeout_s=None):
