@@ -23,6 +23,8 @@ import os
 import statistics
 import time
 
+from vllm_cpu_sampling import alternating_rounds  # benchmarks/, the script's own folder
+
 
 def load_line() -> str:
     one, five, _ = os.getloadavg()
@@ -82,18 +84,9 @@ def main() -> None:
           f"{'|dlogp| mean':>12} {'max':>7}")
     for batch in args.batches:
         prompts = [prompt_of[i % len(prompt_of)] for i in range(batch)]
-        for engine in engines.values():
-            engine.generate(prompts, params)  # warm-up
-        walls: dict[str, list[float]] = {name: [] for name in engines}
-        outputs = {}
-        for _ in range(args.repeats):
-            for name, engine in engines.items():
-                start = time.perf_counter()
-                outputs[name] = engine.generate(prompts, params)
-                walls[name].append(time.perf_counter() - start)
-        base = statistics.median(walls["hf fp32"])
-        for name, times in walls.items():
-            wall = statistics.median(times)
+        walls, outputs = alternating_rounds(engines, prompts, params, args.repeats)
+        base = walls["hf fp32"]
+        for name, wall in walls.items():
             mean, largest = drift(prompts, outputs[name])
             print(f"{batch:>5} {name:>16} {wall:8.2f} {batch * args.tokens / wall:8.1f} "
                   f"{base / wall:6.2f}x {mean:12.4f} {largest:7.3f}")

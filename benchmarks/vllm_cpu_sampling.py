@@ -24,16 +24,24 @@ import statistics
 import time
 
 
-def cpu_has_bf16() -> bool:
-    """Native bf16 arithmetic (avx512_bf16 or AMX), read from /proc/cpuinfo at run time."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+def alternating_rounds(engines: dict, prompts: list, params, repeats: int
+                       ) -> tuple[dict[str, float], dict[str, list]]:
+    """Each engine warmed up on ``prompts``, then ``repeats`` rounds calling every engine in
+    turn (load drift hits all alike); the median wall seconds and the last outputs of each."""
+    for engine in engines.values():
+        engine.generate(prompts, params)  # warm-up
+    walls: dict[str, list[float]] = {name: [] for name in engines}
+    outputs = {}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            outputs[name] = engine.generate(prompts, params)
+            walls[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in walls.items()}, outputs
 
 
 def main() -> None:
+    from turnrl.config.precision import cpu_has_bf16  # read from the CPU, never assumed
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--tokens", type=int, default=64)
@@ -77,18 +85,9 @@ def main() -> None:
     print(f"{'batch':>5} {'engine':>10} {'wall s':>8} {'tok/s':>8} {'vs hf':>7} {'|dlogp|':>8}")
     for batch in args.batches:
         prompts = [prompt_of[i % len(prompt_of)] for i in range(batch)]
-        for engine in engines.values():
-            engine.generate(prompts, params)  # warm-up
-        walls: dict[str, list[float]] = {name: [] for name in engines}
-        outputs = {}
-        for _ in range(args.repeats):
-            for name, engine in engines.items():
-                start = time.perf_counter()
-                outputs[name] = engine.generate(prompts, params)
-                walls[name].append(time.perf_counter() - start)
-        base = statistics.median(walls["hf fp32"])
-        for name, times in walls.items():
-            wall = statistics.median(times)
+        walls, outputs = alternating_rounds(engines, prompts, params, args.repeats)
+        base = walls["hf fp32"]
+        for name, wall in walls.items():
             drift = ""
             if name != "hf fp32":
                 diffs = []
