@@ -14,6 +14,7 @@ import sys
 
 from turnrl import StepResult, register_env
 from turnrl.cli import main
+from turnrl.envs.reference import ScriptedReplies
 
 
 @register_env("calculator")
@@ -39,8 +40,12 @@ class Calculator:
             return StepResult(f"{int(call.group(1)) * int(call.group(2))}", 0.0, out_of_turns)
         return StepResult("Write CALC: <a>*<b> or ANSWER: <number>.", 0.0, out_of_turns)
 
+    def reference_player(self):  # an expert for --explore.guidance demo and warm-ups
+        return ScriptedReplies([f"CALC: {self.a}*{self.b}", f"ANSWER: {self.a * self.b}"])
+
 
 if __name__ == "__main__":
     defaults = ["--env.name", "calculator", "--model.name", "tiny", "--run.steps", "3",
-                "--eval.episodes", "8", "--run.out_dir", "runs/calculator"]
+                "--rollout.max_new_tokens", "24", "--eval.episodes", "8",
+                "--run.out_dir", "runs/calculator"]
     sys.exit(main(["train", *defaults, *sys.argv[1:]]))  # later flags win

@@ -34,7 +34,9 @@ def date_task(seed: int) -> Task:
     rng = random.Random(seed)
     start = datetime.date(2020, 1, 1) + datetime.timedelta(days=rng.randint(0, 1500))
     end = start + datetime.timedelta(days=rng.randint(30, 900))
-    return Task(f"How many days are there from {start} to {end}?", (end - start).days)
+    call = ("days_between", {"start": str(start), "end": str(end)})  # the expert's tool call
+    return Task(f"How many days are there from {start} to {end}?", (end - start).days,
+                calls=(call,))
 
 
 @register_env("date-span")

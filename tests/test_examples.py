@@ -1,4 +1,5 @@
 import asyncio
+import json
 import runpy
 import subprocess
 import sys
@@ -36,3 +37,28 @@ def test_calculator_example_trains_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "before" in out.stdout and "after 3 steps" in out.stdout
     assert (tmp_path / "checkpoints" / "step-000003").is_dir()
+
+
+def guided_run(example: str, out: Path, *extra: str) -> list[dict]:
+    """One guided step of an example as the README documents it (tiny model: it never
+    succeeds on its own, so every group is all-failed and guided)."""
+    done = subprocess.run([sys.executable, str(EXAMPLES / example), "--run.out_dir", str(out),
+                           "--run.steps", "1", "--eval.episodes", "0", "--run.progress", "false",
+                           "--explore.guidance", "demo", *extra],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "cannot be guided" not in done.stderr  # the expert's replies fit the token budget
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_calculator_example_expert_guides_failed_groups(tmp_path):
+    """The README's SmolLM2 command adds ``--explore.guidance demo``: the example's expert
+    must solve each failed group's seed through the real turn loop."""
+    (step,) = guided_run("calculator_env.py", tmp_path)
+    assert step["guide/fired_groups"] >= 1 and step["guide/episodes"] >= 1
+    assert step["guide/success"] == 1.0
+
+
+def test_tool_task_example_expert_guides_failed_groups(tmp_path):
+    (step,) = guided_run("tool_task.py", tmp_path, "--rollout.max_new_tokens", "192")  # characters
+    assert step["guide/fired_groups"] >= 1 and step["guide/success"] == 1.0
