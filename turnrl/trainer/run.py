@@ -122,6 +122,8 @@ class Run:
     checkpoint_state: dict = field(default_factory=dict)
     """``state.json`` of the checkpoint resumed from (mode-specific extras included)."""
     resumed: bool = False
+    checkpoint: Path | None = None
+    """The checkpoint resumed from (a source reads its ``frozen`` weights there)."""
 
 
 def with_out_dir(cfg: Config, resume: bool) -> Config:
@@ -212,7 +214,7 @@ def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
         state, rng = load_checkpoint(checkpoint, learner.model, learner.optimizer)
         restore_rng(rng, policy.engine.generator)
         run.start_step = policy.engine.version = state["step"]
-        run.checkpoint_state = state
+        run.checkpoint_state, run.checkpoint = state, checkpoint
         saved = load_component(checkpoint, "estimator") or load_component(checkpoint, "credit")
         if saved:  # "credit": checkpoints written before estimators had one interface
             learner.estimator.load_state_dict(saved)
@@ -336,6 +338,7 @@ def periodic_eval(run: Run, step: int) -> dict[str, float]:
 def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult | None,
              metrics: dict[str, float], timer: StageTimer, logger: MetricsLogger,
              progress: TrainProgress, *, checkpoint_extra: dict | None = None,
+             checkpoint_frozen: dict[str, torch.nn.Module] | None = None,
              **progress_fields) -> None:
     """After a step's update, in every mode: samples, periodic eval, log, progress, checkpoint.
     ``summary`` None (SFT: demonstrations earn no reward) leaves reward and success off the bar."""
@@ -361,6 +364,7 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult |
         save_checkpoint(run.run_dir, step + 1, learner.model, learner.optimizer,
                         rng=rng_state(run.policy.engine.generator),
                         keep=cfg.run.keep_checkpoints, extra=checkpoint_extra,
+                        frozen=checkpoint_frozen,
                         components={"estimator": learner.estimator.state_dict(),
                                     "exploration": learner.explore.state_dict()})
 
