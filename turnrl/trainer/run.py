@@ -49,7 +49,13 @@ from turnrl.config import (
     config_to_dict,
     save_config,
 )
-from turnrl.evaluation import COLUMNS, EvalResult, episode_transcript, summarize
+from turnrl.evaluation import (
+    COLUMNS,
+    EvalResult,
+    episode_transcript,
+    summarize,
+    whole_games,
+)
 from turnrl.lora import is_lora
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import configure_torch
@@ -343,10 +349,10 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult |
     """After a step's update, in every mode: samples, periodic eval, log, progress, checkpoint.
     ``summary`` None (SFT: demonstrations earn no reward) leaves reward and success off the bar."""
     cfg = run.cfg
-    if cfg.run.sample_episodes:
-        write_episodes(run.run_dir / "episodes" / f"step-{step + 1:06d}.jsonl",
-                       episodes[:cfg.run.sample_episodes])
-        write_transcripts(run, f"step-{step + 1:06d}", episodes[:cfg.run.sample_episodes])
+    if cfg.run.sample_episodes:  # a self-play game's seats come together
+        sample = whole_games(episodes[:cfg.run.sample_episodes], episodes)
+        write_episodes(run.run_dir / "episodes" / f"step-{step + 1:06d}.jsonl", sample)
+        write_transcripts(run, f"step-{step + 1:06d}", sample)
     metrics.update(periodic_eval(run, step))
     metrics.update(timer.metrics())
     logger.log(step + 1, metrics)
