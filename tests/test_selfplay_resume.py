@@ -36,8 +36,8 @@ def player(tmp_path_factory):
     return out / "checkpoints" / "step-000010"
 
 
-def _cfg(model, out, steps=STEPS):
-    return load_config(None, [
+def _cfg(model, out, steps=STEPS, *extra):
+    return load_config(None, [*extra,
         "--model.name", str(model), "--env.name", "tictactoe", "--env.options.opponent",
         "pool", "--env.opponent_pool_size", "3", "--env.opponent_pool_every", "1",
         "--rollout.max_new_tokens", "3", "--rollout.group_size", "2",
@@ -46,9 +46,9 @@ def _cfg(model, out, steps=STEPS):
         "--run.progress", "false", "--run.tensorboard", "false", "--run.out_dir", str(out)])
 
 
-def _weights(run_dir, step, name=""):
+def _weights(run_dir, step, name="", file="model.safetensors"):
     folder = run_dir / "checkpoints" / f"step-{step:06d}" / name
-    return load_file(folder / "model.safetensors")
+    return load_file(folder / file)
 
 
 def _equal(a, b):
@@ -62,6 +62,20 @@ def _opponents(run_dir):
             for row in read_metrics(run_dir / "metrics.jsonl")]
 
 
+def _interrupted(cfg, monkeypatch, at_step):
+    """``cfg``'s run, stopped as a kill would during step ``at_step`` (0-based)."""
+    collect = LocalSource.collect
+
+    def interrupted(self, step):
+        if step == at_step:
+            raise KeyboardInterrupt
+        return collect(self, step)
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalSource, "collect", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+
+
 @pytest.fixture(scope="module")
 def straight(player, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
@@ -71,17 +85,8 @@ def straight(player, tmp_path_factory):
 
 def test_an_interrupted_pool_run_resumes_with_the_same_pool_bit_for_bit(
         player, straight, tmp_path, monkeypatch):
-    cut = tmp_path / "cut"
-    collect = LocalSource.collect
-
-    def interrupted(self, step):  # killed during the last step, after step 2's checkpoint
-        if step == STEPS - 1:
-            raise KeyboardInterrupt
-        return collect(self, step)
-    with monkeypatch.context() as patch:
-        patch.setattr(LocalSource, "collect", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            train(_cfg(player, cut))
+    cut = tmp_path / "cut"  # killed during the last step, after step 2's checkpoint
+    _interrupted(_cfg(player, cut), monkeypatch, at_step=STEPS - 1)
     saved = json.loads((cut / "checkpoints" / "step-000002" / "state.json").read_text())
     assert saved["opponent_pool"] == {"versions": [0, 1, 2], "draws": 8}
     with warnings.catch_warnings():
@@ -102,6 +107,25 @@ def test_an_interrupted_pool_run_resumes_with_the_same_pool_bit_for_bit(
         name = f"opponent_pool/v{version:06d}"
         assert _equal(_weights(cut, STEPS, name), _weights(straight, STEPS, name))
     assert not _equal(_weights(cut, STEPS, "opponent_pool/v000002"), _weights(cut, STEPS))
+
+
+def test_a_lora_pool_run_resumes_bit_for_bit_with_the_adapters_in_its_pool(
+        player, tmp_path, monkeypatch):
+    """LoRA: a pool member is the frozen base with its version's adapter; the checkpoint
+    holds each version's adapter only (the base is the run's model)."""
+    lora = ("--model.lora.r", "4")
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    train(_cfg(player, straight, STEPS, *lora))
+    _interrupted(_cfg(player, cut, STEPS, *lora), monkeypatch, at_step=STEPS - 1)
+    train(_cfg(player, cut, STEPS, *lora), resume=True)
+    assert _opponents(cut) == _opponents(straight)
+    adapter = "adapter_model.safetensors"
+    for name in ("", "opponent_pool/v000002", "opponent_pool/v000003", "opponent_pool/v000004"):
+        assert _equal(_weights(cut, STEPS, name, adapter), _weights(straight, STEPS, name, adapter))
+    assert not (cut / "checkpoints" / "step-000004" / "opponent_pool" / "v000003" /
+                "model.safetensors").exists()
+    assert not _equal(_weights(cut, STEPS, "opponent_pool/v000002", adapter),
+                      _weights(cut, STEPS, "", adapter))
 
 
 def test_pool_members_are_stored_once_across_checkpoints(straight):
