@@ -39,7 +39,7 @@ class _Page(HTMLParser):
             self.games[-1]["moves"].append({"seat": attrs["data-seat"],
                                             "number": int(attrs["data-move"]), "who": "",
                                             "text": "", "saw": ""})
-        elif tag == "tr" and self._inside("table"):
+        elif tag == "tr" and self._inside("details", "game"):
             self.games[-1]["rows"].append([])
         self._stack.append((tag, attrs))
 
@@ -208,3 +208,36 @@ def test_whole_games_adds_the_missing_seats_only():
     assert whole_games(episodes[:1], episodes) == episodes[:2]
     assert whole_games(episodes[1:3], episodes) == episodes[:4]
     assert whole_games(episodes[4:], episodes) == episodes[4:]
+
+
+def test_turnrl_eval_of_a_game_reports_each_role_and_the_page_shows_its_games(tmp_path,
+                                                                               capsys):
+    from turnrl.cli import main
+    from turnrl.config import load_config
+    from turnrl.trainer import train
+
+    run = tmp_path / "run"
+    train(load_config(None, [
+        "--model.name", "tiny", "--env.name", "tictactoe-selfplay",
+        "--rollout.max_new_tokens", "3", "--rollout.group_size", "2",
+        "--rollout.groups_per_step", "1", "--run.steps", "1", "--eval.episodes", "0",
+        "--run.progress", "false", "--run.tensorboard", "false", "--run.out_dir", str(run)]))
+    capsys.readouterr()
+    assert main(["eval", str(run), "--env.options.opponent", "random", "--eval.episodes", "6",
+                 "--out", str(run / "eval.json")]) == 0
+    out = capsys.readouterr().out
+    saved = json.loads((run / "eval.json").read_text())["result"]["games"]
+    assert set(saved["roles"]) == {"X", "O"}  # the policy's seat by the seed's parity
+    for role, row in saved["roles"].items():
+        assert row["episodes"] == 3
+        assert row["win"] + row["draw"] + row["loss"] + row["failed"] / 3 == pytest.approx(1)
+        assert f"step-000001 as {role}: win {100 * row['win']:.1f}%" in out
+    assert sorted(t["game"]["role"] for t in saved["samples"]) == ["O", "O", "X", "X"]
+    page = _Page(write_html_report([run]).read_text())
+    evaluated = [g for g in page.games if g["summary"].startswith("turnrl eval: step-000001")]
+    assert len(evaluated) == 4 and {g["opponent"] for g in evaluated} == {"random"}
+    for game, transcript in zip(evaluated, saved["samples"], strict=True):
+        role = transcript["game"]["role"]
+        assert f"{role} vs random" in game["summary"]
+        assert [m["seat"] for m in game["moves"]] == [role] * transcript["turns"]
+        assert game["rows"][1][:2] == [role, "policy (against random)"]

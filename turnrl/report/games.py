@@ -20,7 +20,7 @@ from typing import Any
 from turnrl.report.data import finite
 
 MAX_GAMES = 4
-"""Games shown per run."""
+"""Games shown per sample file (a step's, the held-out evaluation's, ``turnrl eval``'s)."""
 
 
 def _game(transcript: Any) -> dict | None:
@@ -149,8 +149,13 @@ def render_game(origin: str, seats: list[dict], open_: bool = False) -> str:
 
 
 def games_section(samples: list[tuple[str, list]]) -> str:
-    """The run's "Games" part: up to ``MAX_GAMES`` games; '' when no sample is a game."""
-    games = game_groups(samples)[:MAX_GAMES]
+    """The run's "Games" part: up to ``MAX_GAMES`` games of each sample file; '' when no
+    sample is a game."""
+    games, per_origin = [], {}
+    for origin, seats in game_groups(samples):
+        per_origin[origin] = per_origin.get(origin, 0) + 1
+        if per_origin[origin] <= MAX_GAMES:
+            games.append((origin, seats))
     if not games:
         return ""
     shown = "".join(render_game(origin, seats, i == 0) for i, (origin, seats)

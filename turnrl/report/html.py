@@ -79,6 +79,20 @@ def _sample_files(run_dir: Path) -> list[tuple[str, list[dict]]]:
     return [(p.stem, _dicts(_json(p))) for p in chosen]
 
 
+def _eval_games(passk: Any) -> list[tuple[str, list[dict]]]:
+    """(``turnrl eval: LABEL``, its sample games) from ``RUN_DIR/eval.json``, for a game."""
+    if not isinstance(passk, dict):
+        return []
+    results = passk.get("results") or [passk.get("result")]
+    found = []
+    for res in results if isinstance(results, list) else []:
+        games = res.get("games") if isinstance(res, dict) else None
+        if isinstance(games, dict):
+            found.append((f"turnrl eval: {res.get('label', '?')}",
+                          _dicts(games.get("samples"))))
+    return found
+
+
 def _samples(run_dir: Path) -> list[tuple[str, dict]]:
     """Transcripts of the first and last step and of the held-out evaluation; for runs from
     before transcripts were saved, the turns (action, observation) of the episode files."""
@@ -120,7 +134,7 @@ def load_run(run_dir: str | Path) -> RunData:
     passk = _json(path / "eval.json")
     return RunData(path.resolve().name, path, config, metrics.records, evals,
                    passk if isinstance(passk, dict) else None, _samples(path),
-                   _sample_files(path), metrics.notes + notes)
+                   _sample_files(path) + _eval_games(passk), metrics.notes + notes)
 
 
 def _series(run: RunData, key: str, color: str) -> Series:
