@@ -7,6 +7,13 @@ whole checkpoints, and ``latest_checkpoint`` never returns a partial one.
 A full fine-tune's weights are ``model.safetensors``; a LoRA run's are its adapter alone, as
 PEFT lays it out (``adapter_model.safetensors``, ``adapter_config.json``; ``turnrl.lora``),
 with the optimiser state of the adapter's tensors only.
+
+Further weights a resume needs (an opponent pool's frozen past policies, turnrl/selfplay.py)
+are ``frozen``: each in its own subdirectory, laid out as the model's own. A name is one set
+of weights for the life of a run (``opponent_pool/v000004``: the policy after 4 updates), so
+no bytes are written twice: weights equal to the model's own, or held under the same name by
+the previous checkpoint, are hard links to those files (a copy where the filesystem has no
+hard links).
 """
 
 from __future__ import annotations
@@ -22,7 +29,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
-from turnrl.lora import ADAPTER_WEIGHTS, is_lora, load_adapter, published_state, save_adapter
+from turnrl.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    is_lora,
+    load_adapter,
+    published_state,
+    save_adapter,
+)
 from turnrl.metrics import fsync_dir
 
 PREFIX = "step-"
@@ -33,9 +47,60 @@ WEIGHT_FILES = (MODEL_WEIGHTS, ADAPTER_WEIGHTS)
 
 def _fsync_tree(path: Path) -> None:
     for file in path.iterdir():
+        if file.is_dir():
+            _fsync_tree(file)
+            continue
         with open(file, "rb+") as f:
             os.fsync(f.fileno())
     fsync_dir(path)
+
+
+def save_weights(model: torch.nn.Module, directory: Path) -> None:
+    """``model``'s weights into ``directory``: the whole model's, or a LoRA run's adapter."""
+    if is_lora(model):
+        save_adapter(model, directory)
+    else:
+        save_model(model, str(directory / MODEL_WEIGHTS))  # handles tied embeddings
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The files of the weights saved in ``directory`` (``save_weights``), [] if none."""
+    names = (MODEL_WEIGHTS,) if (directory / MODEL_WEIGHTS).is_file() else (
+        (ADAPTER_WEIGHTS, ADAPTER_CONFIG) if (directory / ADAPTER_WEIGHTS).is_file() else ())
+    return [directory / name for name in names]
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether ``a`` and ``b`` hold bit-identical published weights (the adapter's for LoRA)."""
+    mine, theirs = published_state(a), published_state(b)
+    return mine.keys() == theirs.keys() and all(
+        t.dtype == theirs[k].dtype and torch.equal(t, theirs[k]) for k, t in mine.items())
+
+
+def _link_weights(files: list[Path], directory: Path) -> None:
+    """Hard links to ``files`` in ``directory``; copies where links are not possible."""
+    for file in files:
+        try:
+            os.link(file, directory / file.name)
+        except OSError:  # a filesystem without hard links
+            shutil.copyfile(file, directory / file.name)
+
+
+def _save_frozen(tmp: Path, model: torch.nn.Module, frozen: dict[str, torch.nn.Module],
+                 previous: Path | None) -> None:
+    """Each of ``frozen`` under ``tmp/<name>/``, by the cheapest way that gives its bytes:
+    a link to the model's own files, to the previous checkpoint's, or written."""
+    own = weight_files(tmp)
+    for name, weights in frozen.items():
+        directory = tmp / name
+        directory.mkdir(parents=True)
+        earlier = weight_files(previous / name) if previous is not None else []
+        if earlier:  # a name is one set of weights for the whole run
+            _link_weights(earlier, directory)
+        elif same_weights(weights, model):
+            _link_weights(own, directory)
+        else:
+            save_weights(weights, directory)
 
 
 def rng_state(engine_generator: torch.Generator | None = None) -> dict:
@@ -89,11 +154,14 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, *, rng: dict, extra: dict | None = None,
-                    components: dict[str, dict] | None = None, keep: int = 2) -> Path:
+                    components: dict[str, dict] | None = None,
+                    frozen: dict[str, torch.nn.Module] | None = None, keep: int = 2) -> Path:
     """Write ``checkpoints/step-NNNNNN`` atomically and keep only the newest ``keep``.
 
     ``components`` are further state dicts a resume needs (a critic, a replay buffer),
-    saved as ``<name>.pt`` and read back with ``load_component``.
+    saved as ``<name>.pt`` and read back with ``load_component``. ``frozen`` are further
+    weights (name -> model), saved under ``<name>/`` without duplicated bytes (the module
+    docstring) and read back with ``load_frozen``.
     """
     _require_finite(model, optimizer)
     root = Path(run_dir) / "checkpoints"
@@ -101,11 +169,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     final = root / f"{PREFIX}{step:06d}"
     tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    previous = latest_checkpoint(run_dir) if frozen else None
     tmp.mkdir()
-    if is_lora(model):
-        save_adapter(model, tmp)
-    else:
-        save_model(model, str(tmp / MODEL_WEIGHTS))  # handles tied embeddings
+    save_weights(model, tmp)
+    _save_frozen(tmp, model, frozen or {}, previous)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(rng, tmp / "rng.pt")
     for name, state in (components or {}).items():
@@ -148,6 +215,16 @@ def load_component(path: str | Path, name: str) -> dict | None:
     """A state dict saved with ``components={name: ...}``, or None if the checkpoint has none."""
     file = Path(path) / f"{name}.pt"
     return torch.load(file, weights_only=False) if file.exists() else None
+
+
+def load_frozen(path: str | Path, name: str, model: torch.nn.Module) -> bool:
+    """Weights saved with ``frozen={name: ...}`` into ``model`` in place; False (``model``
+    untouched) if the checkpoint has none under ``name``."""
+    directory = Path(path) / name
+    if not weight_files(directory):
+        return False
+    load_weights(directory, model)
+    return True
 
 
 def is_checkpoint(path: str | Path) -> bool:

@@ -21,6 +21,7 @@ from turnrl.evaluation import (
     aggregate_seeds,
     compare,
     end_reasons_line,
+    episode_transcript,
     evaluate,
     sampled_columns,
     sampled_row,
@@ -29,7 +30,8 @@ from turnrl.evaluation import (
 from turnrl.metrics import print_table as _print_table
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy, refresh_sampler, sampling_params
-from turnrl.selfplay import uses_pool
+from turnrl.selfplay import OUTCOMES, role_outcomes, uses_pool
+from turnrl.types import Episode
 
 BASE = "base"
 """Names the config's model as it loads, untrained, where a checkpoint is expected."""
@@ -63,9 +65,11 @@ def run_config(checkpoint: Path | None, config_path: str | None, overrides: list
     return load_config(config_path, overrides)
 
 
-def play(policy: Policy, cfg: Config, samples: int, label: str) -> SampledEval:
+def play(policy: Policy, cfg: Config, samples: int, label: str
+         ) -> tuple[SampledEval, list[Episode]]:
     """``eval.episodes`` held-out tasks x ``samples`` episodes each, the sampler reseeded
-    with ``run.seed`` first so two policies compared draw alike."""
+    with ``run.seed`` first so two policies compared draw alike; the result and the
+    episodes."""
     refuse_self_play(policy.make_env(), cfg.env.name, cfg.env.options)
     policy.engine.generator.manual_seed(cfg.run.seed)
     tasks = range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes)
@@ -75,7 +79,36 @@ def play(policy: Policy, cfg: Config, samples: int, label: str) -> SampledEval:
                            env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
                            env_timeout_s=cfg.rollout.env_timeout_s,
                            max_context=policy.max_context)
-    return summarize_samples(label, episodes, samples)
+    return summarize_samples(label, episodes, samples), episodes
+
+
+GAMES_SHOWN_PER_ROLE = 2
+"""Games ``turnrl eval`` keeps as conversations per role: the first won and the first not won."""
+
+
+def game_report(episodes: list[Episode], decode) -> dict | None:
+    """For a game (episodes that record a ``role``): per role win/draw/loss rates with 95%
+    Wilson intervals (``selfplay.role_outcomes``) and a few games as transcripts, a won and a
+    not-won one per role (what report.html's Games section shows); None otherwise."""
+    roles = role_outcomes(episodes)
+    if not roles:
+        return None
+    shown = []
+    for role in roles:
+        mine = [ep for ep in episodes if str(ep.info.get("role")) == role]
+        won = [ep for ep in mine if ep.info.get("outcome") == "win"][:1]
+        rest = [ep for ep in mine if ep.info.get("outcome") != "win"]
+        shown += (won + rest)[:GAMES_SHOWN_PER_ROLE]
+    return {"roles": roles, "samples": [episode_transcript(ep, decode) for ep in shown]}
+
+
+def print_roles(label: str, games: dict) -> None:
+    """A line per role: win, draw and loss rates with their 95% intervals."""
+    for role, row in games["roles"].items():
+        rates = ", ".join(f"{name} {100 * row[name]:.1f}% [{100 * row[f'{name}_lo']:.1f}, "
+                          f"{100 * row[f'{name}_hi']:.1f}]" for name in OUTCOMES)
+        print(f"{label} as {role}: {rates} ({int(row['episodes'])} games, "
+              f"{int(row['failed'])} failed)")
 
 
 def refuse_self_play(env, name: str, options: dict) -> None:
@@ -97,6 +130,8 @@ class Evaluator:
         self.cfg = cfg
         self.policy = load_policy(cfg)
         self.base = copy.deepcopy(self.policy.model.state_dict())
+        self.games: dict[str, dict] = {}
+        """label -> ``game_report`` of its episodes (games only)."""
 
     def run(self, checkpoint: Path | None, samples: int, label: str | None = None
             ) -> SampledEval:
@@ -107,7 +142,21 @@ class Evaluator:
         # ct2, a bf16 copy or vLLM sample from weights of their own: give them these
         refresh_sampler(self.policy.engine, self.policy.model, self.policy.engine.version)
         name = label or (BASE if checkpoint is None else _label(checkpoint))
-        return play(self.policy, self.cfg, samples, name)
+        result, episodes = play(self.policy, self.cfg, samples, name)
+        games = game_report(episodes, self.policy.tokenizer.decode)
+        if games is not None:
+            self.games[result.label] = games
+        return result
+
+    def result_dict(self, result: SampledEval) -> dict:
+        """``result`` as JSON, with its game report (per-role rates, sample games) if any."""
+        games = self.games.get(result.label)
+        return {**result.to_dict(), **({"games": games} if games else {})}
+
+    def print_games(self, results: list[SampledEval]) -> None:
+        for result in results:
+            if result.label in self.games:
+                print_roles(result.label, self.games[result.label])
 
 
 def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
@@ -142,13 +191,15 @@ def eval_one(target: str | None, config_path: str | None, overrides: list[str],
     checkpoint = resolve_checkpoint(target) if target else None
     cfg = run_config(checkpoint, config_path, overrides)
     label = checkpoint.name if checkpoint else cfg.model.name
-    result = Evaluator(cfg).run(checkpoint, samples, label)
+    evaluator = Evaluator(cfg)
+    result = evaluator.run(checkpoint, samples, label)
     print_table(f"{cfg.env.name}: {cfg.eval.episodes} held-out tasks x {samples} samples "
                 f"({result.episodes} episodes)",
                 sampled_columns(result.ks()), [sampled_row(result)])
     print_end_reasons([result])
+    evaluator.print_games([result])
     return {"kind": "single", "env": cfg.env.name, "model": cfg.model.name,
-            "result": result.to_dict()}
+            "result": evaluator.result_dict(result)}
 
 
 def eval_compare(a: str, b: str, config_path: str | None, overrides: list[str],
@@ -169,13 +220,15 @@ def eval_compare(a: str, b: str, config_path: str | None, overrides: list[str],
                 f"{samples} samples, same tasks and sampler seed",
                 sampled_columns(results[0].ks()), [sampled_row(r) for r in results])
     print_end_reasons(results)
+    evaluator.print_games(results)
     d = outcome.difference
     verdict = "differ" if outcome.p_value < 0.05 else "do not differ detectably"
     print(f"pass@1 {outcome.a} - {outcome.b}: {100 * d.value:+.1f} points "
           f"[{100 * d.lo:+.1f}, {100 * d.hi:+.1f}] ({d.method}); {outcome.test}: "
           f"p = {outcome.p_value:.4g} -> they {verdict} at the 5% level")
     return {"kind": "compare", "env": evaluator.cfg.env.name, "model": evaluator.cfg.model.name,
-            "results": [r.to_dict() for r in results], "comparison": outcome.to_dict()}
+            "results": [evaluator.result_dict(r) for r in results],
+            "comparison": outcome.to_dict()}
 
 
 def eval_seeds(run_dirs: list[str], config_path: str | None, overrides: list[str],
@@ -200,6 +253,7 @@ def eval_seeds(run_dirs: list[str], config_path: str | None, overrides: list[str
                 "(pooled row: t-interval over seed means)",
                 sampled_columns(results[0].ks()), rows)
     print_end_reasons(results)
+    evaluator.print_games(results)
     return {"kind": "seeds", "env": configs[0].env.name, "model": configs[0].model.name,
-            "results": [r.to_dict() for r in results],
+            "results": [evaluator.result_dict(r) for r in results],
             "pooled": {k: vars(e) for k, e in pooled.items()}}

@@ -349,7 +349,32 @@ def episode_transcript(episode: Episode, decode: Callable[[list[int]], str]) -> 
             role = "policy" if episode.loss_mask[start] else "env"
             segments.append({"role": role, "text": decode(episode.token_ids[start:i])})
             start = i
-    return {"env": episode.env, "seed": episode.seed, "reward": episode.reward,
-            "success": episode.success, "status": episode.status,
-            "end_reason": episode.end_reason, "reason": episode.info.get("reason"),
-            "turns": len(episode.turns), "segments": segments}
+    transcript = {"env": episode.env, "seed": episode.seed, "group": episode.group,
+                  "reward": episode.reward, "success": episode.success,
+                  "status": episode.status, "end_reason": episode.end_reason,
+                  "reason": episode.info.get("reason"), "turns": len(episode.turns),
+                  "segments": segments}
+    if "role" in episode.info:  # a seat of a game: what the report's game view needs
+        transcript["game"] = {k: episode.info[k] for k in GAME_KEYS if k in episode.info}
+        transcript["moves"] = [{"action": t.action, "observation": t.observation,
+                                "reward": t.reward} for t in episode.turns]
+    return transcript
+
+
+GAME_KEYS = ("role", "opponent", "game_id", "play_order", "outcome")
+"""What a game's episode info says of its play (docs/selfplay.md), kept in its transcript."""
+
+
+def whole_games(chosen: Sequence[Episode], episodes: Sequence[Episode]) -> list[Episode]:
+    """``chosen`` with the other seats of each multi-seat game in it (from ``episodes``), in
+    ``episodes``' order: a sample of a self-play step shows whole games."""
+    games = {_game_key(ep) for ep in chosen if _game_key(ep) is not None}
+    picked = {id(ep) for ep in chosen}
+    return [ep for ep in episodes if id(ep) in picked or _game_key(ep) in games] \
+        if games else list(chosen)
+
+
+def _game_key(episode: Episode) -> tuple | None:
+    """Which multi-seat game ``episode`` is a seat of (None: it is a game of its own)."""
+    game_id = episode.info.get("game_id")
+    return None if game_id is None else (episode.env, episode.seed, episode.group, game_id)

@@ -8,11 +8,14 @@ Nash strategy) and ``random``. Each episode records its ``role`` and ``opponent`
 ``info``; a pool opponent is named ``pool-v<version>``, the training step its weights are
 from.
 
-The pool's rule: a frozen copy of the policy's weights is taken at the start (version 0, or
-the step a resumed run starts from) and then after every ``env.opponent_pool_every``-th update; the newest ``env.opponent_pool_size``
-are kept, in memory; each game's opponent is drawn uniformly from them (its own random
-stream, seeded by ``run.seed``). A resumed run's pool starts again from the weights it
-resumes with.
+The pool's rule: a frozen copy of the policy's weights is taken at the start (version 0)
+and then after every ``env.opponent_pool_every``-th update; the newest
+``env.opponent_pool_size`` are kept, in memory; the ``n``-th game's opponent is drawn
+uniformly from them, and samples its moves, on a random stream of its own seeded by
+(``run.seed``, ``n``): what a game plays depends on neither the order env threads reach the
+model nor on the games before it. The pool is saved with each checkpoint (its versions'
+weights and the number of games drawn: ``state_dict``, ``frozen_weights``), so a resumed run
+plays the same opponents as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -68,14 +71,45 @@ class FrozenPolicy:
         """What episodes record as their ``opponent``."""
         return self.label or f"pool-v{self.version}"
 
-    def act(self, system_prompt: str | None, observation: str) -> str:
+    def act(self, system_prompt: str | None, observation: str,
+            generator: torch.Generator | None = None) -> str:
+        """The reply, sampled on ``generator`` (a game's own stream) or the engine's own."""
         _, _, ids = self.chat.start(observation, system_prompt)
         with self.lock, torch.no_grad():
-            completion = self.engine.generate([ids], self.params)[0]
+            own = self.engine.generator
+            self.engine.generator = generator or own
+            try:
+                completion = self.engine.generate([ids], self.params)[0]
+            finally:
+                self.engine.generator = own
         tokens = completion.token_ids
         if completion.finish_reason == "stop":
             tokens = tokens[:-1]
         return self.chat.tokenizer.decode(tokens)
+
+
+class PoolPlayer:
+    """One game's pool opponent: a member and the game's own sampling stream."""
+
+    def __init__(self, member: FrozenPolicy, seed: int) -> None:
+        self.member = member
+        self.generator = torch.Generator(member.model.device).manual_seed(seed)
+
+    @property
+    def name(self) -> str:
+        return self.member.name
+
+    def act(self, system_prompt: str | None, observation: str) -> str:
+        return self.member.act(system_prompt, observation, self.generator)
+
+
+POOL_DIR = "opponent_pool"
+"""Where a checkpoint holds the pool's members (``opponent_pool/v000004``)."""
+
+
+def member_name(version: int) -> str:
+    """The checkpoint subdirectory of the pool member ``version`` (turnrl/checkpoint.py)."""
+    return f"{POOL_DIR}/v{version:06d}"
 
 
 class OpponentPool:
@@ -86,7 +120,7 @@ class OpponentPool:
         if size < 1 or every < 1:
             raise ValueError(f"opponent pool size and every must be >= 1, got {size}, {every}")
         self.chat, self.params, self.size, self.every = chat, params, size, every
-        self.seed, self.rng = seed, random.Random(seed)
+        self.seed, self.draws = seed, 0
         self.members: list[FrozenPolicy] = []
 
     def offer(self, version: int, model: torch.nn.Module) -> bool:
@@ -95,14 +129,21 @@ class OpponentPool:
         if self.members and version % self.every or any(m.version == version
                                                          for m in self.members):
             return False
-        self.members.append(FrozenPolicy(model, self.chat, self.params, version, self.seed))
-        del self.members[:-self.size]
+        self._keep(FrozenPolicy(model, self.chat, self.params, version, self.seed))
         return True
 
-    def sample(self) -> FrozenPolicy:
+    def _keep(self, member: FrozenPolicy) -> None:
+        self.members.append(member)
+        del self.members[:-self.size]
+
+    def sample(self) -> PoolPlayer:
+        """The next game's opponent: a member drawn uniformly, with a sampling stream of its
+        own, both from the stream seeded by (seed, number of games drawn so far)."""
         if not self.members:
             raise RuntimeError("the opponent pool is empty: offer the policy first")
-        return self.rng.choice(self.members)
+        draw = random.Random(f"opponent-pool/{self.seed}/{self.draws}")
+        self.draws += 1
+        return PoolPlayer(draw.choice(self.members), draw.getrandbits(63))
 
     def versions(self) -> list[int]:
         return [m.version for m in self.members]
@@ -110,6 +151,33 @@ class OpponentPool:
     def attach(self, make: Callable[[], Env]) -> Callable[[], Env]:
         """``make`` with each new env's opponent drawn from the pool (``set_opponent``)."""
         return attach_player(make, self.sample)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """What a resume needs besides the members' weights (``frozen_weights``)."""
+        return {"versions": self.versions(), "draws": self.draws}
+
+    def frozen_weights(self) -> dict[str, torch.nn.Module]:
+        """Each member's frozen model by its checkpoint name (``member_name``)."""
+        return {member_name(m.version): m.model for m in self.members}
+
+    def load_state_dict(self, state: dict, model: torch.nn.Module,
+                        load: Callable[[str, torch.nn.Module], bool]) -> None:
+        """The saved pool back: each version a copy of ``model`` (the policy, for its
+        architecture) with the weights ``load(name, copy)`` puts in; ``ValueError`` naming the
+        version if a checkpoint lacks one."""
+        members = []
+        for version in state["versions"]:
+            member = FrozenPolicy(model, self.chat, self.params, int(version), self.seed)
+            if not load(member_name(int(version)), member.model):
+                raise ValueError(f"opponent pool version {version} has no weights under "
+                                 f"{member_name(int(version))}/")
+            members.append(member)
+        self.members = []
+        for member in members:
+            self._keep(member)
+        self.draws = int(state["draws"])
 
 
 class ModelOpponent:

@@ -2,7 +2,8 @@
 
 Learning curves (inline SVG, one line per run), the evaluation table (before/after
 training, and the pass@k of ``turnrl eval --out RUN_DIR/eval.json`` when present) and a few
-sample episodes as conversations, policy and environment turns told apart. No external
+sample episodes as conversations, policy and environment turns told apart; the
+games among them (self-play, pool) move by move with each seat's reward (report/games.py). No external
 file, font or script: the page opens offline. Its one inline script only checks, in the
 browser, that every chart drew its line or points, and says so at the bottom of the page.
 Any run directory makes a page: what cannot be drawn or read says so where it would have
@@ -21,6 +22,7 @@ import yaml
 
 from turnrl.config import translate_stored
 from turnrl.report.data import finite, read_run_metrics, require_run_dir
+from turnrl.report.games import GAME_STYLE, games_section
 from turnrl.report.svg import PALETTE, Series, empty_chart, line_chart
 from turnrl.types import read_episodes
 
@@ -42,6 +44,8 @@ class RunData:
     """What ``turnrl eval --out RUN_DIR/eval.json`` wrote, if it did."""
     samples: list[tuple[str, dict]] = field(default_factory=list)
     """(where from, transcript) pairs: decoded parts with their role."""
+    games: list[tuple[str, list]] = field(default_factory=list)
+    """(where from, every transcript of that file) for the game view (report/games.py)."""
     notes: list[str] = field(default_factory=list)
     """What the page left out of this run and why (unreadable lines or files)."""
 
@@ -68,12 +72,31 @@ def _first_and_last(paths: list[Path]) -> list[Path]:
     return paths[:1] + paths[-1:] if len(paths) > 1 else paths
 
 
+def _sample_files(run_dir: Path) -> list[tuple[str, list[dict]]]:
+    """(name, transcripts) of the first and last step's samples and the held-out ones."""
+    chosen = _first_and_last(sorted((run_dir / "samples").glob("step-*.json")))
+    chosen += [p for p in [run_dir / "samples" / "eval_after.json"] if p.is_file()]
+    return [(p.stem, _dicts(_json(p))) for p in chosen]
+
+
+def _eval_games(passk: Any) -> list[tuple[str, list[dict]]]:
+    """(``turnrl eval: LABEL``, its sample games) from ``RUN_DIR/eval.json``, for a game."""
+    if not isinstance(passk, dict):
+        return []
+    results = passk.get("results") or [passk.get("result")]
+    found = []
+    for res in results if isinstance(results, list) else []:
+        games = res.get("games") if isinstance(res, dict) else None
+        if isinstance(games, dict):
+            found.append((f"turnrl eval: {res.get('label', '?')}",
+                          _dicts(games.get("samples"))))
+    return found
+
+
 def _samples(run_dir: Path) -> list[tuple[str, dict]]:
     """Transcripts of the first and last step and of the held-out evaluation; for runs from
     before transcripts were saved, the turns (action, observation) of the episode files."""
-    chosen = _first_and_last(sorted((run_dir / "samples").glob("step-*.json")))
-    chosen += [p for p in [run_dir / "samples" / "eval_after.json"] if p.is_file()]
-    found = [(p.stem, t) for p in chosen for t in _dicts(_json(p))[:2]]
+    found = [(name, t) for name, transcripts in _sample_files(run_dir) for t in transcripts[:2]]
     if found:
         return found[:SAMPLES_PER_RUN]
     for path in _first_and_last(sorted((run_dir / "episodes").glob("step-*.jsonl"))):
@@ -111,7 +134,7 @@ def load_run(run_dir: str | Path) -> RunData:
     passk = _json(path / "eval.json")
     return RunData(path.resolve().name, path, config, metrics.records, evals,
                    passk if isinstance(passk, dict) else None, _samples(path),
-                   metrics.notes + notes)
+                   _sample_files(path) + _eval_games(passk), metrics.notes + notes)
 
 
 def _series(run: RunData, key: str, color: str) -> Series:
@@ -221,7 +244,10 @@ def _table(runs: list[RunData]) -> str:
 def _conversation(origin: str, t: dict, open_: bool) -> str:
     verdict = "solved" if t.get("success") else "not solved"
     reward = finite(t.get("reward"))
-    head = (f"{origin}, seed {t.get('seed')}: {verdict}, reward "
+    game = t.get("game") if isinstance(t.get("game"), dict) else {}
+    seat = (f" as {game['role']} vs {game.get('opponent', '?')}"
+            if "role" in game else "")  # a seat of a game: which, against whom
+    head = (f"{origin}, seed {t.get('seed')}{seat}: {verdict}, reward "
             f"{'?' if reward is None else f'{reward:.3f}'}, "
             f"{t.get('turns', '?')} turns, {t.get('status', '?')}")
     parts = "".join(
@@ -245,7 +271,7 @@ def _run_section(run: RunData) -> str:
     return (f'<section class="run"><h2>{escape(run.name)}</h2><p class="facts">'
             f'{escape(str(run.path))}: {facts}</p>'
             + (f'<ul class="notes">{notes}</ul>' if notes else "")
-            + f"<h3>Sample episodes</h3>{samples}</section>")
+            + f"{games_section(run.games)}<h3>Sample episodes</h3>{samples}</section>")
 
 
 STYLE = """
@@ -290,7 +316,7 @@ chartsEmpty:empty,evalRows:rows});
 def render_page(runs: list[RunData]) -> str:
     title = "TurnRL report: " + ", ".join(run.name for run in runs)
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{escape(title)}</title><style>{STYLE}</style></head><body>"
+            f"<title>{escape(title)}</title><style>{STYLE}{GAME_STYLE}</style></head><body>"
             f"<h1>{escape(title)}</h1><h2>Learning curves</h2>"
             f'<div class="charts">{_charts(runs)}</div>'
             "<h2>Held-out evaluation</h2><p>Intervals are 95%: Wilson for one sample per "

@@ -46,6 +46,7 @@ Plain asyncio: a Ray ``RolloutWorker`` runs it in a thread; ``submit``,
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections import deque
@@ -128,6 +129,7 @@ class TurnLoop(SeatedGames):
         self.worker = worker
         self.lockstep = lockstep
         self.stats = LoopStats()
+        self._game_numbers = itertools.count()  # a multi-seat game's ``game_id``
         self.env_latencies: deque[float] = deque(maxlen=1024)  # step seconds, newest last
         self.reset_latencies: deque[float] = deque(maxlen=256)  # reset seconds
         self.call_costs: deque[tuple[int, float]] = deque(maxlen=256)  # (rows, s) a call
@@ -299,10 +301,10 @@ class TurnLoop(SeatedGames):
                          runner)
             slot.task = self._env_call(slot, "reset", seed)
             return [slot]
-        game = _Game(env)
+        game = _Game(env, number=next(self._game_numbers))
         for seat in seats:
             episode = Episode(env=self.env_name, seed=seed, group=group,
-                              info={"role": seat, "opponent": "self"})
+                              info={"role": seat, "opponent": "self", "game_id": game.number})
             game.seats[seat] = _Slot(episode, assignment, env, runner, game=game, seat=seat)
         first = game.seats[seats[0]]
         first.task = self._env_call(first, "reset", seed)

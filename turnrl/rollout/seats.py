@@ -57,6 +57,13 @@ def zero_sum_violation(rewards: dict[str, float]) -> str | None:
     return f"zero-sum game, but {what} ({shown}; sum {total:g})"
 
 
+def record_play_order(game: _Game) -> None:
+    """Each seat's episode gets the game's ``play_order`` (who moved, move by move), so a
+    reader can interleave the seats' turns into the game as it was played."""
+    for slot in game.seats.values():
+        slot.episode.info["play_order"] = list(game.order)
+
+
 def _preview(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -72,6 +79,8 @@ class SeatedGames:
         the end of the game for every seat."""
         game = slot.game
         where = "reset" if slot.phase == _RESET else "step"
+        if where == "step":  # the mover's turn is recorded whatever the step gave
+            game.order.append(slot.seat)
         if error is not None:
             return self._end_game(game, error=error, where=where)
         if where == "step":
@@ -166,6 +175,7 @@ class SeatedGames:
                 slot.episode.info.update(json_safe(info))
             slot.turn = None
             slot.episode.end("done", "done")
+        record_play_order(game)
 
     def _end_game(self, game: _Game, *, error: BaseException | None = None, where: str = "",
                   ended: Episode | None = None) -> None:
@@ -186,3 +196,4 @@ class SeatedGames:
                 seat = next(s for s, other in game.seats.items() if other.episode is ended)
                 episode.end(ended.status, ended.end_reason,
                             f"seat {seat} ended the game: {ended.info.get('reason', '')}")
+        record_play_order(game)

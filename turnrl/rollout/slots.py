@@ -46,6 +46,11 @@ class Game:
 
     env: Env
     seats: dict[str, Slot] = field(default_factory=dict)
+    number: int = 0
+    """The game's number in its turn loop: each seat's episode records it as ``game_id``."""
+    order: list[str] = field(default_factory=list)
+    """The seat of each move so far, in play order: each seat's episode records it as
+    ``play_order`` when the game ends (its k-th entry for seat S is S's k-th turn)."""
 
 
 @dataclass

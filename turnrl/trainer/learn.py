@@ -81,6 +81,11 @@ class RolloutSource(Protocol):
     def state_dict(self) -> dict:
         """What a resume needs, saved with the checkpoint."""
 
+    def frozen_weights(self) -> dict[str, torch.nn.Module]:
+        """Further weights a resume needs (an opponent pool's past policies), saved with the
+        checkpoint by name (``save_checkpoint``'s ``frozen``); read back from
+        ``run.checkpoint`` in ``open``."""
+
     def close(self) -> None:
         """Stop generating and release what ``open`` started; safe to call twice."""
 
@@ -122,6 +127,9 @@ class SourceDefaults:
     def state_dict(self) -> dict:
         return {}
 
+    def frozen_weights(self) -> dict[str, torch.nn.Module]:
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -153,6 +161,7 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
                 stale = metrics.get("async/staleness_mean")
                 end_step(run, step, episodes, summary, metrics, timer, logger, progress,
                          checkpoint_extra=source.state_dict(),
+                         checkpoint_frozen=source.frozen_weights(),
                          stale=None if stale is None else f"{stale:.1f}")
         after = source.evaluate(run, "after")
         return source.result(finish_run(run, before, after, source.held_out(cfg)))

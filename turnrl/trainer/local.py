@@ -8,9 +8,11 @@ and the temperature schedule.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from turnrl.algorithms.exploration import dynamic_sampling
+from turnrl.checkpoint import load_frozen
 from turnrl.config import Config
 from turnrl.envs import Env
 from turnrl.lora import published_state
@@ -32,6 +34,8 @@ class LocalSource(SourceDefaults):
         self.envs = TrainingEnvs(run)  # a curriculum's level, a mix's labels (curriculum.py)
         self.guidance = Guidance.for_run(run)
         self.pool = opponents(run)
+        if isinstance(self.pool, OpponentPool) and run.checkpoint is not None:
+            restore_pool(self.pool, run)
 
     def publish(self, version: int, model) -> None:
         """The HF engine samples from the learner's own tensors; another engine (vLLM)
@@ -73,8 +77,34 @@ class LocalSource(SourceDefaults):
         return {**self.extra, **self.envs.step_metrics(), **pool}
 
     def state_dict(self) -> dict:
+        pool = ({POOL_STATE: self.pool.state_dict()} if isinstance(self.pool, OpponentPool)
+                else {})
         return {**self.envs.state_dict(),
-                **(self.guidance.state_dict() if self.guidance is not None else {})}
+                **(self.guidance.state_dict() if self.guidance is not None else {}), **pool}
+
+    def frozen_weights(self) -> dict:
+        return self.pool.frozen_weights() if isinstance(self.pool, OpponentPool) else {}
+
+
+POOL_STATE = "opponent_pool"
+"""The pool's key in a checkpoint's ``state.json`` (its weights: ``selfplay.member_name``)."""
+
+
+def restore_pool(pool: OpponentPool, run: Run) -> None:
+    """The pool of the checkpoint ``run`` resumes from; a checkpoint written before pools were
+    saved has none: the pool starts again from the resumed weights, with a one-line warning."""
+    state = run.checkpoint_state.get(POOL_STATE)
+    if state is None:
+        warnings.warn(f"checkpoint {run.checkpoint} has no opponent pool (written before pools "
+                      f"were checkpointed): the pool starts again from step {run.start_step}'s "
+                      "weights, so opponents differ from the interrupted run's", stacklevel=2)
+        return
+    try:
+        pool.load_state_dict(state, run.learner.model,
+                             lambda name, model: load_frozen(run.checkpoint, name, model))
+    except ValueError as err:
+        raise ValueError(f"checkpoint {run.checkpoint}: {err}; move that checkpoint aside to "
+                         "resume from the one before it") from None
 
 
 def opponents(run: Run) -> OpponentPool | ModelOpponent | EndpointOpponent | None:

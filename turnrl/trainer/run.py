@@ -49,7 +49,13 @@ from turnrl.config import (
     config_to_dict,
     save_config,
 )
-from turnrl.evaluation import COLUMNS, EvalResult, episode_transcript, summarize
+from turnrl.evaluation import (
+    COLUMNS,
+    EvalResult,
+    episode_transcript,
+    summarize,
+    whole_games,
+)
 from turnrl.lora import is_lora
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_metrics
 from turnrl.models import configure_torch
@@ -122,6 +128,8 @@ class Run:
     checkpoint_state: dict = field(default_factory=dict)
     """``state.json`` of the checkpoint resumed from (mode-specific extras included)."""
     resumed: bool = False
+    checkpoint: Path | None = None
+    """The checkpoint resumed from (a source reads its ``frozen`` weights there)."""
 
 
 def with_out_dir(cfg: Config, resume: bool) -> Config:
@@ -212,7 +220,7 @@ def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
         state, rng = load_checkpoint(checkpoint, learner.model, learner.optimizer)
         restore_rng(rng, policy.engine.generator)
         run.start_step = policy.engine.version = state["step"]
-        run.checkpoint_state = state
+        run.checkpoint_state, run.checkpoint = state, checkpoint
         saved = load_component(checkpoint, "estimator") or load_component(checkpoint, "credit")
         if saved:  # "credit": checkpoints written before estimators had one interface
             learner.estimator.load_state_dict(saved)
@@ -336,14 +344,15 @@ def periodic_eval(run: Run, step: int) -> dict[str, float]:
 def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult | None,
              metrics: dict[str, float], timer: StageTimer, logger: MetricsLogger,
              progress: TrainProgress, *, checkpoint_extra: dict | None = None,
+             checkpoint_frozen: dict[str, torch.nn.Module] | None = None,
              **progress_fields) -> None:
     """After a step's update, in every mode: samples, periodic eval, log, progress, checkpoint.
     ``summary`` None (SFT: demonstrations earn no reward) leaves reward and success off the bar."""
     cfg = run.cfg
-    if cfg.run.sample_episodes:
-        write_episodes(run.run_dir / "episodes" / f"step-{step + 1:06d}.jsonl",
-                       episodes[:cfg.run.sample_episodes])
-        write_transcripts(run, f"step-{step + 1:06d}", episodes[:cfg.run.sample_episodes])
+    if cfg.run.sample_episodes:  # a self-play game's seats come together
+        sample = whole_games(episodes[:cfg.run.sample_episodes], episodes)
+        write_episodes(run.run_dir / "episodes" / f"step-{step + 1:06d}.jsonl", sample)
+        write_transcripts(run, f"step-{step + 1:06d}", sample)
     metrics.update(periodic_eval(run, step))
     metrics.update(timer.metrics())
     logger.log(step + 1, metrics)
@@ -361,6 +370,7 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult |
         save_checkpoint(run.run_dir, step + 1, learner.model, learner.optimizer,
                         rng=rng_state(run.policy.engine.generator),
                         keep=cfg.run.keep_checkpoints, extra=checkpoint_extra,
+                        frozen=checkpoint_frozen,
                         components={"estimator": learner.estimator.state_dict(),
                                     "exploration": learner.explore.state_dict()})
 
