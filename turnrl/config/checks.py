@@ -94,14 +94,16 @@ def check_env_plan(cfg: Config) -> None:
 
 
 def check_self_play(cfg: Config) -> None:
-    """Self-play and pool opponents are built in the sync trainer (the learner's engine plays
-    every seat; the pool keeps the learner's frozen weights): refuse them in async mode."""
+    """Outside opponents need their player, and the pool's player exists only in the learner:
+    the frozen past policies are copies of the learner's weights that rollout workers never
+    receive. Self-play (the worker's own weights in every seat), a local model and an endpoint
+    are built by each async worker itself (docs/selfplay.md)."""
     opponent = cfg.env.options.get("opponent")
-    if cfg.run.mode == "async" and (opponent in ("self", "pool", "model", "endpoint")
-                                    or cfg.env.name.endswith(SELF_PLAY_SUFFIX)):
-        raise ConfigError(f"self-play (env {cfg.env.name}, opponent {opponent or 'self'}) works "
-                          "in run.mode sync only (not yet with async rollout workers); use "
-                          "--run.mode sync")
+    if cfg.run.mode == "async" and opponent == "pool":
+        raise ConfigError("env.options.opponent pool works in run.mode sync only (the pool's "
+                          "frozen past policies live in the learner; async rollout workers do "
+                          "not receive them); use --run.mode sync, or opponent self, model or "
+                          "endpoint in async")
     if opponent == "model" and not cfg.env.opponent_model:
         raise ConfigError("env.options.opponent model needs env.opponent_model: the model that "
                           "plays the other seat (a name as model.name takes), e.g. "

@@ -52,6 +52,7 @@ import tempfile
 import threading
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -62,13 +63,14 @@ import torch
 from turnrl.config import Config
 from turnrl.distributed.cluster import WorkerSetup, node_label, uploaded, worker_runtime_env
 from turnrl.distributed.placement import worker_options
-from turnrl.envs.base import ENVS, make_env
+from turnrl.envs.base import ENVS, Env, make_env
 from turnrl.lora import base_copy, load_published, vllm_lora_config
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
 from turnrl.rollout.engine import SamplingParams
 from turnrl.rollout.loop import Group, TurnLoop, run_sync
+from turnrl.selfplay import EndpointOpponent, ModelOpponent
 
 
 @dataclass
@@ -143,12 +145,13 @@ class RolloutWorker:
         params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                 cfg.rollout.top_p, stop_token_ids=(policy.chat.end_of_turn,))
         self.rollout = TurnLoop(
-            partial(make_env, cfg.env.name, **cfg.env.options), self.engine, policy.chat,
+            worker_env_factory(cfg), self.engine, policy.chat,
             params, group_size=cfg.rollout.group_size, pool_size=pool_size,
             env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
             max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s,
             before_generate=self._load_newest_weights,
             partial_rollouts=cfg.staleness.partial_rollouts, worker=index)
+        self.rollout.record_seat_versions = True  # which weights played each seat of a game
         self._thread = threading.Thread(target=self._serve, name=f"rollout-{index}",
                                         daemon=True)
         self._thread.start()
@@ -301,6 +304,20 @@ def load_player(cfg: Config) -> Player:
     return Player(tokenizer, chat, max_context, path)
 
 
+def worker_env_factory(cfg: Config) -> Callable[[], Env]:
+    """The worker's env: a multi-seat game's seats are all played by the worker's own engine
+    (self-play); an outside opponent the worker can build itself (another local model, an
+    endpoint: frozen, the same in every worker) is handed to each new env. The pool's frozen
+    past policies live in the learner: refused in async mode (config/checks.py)."""
+    make = partial(make_env, cfg.env.name, **cfg.env.options)
+    opponent = cfg.env.options.get("opponent")
+    if opponent == "model":
+        return ModelOpponent.load(cfg.env.opponent_model, cfg).attach(make)
+    if opponent == "endpoint":
+        return EndpointOpponent.from_config(cfg).attach(make)
+    return make
+
+
 def engine_dtype(cfg: Config) -> str:
     """The rollout engine's dtype: ``ray.engine_dtype``, where 'auto' is bfloat16 on GPUs
     (FlashAttention needs 16-bit weights) whatever the learner trains in."""
@@ -404,7 +421,10 @@ def worker_needs(cfg: Config) -> dict[str, float]:
             **{k: float(v) for k, v in cfg.ray.worker_resources.items()}}
 
 
-def worker_pool_size(cfg: Config, outstanding_groups: int) -> int:
-    """Episodes a worker keeps live: its share of the learner's outstanding groups."""
+def worker_pool_size(cfg: Config, outstanding_groups: int, group_episodes: int | None = None
+                     ) -> int:
+    """Episodes a worker keeps live: its share of the learner's outstanding groups, each of
+    ``group_episodes`` episodes (default ``rollout.group_size``; a game of several seats gives
+    one episode per seat: ``book.episodes_per_group``)."""
     share = math.ceil(outstanding_groups / cfg.ray.num_workers)
-    return max(1, share) * cfg.rollout.group_size
+    return max(1, share) * (group_episodes or cfg.rollout.group_size)

@@ -1,0 +1,294 @@
+"""Self-play in async mode (docs/selfplay.md, docs/async.md): a rollout worker's own engine
+plays every seat, each game gives one episode per seat, each seat's episode records the
+weights versions that played the game, and the learner counts staleness per role."""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import pytest
+from conftest import MovesEngine, local_ray
+
+from turnrl.config import ConfigError, load_config
+from turnrl.envs import StepResult, make_env, register_env
+from turnrl.rollout import ChatFormat, SamplingParams, TurnLoop, run_sync
+from turnrl.types import ENV_VERSION, Episode
+
+BASE = ["--model.name", "tiny", "--rollout.max_new_tokens", "3", "--run.progress", "false",
+        "--run.tensorboard", "false", "--rollout.group_size", "2",
+        "--rollout.groups_per_step", "2"]
+
+
+@register_env("test-chatter")
+class Chatter:
+    """A two-seat game in which any reply is a legal move (the tiny random model plays whole
+    games): ``moves`` replies, alternating from seat ``a``; the longer talker wins (zero-sum).
+    Each seat's result lists its own moves as the env received them."""
+
+    seats = ("a", "b")
+    zero_sum = True
+
+    def __init__(self, moves: int = 4):
+        self.total, self.said = moves, {"a": [], "b": []}
+
+    async def reset(self, seed):
+        self.said = {"a": [], "b": []}
+        return self.observe("a")
+
+    @property
+    def seat_to_move(self):
+        return self.seats[sum(map(len, self.said.values())) % 2]
+
+    def observe(self, seat):
+        other = "b" if seat == "a" else "a"
+        last = self.said[other][-1] if self.said[other] else "nothing yet"
+        return f"You are {seat}. {other} said: {last}. Say something."
+
+    async def step(self, action):
+        self.said[self.seat_to_move].append(action)
+        if sum(map(len, self.said.values())) < self.total:
+            return StepResult("", 0.0, False, {})
+        talk = {seat: sum(map(len, said)) for seat, said in self.said.items()}
+        sign = (talk["a"] > talk["b"]) - (talk["a"] < talk["b"])
+        return StepResult("", 0.0, True, {"seats": {
+            "a": {"reward": float(sign), "moves": list(self.said["a"])},
+            "b": {"reward": float(-sign), "moves": list(self.said["b"])}}})
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(None, [*BASE, "--run.mode", "async", "--run.out_dir", str(tmp_path),
+                              *extra])
+
+
+# ---- what async mode accepts and refuses -----------------------------------------------------
+
+@pytest.mark.parametrize("args", [
+    ["--env.name", "tictactoe-selfplay"],
+    ["--env.name", "kuhn-poker-selfplay"],
+    ["--env.name", "tictactoe", "--env.options.opponent", "self"],
+    ["--env.name", "kuhn-poker", "--env.options.opponent", "random"],
+    ["--env.name", "tictactoe", "--env.options.opponent", "model", "--env.opponent_model",
+     "tiny"],
+    ["--env.name", "tictactoe", "--env.options.opponent", "endpoint",
+     "--env.opponent_endpoint", "http://127.0.0.1:9/v1", "--env.opponent_endpoint_model", "m"],
+])
+def test_async_mode_takes_self_play_and_the_opponents_a_worker_can_build(tmp_path, args):
+    cfg = _cfg(tmp_path, *args)
+    assert cfg.run.mode == "async"
+
+
+@pytest.mark.parametrize("env", ["tictactoe", "kuhn-poker", "textarena-2p"])
+def test_async_mode_refuses_the_pool_in_one_line_naming_why_and_the_fix(tmp_path, env):
+    with pytest.raises(ConfigError) as err:
+        _cfg(tmp_path, "--env.name", env, "--env.options.opponent", "pool")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "opponent pool works in run.mode sync only" in message
+    assert "live in the learner" in message and "--run.mode sync" in message
+    load_config(None, [*BASE, "--env.name", env, "--env.options.opponent", "pool"])  # sync: ok
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("sync", r"env.mix\[0\] is a self-play or pool game"),
+    ("async", "env.mix works in run.mode sync only"),
+])
+def test_mixes_still_refuse_self_play(mode, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["--env.name", "mix", "--run.mode", mode, "--env.mix",
+                           '[{"name": "tictactoe-selfplay"}, {"name": "tictactoe"}]'])
+
+
+# ---- the worker's side: its env, its pool, the versions of each seat --------------------------
+
+def test_a_group_holds_one_episode_per_seat_and_worker_pools_count_them(tmp_path):
+    from turnrl.distributed.book import episodes_per_group
+    from turnrl.distributed.workers import worker_pool_size
+
+    for name, per_game in [("tictactoe-selfplay", 2), ("kuhn-poker-selfplay", 2),
+                           ("tictactoe", 1), ("test-chatter", 2), ("say-digit", 1)]:
+        cfg = _cfg(tmp_path, "--env.name", name, "--rollout.group_size", "3")
+        assert episodes_per_group(cfg) == 3 * per_game, name
+        assert worker_pool_size(cfg, 4, episodes_per_group(cfg)) == 4 * 3 * per_game
+    assert worker_pool_size(cfg, 4) == 4 * 3  # default: group_size episodes a group
+
+
+def test_the_worker_builds_its_own_outside_opponent(tmp_path):
+    from turnrl.distributed.workers import worker_env_factory
+
+    model = worker_env_factory(_cfg(tmp_path, "--env.name", "tictactoe", "--env.options.opponent",
+                                    "model", "--env.opponent_model", "tiny"))()
+    assert model.player.name == "model:tiny"
+    endpoint = worker_env_factory(_cfg(
+        tmp_path, "--env.name", "kuhn-poker", "--env.options.opponent", "endpoint",
+        "--env.opponent_endpoint", "http://127.0.0.1:9", "--env.opponent_endpoint_model",
+        "other"))()
+    assert endpoint.player.name == "endpoint:other"
+    assert endpoint.player.url == "http://127.0.0.1:9/v1/chat/completions"
+    selfplay = worker_env_factory(_cfg(tmp_path, "--env.name", "tictactoe-selfplay"))()
+    assert selfplay.seats == ("X", "O")
+
+
+def _swapping_loop(tok, moves, *, group_size=1, pool_size=None, make=None):
+    """A worker's loop (not lock-step, partial rollouts) over a scripted engine whose weights
+    version goes up by one before every generate call: each move is sampled by a new version."""
+    chat = ChatFormat(tok)
+    engine = MovesEngine(tok, moves)
+    engine.version = -1
+
+    def new_version():
+        engine.version += 1
+
+    loop = TurnLoop(make or partial(make_env, "tictactoe", opponent="self"), engine, chat,
+                    SamplingParams(8, 1.0, stop_token_ids=(chat.end_of_turn,)),
+                    group_size=group_size, pool_size=pool_size, env_name="tictactoe",
+                    before_generate=new_version, worker=0)
+    loop.record_seat_versions = True
+    return loop
+
+
+def _policy_versions(episode: Episode) -> list[int]:
+    return sorted({v for v in episode.versions if v != ENV_VERSION})
+
+
+def test_each_seat_records_the_versions_that_played_its_game(tiny):
+    _, tok = tiny
+    # X 1, O 2, X 3, O 4, X 5, O 6, X 7 (X wins): call k samples with version k
+    loop = _swapping_loop(tok, [str(c) for c in range(1, 10)])
+    loop.submit(0, 0)
+    run_sync(loop.run(until_drained=True))
+    (group,) = loop.take_groups()
+    x, o = group.episodes
+    assert (x.info["role"], o.info["role"]) == ("X", "O")
+    # every move trained once, in its mover's episode, with the version that sampled it
+    assert [t.action for t in x.turns] == ["1", "3", "5", "7"]
+    assert [t.action for t in o.turns] == ["2", "4", "6"]
+    assert _policy_versions(x) == [0, 2, 4, 6] and _policy_versions(o) == [1, 3, 5]
+    for episode in (x, o):
+        trained = [i for i, m in enumerate(episode.loss_mask) if m]
+        assert trained == [i for t in episode.turns for i in range(t.start, t.end)]
+    # both seats' episodes name both seats' oldest versions
+    assert x.info["seat_versions"] == o.info["seat_versions"] == {"X": 0, "O": 1}
+    assert group.oldest_version == 0  # the group's staleness: its oldest seat
+
+
+def test_a_seat_that_never_moved_records_no_version(tiny):
+    _, tok = tiny
+    # X writes no cell: it loses at once, O never moves
+    loop = _swapping_loop(tok, ["no"])
+    loop.submit(0, 0)
+    run_sync(loop.run(until_drained=True))
+    x, o = loop.take_groups()[0].episodes
+    assert o.num_policy_tokens == 0 and o.reward == 1.0
+    assert x.info["seat_versions"] == o.info["seat_versions"] == {"X": 0, "O": ENV_VERSION}
+
+
+def test_the_sync_loop_records_no_seat_versions(tiny):
+    from turnrl.rollout import run_episodes
+
+    _, tok = tiny
+    chat = ChatFormat(tok)
+    episodes = run_sync(run_episodes(partial(make_env, "tictactoe", opponent="self"),
+                                     [(0, 0)], MovesEngine(tok, ["5", "1", "9"]), chat,
+                                     SamplingParams(8, 1.0, stop_token_ids=(chat.end_of_turn,)),
+                                     env_name="tictactoe"))
+    assert len(episodes) == 2 and not any("seat_versions" in ep.info for ep in episodes)
+
+
+@pytest.mark.parametrize("group_size, pool_size", [(2, 6), (2, 4), (1, 3), (1, 5), (3, 8)])
+def test_a_worker_pool_counts_every_seat_of_a_game(tiny, group_size, pool_size):
+    _, tok = tiny
+    loop = _swapping_loop(tok, [str(c) for c in range(1, 10)], group_size=group_size,
+                          pool_size=pool_size)
+    for assignment in range(4):
+        loop.submit(assignment, assignment)
+    run_sync(loop.run(until_drained=True))
+    groups = loop.take_groups()
+    assert len(groups) == 4 and all(len(g.episodes) == 2 * group_size for g in groups)
+    # a group starts whole, and only when all of its seats fit (or the pool is empty)
+    assert loop.stats.max_live == max(2 * group_size,
+                                      pool_size // (2 * group_size) * 2 * group_size)
+
+
+def test_staleness_per_role_by_hand():
+    from turnrl.trainer.buffer import role_staleness
+
+    def episode(role, versions):
+        return Episode("g", 0, 0, versions=list(versions), info={"role": role} if role else {})
+
+    episodes = [episode("X", [-1, 3, 3]), episode("O", [-1, 4]), episode("X", [5, -1]),
+                episode("O", [-1, -1]), episode(None, [1])]
+    assert role_staleness(episodes, 6) == {
+        "async/staleness_mean/O": (2 + 0) / 2, "async/staleness_max/O": 2.0,
+        "async/staleness_mean/X": (3 + 1) / 2, "async/staleness_max/X": 3.0}
+    assert role_staleness([episode(None, [1])], 6) == {}
+
+
+# ---- a real local Ray cluster ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_games():
+    """A local Ray cluster that can build this module's game (shipped by value)."""
+    with local_ray(sys.modules[__name__], sys.modules["conftest"]) as ray:
+        yield ray
+
+
+def _pairs(episodes):
+    """A step's episodes as games: each game's seats are consecutive, in seat order."""
+    return [episodes[i:i + 2] for i in range(0, len(episodes), 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env, advantage, roles", [
+    ("tictactoe-selfplay", "rae", ("X", "O")),
+    ("kuhn-poker-selfplay", "grpo", ("first", "second")),
+    ("test-chatter", "rae", ("a", "b")),
+])
+def test_an_async_self_play_run_trains_every_seat(ray_games, tmp_path, env, advantage, roles):
+    from turnrl.algorithms.credit import episode_group_ids
+    from turnrl.launch import train_async
+    from turnrl.metrics import read_metrics
+    from turnrl.types import read_episodes
+
+    cfg = _cfg(tmp_path, "--env.name", env, "--algo.advantage", advantage, "--run.steps", "2",
+               "--eval.episodes", "0", "--run.sample_episodes", "100", "--ray.num_workers",
+               "1", "--optim.lr", "1e-3")
+    result = train_async(cfg)
+    assert len(result.trained) == 2 * 2
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        first, second = roles
+        assert row[f"game/{first}/reward"] == pytest.approx(-row[f"game/{second}/reward"])
+        assert row["game/opponent/self"] == 2 * 2 * 2 and row["warn/zero_sum"] == 0.0
+        for role in roles:  # staleness counted per role, within the run's bound
+            assert 0 <= row[f"async/staleness_mean/{role}"] \
+                <= row[f"async/staleness_max/{role}"] <= row["async/max_versions"]
+        if advantage == "rae":  # one baseline per seat; zero-sum: they mirror each other
+            base = f"rae/baseline/{env}/"
+            assert row[base + first] == pytest.approx(-row[base + second], abs=1e-9)
+    for path in sorted((tmp_path / "episodes").glob("step-*.jsonl")):
+        episodes = read_episodes(path)
+        assert len(episodes) == 2 * 2 * 2  # 2 groups of 2 games, an episode per seat
+        # GRPO per role: each group splits into one group per seat
+        ids = episode_group_ids(episodes).tolist()
+        assert len(set(ids)) == 2 * 2
+        for a, b in _pairs(episodes):
+            assert (a.info["role"], b.info["role"]) == roles
+            assert a.seed == b.seed and a.group == b.group
+            assert a.info["opponent"] == b.info["opponent"] == "self"
+            assert a.reward + b.reward == pytest.approx(0.0)
+            # both seats' versions, as each seat's episode saw them
+            versions = {roles[0]: min(_policy_versions(a), default=ENV_VERSION),
+                        roles[1]: min(_policy_versions(b), default=ENV_VERSION)}
+            assert a.info["seat_versions"] == b.info["seat_versions"] == versions
+            assert a.num_policy_tokens > 0  # the first seat always moves
+            for ep in (a, b):  # each seat trains exactly its own moves
+                trained = [i for i, m in enumerate(ep.loss_mask) if m]
+                assert trained == [i for t in ep.turns for i in range(t.start, t.end)]
+            # X moves first: the seats' move counts differ by at most one
+            assert len(a.turns) - len(b.turns) in (0, 1)
+            if env == "test-chatter":  # whole games: each move once, in its mover's episode
+                assert len(a.turns) == len(b.turns) == 2
+                assert [t.action for t in a.turns] == a.info["moves"]
+                assert [t.action for t in b.turns] == b.info["moves"]
