@@ -292,3 +292,24 @@ def test_an_async_self_play_run_trains_every_seat(ray_games, tmp_path, env, adva
                 assert len(a.turns) == len(b.turns) == 2
                 assert [t.action for t in a.turns] == a.info["moves"]
                 assert [t.action for t in b.turns] == b.info["moves"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opponent, recorded", [("random", "random"), ("model", "model:tiny")])
+def test_an_async_run_against_a_fixed_or_a_model_opponent(ray_games, tmp_path, opponent,
+                                                           recorded):
+    from turnrl.launch import train_async
+    from turnrl.metrics import read_metrics
+    from turnrl.types import read_episodes
+
+    cfg = _cfg(tmp_path, "--env.name", "tictactoe", "--env.options.opponent", opponent,
+               "--env.options.role", "both", "--env.opponent_model", "tiny", "--run.steps",
+               "1", "--eval.episodes", "0", "--run.sample_episodes", "100",
+               "--ray.num_workers", "1")
+    train_async(cfg)
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert row[f"game/opponent/{recorded}"] == 2 * 2  # one episode a game: the policy's seat
+    (path,) = (tmp_path / "episodes").glob("step-*.jsonl")
+    episodes = read_episodes(path)
+    assert len(episodes) == 2 * 2 and {ep.info["opponent"] for ep in episodes} == {recorded}
+    assert all("seat_versions" not in ep.info for ep in episodes)  # one seat: its tokens tell
