@@ -425,12 +425,13 @@ def test_another_local_model_plays_the_other_seat_and_is_recorded(tmp_path):
         _train_cfg(tmp_path, "--env.options.opponent", "model")
 
 
-def test_async_mode_refuses_the_pool_in_one_line(tmp_path):
+def test_async_mode_refuses_the_pool_on_vllm_workers_in_one_line(tmp_path):
     from turnrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="opponent pool works in run.mode sync only"):
-        _train_cfg(tmp_path, "--env.options.opponent", "pool", "--run.mode", "async")
-    for opponent in ("self", "model"):  # a worker builds these itself (test_selfplay_async.py)
+    with pytest.raises(ConfigError, match="opponent pool with ray.engine vllm"):
+        _train_cfg(tmp_path, "--env.options.opponent", "pool", "--run.mode", "async",
+                   "--ray.engine", "vllm", "--ray.worker_gpus", "1")
+    for opponent in ("self", "model", "pool"):  # the workers build them (test_selfplay_async)
         _train_cfg(tmp_path, "--env.options.opponent", opponent, "--run.mode", "async",
                    "--env.opponent_model", "tiny")
 

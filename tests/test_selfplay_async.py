@@ -72,6 +72,7 @@ def _cfg(tmp_path, *extra):
      "tiny"],
     ["--env.name", "tictactoe", "--env.options.opponent", "endpoint",
      "--env.opponent_endpoint", "http://127.0.0.1:9/v1", "--env.opponent_endpoint_model", "m"],
+    ["--env.name", "kuhn-poker", "--env.options.opponent", "pool"],
 ])
 def test_async_mode_takes_self_play_and_the_opponents_a_worker_can_build(tmp_path, args):
     cfg = _cfg(tmp_path, *args)
@@ -79,14 +80,15 @@ def test_async_mode_takes_self_play_and_the_opponents_a_worker_can_build(tmp_pat
 
 
 @pytest.mark.parametrize("env", ["tictactoe", "kuhn-poker", "textarena-2p"])
-def test_async_mode_refuses_the_pool_in_one_line_naming_why_and_the_fix(tmp_path, env):
+def test_async_mode_refuses_the_pool_on_vllm_workers_in_one_line(tmp_path, env):
+    _cfg(tmp_path, "--env.name", env, "--env.options.opponent", "pool")  # hf workers: fine
     with pytest.raises(ConfigError) as err:
-        _cfg(tmp_path, "--env.name", env, "--env.options.opponent", "pool")
+        _cfg(tmp_path, "--env.name", env, "--env.options.opponent", "pool", "--ray.engine",
+             "vllm", "--ray.worker_gpus", "1")
     message = str(err.value)
     assert "\n" not in message
-    assert "opponent pool works in run.mode sync only" in message
-    assert "live in the learner" in message and "--run.mode sync" in message
-    load_config(None, [*BASE, "--env.name", env, "--env.options.opponent", "pool"])  # sync: ok
+    assert "opponent pool with ray.engine vllm" in message
+    assert "--ray.engine hf" in message and "--run.mode sync" in message
 
 
 @pytest.mark.parametrize("mode, message", [
@@ -313,3 +315,99 @@ def test_an_async_run_against_a_fixed_or_a_model_opponent(ray_games, tmp_path, o
     episodes = read_episodes(path)
     assert len(episodes) == 2 * 2 and {ep.info["opponent"] for ep in episodes} == {recorded}
     assert all("seat_versions" not in ep.info for ep in episodes)  # one seat: its tokens tell
+
+
+# ---- the opponent pool in async mode: the learner's versions, held by every worker -------------
+
+def test_the_pool_rule_by_hand():
+    from turnrl.selfplay import pool_after_offer
+
+    assert pool_after_offer([], 5, every=2, size=3) == [5]  # the first offered always joins
+    assert pool_after_offer([5], 6, every=2, size=3) == [5, 6]
+    assert pool_after_offer([5, 6], 7, every=2, size=3) is None  # not an every-th version
+    assert pool_after_offer([5, 6], 6, every=2, size=3) is None  # already held
+    assert pool_after_offer([4, 6, 8], 10, every=2, size=3) == [6, 8, 10]  # oldest goes
+
+
+def test_a_pool_mirror_holds_the_versions_it_is_told_and_games_wait_for_its_first(tiny):
+    import threading
+
+    from turnrl.selfplay import OpponentPool
+
+    _, tok = tiny
+    chat = ChatFormat(tok)
+    pool = OpponentPool(chat, SamplingParams(3, 1.0), size=2, every=1, seed=0)
+    built = []
+
+    def build(version):
+        built.append(version)
+        return type("Player", (), {"version": version})()
+
+    drawn = []
+    waiter = threading.Thread(target=lambda: drawn.append(pool.sample(wait_s=60)))
+    waiter.start()
+    pool.hold([3], build)  # the first member wakes the waiting game
+    waiter.join(timeout=30)
+    assert [p.version for p in drawn] == [3] and built == [3]
+    pool.hold([3, 5], build)
+    assert pool.versions() == [3, 5] and built == [3, 5]  # 3 kept, not rebuilt
+    pool.hold([5], build)
+    assert pool.versions() == [5] and {pool.sample().version for _ in range(8)} == {5}
+    empty = OpponentPool(chat, SamplingParams(3, 1.0), size=2, every=1)
+    empty.close()
+    with pytest.raises(RuntimeError, match="the opponent pool is empty"):
+        empty.sample(wait_s=60)  # closed: no wait
+
+
+def test_a_worker_plays_the_pool_versions_the_learner_sends(tmp_path):
+    import torch
+    from conftest import groups_within
+
+    from turnrl.distributed.workers import RolloutWorker, without_tied_weights
+    from turnrl.models import tiny_model
+
+    cfg = _cfg(tmp_path, "--env.name", "kuhn-poker", "--env.options.opponent", "pool",
+               "--env.opponent_pool_size", "2")
+    states = [without_tied_weights({k: v.detach().clone()
+                                    for k, v in tiny_model(seed=s)[0].state_dict().items()})
+              for s in (1, 2)]
+    worker = RolloutWorker(cfg, pool_size=8)
+    try:
+        worker.assign([(0, 7)])  # its games wait for the pool (and the weights)
+        worker.set_weights(0, states[0])
+        assert worker.set_pool([(0, states[0])]) == [0]
+        episodes = groups_within(worker, 120)[0].episodes
+        assert {ep.info["opponent"] for ep in episodes} == {"pool-v0"}
+        assert worker.set_pool([(0, states[0]), (1, states[1])]) == [0, 1]
+        frozen = {m.version: m.model for m in worker.pool.members}
+        name = "model.embed_tokens.weight"
+        for version, state in enumerate(states):  # each copy holds its version's weights
+            assert torch.equal(frozen[version].state_dict()[name], state[name])
+        assert not any(p.requires_grad for p in frozen[1].parameters())
+        worker.assign([(1, 8), (2, 9), (3, 10)])
+        played = {ep.info["opponent"] for a in range(3)
+                  for ep in groups_within(worker, 120)[0].episodes}
+        assert played <= {"pool-v0", "pool-v1"}
+    finally:
+        worker.stop()
+
+
+@pytest.mark.slow
+def test_an_async_run_against_the_pool(ray_games, tmp_path):
+    from turnrl.launch import train_async
+    from turnrl.metrics import read_metrics
+    from turnrl.types import read_episodes
+
+    cfg = _cfg(tmp_path, "--env.name", "tictactoe", "--env.options.opponent", "pool",
+               "--env.opponent_pool_size", "2", "--run.steps", "3", "--eval.episodes", "4",
+               "--run.sample_episodes", "100", "--ray.num_workers", "1")
+    train_async(cfg)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    # version 0 joins at the start, then every version; the newest 2 are kept
+    assert [r["game/pool_versions"] for r in rows] == [2.0, 2.0, 2.0]
+    opponents = set()
+    for path in (tmp_path / "episodes").glob("step-*.jsonl"):
+        opponents |= {ep.info["opponent"] for ep in read_episodes(path)}
+    assert opponents and opponents <= {"pool-v0", "pool-v1", "pool-v2"}
+    evaluated = read_episodes(tmp_path / "eval_after.jsonl")  # against the fixed players
+    assert {ep.info["opponent"] for ep in evaluated} == {"random", "minimax"}

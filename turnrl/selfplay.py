@@ -88,21 +88,43 @@ class OpponentPool:
         self.chat, self.params, self.size, self.every = chat, params, size, every
         self.seed, self.rng = seed, random.Random(seed)
         self.members: list[FrozenPolicy] = []
+        self.changed = threading.Condition()
+        """Notified when the members change (an async worker's games wait for the first)."""
+        self.closed = False
 
     def offer(self, version: int, model: torch.nn.Module) -> bool:
         """Keep a frozen copy of ``model`` as ``version`` when the rule says so (the first
         offered, then every ``every``-th version); the oldest goes past ``size``."""
-        if self.members and version % self.every or any(m.version == version
-                                                         for m in self.members):
+        kept = pool_after_offer(self.versions(), version, self.every, self.size)
+        if kept is None:
             return False
         self.members.append(FrozenPolicy(model, self.chat, self.params, version, self.seed))
         del self.members[:-self.size]
         return True
 
-    def sample(self) -> FrozenPolicy:
-        if not self.members:
-            raise RuntimeError("the opponent pool is empty: offer the policy first")
-        return self.rng.choice(self.members)
+    def hold(self, versions: Sequence[int], build: Callable[[int], FrozenPolicy]) -> None:
+        """Keep exactly ``versions``, the learner's pool (an async worker's mirror of it): a
+        version not held yet is ``build(version)``, one no longer named is dropped."""
+        held = {m.version: m for m in self.members}
+        members = [held.get(v) or build(v) for v in versions]
+        with self.changed:
+            self.members = members
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        """Games waiting for a first member stop waiting (``sample`` raises)."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+
+    def sample(self, wait_s: float = 0.0) -> FrozenPolicy:
+        """A member drawn uniformly; waits up to ``wait_s`` for a first one (async workers:
+        the learner's pool arrives with its weights)."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.members or self.closed, timeout=wait_s)
+            if not self.members:
+                raise RuntimeError("the opponent pool is empty: offer the policy first")
+            return self.rng.choice(self.members)
 
     def versions(self) -> list[int]:
         return [m.version for m in self.members]
@@ -110,6 +132,15 @@ class OpponentPool:
     def attach(self, make: Callable[[], Env]) -> Callable[[], Env]:
         """``make`` with each new env's opponent drawn from the pool (``set_opponent``)."""
         return attach_player(make, self.sample)
+
+
+def pool_after_offer(kept: Sequence[int], version: int, every: int, size: int
+                     ) -> list[int] | None:
+    """The pool's versions once ``version`` is offered (the first offered joins, then every
+    ``every``-th version; the newest ``size`` are kept), or None when it does not join."""
+    if kept and version % every or version in kept:
+        return None
+    return [*kept, version][-size:]
 
 
 class ModelOpponent:

@@ -94,16 +94,16 @@ def check_env_plan(cfg: Config) -> None:
 
 
 def check_self_play(cfg: Config) -> None:
-    """Outside opponents need their player, and the pool's player exists only in the learner:
-    the frozen past policies are copies of the learner's weights that rollout workers never
-    receive. Self-play (the worker's own weights in every seat), a local model and an endpoint
-    are built by each async worker itself (docs/selfplay.md)."""
+    """An outside opponent needs its player. In async mode each rollout worker builds its own
+    (self-play: its engine in every seat; a local model; an endpoint) or, for the pool,
+    receives the learner's frozen versions and holds HF copies of them on its CPU, which a
+    vLLM worker does not have (docs/selfplay.md)."""
     opponent = cfg.env.options.get("opponent")
-    if cfg.run.mode == "async" and opponent == "pool":
-        raise ConfigError("env.options.opponent pool works in run.mode sync only (the pool's "
-                          "frozen past policies live in the learner; async rollout workers do "
-                          "not receive them); use --run.mode sync, or opponent self, model or "
-                          "endpoint in async")
+    if cfg.run.mode == "async" and opponent == "pool" and cfg.ray.engine == "vllm":
+        raise ConfigError("env.options.opponent pool with ray.engine vllm: async workers hold "
+                          "the pool's frozen past policies as HF models, which a vLLM worker "
+                          "does not have; use --ray.engine hf, --run.mode sync, or opponent "
+                          "self")
     if opponent == "model" and not cfg.env.opponent_model:
         raise ConfigError("env.options.opponent model needs env.opponent_model: the model that "
                           "plays the other seat (a name as model.name takes), e.g. "

@@ -55,6 +55,7 @@ from turnrl.envs import ENVS
 from turnrl.metrics import truncate_metrics
 from turnrl.policy import group_seed
 from turnrl.rollout.loop import Group
+from turnrl.selfplay import pool_after_offer
 from turnrl.trainer.buffer import StalenessBuffer, group_staleness
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults
@@ -123,6 +124,9 @@ class RaySource(SourceDefaults):
         self.guidance: Guidance | None = None
         self.guided: dict[str, float] = {}
         """The step's ``guide/*`` metrics."""
+        self.pool_versions: list[int] | None = (
+            [] if cfg.env.options.get("opponent") == "pool" else None)
+        """The opponent pool's versions (``opponent: pool``): workers hold frozen copies."""
         self.seat: LearnerSeat | None = None
         self.group = None
         """The learner's reservation and the workers' placement group (placement.py)."""
@@ -194,6 +198,13 @@ class RaySource(SourceDefaults):
             self.kv_bytes_per_token = kv_bytes_per_token(model.config, element)
         self.version = version
         self.fleet.publish(version, model)
+        if self.pool_versions is not None:  # the opponent pool's rule, as in sync mode
+            kept = pool_after_offer(self.pool_versions, version,
+                                    self.cfg.env.opponent_pool_every,
+                                    self.cfg.env.opponent_pool_size)
+            if kept is not None:
+                self.pool_versions = kept
+                self.fleet.set_pool(kept)
         self.top_up()  # the workers keep generating while the learner updates
 
     def wait_ready(self) -> None:
@@ -236,7 +247,9 @@ class RaySource(SourceDefaults):
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
-        return {**self.group_metrics(step, self.taken, update_metrics), **self.guided}
+        pool = ({"game/pool_versions": float(len(self.pool_versions))}
+                if self.pool_versions is not None else {})
+        return {**self.group_metrics(step, self.taken, update_metrics), **self.guided, **pool}
 
     def group_metrics(self, step: int, groups: list[Group],
                       update_metrics: dict[str, float]) -> dict[str, float]:

@@ -70,7 +70,16 @@ from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
 from turnrl.rollout.engine import SamplingParams
 from turnrl.rollout.loop import Group, TurnLoop, run_sync
-from turnrl.selfplay import EndpointOpponent, ModelOpponent
+from turnrl.selfplay import (
+    EndpointOpponent,
+    FrozenPolicy,
+    ModelOpponent,
+    OpponentPool,
+    attach_player,
+)
+
+POOL_WAIT_S = 600.0
+"""How long a game waits for the learner's opponent pool before it fails (one line)."""
 
 
 @dataclass
@@ -144,8 +153,12 @@ class RolloutWorker:
         self._stopping = False
         params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                 cfg.rollout.top_p, stop_token_ids=(policy.chat.end_of_turn,))
+        self.pool = (OpponentPool(policy.chat, params, size=cfg.env.opponent_pool_size,
+                                  every=cfg.env.opponent_pool_every,
+                                  seed=sampling_seed(cfg.run.seed, index))
+                     if cfg.env.options.get("opponent") == "pool" else None)
         self.rollout = TurnLoop(
-            worker_env_factory(cfg), self.engine, policy.chat,
+            worker_env_factory(cfg, self.pool), self.engine, policy.chat,
             params, group_size=cfg.rollout.group_size, pool_size=pool_size,
             env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
             max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s,
@@ -194,6 +207,27 @@ class RolloutWorker:
         self._have_weights.set()
         return version
 
+    def set_pool(self, members: list[tuple[int, Any]]) -> list[int]:
+        """Hold the learner's opponent pool: ``(version, [ObjectRef] or state dict)`` each, a
+        frozen copy of the model with those weights built for a version not held yet."""
+        if self.pool is None:
+            raise RuntimeError("set_pool: this worker plays no opponent pool "
+                               "(env.options.opponent is not pool)")
+        states = dict(members)
+        self.pool.hold([version for version, _ in members],
+                       lambda version: self._frozen(version, states[version]))
+        return self.pool.versions()
+
+    def _frozen(self, version: int, state: Any) -> FrozenPolicy:
+        if isinstance(state, list):  # [ObjectRef]
+            import ray
+
+            state = ray.get(state[0])
+        player = FrozenPolicy(self.model, self.pool.chat, self.pool.params, version,
+                              self.pool.seed)
+        load_published(player.model, with_tied_weights(state))  # LoRA: the adapter alone
+        return player
+
     def assign(self, assignments: list[tuple[int, int]]) -> int:
         for assignment, seed in assignments:
             self.rollout.submit(assignment, seed)
@@ -224,6 +258,8 @@ class RolloutWorker:
 
     def stop(self) -> None:
         self._stopping = True
+        if self.pool is not None:
+            self.pool.close()  # a game waiting for the pool's first member stops waiting
         self.rollout.stop()
         self._thread.join(timeout=10)
 
@@ -304,13 +340,16 @@ def load_player(cfg: Config) -> Player:
     return Player(tokenizer, chat, max_context, path)
 
 
-def worker_env_factory(cfg: Config) -> Callable[[], Env]:
+def worker_env_factory(cfg: Config, pool: OpponentPool | None = None) -> Callable[[], Env]:
     """The worker's env: a multi-seat game's seats are all played by the worker's own engine
     (self-play); an outside opponent the worker can build itself (another local model, an
-    endpoint: frozen, the same in every worker) is handed to each new env. The pool's frozen
-    past policies live in the learner: refused in async mode (config/checks.py)."""
+    endpoint: frozen, the same in every worker) is handed to each new env; a pool opponent is
+    drawn from ``pool``, the worker's copy of the learner's (``set_pool``), waiting for its
+    first member (it comes with the first weights, which the worker waits for anyway)."""
     make = partial(make_env, cfg.env.name, **cfg.env.options)
     opponent = cfg.env.options.get("opponent")
+    if opponent == "pool" and pool is not None:
+        return attach_player(make, partial(pool.sample, wait_s=POOL_WAIT_S))
     if opponent == "model":
         return ModelOpponent.load(cfg.env.opponent_model, cfg).attach(make)
     if opponent == "endpoint":
