@@ -411,3 +411,42 @@ def test_an_async_run_against_the_pool(ray_games, tmp_path):
     assert opponents and opponents <= {"pool-v0", "pool-v1", "pool-v2"}
     evaluated = read_episodes(tmp_path / "eval_after.jsonl")  # against the fixed players
     assert {ep.info["opponent"] for ep in evaluated} == {"random", "minimax"}
+
+
+class _Calls:
+    """A worker handle that records the calls the learner sends it (``handle.method.remote``)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getattr__(self, method):
+        return type("Method", (), {"remote": lambda _, *args: self.log.append((method, args))})()
+
+
+def test_the_learner_sends_the_pool_with_the_weights_and_again_after_a_restart():
+    pytest.importorskip("ray")
+    from turnrl.distributed.book import AssignmentBook
+    from turnrl.distributed.fleet import Fleet
+    from turnrl.distributed.workers import WorkerReport
+
+    log = []
+    fleet = Fleet([_Calls(log)], AssignmentBook(lambda index: index))
+    fleet.weights = (0, "ref-0")
+    fleet.send_weights(0)
+    assert [name for name, _ in log] == ["set_weights"]  # no pool: nothing else sent
+    fleet.set_pool([0])
+    fleet.weights = (1, "ref-1")
+    fleet.send_weights(0)
+    fleet.set_pool([0, 1])
+    assert log[1:] == [("set_pool", ([(0, ["ref-0"])],)), ("set_weights", (1, ["ref-1"])),
+                       ("set_pool", ([(0, ["ref-0"])],)),
+                       ("set_pool", ([(0, ["ref-0"]), (1, ["ref-1"])],))]
+    fleet.weights = (2, "ref-2")
+    fleet.set_pool([1, 2])  # the oldest leaves; its weights are no longer sent
+    assert log[-1] == ("set_pool", ([(1, ["ref-1"]), (2, ["ref-2"])],))
+    # a restarted worker reports no weights: it gets the weights and the pool again
+    del log[:]
+    fleet.incarnation[0] = "before"
+    fleet.reconcile(0, fleet._next_seq(), WorkerReport(0, "after", [], set(), -1, -1))
+    assert log == [("set_weights", (2, ["ref-2"])),
+                   ("set_pool", ([(1, ["ref-1"]), (2, ["ref-2"])],))]
