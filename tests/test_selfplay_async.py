@@ -450,3 +450,32 @@ def test_the_learner_sends_the_pool_with_the_weights_and_again_after_a_restart()
     fleet.reconcile(0, fleet._next_seq(), WorkerReport(0, "after", [], set(), -1, -1))
     assert log == [("set_weights", (2, ["ref-2"])),
                    ("set_pool", ([(1, ["ref-1"]), (2, ["ref-2"])],))]
+
+
+def test_a_game_whose_pool_never_comes_fails_alone_with_the_reason(tiny):
+    from turnrl.rollout import run_episodes
+    from turnrl.selfplay import OpponentPool, PoolDraw
+
+    _, tok = tiny
+    chat = ChatFormat(tok)
+    empty = OpponentPool(chat, SamplingParams(3, 1.0), size=2, every=1)
+
+    class Quick:
+        name = "quick"
+
+        def act(self, system_prompt, observation):
+            return next(str(c) for c in range(1, 10) if str(c) in observation)
+
+    built = []
+
+    def make():  # the policy plays O: the opponent moves at reset
+        env = make_env("tictactoe", opponent="pool", role="o")
+        env.set_opponent(PoolDraw(empty, wait_s=0.2) if not built else Quick())
+        built.append(env)
+        return env
+
+    starved, fine = run_sync(run_episodes(
+        make, [(0, 0), (1, 1)], MovesEngine(tok, ["5", "9", "3", "7"]), chat,
+        SamplingParams(4, 1.0, stop_token_ids=(chat.end_of_turn,)), env_name="tictactoe"))
+    assert starved.status == "error" and "the opponent pool is empty" in starved.info["reason"]
+    assert fine.status == "done" and fine.info["opponent"] == "quick"

@@ -134,6 +134,29 @@ class OpponentPool:
         return attach_player(make, self.sample)
 
 
+class PoolDraw:
+    """One game's pool opponent, drawn when the game first needs it (its ``name`` or a move),
+    on the env's thread: an async worker's pool may still be waiting for the learner's first
+    version, and the turn loop must not wait for it (nor hold its lock) while starting games.
+    A pool still empty after ``wait_s`` fails that game only, with the pool's reason."""
+
+    def __init__(self, pool: OpponentPool, wait_s: float) -> None:
+        self.pool, self.wait_s = pool, wait_s
+        self.player: FrozenPolicy | None = None
+
+    def drawn(self) -> FrozenPolicy:
+        if self.player is None:
+            self.player = self.pool.sample(self.wait_s)
+        return self.player
+
+    @property
+    def name(self) -> str:
+        return self.drawn().name
+
+    def act(self, system_prompt: str | None, observation: str) -> str:
+        return self.drawn().act(system_prompt, observation)
+
+
 def pool_after_offer(kept: Sequence[int], version: int, every: int, size: int
                      ) -> list[int] | None:
     """The pool's versions once ``version`` is offered (the first offered joins, then every

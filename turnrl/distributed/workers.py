@@ -75,11 +75,9 @@ from turnrl.selfplay import (
     FrozenPolicy,
     ModelOpponent,
     OpponentPool,
+    PoolDraw,
     attach_player,
 )
-
-POOL_WAIT_S = 600.0
-"""How long a game waits for the learner's opponent pool before it fails (one line)."""
 
 
 @dataclass
@@ -344,12 +342,12 @@ def worker_env_factory(cfg: Config, pool: OpponentPool | None = None) -> Callabl
     """The worker's env: a multi-seat game's seats are all played by the worker's own engine
     (self-play); an outside opponent the worker can build itself (another local model, an
     endpoint: frozen, the same in every worker) is handed to each new env; a pool opponent is
-    drawn from ``pool``, the worker's copy of the learner's (``set_pool``), waiting for its
-    first member (it comes with the first weights, which the worker waits for anyway)."""
+    drawn from ``pool``, the worker's copy of the learner's (``set_pool``), when the game
+    first needs it (the learner sends the pool with the weights, before any work)."""
     make = partial(make_env, cfg.env.name, **cfg.env.options)
     opponent = cfg.env.options.get("opponent")
     if opponent == "pool" and pool is not None:
-        return attach_player(make, partial(pool.sample, wait_s=POOL_WAIT_S))
+        return attach_player(make, partial(PoolDraw, pool, cfg.rollout.env_timeout_s))
     if opponent == "model":
         return ModelOpponent.load(cfg.env.opponent_model, cfg).attach(make)
     if opponent == "endpoint":
