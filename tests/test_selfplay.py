@@ -425,13 +425,15 @@ def test_another_local_model_plays_the_other_seat_and_is_recorded(tmp_path):
         _train_cfg(tmp_path, "--env.options.opponent", "model")
 
 
-def test_async_mode_refuses_self_play_in_one_line(tmp_path):
+def test_async_mode_refuses_the_pool_on_vllm_workers_in_one_line(tmp_path):
     from turnrl.config import ConfigError
 
-    for opponent in ("self", "pool", "model"):
-        with pytest.raises(ConfigError, match=rf"opponent {opponent}\) works in run.mode sync"):
-            _train_cfg(tmp_path, "--env.options.opponent", opponent, "--run.mode", "async",
-                       "--env.opponent_model", "tiny")
+    with pytest.raises(ConfigError, match="opponent pool with ray.engine vllm"):
+        _train_cfg(tmp_path, "--env.options.opponent", "pool", "--run.mode", "async",
+                   "--ray.engine", "vllm", "--ray.worker_gpus", "1")
+    for opponent in ("self", "model", "pool"):  # the workers build them (test_selfplay_async)
+        _train_cfg(tmp_path, "--env.options.opponent", opponent, "--run.mode", "async",
+                   "--env.opponent_model", "tiny")
 
 
 def test_a_hanging_opponent_times_out_its_game_only(tiny):
@@ -479,8 +481,7 @@ def test_the_selfplay_names_default_to_self_play_and_mixes_refuse_them(tmp_path)
     assert make_env("tictactoe-selfplay").seats == ("X", "O")
     assert make_env("kuhn-poker-selfplay").seats == ("first", "second")
     assert make_env("kuhn-poker-selfplay", opponent="nash").seats == ()
-    with pytest.raises(ConfigError, match="works in run.mode sync only"):
-        load_config(None, ["--env.name", "tictactoe-selfplay", "--run.mode", "async"])
+    load_config(None, ["--env.name", "tictactoe-selfplay", "--run.mode", "async"])
     with pytest.raises(ConfigError, match=r"env.mix\[1\] is a self-play or pool game"):
         load_config(None, ["--env.name", "mix", "--env.mix",
                            '[{"name": "tictactoe"}, {"name": "tictactoe", "label": "t2", '

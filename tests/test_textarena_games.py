@@ -269,9 +269,13 @@ def test_the_built_in_games_take_the_endpoint_opponent_too(tiny, tmp_path):
     assert episode.info["outcome"] == "win" and "reason" not in episode.info
     assert len(server.requests) == 3
     assert "You play O." in server.requests[0][1]["messages"][1]["content"]
-    with pytest.raises(ConfigError, match=r"opponent endpoint\) works in run.mode sync"):
+    with pytest.raises(ConfigError, match="needs env.opponent_endpoint and"):
         load_config(None, ["--env.name", "tictactoe", "--env.options.opponent", "endpoint",
                            "--run.mode", "async", "--run.out_dir", str(tmp_path)])
+    # async workers build the endpoint opponent themselves (tests/test_selfplay_async.py)
+    load_config(None, ["--env.name", "tictactoe", "--env.options.opponent", "endpoint",
+                       "--env.opponent_endpoint", url, "--env.opponent_endpoint_model", "m",
+                       "--run.mode", "async", "--run.out_dir", str(tmp_path)])
 
 
 def _attach(env, player):

@@ -122,12 +122,15 @@ class OpponentPool:
         self.chat, self.params, self.size, self.every = chat, params, size, every
         self.seed, self.draws = seed, 0
         self.members: list[FrozenPolicy] = []
+        self.changed = threading.Condition()
+        """Notified when the members change (an async worker's games wait for the first)."""
+        self.closed = False
 
     def offer(self, version: int, model: torch.nn.Module) -> bool:
         """Keep a frozen copy of ``model`` as ``version`` when the rule says so (the first
         offered, then every ``every``-th version); the oldest goes past ``size``."""
-        if self.members and version % self.every or any(m.version == version
-                                                         for m in self.members):
+        kept = pool_after_offer(self.versions(), version, self.every, self.size)
+        if kept is None:
             return False
         self._keep(FrozenPolicy(model, self.chat, self.params, version, self.seed))
         return True
@@ -136,14 +139,33 @@ class OpponentPool:
         self.members.append(member)
         del self.members[:-self.size]
 
-    def sample(self) -> PoolPlayer:
+    def hold(self, versions: Sequence[int], build: Callable[[int], FrozenPolicy]) -> None:
+        """Keep exactly ``versions``, the learner's pool (an async worker's mirror of it): a
+        version not held yet is ``build(version)``, one no longer named is dropped."""
+        held = {m.version: m for m in self.members}
+        members = [held.get(v) or build(v) for v in versions]
+        with self.changed:
+            self.members = members
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        """Games waiting for a first member stop waiting (``sample`` raises)."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+
+    def sample(self, wait_s: float = 0.0) -> PoolPlayer:
         """The next game's opponent: a member drawn uniformly, with a sampling stream of its
-        own, both from the stream seeded by (seed, number of games drawn so far)."""
-        if not self.members:
-            raise RuntimeError("the opponent pool is empty: offer the policy first")
-        draw = random.Random(f"opponent-pool/{self.seed}/{self.draws}")
-        self.draws += 1
-        return PoolPlayer(draw.choice(self.members), draw.getrandbits(63))
+        own, both from the stream seeded by (seed, number of games drawn so far); waits up to
+        ``wait_s`` for a first member (async workers: the learner's pool arrives with its
+        weights)."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.members or self.closed, timeout=wait_s)
+            if not self.members:
+                raise RuntimeError("the opponent pool is empty: offer the policy first")
+            draw = random.Random(f"opponent-pool/{self.seed}/{self.draws}")
+            self.draws += 1
+            return PoolPlayer(draw.choice(self.members), draw.getrandbits(63))
 
     def versions(self) -> list[int]:
         return [m.version for m in self.members]
@@ -178,6 +200,38 @@ class OpponentPool:
         for member in members:
             self._keep(member)
         self.draws = int(state["draws"])
+
+
+class PoolDraw:
+    """One game's pool opponent, drawn when the game first needs it (its ``name`` or a move),
+    on the env's thread: an async worker's pool may still be waiting for the learner's first
+    version, and the turn loop must not wait for it (nor hold its lock) while starting games.
+    A pool still empty after ``wait_s`` fails that game only, with the pool's reason."""
+
+    def __init__(self, pool: OpponentPool, wait_s: float) -> None:
+        self.pool, self.wait_s = pool, wait_s
+        self.player: PoolPlayer | None = None
+
+    def drawn(self) -> PoolPlayer:
+        if self.player is None:
+            self.player = self.pool.sample(self.wait_s)
+        return self.player
+
+    @property
+    def name(self) -> str:
+        return self.drawn().name
+
+    def act(self, system_prompt: str | None, observation: str) -> str:
+        return self.drawn().act(system_prompt, observation)
+
+
+def pool_after_offer(kept: Sequence[int], version: int, every: int, size: int
+                     ) -> list[int] | None:
+    """The pool's versions once ``version`` is offered (the first offered joins, then every
+    ``every``-th version; the newest ``size`` are kept), or None when it does not join."""
+    if kept and version % every or version in kept:
+        return None
+    return [*kept, version][-size:]
 
 
 class ModelOpponent:

@@ -94,14 +94,16 @@ def check_env_plan(cfg: Config) -> None:
 
 
 def check_self_play(cfg: Config) -> None:
-    """Self-play and pool opponents are built in the sync trainer (the learner's engine plays
-    every seat; the pool keeps the learner's frozen weights): refuse them in async mode."""
+    """An outside opponent needs its player. In async mode each rollout worker builds its own
+    (self-play: its engine in every seat; a local model; an endpoint) or, for the pool,
+    receives the learner's frozen versions and holds HF copies of them on its CPU, which a
+    vLLM worker does not have (docs/selfplay.md)."""
     opponent = cfg.env.options.get("opponent")
-    if cfg.run.mode == "async" and (opponent in ("self", "pool", "model", "endpoint")
-                                    or cfg.env.name.endswith(SELF_PLAY_SUFFIX)):
-        raise ConfigError(f"self-play (env {cfg.env.name}, opponent {opponent or 'self'}) works "
-                          "in run.mode sync only (not yet with async rollout workers); use "
-                          "--run.mode sync")
+    if cfg.run.mode == "async" and opponent == "pool" and cfg.ray.engine == "vllm":
+        raise ConfigError("env.options.opponent pool with ray.engine vllm: async workers hold "
+                          "the pool's frozen past policies as HF models, which a vLLM worker "
+                          "does not have; use --ray.engine hf, --run.mode sync, or opponent "
+                          "self")
     if opponent == "model" and not cfg.env.opponent_model:
         raise ConfigError("env.options.opponent model needs env.opponent_model: the model that "
                           "plays the other seat (a name as model.name takes), e.g. "

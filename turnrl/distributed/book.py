@@ -13,7 +13,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from turnrl.config import Config
+from turnrl.envs.base import make_env
+from turnrl.envs.contract import seats
 from turnrl.rollout.loop import Group
+
+
+def episodes_per_group(cfg: Config) -> int:
+    """Episodes one group delivers: ``rollout.group_size`` games, each one episode per seat
+    of a multi-seat game (self-play: envs/contract.py ``seats``), one otherwise. Read from one
+    env built here, as the learner's start-up builds it (policy.env_factories)."""
+    return cfg.rollout.group_size * max(1, len(seats(make_env(cfg.env.name,
+                                                               **cfg.env.options))))
 
 
 def in_flight_groups(cfg: Config) -> int:

@@ -80,6 +80,8 @@ class Fleet:
         store once, and every worker there reads that copy."""
         self.pulled: dict[str, int] = {}
         """Node label -> weight bytes pulled to it since the learner last looked."""
+        self.pool: list[tuple[int, object]] = []
+        """The opponent pool's (version, ObjectRef of its weights): sent with the weights."""
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -134,6 +136,17 @@ class Fleet:
         version, ref = self.weights
         self._fire(self.handles[w].set_weights.remote(version, [ref]))
         self.weights_seq[w] = self._next_seq()
+        if self.pool:  # a restarted or revived worker gets the pool back with the weights
+            self._fire(self.handles[w].set_pool.remote([(v, [r]) for v, r in self.pool]))
+
+    def set_pool(self, versions: list[int]) -> None:
+        """The opponent pool is now ``versions``, each a published version (the newest is
+        the one just published): every worker holds the same frozen copies."""
+        refs = dict(self.pool)
+        refs[self.weights[0]] = self.weights[1]
+        self.pool = [(v, refs[v]) for v in versions]
+        for w in self.alive():
+            self._fire(self.handles[w].set_pool.remote([(v, [r]) for v, r in self.pool]))
 
     def resize(self, pool_size: int) -> None:
         """Every worker's pool to ``pool_size`` live episodes (a restarted one gets it too)."""

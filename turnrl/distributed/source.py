@@ -30,7 +30,12 @@ import torch
 
 from turnrl.algorithms.offpolicy import AdaptiveStaleness
 from turnrl.config import Config
-from turnrl.distributed.book import Assignment, AssignmentBook, in_flight_groups
+from turnrl.distributed.book import (
+    Assignment,
+    AssignmentBook,
+    episodes_per_group,
+    in_flight_groups,
+)
 from turnrl.distributed.fleet import Fleet, learner_threads
 from turnrl.distributed.placement import (
     LearnerSeat,
@@ -50,6 +55,7 @@ from turnrl.envs import ENVS
 from turnrl.metrics import truncate_metrics
 from turnrl.policy import group_seed
 from turnrl.rollout.loop import Group
+from turnrl.selfplay import pool_after_offer
 from turnrl.trainer.buffer import StalenessBuffer, group_staleness
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults
@@ -92,12 +98,14 @@ class RaySource(SourceDefaults):
         # In flight (the workers' pools) plus queued behind them, buffered groups included.
         self.target = in_flight_groups(cfg) + cfg.pool.queued_groups * cfg.ray.num_workers
         self.rates = MeasuredRates()
+        self.group_episodes = episodes_per_group(cfg)
+        """Episodes a group holds (self-play: one per seat of each game); pools count these."""
         self.sizing: SizingController | None = None
         if cfg.pool.auto:
             self.sizing = SizingController.start(
-                group_size=cfg.rollout.group_size, groups_per_step=cfg.rollout.groups_per_step,
+                group_size=self.group_episodes, groups_per_step=cfg.rollout.groups_per_step,
                 workers=cfg.ray.num_workers, bound=cfg.staleness.max_versions,
-                pool=worker_pool_size(cfg, in_flight_groups(cfg)) * cfg.ray.num_workers,
+                pool=self.worker_pool(in_flight_groups(cfg)) * cfg.ray.num_workers,
                 max_pool=1 << 20, ess_floor=cfg.staleness.ess_low,
                 ess_high=cfg.staleness.ess_high)
         self.kv_bytes_per_token = 0.0
@@ -116,6 +124,9 @@ class RaySource(SourceDefaults):
         self.guidance: Guidance | None = None
         self.guided: dict[str, float] = {}
         """The step's ``guide/*`` metrics."""
+        self.pool_versions: list[int] | None = (
+            [] if cfg.env.options.get("opponent") == "pool" else None)
+        """The opponent pool's versions (``opponent: pool``): workers hold frozen copies."""
         self.seat: LearnerSeat | None = None
         self.group = None
         """The learner's reservation and the workers' placement group (placement.py)."""
@@ -152,7 +163,7 @@ class RaySource(SourceDefaults):
             release_placement(self.seat, None)
             raise
         spawn = partial(spawn_workers, cfg, env_factory=ENVS.get(cfg.env.name),
-                        pool_size=worker_pool_size(cfg, in_flight_groups(cfg)),
+                        pool_size=self.worker_pool(in_flight_groups(cfg)),
                         name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout",
                         group=self.group)
 
@@ -187,6 +198,13 @@ class RaySource(SourceDefaults):
             self.kv_bytes_per_token = kv_bytes_per_token(model.config, element)
         self.version = version
         self.fleet.publish(version, model)
+        if self.pool_versions is not None:  # the opponent pool's rule, as in sync mode
+            kept = pool_after_offer(self.pool_versions, version,
+                                    self.cfg.env.opponent_pool_every,
+                                    self.cfg.env.opponent_pool_size)
+            if kept is not None:
+                self.pool_versions = kept
+                self.fleet.set_pool(kept)
         self.top_up()  # the workers keep generating while the learner updates
 
     def wait_ready(self) -> None:
@@ -229,7 +247,9 @@ class RaySource(SourceDefaults):
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
-        return {**self.group_metrics(step, self.taken, update_metrics), **self.guided}
+        pool = ({"game/pool_versions": float(len(self.pool_versions))}
+                if self.pool_versions is not None else {})
+        return {**self.group_metrics(step, self.taken, update_metrics), **self.guided, **pool}
 
     def group_metrics(self, step: int, groups: list[Group],
                       update_metrics: dict[str, float]) -> dict[str, float]:
@@ -351,12 +371,15 @@ class RaySource(SourceDefaults):
         self._apply_pool(pool, self.sizing.queued or self.cfg.pool.queued_groups)
         self.top_up()
 
+    def worker_pool(self, groups: int) -> int:
+        """Live episodes a worker keeps for its share of ``groups``."""
+        return worker_pool_size(self.cfg, groups, self.group_episodes)
+
     def _apply_pool(self, pool: int, queued_groups: int) -> None:
-        groups = math.ceil(pool / self.cfg.rollout.group_size)
-        self.target = (open_groups(pool, self.cfg.rollout.group_size,
-                                   self.rates.live_per_group())
+        groups = math.ceil(pool / self.group_episodes)
+        self.target = (open_groups(pool, self.group_episodes, self.rates.live_per_group())
                        + queued_groups * self.cfg.ray.num_workers)
-        size = worker_pool_size(self.cfg, groups)
+        size = self.worker_pool(groups)
         if size != self.fleet.pool_size:
             self.fleet.resize(size)
 

@@ -52,6 +52,7 @@ import tempfile
 import threading
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -62,13 +63,21 @@ import torch
 from turnrl.config import Config
 from turnrl.distributed.cluster import WorkerSetup, node_label, uploaded, worker_runtime_env
 from turnrl.distributed.placement import worker_options
-from turnrl.envs.base import ENVS, make_env
+from turnrl.envs.base import ENVS, Env, make_env
 from turnrl.lora import base_copy, load_published, vllm_lora_config
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
 from turnrl.rollout.engine import SamplingParams
 from turnrl.rollout.loop import Group, TurnLoop, run_sync
+from turnrl.selfplay import (
+    EndpointOpponent,
+    FrozenPolicy,
+    ModelOpponent,
+    OpponentPool,
+    PoolDraw,
+    attach_player,
+)
 
 
 @dataclass
@@ -142,13 +151,18 @@ class RolloutWorker:
         self._stopping = False
         params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                 cfg.rollout.top_p, stop_token_ids=(policy.chat.end_of_turn,))
+        self.pool = (OpponentPool(policy.chat, params, size=cfg.env.opponent_pool_size,
+                                  every=cfg.env.opponent_pool_every,
+                                  seed=sampling_seed(cfg.run.seed, index))
+                     if cfg.env.options.get("opponent") == "pool" else None)
         self.rollout = TurnLoop(
-            partial(make_env, cfg.env.name, **cfg.env.options), self.engine, policy.chat,
+            worker_env_factory(cfg, self.pool), self.engine, policy.chat,
             params, group_size=cfg.rollout.group_size, pool_size=pool_size,
             env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
             max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s,
             before_generate=self._load_newest_weights,
             partial_rollouts=cfg.staleness.partial_rollouts, worker=index)
+        self.rollout.record_seat_versions = True  # which weights played each seat of a game
         self._thread = threading.Thread(target=self._serve, name=f"rollout-{index}",
                                         daemon=True)
         self._thread.start()
@@ -191,6 +205,27 @@ class RolloutWorker:
         self._have_weights.set()
         return version
 
+    def set_pool(self, members: list[tuple[int, Any]]) -> list[int]:
+        """Hold the learner's opponent pool: ``(version, [ObjectRef] or state dict)`` each, a
+        frozen copy of the model with those weights built for a version not held yet."""
+        if self.pool is None:
+            raise RuntimeError("set_pool: this worker plays no opponent pool "
+                               "(env.options.opponent is not pool)")
+        states = dict(members)
+        self.pool.hold([version for version, _ in members],
+                       lambda version: self._frozen(version, states[version]))
+        return self.pool.versions()
+
+    def _frozen(self, version: int, state: Any) -> FrozenPolicy:
+        if isinstance(state, list):  # [ObjectRef]
+            import ray
+
+            state = ray.get(state[0])
+        player = FrozenPolicy(self.model, self.pool.chat, self.pool.params, version,
+                              self.pool.seed)
+        load_published(player.model, with_tied_weights(state))  # LoRA: the adapter alone
+        return player
+
     def assign(self, assignments: list[tuple[int, int]]) -> int:
         for assignment, seed in assignments:
             self.rollout.submit(assignment, seed)
@@ -221,6 +256,8 @@ class RolloutWorker:
 
     def stop(self) -> None:
         self._stopping = True
+        if self.pool is not None:
+            self.pool.close()  # a game waiting for the pool's first member stops waiting
         self.rollout.stop()
         self._thread.join(timeout=10)
 
@@ -299,6 +336,23 @@ def load_player(cfg: Config) -> Player:
     make_env(cfg.env.name, **cfg.env.options)
     max_context = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust), "max_position_embeddings", None)
     return Player(tokenizer, chat, max_context, path)
+
+
+def worker_env_factory(cfg: Config, pool: OpponentPool | None = None) -> Callable[[], Env]:
+    """The worker's env: a multi-seat game's seats are all played by the worker's own engine
+    (self-play); an outside opponent the worker can build itself (another local model, an
+    endpoint: frozen, the same in every worker) is handed to each new env; a pool opponent is
+    drawn from ``pool``, the worker's copy of the learner's (``set_pool``), when the game
+    first needs it (the learner sends the pool with the weights, before any work)."""
+    make = partial(make_env, cfg.env.name, **cfg.env.options)
+    opponent = cfg.env.options.get("opponent")
+    if opponent == "pool" and pool is not None:
+        return attach_player(make, partial(PoolDraw, pool, cfg.rollout.env_timeout_s))
+    if opponent == "model":
+        return ModelOpponent.load(cfg.env.opponent_model, cfg).attach(make)
+    if opponent == "endpoint":
+        return EndpointOpponent.from_config(cfg).attach(make)
+    return make
 
 
 def engine_dtype(cfg: Config) -> str:
@@ -404,7 +458,10 @@ def worker_needs(cfg: Config) -> dict[str, float]:
             **{k: float(v) for k, v in cfg.ray.worker_resources.items()}}
 
 
-def worker_pool_size(cfg: Config, outstanding_groups: int) -> int:
-    """Episodes a worker keeps live: its share of the learner's outstanding groups."""
+def worker_pool_size(cfg: Config, outstanding_groups: int, group_episodes: int | None = None
+                     ) -> int:
+    """Episodes a worker keeps live: its share of the learner's outstanding groups, each of
+    ``group_episodes`` episodes (default ``rollout.group_size``; a game of several seats gives
+    one episode per seat: ``book.episodes_per_group``)."""
     share = math.ceil(outstanding_groups / cfg.ray.num_workers)
-    return max(1, share) * cfg.rollout.group_size
+    return max(1, share) * (group_episodes or cfg.rollout.group_size)

@@ -277,7 +277,8 @@ class TurnLoop(SeatedGames):
             return  # waves: the next one starts when this one has ended
         with self.lock:
             while self._feed and (not self._slots or self.pool_size is None
-                                  or len(self._slots) + self.group_size <= self.pool_size):
+                                  or len(self._slots) + self.group_size * self.seats_per_game
+                                  <= self.pool_size):
                 assignment, seed, group, count = self._feed.popleft()
                 self._queued.discard(assignment)
                 episodes = []
@@ -308,6 +309,7 @@ class TurnLoop(SeatedGames):
             game.seats[seat] = _Slot(episode, assignment, env, runner, game=game, seat=seat)
         first = game.seats[seats[0]]
         first.task = self._env_call(first, "reset", seed)
+        self.seats_per_game = len(seats)  # a group's slots, for the pool's room (_admit)
         return list(game.seats.values())
 
     def _env_call(self, slot: _Slot, method: str, arg) -> asyncio.Future:
@@ -441,6 +443,8 @@ class TurnLoop(SeatedGames):
         return True
 
     def _episode_ended(self, slot: _Slot) -> None:
+        if slot.game is not None and self.record_seat_versions:
+            self._record_seat_versions(slot)
         slot.runner.close()
         self.stats.episodes_finished += 1
         with self._ready:

@@ -19,7 +19,7 @@ from turnrl.rollout.slots import WAIT as _WAIT
 from turnrl.rollout.slots import Game as _Game
 from turnrl.rollout.slots import Slot as _Slot
 from turnrl.safe_json import json_safe
-from turnrl.types import Episode
+from turnrl.types import ENV_VERSION, Episode
 
 ZERO_SUM_TOLERANCE = 1e-6
 
@@ -69,10 +69,27 @@ def _preview(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def oldest_policy_version(episode: Episode) -> int:
+    """The oldest weights version that sampled one of ``episode``'s tokens (-1: none, a seat
+    that never moved): the version its staleness counts."""
+    return min((v for v in episode.versions if v != ENV_VERSION), default=ENV_VERSION)
+
+
 class SeatedGames:
     """The turn loop's multi-seat part (a mixin of ``TurnLoop``): a game's seats take turns
     over one env; each seat's episode sees the others' moves as environment text."""
 
+    seats_per_game = 1
+    """Episodes one game gives (its seats; 1 until a multi-seat game is built)."""
+    record_seat_versions = False
+    """Record in each seat's episode which weights played every seat of its game
+    (``info["seat_versions"]``: async workers, whose weights change mid-game)."""
+
+    def _record_seat_versions(self, slot: _Slot) -> None:
+        """``slot``'s game has ended for it: its episode records every seat's oldest policy
+        version (each seat's own and the seats it played against)."""
+        slot.episode.info["seat_versions"] = {
+            seat: oldest_policy_version(other.episode) for seat, other in slot.game.seats.items()}
 
     def _after_game_call(self, slot: _Slot, error: BaseException | None, result) -> None:
         """A game's reset, or its mover's step, has finished: on to the next seat's turn, or

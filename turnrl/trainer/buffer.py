@@ -18,6 +18,7 @@ import numpy as np
 
 from turnrl.algorithms.offpolicy import staleness
 from turnrl.rollout.loop import Group
+from turnrl.types import Episode
 
 STALL_AFTER_S = 900.0
 """No group at all for this long ends the run with an error instead of hanging."""
@@ -26,6 +27,21 @@ STALL_AFTER_S = 900.0
 def group_staleness(group: Group, learner_version: int) -> int:
     """Versions the group's oldest policy token is behind the learner (0: no policy token)."""
     return max((staleness(ep.versions, learner_version) for ep in group.episodes), default=0)
+
+
+def role_staleness(episodes: Sequence[Episode], learner_version: int) -> dict[str, float]:
+    """Staleness per role of a game (``info["role"]``: each seat's own moves, counted in its
+    own episode), ``async/staleness_{mean,max}/<role>``; empty for episodes without roles."""
+    by_role: dict[str, list[int]] = {}
+    for ep in episodes:
+        if "role" in ep.info:
+            by_role.setdefault(str(ep.info["role"]), []).append(
+                staleness(ep.versions, learner_version))
+    metrics = {}
+    for role, values in sorted(by_role.items()):
+        metrics[f"async/staleness_mean/{role}"] = float(np.mean(values))
+        metrics[f"async/staleness_max/{role}"] = float(max(values))
+    return metrics
 
 
 def split_stale(groups: Sequence[Group], learner_version: int, max_versions: int
@@ -128,6 +144,7 @@ class StalenessBuffer:
             "async/buffered_groups": len(self.groups) + also_buffered,
             "async/max_versions": max_versions,
             "time/wait_s": self.waited,
+            **role_staleness(episodes, step),
         }
         self.step_dropped = []
         return metrics
