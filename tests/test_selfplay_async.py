@@ -332,6 +332,8 @@ def test_the_pool_rule_by_hand():
 def test_a_pool_mirror_holds_the_versions_it_is_told_and_games_wait_for_its_first(tiny):
     import threading
 
+    import torch
+
     from turnrl.selfplay import OpponentPool
 
     _, tok = tiny
@@ -341,18 +343,18 @@ def test_a_pool_mirror_holds_the_versions_it_is_told_and_games_wait_for_its_firs
 
     def build(version):
         built.append(version)
-        return type("Player", (), {"version": version})()
+        return type("Player", (), {"version": version, "model": torch.zeros(1)})()
 
     drawn = []
     waiter = threading.Thread(target=lambda: drawn.append(pool.sample(wait_s=60)))
     waiter.start()
     pool.hold([3], build)  # the first member wakes the waiting game
     waiter.join(timeout=30)
-    assert [p.version for p in drawn] == [3] and built == [3]
+    assert [p.member.version for p in drawn] == [3] and built == [3]
     pool.hold([3, 5], build)
     assert pool.versions() == [3, 5] and built == [3, 5]  # 3 kept, not rebuilt
     pool.hold([5], build)
-    assert pool.versions() == [5] and {pool.sample().version for _ in range(8)} == {5}
+    assert pool.versions() == [5] and {pool.sample().member.version for _ in range(8)} == {5}
     empty = OpponentPool(chat, SamplingParams(3, 1.0), size=2, every=1)
     empty.close()
     with pytest.raises(RuntimeError, match="the opponent pool is empty"):
