@@ -31,6 +31,7 @@ import torch
 from turnrl.algorithms.offpolicy import AdaptiveStaleness
 from turnrl.config import Config
 from turnrl.distributed.book import Assignment, AssignmentBook, in_flight_groups
+from turnrl.distributed.broadcaster import WeightBroadcaster
 from turnrl.distributed.fleet import Fleet, learner_threads
 from turnrl.distributed.placement import (
     LearnerSeat,
@@ -159,8 +160,13 @@ class RaySource(SourceDefaults):
         def respawn(w: int, revival: int):
             return spawn(indices=[w], name_suffix=f"-revived-{revival}")[0]
 
+        broadcaster = None
+        if cfg.ray.weight_sync == "broadcast":
+            broadcaster = WeightBroadcaster(cfg.ray.weight_sync_timeout_s,
+                                            cfg.ray.weight_sync_address)
         self.fleet = Fleet(spawn(), book, cfg.ray.node_loss_wait_s, worker_needs(cfg),
-                           respawn=respawn, has_room=bundle_placed(self.group))
+                           respawn=respawn, has_room=bundle_placed(self.group),
+                           broadcaster=broadcaster)
 
     def label(self, cfg: Config) -> str:
         return f"{cfg.env.name} (async)"
@@ -248,6 +254,9 @@ class RaySource(SourceDefaults):
             "async/version_lag": step - min(worker_versions) if worker_versions else 0,
             # What one version costs to ship to each worker (LoRA: the adapter alone).
             "async/weight_bytes_per_version": getattr(fleet, "version_bytes", 0),
+            # 1: this version went through the weight group (ray.weight_sync broadcast).
+            "async/weights_broadcast": float(self.version in getattr(fleet, "broadcast_versions",
+                                                                      ())),
         }
         pulled = fleet.take_pulled() if hasattr(fleet, "take_pulled") else {}
         if pulled:  # Ray pulls a version into a node once; every worker there shares it

@@ -62,6 +62,13 @@ import torch
 from turnrl.config import Config
 from turnrl.distributed.cluster import WorkerSetup, node_label, uploaded, worker_runtime_env
 from turnrl.distributed.placement import worker_options
+from turnrl.distributed.weight_sync import (
+    TIED_KEYS,
+    Layout,
+    WeightReceiver,
+    device_identity,
+    weights_digest,
+)
 from turnrl.envs.base import ENVS, make_env
 from turnrl.lora import base_copy, load_published, vllm_lora_config
 from turnrl.models import configure_torch, model_directory
@@ -140,6 +147,8 @@ class RolloutWorker:
         self._newest: tuple[int, Any] | None = None
         self._have_weights = threading.Event()
         self._stopping = False
+        self.receiver: WeightReceiver | None = None
+        """Its side of the weight group (``ray.weight_sync: broadcast``), once joined."""
         params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                 cfg.rollout.top_p, stop_token_ids=(policy.chat.end_of_turn,))
         self.rollout = TurnLoop(
@@ -173,7 +182,7 @@ class RolloutWorker:
 
             state = ray.get(state[0])
         if self.model is None:  # vLLM: its own loader, in place
-            self.engine.update_weights(with_tied_weights(state), version)
+            self.engine.update_weights(with_tied_weights(state), version, share_cuda=True)
             return
         load_published(self.model, with_tied_weights(state))  # LoRA: the adapter alone
         self.engine.version = version  # also invalidates the engine's KV cache
@@ -219,7 +228,47 @@ class RolloutWorker:
         self.rollout._poke()  # room for queued groups now, not at the next env step
         return pool_size
 
+    # ---- ray.weight_sync: broadcast (weight_sync.py) -------------------------------------------
+
+    def weights_device(self) -> tuple[str, str]:
+        """Where this worker keeps its weights: ('cuda', GPU UUID) or ('cpu', '')."""
+        return device_identity(self._home_device())
+
+    def _home_device(self) -> torch.device:
+        if self.model is not None:
+            return next(self.model.parameters()).device
+        if torch.cuda.is_available():  # vLLM on the GPU Ray gave this actor
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def join_weight_group(self, address: str, port: int, rank: int, world: int, backend: str,
+                          generation: int, timeout_s: float) -> str:
+        """Join the learner's weight group; '' or why it failed (blocks until all joined)."""
+        device = self._home_device() if backend == "nccl" else torch.device("cpu")
+        self.receiver = self.receiver or WeightReceiver(device)
+        self.receiver.device = device
+        return self.receiver.join(address, port, rank, world, backend, generation, timeout_s)
+
+    def receive_weights(self, version: int, generation: int, layout: Layout) -> bool:
+        """Take part in the broadcast of ``version``; it is loaded before the next generate."""
+        state = self.receiver.receive(generation, layout) if self.receiver else None
+        if state is not None:
+            self.set_weights(version, state)
+        return state is not None
+
+    def newest_weights_digest(self) -> tuple[int, str]:
+        """(newest version sent, SHA-256 of its tensors): what the next generate call loads."""
+        with self._weights_lock:
+            version, state = self._newest if self._newest is not None else (-1, {})
+        if isinstance(state, list):
+            import ray
+
+            state = ray.get(state[0])
+        return version, weights_digest(with_tied_weights(state))
+
     def stop(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
         self._stopping = True
         self.rollout.stop()
         self._thread.join(timeout=10)
@@ -337,10 +386,6 @@ def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
                       gpu_memory_utilization=cfg.ray.gpu_memory_utilization,
                       max_model_len=policy.max_context,
                       lora_config=vllm_lora_config(cfg.model.lora_plan()))
-
-
-TIED_KEYS = "__tied__"
-"""Key of a published state dict that maps each dropped duplicate to the key it aliases."""
 
 
 def without_tied_weights(state: dict[str, torch.Tensor]) -> dict[str, Any]:
