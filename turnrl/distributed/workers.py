@@ -70,7 +70,7 @@ from turnrl.distributed.weight_sync import (
     weights_digest,
 )
 from turnrl.envs.base import ENVS, make_env
-from turnrl.lora import base_copy, load_published, vllm_lora_config
+from turnrl.lora import base_copy, load_published, published_state, vllm_lora_config
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
@@ -144,6 +144,7 @@ class RolloutWorker:
         self.engine.keep_cache_across_versions = cfg.staleness.keep_kv_cache
         self.engine.version = -1  # nothing the learner sent yet
         self._weights_lock = threading.Lock()
+        self._loading = threading.Lock()
         self._newest: tuple[int, Any] | None = None
         self._have_weights = threading.Event()
         self._stopping = False
@@ -184,8 +185,9 @@ class RolloutWorker:
         if self.model is None:  # vLLM: its own loader, in place
             self.engine.update_weights(with_tied_weights(state), version, share_cuda=True)
             return
-        load_published(self.model, with_tied_weights(state))  # LoRA: the adapter alone
-        self.engine.version = version  # also invalidates the engine's KV cache
+        with self._loading:
+            load_published(self.model, with_tied_weights(state))  # LoRA: the adapter alone
+            self.engine.version = version  # also invalidates the engine's KV cache
 
     # ---- actor methods -------------------------------------------------------------------
 
@@ -265,6 +267,11 @@ class RolloutWorker:
 
             state = ray.get(state[0])
         return version, weights_digest(with_tied_weights(state))
+
+    def loaded_weights_digest(self) -> tuple[int, str]:
+        """(version it samples with, SHA-256 of its model's published tensors); HF engine."""
+        with self._loading:
+            return self.engine.version, weights_digest(published_state(self.model))
 
     def stop(self) -> None:
         if self.receiver is not None:
