@@ -53,17 +53,11 @@ class WeightBroadcaster:
         import torch.distributed as dist
 
         self.close()
-        workers = sorted(handles)
-        try:
-            kinds = ray.get([handles[w].weights_device.remote() for w in workers],
-                            timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise WeightGroupError(
-                f"ray.weight_sync broadcast: the workers did not say where they keep weights "
-                f"within {self.timeout_s:g} s; raise --ray.weight_sync_timeout_s or use "
-                "--ray.weight_sync object_store") from None
-        backend = choose_backend(device_identity(learner_device), dict(zip(workers, kinds,
-                                                                          strict=True)))
+        kinds = self._devices(ray, handles)
+        workers = sorted(kinds)
+        if not workers:  # every one is restarting: the object store carries this version
+            return
+        backend = choose_backend(device_identity(learner_device), kinds)
         device = learner_device if backend == "nccl" else torch.device("cpu")
         world, timeout = len(workers) + 1, timedelta(seconds=self.timeout_s)
         self.generation += 1
@@ -85,14 +79,33 @@ class WeightBroadcaster:
         except Exception as err:  # noqa: BLE001 - one line, with the workers' own reasons
             reasons = _join_failures(ray, refs, ANSWER_WAIT_S) or first_line(err)
             raise WeightGroupError(
-                f"ray.weight_sync broadcast: the weight group (the learner and "
-                f"{len(workers)} workers, {backend} via {address}:{store.port}) did not form "
-                f"within {self.timeout_s:g} s ({reasons}); the workers must reach that "
+                f"ray.weight_sync broadcast: the weight group (the learner and workers "
+                f"{', '.join(map(str, workers))}, {backend} via {address}:{store.port}) did "
+                f"not form within {self.timeout_s:g} s ({reasons}); the workers must reach that "
                 "address and port: set --ray.weight_sync_address to one they reach and open "
                 "the port, raise --ray.weight_sync_timeout_s, or use --ray.weight_sync "
                 "object_store") from None
-        self.group, self.store, self.handles = group, store, dict(handles)
-        self.members, self.backend, self.device = dict(members), backend, device
+        self.group, self.store = group, store
+        self.handles = {w: handles[w] for w in workers}
+        self.members = {w: members[w] for w in workers}
+        self.backend, self.device = backend, device
+
+    def _devices(self, ray: Any, handles: dict[int, Any]) -> dict[int, tuple[str, str]]:
+        """Where each worker keeps its weights; a worker restarting or gone is left out (it
+        catches up through the object store, and joins when the group forms again)."""
+        refs = {w: handles[w].weights_device.remote() for w in sorted(handles)}
+        kinds = {}
+        for w, ref in refs.items():
+            try:
+                kinds[w] = tuple(ray.get(ref, timeout=self.timeout_s))
+            except ray.exceptions.RayActorError:
+                continue
+            except ray.exceptions.GetTimeoutError:
+                raise WeightGroupError(
+                    f"ray.weight_sync broadcast: worker {w} did not say where it keeps weights "
+                    f"within {self.timeout_s:g} s; raise --ray.weight_sync_timeout_s or use "
+                    "--ray.weight_sync object_store") from None
+        return kinds
 
     def send(self, version: int, state: dict[str, Any], fire: Any) -> bool:
         """Broadcast ``state`` as ``version`` to every member (``fire`` sends the receive

@@ -27,6 +27,9 @@ WORKER_DOWN_AFTER_S = 120.0
 """Default of ``ray.node_loss_wait_s``: a worker failing every call this long is given up."""
 REVIVE_EVERY_S = 5.0
 """How often the learner looks for room to revive a given-up worker."""
+FORM_TRIES = 3
+"""Mid-run, the weight group may fail to form this many times in a row before the run gives
+it up and uses the object store alone."""
 log = logging.getLogger("turnrl.worker")
 
 
@@ -83,6 +86,8 @@ class Fleet:
         self.broadcaster = broadcaster
         """``ray.weight_sync: broadcast``: the learner's side of the weight group (None: the
         object store carries every version). Formed once the workers have started."""
+        self.form_failures = 0
+        """Failed formations in a row mid-run; ``FORM_TRIES`` of them end broadcasting."""
         self.broadcast_versions: list[int] = []
         """Versions that went through the weight group (the rest: the object store)."""
         self.state: dict | None = None
@@ -162,7 +167,12 @@ class Fleet:
         if broadcaster.members != self._group_members():
             try:
                 self._form_group()
+                self.form_failures = 0
             except RuntimeError as err:
+                self.form_failures += 1
+                if self.form_failures < FORM_TRIES:
+                    log.warning("%s; version %d goes through the object store", err, version)
+                    return set()
                 log.warning("%s; the object store carries every version from now on", err)
                 self.broadcaster = None
                 return set()

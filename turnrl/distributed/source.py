@@ -215,23 +215,29 @@ class RaySource(SourceDefaults):
             self.step_clock = time.perf_counter()
         while (groups := buffer.take(need)) is None:
             self.top_up()
-            with buffer.waiting():
-                reports = self.fleet.poll(timeout_s=1.0)
-            for worker, seq, report in reports:
-                self.fleet.reconcile(worker, seq, report)
-                self.rates.observe_worker(worker, report.stats, time.perf_counter(),
-                                          getattr(report, "env_latencies", ()),
-                                          getattr(report, "call_costs", ()),
-                                          getattr(report, "reset_latencies", ()))
-                delivered = [g for g in report.groups if self.book.deliver(g)]
-                if delivered:
-                    self._arrivals(delivered)
-                buffer.add(delivered, self.version, self.max_versions)
+            self.absorb_reports(timeout_s=1.0)
             if self.sizing is not None and not self.rates.learner_steps:
                 self._presize()
             buffer.check_stall()
         self.top_up()
         return groups
+
+    def absorb_reports(self, timeout_s: float) -> None:
+        """The workers' reports that arrive within ``timeout_s``: books reconciled, rates
+        observed, delivered groups buffered."""
+        buffer = self.buffer
+        with buffer.waiting():
+            reports = self.fleet.poll(timeout_s=timeout_s)
+        for worker, seq, report in reports:
+            self.fleet.reconcile(worker, seq, report)
+            self.rates.observe_worker(worker, report.stats, time.perf_counter(),
+                                      getattr(report, "env_latencies", ()),
+                                      getattr(report, "call_costs", ()),
+                                      getattr(report, "reset_latencies", ()))
+            delivered = [g for g in report.groups if self.book.deliver(g)]
+            if delivered:
+                self._arrivals(delivered)
+            buffer.add(delivered, self.version, self.max_versions)
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
