@@ -150,9 +150,9 @@ def _recording_source(cfg):
 
 
 def _check_workers_hold_the_learners_weights(source, steps: int) -> None:
-    assert [v for v, _ in source.newest] == [steps] * len(source.newest)
-    for version, digest in source.newest:  # what the next generate call loads
-        assert digest == source.published[version]
+    assert [v for v, _, _ in source.newest] == [steps] * len(source.newest)
+    for version, digest, devices in source.newest:  # what the next generate call loads
+        assert digest == source.published[version] and devices == ["cpu"]
     for version, digest in source.loaded:  # what each worker samples with now
         assert 0 <= version <= steps and digest == source.published[version]
     assert len(set(source.published.values())) == steps + 1  # each update changed them

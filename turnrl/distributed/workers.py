@@ -258,15 +258,23 @@ class RolloutWorker:
             self.set_weights(version, state)
         return state is not None
 
-    def newest_weights_digest(self) -> tuple[int, str]:
-        """(newest version sent, SHA-256 of its tensors): what the next generate call loads."""
+    def newest_weights_digest(self) -> tuple[int, str, list[str]]:
+        """(newest version sent, SHA-256 of its tensors, the devices they are on): what the
+        next generate call loads."""
         with self._weights_lock:
             version, state = self._newest if self._newest is not None else (-1, {})
         if isinstance(state, list):
             import ray
 
             state = ray.get(state[0])
-        return version, weights_digest(with_tied_weights(state))
+        devices = sorted({str(t.device.type) for t in state.values() if torch.is_tensor(t)})
+        return version, weights_digest(with_tied_weights(state)), devices
+
+    def load_newest(self) -> int:
+        """Load the newest version sent now, not at the next generate call (benchmarks); the
+        version the engine then has."""
+        self._load_newest_weights()
+        return self.engine.version
 
     def loaded_weights_digest(self) -> tuple[int, str]:
         """(version it samples with, SHA-256 of its model's published tensors); HF engine."""
