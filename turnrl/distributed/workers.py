@@ -30,8 +30,11 @@ On GPUs (``ray.engine: vllm``, ``ray.worker_gpus`` > 0) the worker samples with 
 ``VLLMEngine`` on the GPU Ray assigned it, and a version is loaded by vLLM's own weight loader,
 in place (``VLLMEngine.update_weights``, which also drops its prefix cache unless
 ``staleness.keep_kv_cache``); the learner's
-state dict still travels through the object store. Not run here: the development machine has
-no GPU (``tests/test_async_vllm_gpu.py`` skips without one).
+state dict travels through the object store, or with ``ray.weight_sync: broadcast`` through a
+torch.distributed group (``join_weight_group``, ``receive_weights``; weight_sync.py): over
+NCCL it stays on the GPU and vLLM reads it through CUDA IPC. Not run here: the development
+machine has no GPU (``tests/test_async_vllm_gpu.py`` and ``tests/test_weight_broadcast_gpu.py``
+skip without one).
 
 What happens when a worker dies: the actors are started with ``max_restarts=-1``, so Ray
 starts a fresh process that runs ``__init__`` again (new model copy, empty pool, new
