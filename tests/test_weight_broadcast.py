@@ -178,6 +178,22 @@ def test_workers_receive_bit_identical_weights_through_the_group(ray_cluster, tm
     assert all(r["async/weight_bytes_per_version"] > 0 for r in records)
 
 
+def test_a_lora_run_broadcasts_the_adapter_alone(ray_cluster, tmp_path):
+    """``model.lora``: the group carries the adapter's tensors (``published_state``), and the
+    worker's adapter ends bit-identical to the learner's."""
+    from turnrl.trainer.learn import learn
+
+    cfg = load_config(None, TINY + ["--ray.num_workers", "1", "--run.steps", "2",
+                                    "--model.lora.r", "4", "--run.out_dir", str(tmp_path)])
+    source = _recording_source(cfg)
+    learn(cfg, source)
+    assert source.fleet.broadcast_versions == [1, 2]
+    _check_workers_hold_the_learners_weights(source, 2)
+    model = source.run.learner.model
+    every_weight = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0 < source.fleet.version_bytes < every_weight / 4  # the adapter, not the model
+
+
 @pytest.mark.parametrize("address", ["203.0.113.1", "turnrl-no-such-host.invalid"])
 def test_a_group_that_cannot_form_stops_the_run_in_one_line_within_the_timeout(
         ray_cluster, tmp_path, address):
