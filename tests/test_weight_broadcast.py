@@ -259,3 +259,41 @@ def test_a_killed_worker_rejoins_a_new_group_and_holds_the_learners_weights(ray_
     assert history[-1][1] >= 2 and source.members == [0, 1], history  # formed again
     assert source.newest and fleet.incarnation[0] != first[0]
     _check_workers_hold_the_learners_weights(source, 5)
+
+
+@pytest.mark.slow
+def test_a_group_that_cannot_form_again_mid_run_leaves_the_object_store_in_charge(
+        ray_cluster, tmp_path):
+    """After worker 0 is killed the group must form again, but the workers can no longer
+    reach the learner (its address turned unroutable): each version goes through the object
+    store, and after ``FORM_TRIES`` failures in a row broadcasting ends for the run, with the
+    workers still holding the learner's weights bit for bit."""
+    from turnrl.distributed.fleet import FORM_TRIES
+    from turnrl.trainer.learn import learn
+
+    steps = 2 + FORM_TRIES + 1
+    cfg = load_config(None, TINY + ["--ray.num_workers", "2", "--run.steps", str(steps),
+                                    "--run.out_dir", str(tmp_path)])
+    source = _recording_source(cfg)
+    plain_publish = type(source).publish
+    first = {}
+
+    def publish(version, model):
+        fleet = source.fleet
+        if version == 2:
+            first.update(fleet.incarnation)
+            fleet.broadcaster.address, fleet.broadcaster.timeout_s = "203.0.113.1", 2.0
+            ray_cluster.kill(fleet.handles[0], no_restart=False)
+        if version == steps:  # the learner has heard from the new process before the last
+            deadline = time.monotonic() + 300
+            while fleet.incarnation.get(0) == first[0] or 0 not in fleet.up():
+                assert time.monotonic() < deadline, "the restarted worker never reported"
+                source.absorb_reports(timeout_s=0.5)
+        plain_publish(source, version, model)
+
+    source.publish = publish
+    learn(cfg, source)
+    fleet = source.fleet
+    assert fleet.broadcaster is None and fleet.form_failures == FORM_TRIES
+    assert set(fleet.broadcast_versions) <= {1, 2}
+    _check_workers_hold_the_learners_weights(source, steps)
