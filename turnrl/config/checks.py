@@ -124,6 +124,20 @@ def check_self_play(cfg: Config) -> None:
                               "alone with --env.name")
 
 
+def check_weight_sync(cfg: Config) -> None:
+    """``ray.weight_sync broadcast`` needs rollout workers, and vLLM takes a LoRA adapter from
+    files only (its loader reads a directory), which a GPU-to-GPU broadcast cannot feed."""
+    if cfg.ray.weight_sync != "broadcast":
+        return
+    if cfg.run.mode != "async":
+        raise ConfigError("ray.weight_sync broadcast sends weights to async rollout workers; "
+                          "use it with --run.mode async (sync mode samples in the learner)")
+    if cfg.ray.engine == "vllm" and cfg.model.lora_plan():
+        raise ConfigError("ray.weight_sync broadcast with ray.engine vllm and model.lora: "
+                          "vLLM loads an adapter from files, not from GPU tensors; use "
+                          "--ray.weight_sync object_store (an adapter is small)")
+
+
 def check_across(cfg: Config) -> None:
     """Every cross-section check, in the order of the sections they start from."""
     if cfg.ray.engine == "vllm" or cfg.rollout.engine == "vllm":
@@ -138,6 +152,7 @@ def check_across(cfg: Config) -> None:
     check_distill(cfg)
     check_env_plan(cfg)
     check_self_play(cfg)
+    check_weight_sync(cfg)
 
 
 def check_sampler(cfg: Config) -> None:

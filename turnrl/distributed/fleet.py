@@ -27,6 +27,9 @@ WORKER_DOWN_AFTER_S = 120.0
 """Default of ``ray.node_loss_wait_s``: a worker failing every call this long is given up."""
 REVIVE_EVERY_S = 5.0
 """How often the learner looks for room to revive a given-up worker."""
+FORM_TRIES = 3
+"""Mid-run, the weight group may fail to form this many times in a row before the run gives
+it up and uses the object store alone."""
 log = logging.getLogger("turnrl.worker")
 
 
@@ -35,7 +38,7 @@ class Fleet:
 
     def __init__(self, handles: list, book: AssignmentBook,
                  down_after_s: float = WORKER_DOWN_AFTER_S, needs: dict | None = None,
-                 respawn=None, has_room=None):
+                 respawn=None, has_room=None, broadcaster=None):
         import ray
 
         self.ray = ray
@@ -82,6 +85,15 @@ class Fleet:
         """Node label -> weight bytes pulled to it since the learner last looked."""
         self.pool: list[tuple[int, object]] = []
         """The opponent pool's (version, ObjectRef of its weights): sent with the weights."""
+        self.broadcaster = broadcaster
+        """``ray.weight_sync: broadcast``: the learner's side of the weight group (None: the
+        object store carries every version). Formed once the workers have started."""
+        self.form_failures = 0
+        """Failed formations in a row mid-run; ``FORM_TRIES`` of them end broadcasting."""
+        self.broadcast_versions: list[int] = []
+        """Versions that went through the weight group (the rest: the object store)."""
+        self.state: dict | None = None
+        self.learner_device = torch.device("cpu")
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -118,22 +130,76 @@ class Fleet:
                 "see `ray status`") from None
         for w, incarnation in enumerate(incarnations):
             self.incarnation[w] = incarnation
+        if self.broadcaster is not None:  # a group that cannot form stops the run here
+            self._form_group()
+
+    def _group_members(self) -> dict[int, str]:
+        """The workers the weight group should hold now: up, with a known incarnation."""
+        return {w: self.incarnation[w] for w in self.up() if w in self.incarnation}
+
+    def _form_group(self) -> None:
+        members = self._group_members()
+        self.broadcaster.form(self.ray, {w: self.handles[w] for w in members}, members,
+                              self.learner_device)
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
         # Tied tensors are found on the model's device (copies to the CPU no longer alias).
         # LoRA: the adapter's tensors alone (``published_state``), a fraction of the model.
         state = without_tied_weights(published_state(model))
-        state = {k: v.to("cpu") if torch.is_tensor(v) else v for k, v in state.items()}
+        self.learner_device = next(model.parameters()).device
         self.version_bytes = state_bytes(state)
-        self.weights = (version, self.ray.put(state))  # once per version, for all workers
         self.published_bytes[version] = state_bytes(state)
         for old in [v for v in self.published_bytes if v < version - 16]:
             del self.published_bytes[old]
+        # The live tensors, put in the object store only if a worker outside the group needs
+        # this version: the learner's loop (publish, collect, update) leaves them unchanged
+        # until the next publish, and every catch-up happens while collecting.
+        self.state, self.weights = state, (version, None)
+        members = self._broadcast(version, state)
         for w in self.alive():
-            self.send_weights(w)
+            if w not in members:
+                self.send_weights(w)
+
+    def _broadcast(self, version: int, state: dict) -> set[int]:
+        """Send ``version`` through the weight group, formed again first when its members
+        changed; the workers it reached (none: the object store carries it)."""
+        broadcaster = self.broadcaster
+        if broadcaster is None or broadcaster.generation == 0:
+            return set()  # object store mode, or the start version while the workers build
+        if broadcaster.members != self._group_members():
+            try:
+                self._form_group()
+                self.form_failures = 0
+            except RuntimeError as err:
+                self.form_failures += 1
+                if self.form_failures < FORM_TRIES:
+                    log.warning("%s; version %d goes through the object store", err, version)
+                    return set()
+                log.warning("%s; the object store carries every version from now on", err)
+                self.broadcaster = None
+                return set()
+        if not broadcaster.send(version, state, self._fire):
+            log.warning("the broadcast of version %d failed (%s): it goes through the object "
+                        "store; the weight group forms again at the next version",
+                        version, broadcaster.failure)
+            return set()
+        self.broadcast_versions.append(version)
+        for w in broadcaster.members:
+            self.weights_seq[w] = self._next_seq()
+        return set(broadcaster.members)
+
+    def weights_ref(self) -> object:
+        """The newest version in the object store, put there once for all who need it (a
+        worker outside the weight group, the opponent pool)."""
+        version, ref = self.weights
+        if ref is None:
+            cpu = {k: v.to("cpu") if torch.is_tensor(v) else v for k, v in self.state.items()}
+            ref = self.ray.put(cpu)
+            self.weights = (version, ref)
+        return ref
 
     def send_weights(self, w: int) -> None:
-        version, ref = self.weights
+        version, ref = self.weights[0], self.weights_ref()
         self._fire(self.handles[w].set_weights.remote(version, [ref]))
         self.weights_seq[w] = self._next_seq()
         if self.pool:  # a restarted or revived worker gets the pool back with the weights
@@ -143,7 +209,7 @@ class Fleet:
         """The opponent pool is now ``versions``, each a published version (the newest is
         the one just published): every worker holds the same frozen copies."""
         refs = dict(self.pool)
-        refs[self.weights[0]] = self.weights[1]
+        refs[self.weights[0]] = self.weights_ref()
         self.pool = [(v, refs[v]) for v in versions]
         for w in self.alive():
             self._fire(self.handles[w].set_pool.remote([(v, [r]) for v, r in self.pool]))
@@ -293,7 +359,8 @@ class Fleet:
         """Weight bytes pulled to worker ``w``'s node: a version's first load on that node."""
         node_id, label = self.node.get(w, (f"worker-{w}", f"worker {w}"))
         seen = self.node_versions.setdefault(node_id, set())
-        if version in seen or version not in self.published_bytes:
+        if version in seen or version not in self.published_bytes \
+                or version in self.broadcast_versions[-32:]:  # not through the object store
             return
         seen.add(version)
         seen.difference_update([v for v in seen if v not in self.published_bytes])
@@ -309,6 +376,8 @@ class Fleet:
         return pulled
 
     def shutdown(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
         for handle in self.handles:
             try:
                 self.ray.kill(handle, no_restart=True)

@@ -36,6 +36,7 @@ from turnrl.distributed.book import (
     episodes_per_group,
     in_flight_groups,
 )
+from turnrl.distributed.broadcaster import WeightBroadcaster
 from turnrl.distributed.fleet import Fleet, learner_threads
 from turnrl.distributed.placement import (
     LearnerSeat,
@@ -170,8 +171,13 @@ class RaySource(SourceDefaults):
         def respawn(w: int, revival: int):
             return spawn(indices=[w], name_suffix=f"-revived-{revival}")[0]
 
+        broadcaster = None
+        if cfg.ray.weight_sync == "broadcast":
+            broadcaster = WeightBroadcaster(cfg.ray.weight_sync_timeout_s,
+                                            cfg.ray.weight_sync_address)
         self.fleet = Fleet(spawn(), book, cfg.ray.node_loss_wait_s, worker_needs(cfg),
-                           respawn=respawn, has_room=bundle_placed(self.group))
+                           respawn=respawn, has_room=bundle_placed(self.group),
+                           broadcaster=broadcaster)
 
     def label(self, cfg: Config) -> str:
         return f"{cfg.env.name} (async)"
@@ -227,23 +233,29 @@ class RaySource(SourceDefaults):
             self.step_clock = time.perf_counter()
         while (groups := buffer.take(need)) is None:
             self.top_up()
-            with buffer.waiting():
-                reports = self.fleet.poll(timeout_s=1.0)
-            for worker, seq, report in reports:
-                self.fleet.reconcile(worker, seq, report)
-                self.rates.observe_worker(worker, report.stats, time.perf_counter(),
-                                          getattr(report, "env_latencies", ()),
-                                          getattr(report, "call_costs", ()),
-                                          getattr(report, "reset_latencies", ()))
-                delivered = [g for g in report.groups if self.book.deliver(g)]
-                if delivered:
-                    self._arrivals(delivered)
-                buffer.add(delivered, self.version, self.max_versions)
+            self.absorb_reports(timeout_s=1.0)
             if self.sizing is not None and not self.rates.learner_steps:
                 self._presize()
             buffer.check_stall()
         self.top_up()
         return groups
+
+    def absorb_reports(self, timeout_s: float) -> None:
+        """The workers' reports that arrive within ``timeout_s``: books reconciled, rates
+        observed, delivered groups buffered."""
+        buffer = self.buffer
+        with buffer.waiting():
+            reports = self.fleet.poll(timeout_s=timeout_s)
+        for worker, seq, report in reports:
+            self.fleet.reconcile(worker, seq, report)
+            self.rates.observe_worker(worker, report.stats, time.perf_counter(),
+                                      getattr(report, "env_latencies", ()),
+                                      getattr(report, "call_costs", ()),
+                                      getattr(report, "reset_latencies", ()))
+            delivered = [g for g in report.groups if self.book.deliver(g)]
+            if delivered:
+                self._arrivals(delivered)
+            buffer.add(delivered, self.version, self.max_versions)
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
@@ -268,6 +280,9 @@ class RaySource(SourceDefaults):
             "async/version_lag": step - min(worker_versions) if worker_versions else 0,
             # What one version costs to ship to each worker (LoRA: the adapter alone).
             "async/weight_bytes_per_version": getattr(fleet, "version_bytes", 0),
+            # 1: this version went through the weight group (ray.weight_sync broadcast).
+            "async/weights_broadcast": float(self.version in getattr(fleet, "broadcast_versions",
+                                                                      ())),
         }
         pulled = fleet.take_pulled() if hasattr(fleet, "take_pulled") else {}
         if pulled:  # Ray pulls a version into a node once; every worker there shares it

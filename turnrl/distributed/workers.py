@@ -30,8 +30,11 @@ On GPUs (``ray.engine: vllm``, ``ray.worker_gpus`` > 0) the worker samples with 
 ``VLLMEngine`` on the GPU Ray assigned it, and a version is loaded by vLLM's own weight loader,
 in place (``VLLMEngine.update_weights``, which also drops its prefix cache unless
 ``staleness.keep_kv_cache``); the learner's
-state dict still travels through the object store. Not run here: the development machine has
-no GPU (``tests/test_async_vllm_gpu.py`` skips without one).
+state dict travels through the object store, or with ``ray.weight_sync: broadcast`` through a
+torch.distributed group (``join_weight_group``, ``receive_weights``; weight_sync.py): over
+NCCL it stays on the GPU and vLLM reads it through CUDA IPC. Not run here: the development
+machine has no GPU (``tests/test_async_vllm_gpu.py`` and ``tests/test_weight_broadcast_gpu.py``
+skip without one).
 
 What happens when a worker dies: the actors are started with ``max_restarts=-1``, so Ray
 starts a fresh process that runs ``__init__`` again (new model copy, empty pool, new
@@ -63,8 +66,15 @@ import torch
 from turnrl.config import Config
 from turnrl.distributed.cluster import WorkerSetup, node_label, uploaded, worker_runtime_env
 from turnrl.distributed.placement import worker_options
+from turnrl.distributed.weight_sync import (
+    TIED_KEYS,
+    Layout,
+    WeightReceiver,
+    device_identity,
+    weights_digest,
+)
 from turnrl.envs.base import ENVS, Env, make_env
-from turnrl.lora import base_copy, load_published, vllm_lora_config
+from turnrl.lora import base_copy, load_published, published_state, vllm_lora_config
 from turnrl.models import configure_torch, model_directory
 from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
@@ -146,9 +156,12 @@ class RolloutWorker:
         self.engine.keep_cache_across_versions = cfg.staleness.keep_kv_cache
         self.engine.version = -1  # nothing the learner sent yet
         self._weights_lock = threading.Lock()
+        self._loading = threading.Lock()
         self._newest: tuple[int, Any] | None = None
         self._have_weights = threading.Event()
         self._stopping = False
+        self.receiver: WeightReceiver | None = None
+        """Its side of the weight group (``ray.weight_sync: broadcast``), once joined."""
         params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature,
                                 cfg.rollout.top_p, stop_token_ids=(policy.chat.end_of_turn,))
         self.pool = (OpponentPool(policy.chat, params, size=cfg.env.opponent_pool_size,
@@ -187,10 +200,11 @@ class RolloutWorker:
 
             state = ray.get(state[0])
         if self.model is None:  # vLLM: its own loader, in place
-            self.engine.update_weights(with_tied_weights(state), version)
+            self.engine.update_weights(with_tied_weights(state), version, share_cuda=True)
             return
-        load_published(self.model, with_tied_weights(state))  # LoRA: the adapter alone
-        self.engine.version = version  # also invalidates the engine's KV cache
+        with self._loading:
+            load_published(self.model, with_tied_weights(state))  # LoRA: the adapter alone
+            self.engine.version = version  # also invalidates the engine's KV cache
 
     # ---- actor methods -------------------------------------------------------------------
 
@@ -254,7 +268,60 @@ class RolloutWorker:
         self.rollout._poke()  # room for queued groups now, not at the next env step
         return pool_size
 
+    # ---- ray.weight_sync: broadcast (weight_sync.py) -------------------------------------------
+
+    def weights_device(self) -> tuple[str, str]:
+        """Where this worker keeps its weights: ('cuda', GPU UUID) or ('cpu', '')."""
+        return device_identity(self._home_device())
+
+    def _home_device(self) -> torch.device:
+        if self.model is not None:
+            return next(self.model.parameters()).device
+        if torch.cuda.is_available():  # vLLM on the GPU Ray gave this actor
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def join_weight_group(self, address: str, port: int, rank: int, world: int, backend: str,
+                          generation: int, timeout_s: float) -> str:
+        """Join the learner's weight group; '' or why it failed (blocks until all joined)."""
+        device = self._home_device() if backend == "nccl" else torch.device("cpu")
+        self.receiver = self.receiver or WeightReceiver(device)
+        self.receiver.device = device
+        return self.receiver.join(address, port, rank, world, backend, generation, timeout_s)
+
+    def receive_weights(self, version: int, generation: int, layout: Layout) -> bool:
+        """Take part in the broadcast of ``version``; it is loaded before the next generate."""
+        state = self.receiver.receive(generation, layout) if self.receiver else None
+        if state is not None:
+            self.set_weights(version, state)
+        return state is not None
+
+    def newest_weights_digest(self) -> tuple[int, str, list[str]]:
+        """(newest version sent, SHA-256 of its tensors, the devices they are on): what the
+        next generate call loads."""
+        with self._weights_lock:
+            version, state = self._newest if self._newest is not None else (-1, {})
+        if isinstance(state, list):
+            import ray
+
+            state = ray.get(state[0])
+        devices = sorted({str(t.device.type) for t in state.values() if torch.is_tensor(t)})
+        return version, weights_digest(with_tied_weights(state)), devices
+
+    def load_newest(self) -> int:
+        """Load the newest version sent now, not at the next generate call (benchmarks); the
+        version the engine then has."""
+        self._load_newest_weights()
+        return self.engine.version
+
+    def loaded_weights_digest(self) -> tuple[int, str]:
+        """(version it samples with, SHA-256 of its model's published tensors); HF engine."""
+        with self._loading:
+            return self.engine.version, weights_digest(published_state(self.model))
+
     def stop(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
         self._stopping = True
         if self.pool is not None:
             self.pool.close()  # a game waiting for the pool's first member stops waiting
@@ -391,10 +458,6 @@ def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
                       gpu_memory_utilization=cfg.ray.gpu_memory_utilization,
                       max_model_len=policy.max_context,
                       lora_config=vllm_lora_config(cfg.model.lora_plan()))
-
-
-TIED_KEYS = "__tied__"
-"""Key of a published state dict that maps each dropped duplicate to the key it aliases."""
 
 
 def without_tied_weights(state: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -28,7 +28,11 @@ Choices (and where they depart from vLLM's defaults):
   boundary, so this works with vLLM's in-process engine and with its default multiprocess
   engine alike, without insecure serialisation (a closure through ``apply_model`` would
   not). Then the prefix cache is reset: cached KV blocks were computed by the old weights,
-  and a next-turn prompt that extends an earlier one would otherwise reuse them.
+  and a next-turn prompt that extends an earlier one would otherwise reuse them. With
+  ``share_cuda`` (``ray.weight_sync broadcast`` over NCCL: the rollout worker received the
+  version on its GPU) CUDA IPC handles cross instead of a file (``cuda_handles``,
+  ``turnrl_load_shared_weights``): vLLM's worker reads the same GPU memory, no host copy.
+  They are bytes pickled by torch; only the process that owns the engine sends them.
 - LoRA (``lora_config``, a PEFT ``adapter_config.json`` dict; ``turnrl.lora.vllm_lora_config``,
   its target modules read off the tensors' names): the engine is built with
   ``enable_lora`` and the base model's weights stay as loaded; ``update_weights`` then takes the
@@ -91,6 +95,28 @@ class TurnRLWorkerExtension:
             runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         else:
             runner.model.load_weights(weights)
+
+    def turnrl_load_shared_weights(self, handles: bytes) -> None:
+        """Load CUDA tensors shared by the engine's owner (``cuda_handles``), in place, read
+        straight from its GPU memory (``ray.weight_sync broadcast`` on GPUs)."""
+        import pickle
+
+        weights = pickle.loads(handles)  # noqa: S301 - from the process that owns this engine
+        self.model_runner.model.load_weights(weights)
+        torch.cuda.synchronize()  # done reading before the owner frees them
+
+
+def cuda_handles(pairs: list[tuple[str, torch.Tensor]]) -> bytes:
+    """CUDA tensors as CUDA IPC handles (torch's multiprocessing pickler): another process on
+    the same GPUs opens the same memory, and the same process finds its own tensors (torch
+    caches what it shared), so vLLM's in-process and multiprocess engines both read them
+    without a copy through the host. The caller keeps the tensors alive until loaded."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the CUDA tensor reductions
+
+    torch.cuda.current_stream().synchronize()  # written before another process reads them
+    return bytes(ForkingPickler.dumps(pairs))
 
 
 def _tied_embeddings(model_path: str | os.PathLike) -> bool:
@@ -244,23 +270,29 @@ class VLLMEngine:
                                     **adapter)
         return [to_completion(out.outputs[0]) for out in outputs]
 
-    def update_weights(self, weights: WeightsLike, version: int) -> None:
+    def update_weights(self, weights: WeightsLike, version: int, *,
+                       share_cuda: bool = False) -> None:
         """Copy the learner's weights (a state dict, or ``(name, tensor)`` pairs with Hugging
         Face names) into the vLLM model in place, then adopt ``version``. The prefix cache
         (keys and values of the old weights) is dropped unless ``keep_cache_across_versions``
-        (PipelineRL's in-flight update). A LoRA engine takes the adapter's tensors instead
-        (``turnrl.lora.adapter_state``) and loads them as a new adapter."""
+        (PipelineRL's in-flight update). ``share_cuda`` (a broadcast rollout worker's CUDA
+        tensors): vLLM reads them through CUDA IPC instead of a file in host memory. A LoRA
+        engine takes the adapter's tensors instead (``turnrl.lora.adapter_state``) and loads
+        them as a new adapter."""
         if self.lora_config is not None:
             self._update_adapter(named_tensors(weights, to_cpu=True), version)
             return
-        pairs = with_tied_output(named_tensors(weights, to_cpu=True), self.tied_embeddings)
+        pairs = with_tied_output(named_tensors(weights), self.tied_embeddings)
         if not pairs:
             raise ValueError("update_weights got no tensors")
-        path = _weights_file(pairs)
-        try:
-            self.llm.collective_rpc("turnrl_load_weights", args=(path,))
-        finally:
-            os.unlink(path)
+        if share_cuda and all(t.is_cuda for _, t in pairs):  # GPU to GPU: no host copy
+            self.llm.collective_rpc("turnrl_load_shared_weights", args=(cuda_handles(pairs),))
+        else:
+            path = _weights_file([(name, t.cpu()) for name, t in pairs])
+            try:
+                self.llm.collective_rpc("turnrl_load_weights", args=(path,))
+            finally:
+                os.unlink(path)
         stale = not self.keep_cache_across_versions and hasattr(self.llm, "reset_prefix_cache")
         if stale and self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM could not reset its prefix cache after the weight update")
