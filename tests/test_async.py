@@ -421,6 +421,57 @@ def test_the_learner_trains_each_assignment_once_and_regenerates_stale_seeds():
     assert [g.assignment for g in groups] == [3, 4]
 
 
+def test_the_learner_issues_no_more_groups_than_the_run_can_still_train():
+    """A pool sized for a slow spell (a big ``target``) is capped by the steps left: issued
+    beyond them, one worker's burst fed a revived worker's run to its end (docs/cluster.md)."""
+    cfg = load_config(None, ["--rollout.groups_per_step", "2", "--run.steps", "3"])
+    book = AssignmentBook(lambda index: index)
+
+    def deliver(ids):
+        return lambda fleet: _Report([_group(i, [-1, 0]) for i in ids])
+
+    fleet = FakeFleet([deliver([0, 1, 2, 3])])
+    learner = RaySource(cfg, fleet, book)
+    for target in (500, 6, 7):
+        learner.target = target
+        learner.top_up()
+        assert [a for a, _ in fleet.assigned] == list(range(6))  # 3 steps of 2 groups
+    assert [g.assignment for g in learner.take(2)] == [0, 1]
+    # Step 0 taken (2 groups buffered, 2 outstanding): while it trains the cap still counts
+    # it (at most one step's groups more); once published, 2 steps need the 4 in the system.
+    assert [a for a, _ in fleet.assigned] == list(range(8))
+    learner.version = 1
+    learner.top_up()
+    assert len(fleet.assigned) == 8
+    learner.version = 3  # the run's last step is done: nothing more to play
+    learner.buffer.groups.clear()
+    book.outstanding.clear()
+    learner.top_up()
+    assert len(fleet.assigned) == 8
+
+
+def test_reports_are_read_every_step_even_while_the_buffer_holds_enough():
+    """A report that came in is read at the next step although the buffer could serve it:
+    unread, its groups (a revived worker's, after another worker's burst) waited to the
+    run's end, and a restart or lost work in it went unnoticed."""
+    cfg = load_config(None, ["--rollout.groups_per_step", "2", "--pool.overprovision", "3"])
+    seeds = {}
+
+    def deliver(ids):
+        return lambda fleet: _Report([_group(i, [-1, 0], seed=seeds[i]) for i in ids])
+
+    fleet = FakeFleet([])
+    learner = RaySource(cfg, fleet, AssignmentBook(lambda index: 100 + index))
+    learner.top_up()
+    seeds.update(fleet.assigned)
+    fleet.reports = [deliver([0, 1, 2, 3]), deliver([4])]
+    assert [g.assignment for g in learner.take(2)] == [0, 1]
+    assert fleet.reconciled == 1 and len(fleet.reports) == 1  # [4] not in yet: no wait
+    assert [g.assignment for g in learner.take(2)] == [2, 3]  # the buffer had enough ...
+    assert fleet.reconciled == 2 and not fleet.reports  # ... and the report was read
+    assert [g.assignment for g in learner.buffer.groups] == [4]
+
+
 def test_the_sizing_sees_what_the_buffer_will_need_and_the_groups_in_the_system():
     """The bound must not fall under the staleness the buffered groups will have when
     trained (arrival order, ``groups_per_step`` a step from the next version), and its
