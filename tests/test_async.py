@@ -9,6 +9,7 @@ import random
 import threading
 import time
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 from conftest import groups_within
@@ -119,6 +120,18 @@ def test_a_re_sent_assignment_is_played_once_whether_queued_or_in_play(tiny):
     assert sorted(g.assignment for g in rollout.take_groups()) == [0, 1, 2]
     rollout.submit(0, 10)  # taken away: a new delivery of it is played again
     assert rollout.known_assignments() == {0}
+
+
+def test_a_withdrawn_assignment_leaves_the_queue_and_is_not_played(tiny):
+    rollout, _ = _loop(tiny, lambda: make_env("slow", env="say-digit", median_ms=0,
+                                              options={"turns": 1}), pool_size=2)
+    for assignment in (0, 1, 2, 3):
+        rollout.submit(assignment, 10 + assignment)
+    assert rollout.withdraw([1, 3, 7]) == [1, 3]  # 7 was never here
+    assert rollout.known_assignments() == {0, 2}
+    run_sync(rollout.run(until_drained=True))
+    assert sorted(g.assignment for g in rollout.take_groups()) == [0, 2]
+    assert rollout.withdraw([0]) == []  # played and taken: nothing queued to drop
 
 
 def test_the_loop_reports_its_waits_for_env_steps_as_idle_time(tiny):
@@ -341,6 +354,54 @@ def test_the_book_accepts_each_assignment_once_and_finds_lost_ones():
     assert book.at(1) == [b] and b.reissues == 1
     again = book.issue(worker=1, seq=7, seed=c.seed)  # regenerate: a new id, the same seed
     assert again.id != c.id and again.seed == c.seed and book.next_index == 3
+
+
+def test_a_revived_worker_gets_an_even_share_of_the_newest_queued_work():
+    from turnrl.distributed.fleet import shared_out
+
+    book = AssignmentBook(lambda index: index)
+    for seq in range(1, 8):
+        book.issue(worker=0, seq=seq)
+    book.issue(worker=1, seq=8)
+    # 8 held by workers 0, 1 and the revived 2: 2 each at least; 0's newest move.
+    moved = shared_out(book, 2, [0, 1])
+    assert {donor: [a.id for a in assignments] for donor, assignments in moved.items()} == {
+        0: [6, 5]}
+    assert shared_out(book, 1, [0]) == {0: [book.outstanding[i] for i in (6, 5, 4)]}
+    assert shared_out(AssignmentBook(lambda index: index), 1, [0]) == {}  # nothing held
+
+
+class _Handle:
+    """Records the actor calls a ``Fleet`` sends (``handle.method.remote(*args)``)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, method):
+        return SimpleNamespace(remote=lambda *args: self.calls.append((method, args)))
+
+
+def test_a_revived_worker_takes_its_share_at_its_first_report_and_the_donor_withdraws():
+    from turnrl.distributed.fleet import Fleet
+    from turnrl.distributed.workers import WorkerReport
+
+    book = AssignmentBook(lambda index: 100 + index)
+    survivor, revived = _Handle(), _Handle()
+    fleet = Fleet([survivor, _Handle()], book, respawn=lambda w, n: revived,
+                  has_room=lambda w: True)
+    fleet.incarnation = {0: "a"}
+    for seq in range(1, 7):  # the given-up worker's work, moved to the survivor
+        book.issue(worker=0, seq=seq)
+    fleet.dead = {1}
+    fleet.revive()
+    assert fleet.handles[1] is revived and not book.at(1)  # nothing moves before it is up
+    fleet.reconcile(1, fleet._next_seq(), WorkerReport(1, "b", [], set(), -1, -1))
+    assert [a.id for a in book.at(1)] == [3, 4, 5] and [a.id for a in book.at(0)] == [0, 1, 2]
+    assert ("withdraw", ([5, 4, 3],)) in survivor.calls
+    assert ("assign", ([(5, 105), (4, 104), (3, 103)],)) in revived.calls
+    assert fleet.reissued == [5, 4, 3]
+    fleet.reconcile(1, fleet._next_seq(), WorkerReport(1, "b", [], {3, 4, 5}, -1, -1))
+    assert len(book.at(1)) == 3 and fleet.reissued == [5, 4, 3]  # once, at its first report
 
 
 class FakeFleet:
