@@ -9,6 +9,7 @@ import random
 import threading
 import time
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 from conftest import groups_within
@@ -119,6 +120,18 @@ def test_a_re_sent_assignment_is_played_once_whether_queued_or_in_play(tiny):
     assert sorted(g.assignment for g in rollout.take_groups()) == [0, 1, 2]
     rollout.submit(0, 10)  # taken away: a new delivery of it is played again
     assert rollout.known_assignments() == {0}
+
+
+def test_a_withdrawn_assignment_leaves_the_queue_and_is_not_played(tiny):
+    rollout, _ = _loop(tiny, lambda: make_env("slow", env="say-digit", median_ms=0,
+                                              options={"turns": 1}), pool_size=2)
+    for assignment in (0, 1, 2, 3):
+        rollout.submit(assignment, 10 + assignment)
+    assert rollout.withdraw([1, 3, 7]) == [1, 3]  # 7 was never here
+    assert rollout.known_assignments() == {0, 2}
+    run_sync(rollout.run(until_drained=True))
+    assert sorted(g.assignment for g in rollout.take_groups()) == [0, 2]
+    assert rollout.withdraw([0]) == []  # played and taken: nothing queued to drop
 
 
 def test_the_loop_reports_its_waits_for_env_steps_as_idle_time(tiny):
@@ -343,6 +356,54 @@ def test_the_book_accepts_each_assignment_once_and_finds_lost_ones():
     assert again.id != c.id and again.seed == c.seed and book.next_index == 3
 
 
+def test_a_revived_worker_gets_an_even_share_of_the_newest_queued_work():
+    from turnrl.distributed.fleet import shared_out
+
+    book = AssignmentBook(lambda index: index)
+    for seq in range(1, 8):
+        book.issue(worker=0, seq=seq)
+    book.issue(worker=1, seq=8)
+    # 8 held by workers 0, 1 and the revived 2: 2 each at least; 0's newest move.
+    moved = shared_out(book, 2, [0, 1])
+    assert {donor: [a.id for a in assignments] for donor, assignments in moved.items()} == {
+        0: [6, 5]}
+    assert shared_out(book, 1, [0]) == {0: [book.outstanding[i] for i in (6, 5, 4)]}
+    assert shared_out(AssignmentBook(lambda index: index), 1, [0]) == {}  # nothing held
+
+
+class _Handle:
+    """Records the actor calls a ``Fleet`` sends (``handle.method.remote(*args)``)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, method):
+        return SimpleNamespace(remote=lambda *args: self.calls.append((method, args)))
+
+
+def test_a_revived_worker_takes_its_share_at_its_first_report_and_the_donor_withdraws():
+    from turnrl.distributed.fleet import Fleet
+    from turnrl.distributed.workers import WorkerReport
+
+    book = AssignmentBook(lambda index: 100 + index)
+    survivor, revived = _Handle(), _Handle()
+    fleet = Fleet([survivor, _Handle()], book, respawn=lambda w, n: revived,
+                  has_room=lambda w: True)
+    fleet.incarnation = {0: "a"}
+    for seq in range(1, 7):  # the given-up worker's work, moved to the survivor
+        book.issue(worker=0, seq=seq)
+    fleet.dead = {1}
+    fleet.revive()
+    assert fleet.handles[1] is revived and not book.at(1)  # nothing moves before it is up
+    fleet.reconcile(1, fleet._next_seq(), WorkerReport(1, "b", [], set(), -1, -1))
+    assert [a.id for a in book.at(1)] == [3, 4, 5] and [a.id for a in book.at(0)] == [0, 1, 2]
+    assert ("withdraw", ([5, 4, 3],)) in survivor.calls
+    assert ("assign", ([(5, 105), (4, 104), (3, 103)],)) in revived.calls
+    assert fleet.reissued == [5, 4, 3]
+    fleet.reconcile(1, fleet._next_seq(), WorkerReport(1, "b", [], {3, 4, 5}, -1, -1))
+    assert len(book.at(1)) == 3 and fleet.reissued == [5, 4, 3]  # once, at its first report
+
+
 class FakeFleet:
     """Scripted worker reports, for the learner's buffer without Ray."""
 
@@ -419,6 +480,57 @@ def test_the_learner_trains_each_assignment_once_and_regenerates_stale_seeds():
     assert book.outcome[2] == "regenerated" and learner.step_events["regenerated"] == [2]
     assert (5, 502) in fleet.assigned  # seed 502 played again under the new id 5
     assert [g.assignment for g in groups] == [3, 4]
+
+
+def test_the_learner_issues_no_more_groups_than_the_run_can_still_train():
+    """A pool sized for a slow spell (a big ``target``) is capped by the steps left: issued
+    beyond them, one worker's burst fed a revived worker's run to its end (docs/cluster.md)."""
+    cfg = load_config(None, ["--rollout.groups_per_step", "2", "--run.steps", "3"])
+    book = AssignmentBook(lambda index: index)
+
+    def deliver(ids):
+        return lambda fleet: _Report([_group(i, [-1, 0]) for i in ids])
+
+    fleet = FakeFleet([deliver([0, 1, 2, 3])])
+    learner = RaySource(cfg, fleet, book)
+    for target in (500, 6, 7):
+        learner.target = target
+        learner.top_up()
+        assert [a for a, _ in fleet.assigned] == list(range(6))  # 3 steps of 2 groups
+    assert [g.assignment for g in learner.take(2)] == [0, 1]
+    # Step 0 taken (2 groups buffered, 2 outstanding): while it trains the cap still counts
+    # it (at most one step's groups more); once published, 2 steps need the 4 in the system.
+    assert [a for a, _ in fleet.assigned] == list(range(8))
+    learner.version = 1
+    learner.top_up()
+    assert len(fleet.assigned) == 8
+    learner.version = 3  # the run's last step is done: nothing more to play
+    learner.buffer.groups.clear()
+    book.outstanding.clear()
+    learner.top_up()
+    assert len(fleet.assigned) == 8
+
+
+def test_reports_are_read_every_step_even_while_the_buffer_holds_enough():
+    """A report that came in is read at the next step although the buffer could serve it:
+    unread, its groups (a revived worker's, after another worker's burst) waited to the
+    run's end, and a restart or lost work in it went unnoticed."""
+    cfg = load_config(None, ["--rollout.groups_per_step", "2", "--pool.overprovision", "3"])
+    seeds = {}
+
+    def deliver(ids):
+        return lambda fleet: _Report([_group(i, [-1, 0], seed=seeds[i]) for i in ids])
+
+    fleet = FakeFleet([])
+    learner = RaySource(cfg, fleet, AssignmentBook(lambda index: 100 + index))
+    learner.top_up()
+    seeds.update(fleet.assigned)
+    fleet.reports = [deliver([0, 1, 2, 3]), deliver([4])]
+    assert [g.assignment for g in learner.take(2)] == [0, 1]
+    assert fleet.reconciled == 1 and len(fleet.reports) == 1  # [4] not in yet: no wait
+    assert [g.assignment for g in learner.take(2)] == [2, 3]  # the buffer had enough ...
+    assert fleet.reconciled == 2 and not fleet.reports  # ... and the report was read
+    assert [g.assignment for g in learner.buffer.groups] == [4]
 
 
 def test_the_sizing_sees_what_the_buffer_will_need_and_the_groups_in_the_system():

@@ -4,6 +4,7 @@ workers, node loss survived or named. docs/cluster.md."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -287,35 +288,52 @@ def _rollout_actors() -> list[str]:
 HELD_ENV_MODULE = '''
 import asyncio
 import os
+import ray
 from turnrl.envs import StepResult, register_env
+
+def mark(seed):
+    """An empty file naming the actor (worker incarnation) that played ``seed`` to its end."""
+    actor = ray.get_runtime_context().get_actor_name() or "none"
+    open(os.path.join({marks!r}, f"{{actor}}~{{seed}}"), "w").close()
 
 @register_env("{name}")
 class HeldDigit:
     """Steps wait while the file HOLD exists: the test pauses every worker's work with it."""
 
     async def reset(self, seed):
+        self.seed = seed
         return "Say a digit."
 
     async def step(self, action):
         while os.path.exists({hold!r}):
             await asyncio.sleep(0.05)
+        mark(self.seed)
         return StepResult("", float(action[:1].isdigit()), True, {{}})
 '''
 
 
 @pytest.fixture
 def held_env(tmp_path):
-    """An env whose steps wait while a file exists (shipped to the workers by py_modules)."""
+    """An env whose steps wait while a file exists (shipped to the workers by py_modules);
+    it leaves a file in ``marks`` per episode end, naming the actor that played it."""
     folder = tmp_path / "held_code"
     folder.mkdir()
     module = f"held_env_{uuid.uuid4().hex[:8]}"
     name = f"held-digit-{module[-8:]}"
-    hold = tmp_path / "hold"
-    (folder / f"{module}.py").write_text(HELD_ENV_MODULE.format(name=name, hold=str(hold)))
+    hold, marks = tmp_path / "hold", tmp_path / "marks"
+    marks.mkdir()
+    (folder / f"{module}.py").write_text(HELD_ENV_MODULE.format(name=name, hold=str(hold),
+                                                                marks=str(marks)))
     sys.path.insert(0, str(folder))
     __import__(module)
-    yield name, hold
+    yield name, hold, marks
     sys.path.remove(str(folder))
+
+
+def _played(marks) -> list[tuple[str, int]]:
+    """(actor name, seed) of each episode the held env played to its end."""
+    return [(actor, int(seed)) for actor, seed in
+            (path.name.split("~") for path in marks.iterdir())]
 
 
 @pytest.mark.slow
@@ -325,11 +343,17 @@ def test_a_given_up_worker_is_killed_then_revived_when_a_node_returns(joined, he
     is given up after ray.node_loss_wait_s and killed (not left restarting), its work moves to
     the other; a node added later gets a fresh actor in its place, which trains groups again,
     and every group is still trained once. The work is held (the env waits on a file) from
-    the node's loss until the revived worker is up, so the run cannot end before."""
+    the node's loss until the revived worker is up, so the run cannot end before.
 
+    When the learner's first pool decision came after the hold, it saw the held steps'
+    latencies (a slow tool, by Little's law: a pool of hundreds of groups); issued whole, the
+    surviving worker's burst fed every remaining step and the revived worker's groups were
+    never read: 3 of 6 runs before the fix (docs/cluster.md)."""
+
+    from turnrl.distributed import LEDGER_FILE
     from turnrl.launch import train_async
 
-    env, hold = held_env
+    env, hold, marks = held_env
     _ensure_worker_node(joined)
     joined.add_node(num_cpus=1)
     joined.wait_for_nodes()
@@ -378,8 +402,15 @@ def test_a_given_up_worker_is_killed_then_revived_when_a_node_returns(joined, he
     lost = int(re.search(r"rollout worker (\d) given up", given_up).group(1))
     assert sorted(name.rsplit("-rollout-", 1)[1] for name in revived) == sorted(
         [str(1 - lost), f"{lost}-revived-1"])
-    # Not asserted: that the revived worker trains groups again. In about half the runs on
-    # this machine it did not (the other worker delivered all 28 remaining steps): a known
-    # bug, named in docs/cluster.md, not yet found.
-    ids = [assignment for assignment, _ in outcome["result"].trained]
+    result = outcome["result"]
+    ids = [assignment for assignment, _ in result.trained]
     assert len(ids) == steps * 2 and len(set(ids)) == len(ids)
+    # The revived worker trains again: groups it played to the end (its actor marked them)
+    # were trained, as worker `lost`. Seeds are never re-issued here (no regeneration).
+    ledger = [json.loads(line) for line in (run_dir / LEDGER_FILE).read_text().splitlines()]
+    played = {seed for actor, seed in _played(marks) if actor == revived_name}
+    trained = [seed for line in ledger for _, seed, worker in line["trained"]
+               if worker == lost and seed in played]
+    assert trained, f"the revived worker trained no group (it played {len(played)})"
+    # Issued work stays within what the run can train (the bug left hundreds unplayed).
+    assert len(result.abandoned) < steps, f"{len(result.abandoned)} groups abandoned"

@@ -76,6 +76,8 @@ class Fleet:
         """``has_room(w)``: whether the cluster could start worker ``w`` now."""
         self.revive_at = 0.0
         self.revivals: dict[int, int] = {}
+        self.revived: set[int] = set()
+        """Revived workers whose first report has not come in (they get a share then)."""
         self.published_bytes: dict[int, int] = {}
         """Version -> bytes of its published state dict (the last few versions)."""
         self.node_versions: dict[str, set[int]] = {}
@@ -236,6 +238,7 @@ class Fleet:
             self.revivals[w] = self.revivals.get(w, 0) + 1
             self.handles[w] = self.respawn(w, self.revivals[w])
             self.dead.discard(w)
+            self.revived.add(w)
             for books in (self.down_since, self.failures, self.retry_at, self.incarnation):
                 books.pop(w, None)  # its first report sets the incarnation
             log.warning("rollout worker %d revived: the cluster has room for it again", w)
@@ -354,6 +357,28 @@ class Fleet:
                 self.book.move(assignment, w, resend)
                 self.reissued.append(assignment.id)
             self.assign(w, lost)
+        if w in self.revived:  # up (its model built): its share of the work moved away
+            self.revived.discard(w)
+            self.share(w)
+
+    def share(self, w: int) -> None:
+        """Move to worker ``w`` the newest assignments of the busiest workers that answer,
+        up to an even share: a given-up worker's work went to the others, and new work alone
+        reached its revived actor only as their queues drained (with more queued than the
+        run's remaining steps, never). The newest are the likeliest still queued, and those
+        are withdrawn; one already in play is played twice, and its first delivery counts."""
+        moved = shared_out(self.book, w, [o for o in self.up() if o != w])
+        if not moved:
+            return
+        seq = self._next_seq()
+        for donor, assignments in moved.items():
+            self._fire(self.handles[donor].withdraw.remote([a.id for a in assignments]))
+            for assignment in assignments:
+                self.book.move(assignment, w, seq)
+                self.reissued.append(assignment.id)
+        self.assign(w, [a for assignments in moved.values() for a in assignments])
+        log.warning("rollout worker %d takes %d queued groups from workers %s", w,
+                    sum(map(len, moved.values())), ", ".join(map(str, sorted(moved))))
 
     def _count_pull(self, w: int, version: int) -> None:
         """Weight bytes pulled to worker ``w``'s node: a version's first load on that node."""
@@ -383,6 +408,22 @@ class Fleet:
                 self.ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+
+
+def shared_out(book: AssignmentBook, w: int, others: list[int]) -> dict[int, list[Assignment]]:
+    """Donor -> assignments (its newest first) that give worker ``w`` an even share of what
+    ``w`` and ``others`` hold; no donor is left under that share."""
+    held = {o: sorted(book.at(o), key=lambda a: a.seq) for o in [*others, w]}
+    share = sum(map(len, held.values())) // len(held)
+    moved: dict[int, list[Assignment]] = {}
+    need = share - len(held[w])
+    while need > 0 and others:
+        donor = max(others, key=lambda o: len(held[o]))
+        if len(held[donor]) <= share:
+            break
+        moved.setdefault(donor, []).append(held[donor].pop())
+        need -= 1
+    return moved
 
 
 def learner_threads(cfg: Config) -> int:

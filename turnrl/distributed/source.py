@@ -231,6 +231,10 @@ class RaySource(SourceDefaults):
         buffer.start_collection(self.version, self.max_versions)
         if self.step_clock is None:
             self.step_clock = time.perf_counter()
+        # Reports that came in meanwhile, read even when the buffer holds enough: a report
+        # left unread hides its groups (a burst from another worker could then feed every
+        # step to the run's end), a restart and lost work until the buffer runs low.
+        self._receive(self.fleet.poll(timeout_s=0.0))
         while (groups := buffer.take(need)) is None:
             self.top_up()
             self.absorb_reports(timeout_s=1.0)
@@ -246,6 +250,11 @@ class RaySource(SourceDefaults):
         buffer = self.buffer
         with buffer.waiting():
             reports = self.fleet.poll(timeout_s=timeout_s)
+        self._receive(reports)
+
+    def _receive(self, reports: list) -> None:
+        """Each worker report: the fleet's books brought up to date, its rates measured, its
+        groups accepted once and buffered."""
         for worker, seq, report in reports:
             self.fleet.reconcile(worker, seq, report)
             self.rates.observe_worker(worker, report.stats, time.perf_counter(),
@@ -255,7 +264,7 @@ class RaySource(SourceDefaults):
             delivered = [g for g in report.groups if self.book.deliver(g)]
             if delivered:
                 self._arrivals(delivered)
-            buffer.add(delivered, self.version, self.max_versions)
+            self.buffer.add(delivered, self.version, self.max_versions)
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
@@ -401,19 +410,29 @@ class RaySource(SourceDefaults):
     # ---- keeping the workers busy ------------------------------------------------------------
 
     def top_up(self) -> None:
-        """Keep ``target`` groups outstanding (at workers that answer) or buffered."""
+        """Keep ``target`` groups outstanding (at workers that answer) or buffered, never more
+        than the run's remaining steps can train (``groups_left``)."""
         up = self.fleet.up()
         if not up:
             return
         in_flight = sum(a.worker in up for a in self.book.outstanding.values())
         new: dict[int, list[Assignment]] = {}
-        for _ in range(self.target - in_flight - len(self.buffer)):
+        for _ in range(min(self.target, self.groups_left()) - in_flight - len(self.buffer)):
             load = {w: sum(a.worker == w for a in self.book.outstanding.values()) for w in up}
             worker = min(up, key=lambda w: load[w])
             seq = self.fleet._next_seq()
             new.setdefault(worker, []).append(self.book.issue(worker, seq))
         for worker, assignments in new.items():
             self.fleet.assign(worker, assignments)
+
+    def groups_left(self) -> int:
+        """Groups the steps still to train need, the one being collected included (at most
+        one step's groups more than needed while that step trains). Issued beyond this, a
+        pool sized for a slow spell (Little's law over long tool calls) once handed out
+        hundreds of groups for a run with 56 left: one worker's burst then fed every step to
+        the end, and the other worker's groups were abandoned (docs/cluster.md)."""
+        steps_left = max(0, self.cfg.run.steps - self.version)
+        return steps_left * self.cfg.rollout.groups_per_step
 
     def _stale(self, groups: list[Group]) -> None:
         """Too stale: play the seed again under a new id (``regenerate``), or drop it."""

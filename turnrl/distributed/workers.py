@@ -4,7 +4,7 @@ Each ``RolloutWorker`` is a process with its own copy of the policy model, its o
 its own environments; it runs ``TurnLoop`` (turnrl/rollout/loop.py) in a
 background thread with its own asyncio loop, so the actor's methods stay responsive while it
 generates. The learner (the driver process, turnrl/trainer/learn.py, through turnrl/distributed/source.py) talks to it through
-four calls, all cheap:
+five calls, all cheap:
 
 - ``set_weights(version, [state_dict_ref])``: the learner ``ray.put``s its state dict once per
   version and sends every worker the *reference* (wrapped in a list, so Ray does not fetch it
@@ -17,6 +17,8 @@ four calls, all cheap:
   needs to reconcile its books: every assignment the worker still holds, the weights version
   it has, and an *incarnation* id that changes when Ray restarts the actor.
 - ``ping()``: the incarnation, to wait for start-up (and surface a constructor error).
+- ``withdraw([assignment, ...])``: drop those still queued; the learner moved them to a
+  revived worker (``Fleet.share``).
 
 Why each worker holds its own model copy: generation and training run at the same time in
 different processes (possibly on different machines and GPUs), and generation needs one
@@ -244,6 +246,10 @@ class RolloutWorker:
         for assignment, seed in assignments:
             self.rollout.submit(assignment, seed)
         return len(assignments)
+
+    def withdraw(self, assignments: list[int]) -> list[int]:
+        """Drop queued assignments the learner moved to another worker (``Fleet.share``)."""
+        return self.rollout.withdraw(assignments)
 
     def take_groups(self, max_groups: int | None = None, wait_s: float = 0.0) -> WorkerReport:
         """Finished groups (waiting up to ``wait_s`` for one) and the worker's state."""

@@ -169,6 +169,16 @@ class TurnLoop(SeatedGames):
             self._queued.add(assignment)
         self._poke()
 
+    def withdraw(self, assignments: Sequence[int]) -> list[int]:
+        """Drop those of ``assignments`` still queued (moved to another worker); a group in
+        play stays (its first delivery counts). Returns the ones dropped."""
+        with self.lock:
+            dropped = self._queued.intersection(assignments)
+            if dropped:
+                self._feed = deque(item for item in self._feed if item[0] not in dropped)
+                self._queued -= dropped
+        return sorted(dropped)
+
     def take_groups(self, max_groups: int | None = None, wait_s: float = 0.0) -> list[Group]:
         """Finished groups, oldest first; waits up to ``wait_s`` for one if none is ready.
 
