@@ -366,7 +366,8 @@ def _node_id() -> str:
     try:
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        # Not initialized: outside Ray, where get_runtime_context would start a cluster.
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
     except Exception:  # noqa: BLE001 - outside Ray (tests build workers directly)
         return ""
 
