@@ -32,13 +32,7 @@ environment fails its own episode (status "timeout" or "error", the reason in ``
 never stalls the loop; env text that cannot fit the context ends its episode before it is
 rendered or tokenised (``input_bounds``). Envs that declare ``cooperative = True`` share one thread instead
 (one that blocks anyway also holds up its loop-mates until their timeouts: ``EnvThreads``).
-Multi-seat games (an env with ``seats``, envs/contract.py; self-play, docs/selfplay.md): one
-game is one env with one episode per seat, each seat a slot of its own sharing the game's env
-and thread. Only the seat to move waits for the policy; the others wait for their turn
-(``_WAIT``: no env call in flight, so a lock-step batch never waits on them). A seat's turn
-stays open until it is that seat's turn again (its reply, then the other seats' moves as its
-observation) or the game ends (its own reward from ``info["seats"]``); a seat that fails, runs
-out of turns or of context ends the whole game, each seat with that reason.
+Multi-seat games (self-play): one env, one episode per seat (rollout/seats.py).
 Plain asyncio: a Ray ``RolloutWorker`` runs it in a thread; ``submit``,
 ``take_groups``, ``known_assignments`` and ``stop`` may be called from any thread.
 """

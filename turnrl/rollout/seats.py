@@ -3,6 +3,14 @@
 Pure helpers, so the turn loop's seat bookkeeping (rollout/loop.py) stays short: reading a
 finished game's per-seat results and checking them, e.g. that a zero-sum game's rewards sum
 to zero (a broken game that pays both seats the same would otherwise train silently).
+
+In the loop (an env with ``seats``, envs/contract.py; docs/selfplay.md) one game is one env
+with one episode per seat, each seat a slot of its own sharing the game's env and thread.
+Only the seat to move waits for the policy; the others wait for their turn (``WAIT``: no env
+call in flight, so a lock-step batch never waits on them). A seat's turn stays open until it
+is that seat's turn again (its reply, then the other seats' moves as its observation) or the
+game ends (its own reward from ``info["seats"]``); a seat that fails, runs out of turns or of
+context ends the whole game, each seat with that reason.
 """
 
 from __future__ import annotations
