@@ -33,6 +33,12 @@ in place (``VLLMEngine.update_weights``, which also drops its prefix cache unles
 state dict still travels through the object store. Not run here: the development machine has
 no GPU (``tests/test_async_vllm_gpu.py`` skips without one).
 
+On CPUs, ``ray.engine: ct2`` samples with a ``CT2Engine`` (CTranslate2, int8 by default), and
+a version is converted by a thread of the worker's own while the engine keeps sampling with
+the previous one (``turnrl/rollout/ct2_refresh.py``): ``set_weights`` offers it, and the swap
+happens right before a generate call, so each call's tokens carry the version that sampled
+them. The conversion and the sampling's wait on it come back with every report.
+
 What happens when a worker dies: the actors are started with ``max_restarts=-1``, so Ray
 starts a fresh process that runs ``__init__`` again (new model copy, empty pool, new
 incarnation, no weights yet: it waits for the learner's before generating anything). Calls in
@@ -121,10 +127,16 @@ class RolloutWorker:
         configure_torch(threads or max(1, int(cfg.ray.worker_cpus)))
         if env_factory is not None:
             ENVS[cfg.env.name] = env_factory
+        self.refresh: Any = None
+        """ct2: the ``BackgroundRefresh`` converting each version while the engine samples."""
         if cfg.ray.engine == "vllm":
             # vLLM holds the weights on the GPU: no CPU copy of the model, only what plays it.
             policy = load_player(cfg)
             self.model, self.engine = None, vllm_engine(cfg, policy, index)
+        elif cfg.ray.engine == "ct2":
+            policy = load_policy(cfg)  # the model gives the architecture; weights come later
+            self.model = None
+            self.engine, self.refresh = ct2_engine(cfg, policy.model, index)
         else:
             policy = load_policy(cfg)  # the same model, chat and env checks as the learner
             self.model, self.engine = policy.model, policy.engine
@@ -164,18 +176,18 @@ class RolloutWorker:
         while not self._have_weights.wait(0.1):  # never generate with weights not sent
             if self._stopping:
                 return
+        if self.refresh is not None:  # ct2: converted in the background; adopted here
+            self.refresh.swap(lambda: self._stopping)
+            return
         with self._weights_lock:
             version, state = self._newest
         if version == self.engine.version:
             return
-        if isinstance(state, list):  # [ObjectRef]: fetch only now, and only the newest
-            import ray
-
-            state = ray.get(state[0])
+        state = fetched_state(state)  # fetched only now, and only the newest
         if self.model is None:  # vLLM: its own loader, in place
-            self.engine.update_weights(with_tied_weights(state), version)
+            self.engine.update_weights(state, version)
             return
-        load_published(self.model, with_tied_weights(state))  # LoRA: the adapter alone
+        load_published(self.model, state)  # LoRA: the adapter alone
         self.engine.version = version  # also invalidates the engine's KV cache
 
     # ---- actor methods -------------------------------------------------------------------
@@ -188,6 +200,8 @@ class RolloutWorker:
         with self._weights_lock:
             if self._newest is None or version > self._newest[0]:
                 self._newest = (version, state_dict_ref)
+        if self.refresh is not None:
+            self.refresh.offer(version, state_dict_ref)  # converted now, off the sampling path
         self._have_weights.set()
         return version
 
@@ -200,12 +214,16 @@ class RolloutWorker:
         """Finished groups (waiting up to ``wait_s`` for one) and the worker's state."""
         if self.rollout.error is not None:
             raise self.rollout.error  # the loop crashed: a bug or a broken env, not a restart
+        if self.refresh is not None:
+            self.refresh.check()  # a version that failed to convert, before any call met it
         groups = self.rollout.take_groups(max_groups, wait_s)
         with self._weights_lock:
             sent = self._newest[0] if self._newest is not None else -1
         return WorkerReport(self.index, self.incarnation, groups,
                             self.rollout.known_assignments(), self.engine.version, sent,
-                            self.rollout.report(), _drained(self.rollout.env_latencies),
+                            {**self.rollout.report(),
+                             **(self.refresh.stats() if self.refresh is not None else {})},
+                            _drained(self.rollout.env_latencies),
                             call_costs=_drained(self.rollout.call_costs),
                             reset_latencies=_drained(self.rollout.reset_latencies),
                             node=self.node, logs=_drained(self.logs.lines))
@@ -222,6 +240,8 @@ class RolloutWorker:
     def stop(self) -> None:
         self._stopping = True
         self.rollout.stop()
+        if self.refresh is not None:
+            self.refresh.close()
         self._thread.join(timeout=10)
 
 
@@ -256,6 +276,8 @@ def _node_id() -> str:
     try:
         import ray
 
+        if not ray.is_initialized():  # built outside Ray (tests): never join a cluster here
+            return ""
         return ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001 - outside Ray (tests build workers directly)
         return ""
@@ -337,6 +359,28 @@ def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
                       gpu_memory_utilization=cfg.ray.gpu_memory_utilization,
                       max_model_len=policy.max_context,
                       lora_config=vllm_lora_config(cfg.model.lora_plan()))
+
+
+def ct2_engine(cfg: Config, model: torch.nn.Module, index: int) -> tuple[Any, Any]:
+    """Worker ``index``'s ``CT2Engine`` (``ray.engine_dtype``, the worker's sampling seed and
+    torch threads) and the ``BackgroundRefresh`` that converts each version sent to it."""
+    from turnrl.rollout.ct2_engine import CT2Engine
+    from turnrl.rollout.ct2_refresh import BackgroundRefresh
+
+    engine = CT2Engine(model, compute_type=cfg.ray.engine_dtype,
+                       seed=sampling_seed(cfg.run.seed, index))
+    return engine, BackgroundRefresh(engine, cfg.rollout.temperature, fetched_state,
+                                     name=f"ct2-refresh-{index}")
+
+
+def fetched_state(sent: Any) -> dict[str, torch.Tensor]:
+    """The state dict ``set_weights`` was sent: ``[ObjectRef]`` read from the object store
+    (only when it is used), or a state dict; tied tensors restored."""
+    if isinstance(sent, list):
+        import ray
+
+        sent = ray.get(sent[0])
+    return with_tied_weights(sent)
 
 
 TIED_KEYS = "__tied__"
