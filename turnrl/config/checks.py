@@ -11,7 +11,12 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from turnrl.config.critic import CriticConfig
-from turnrl.config.precision import MISSING_CT2, cpu_has_bf16, resolve_ct2_dtype
+from turnrl.config.precision import (
+    MISSING_CT2,
+    MISSING_CT2_WORKERS,
+    cpu_has_bf16,
+    resolve_ct2_dtype,
+)
 from turnrl.config.types import ConfigError
 from turnrl.registry import ESTIMATORS
 
@@ -146,6 +151,7 @@ def check_across(cfg: Config) -> None:
         raise ConfigError("rollout.engine vllm is the sync sampler; async rollout workers take "
                           "theirs from ray.engine (--ray.engine vllm)")
     check_sampler(cfg)
+    check_worker_sampler(cfg)
     check_critic_options(cfg.algo.advantage, cfg.critic)
     check_explore(cfg)
     check_self_seeds(cfg)
@@ -176,7 +182,7 @@ def check_sampler(cfg: Config) -> None:
             raise ConfigError(MISSING_CT2) from None
         if cfg.run.mode == "async":
             raise ConfigError("rollout.engine ct2 is the sync sampler (run.mode sync); async "
-                              "rollout workers take theirs from ray.engine")
+                              "rollout workers take theirs from ray.engine (--ray.engine ct2)")
         try:
             resolve_ct2_dtype(dtype)
         except ValueError as err:
@@ -186,6 +192,26 @@ def check_sampler(cfg: Config) -> None:
         raise ConfigError("rollout.engine_dtype bfloat16: this CPU has no native bf16 (no "
                           "avx512_bf16/amx_bf16 flag), where bf16 samples slower than fp32; "
                           "use auto (float32) or --rollout.engine ct2 (int8)")
+
+
+def check_worker_sampler(cfg: Config) -> None:
+    """``ray.engine ct2`` (async rollout workers converting each version in the background):
+    CTranslate2 installed (naming the extra), no LoRA (the converted copy is of the whole
+    model), a compute type this CPU and build have; all before a worker starts."""
+    if cfg.ray.engine != "ct2" or cfg.run.mode != "async":
+        return
+    try:
+        import ctranslate2  # noqa: F401 - present and importable, or the one line
+    except ImportError:
+        raise ConfigError(MISSING_CT2_WORKERS) from None
+    if cfg.model.lora_plan():
+        raise ConfigError("model.lora trains an adapter; ray.engine ct2 samples from a "
+                          "converted copy of the whole model, which the adapter never "
+                          "reaches: use ray.engine hf or vllm, or export the merged model first")
+    try:
+        resolve_ct2_dtype(cfg.ray.engine_dtype, "ray.engine_dtype")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def samples_on_cpu(device: str) -> bool:

@@ -11,6 +11,8 @@ from typing import Any
 
 MISSING_CT2 = ("rollout.engine ct2 needs CTranslate2: pip install 'turnrl[ct2]' "
                "(or pip install ctranslate2)")
+MISSING_CT2_WORKERS = MISSING_CT2.replace("rollout.engine", "ray.engine", 1)
+"""The same line for async rollout workers (``ray.engine ct2``)."""
 CT2_DTYPES = ("int8", "int8_float32", "float32", "bfloat16")
 """``rollout.engine_dtype`` values the ct2 engine takes (besides ``auto``), as CTranslate2
 names its compute types."""
@@ -50,20 +52,21 @@ def load_ctranslate2() -> Any:
     return ctranslate2
 
 
-def resolve_ct2_dtype(requested: str) -> str:
-    """The compute type for ``rollout.engine_dtype``: ``auto`` is int8; a type this CPU or
-    CTranslate2 build lacks fails here, at start-up, in one line."""
+def resolve_ct2_dtype(requested: str, key: str = "rollout.engine_dtype") -> str:
+    """The compute type for ``requested`` (the value of ``key``: ``rollout.engine_dtype``, or
+    ``ray.engine_dtype`` for async workers): ``auto`` is int8; a type this CPU or CTranslate2
+    build lacks fails here, at start-up, in one line."""
     if requested == "auto":
         return DEFAULT_CT2_DTYPE
     if requested not in CT2_DTYPES:
-        raise ValueError(f"rollout.engine_dtype {requested!r} is not a ct2 compute type; "
+        raise ValueError(f"{key} {requested!r} is not a ct2 compute type; "
                          f"use one of auto, {', '.join(CT2_DTYPES)}")
     if "bfloat16" in requested and not cpu_has_bf16():
-        raise ValueError(f"rollout.engine_dtype {requested}: this CPU has no native bf16 "
+        raise ValueError(f"{key} {requested}: this CPU has no native bf16 "
                          "(no avx512_bf16/amx_bf16 flag); use int8 or float32")
     supported = load_ctranslate2().get_supported_compute_types("cpu")
     if requested not in supported:
-        raise ValueError(f"rollout.engine_dtype {requested}: this CTranslate2 build cannot "
+        raise ValueError(f"{key} {requested}: this CTranslate2 build cannot "
                          f"compute it on CPU (it can: {', '.join(sorted(supported))}); "
                          "use int8 or float32")
     return requested

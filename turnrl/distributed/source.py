@@ -45,6 +45,7 @@ from turnrl.distributed.placement import (
     worker_group,
 )
 from turnrl.distributed.rates import MeasuredRates
+from turnrl.distributed.refresh_stats import refresh_metrics
 from turnrl.distributed.sizing import (
     SizingController,
     available_memory_bytes,
@@ -110,6 +111,8 @@ class RaySource(SourceDefaults):
                 max_pool=1 << 20, ess_floor=cfg.staleness.ess_low,
                 ess_high=cfg.staleness.ess_high)
         self.kv_bytes_per_token = 0.0
+        self.refresh_totals: dict[int, dict] = {}
+        """Each worker's ``refresh_*`` totals at the last step (ct2 workers)."""
         self.step_clock: float | None = None
         self.arrived = 0
         self.buffer = StalenessBuffer("are the workers generating? (ray list actors)",
@@ -155,6 +158,10 @@ class RaySource(SourceDefaults):
             ledger_path.unlink(missing_ok=True)
         truncate_metrics(ledger_path, after_step=run.start_step)
         self.ledger = open(ledger_path, "a")  # noqa: SIM115 - closed by close()
+        if cfg.ray.engine == "ct2":  # before any worker starts: one line, not an actor error
+            from turnrl.rollout.ct2_engine import check_architecture
+
+            check_architecture(run.learner.model.config, "ray.engine")
         device = next(run.learner.model.parameters()).device
         # The learner's seat first: its GPU is then taken before a worker could be put on it.
         self.seat = LearnerSeat.take(cfg, device.type == "cuda", device.index or 0)
@@ -293,6 +300,9 @@ class RaySource(SourceDefaults):
             "async/weights_broadcast": float(self.version in getattr(fleet, "broadcast_versions",
                                                                       ())),
         }
+        worker_stats = dict(getattr(fleet, "stats", {}))
+        metrics.update(refresh_metrics(worker_stats, self.refresh_totals))
+        self.refresh_totals = worker_stats
         pulled = fleet.take_pulled() if hasattr(fleet, "take_pulled") else {}
         if pulled:  # Ray pulls a version into a node once; every worker there shares it
             metrics["async/weights_mb_per_node"] = sum(pulled.values()) / len(pulled) / 1e6

@@ -38,6 +38,12 @@ NCCL it stays on the GPU and vLLM reads it through CUDA IPC. Not run here: the d
 machine has no GPU (``tests/test_async_vllm_gpu.py`` and ``tests/test_weight_broadcast_gpu.py``
 skip without one).
 
+On CPUs, ``ray.engine: ct2`` samples with a ``CT2Engine`` (CTranslate2, int8 by default), and
+a version is converted by a thread of the worker's own while the engine keeps sampling with
+the previous one (``turnrl/rollout/ct2_refresh.py``): ``set_weights`` offers it, and the swap
+happens right before a generate call, so each call's tokens carry the version that sampled
+them. The conversion and the sampling's wait on it come back with every report.
+
 What happens when a worker dies: the actors are started with ``max_restarts=-1``, so Ray
 starts a fresh process that runs ``__init__`` again (new model copy, empty pool, new
 incarnation, no weights yet: it waits for the learner's before generating anything). Calls in
@@ -53,14 +59,10 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from functools import partial
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,26 +71,32 @@ from turnrl.config import Config
 from turnrl.distributed.cluster import WorkerSetup, node_label, uploaded, worker_runtime_env
 from turnrl.distributed.placement import worker_options
 from turnrl.distributed.weight_sync import (
-    TIED_KEYS,
     Layout,
     WeightReceiver,
     device_identity,
     weights_digest,
 )
-from turnrl.envs.base import ENVS, Env, make_env
-from turnrl.lora import base_copy, load_published, published_state, vllm_lora_config
-from turnrl.models import configure_torch, model_directory
-from turnrl.policy import load_policy, use_chat_template
-from turnrl.rollout import ChatFormat
+from turnrl.distributed.worker_engines import (  # noqa: F401 - re-exported (tests, fleet)
+    Player,
+    ct2_engine,
+    engine_dtype,
+    fetched_state,
+    load_player,
+    sampling_seed,
+    vllm_engine,
+    with_tied_weights,
+    without_tied_weights,
+    worker_env_factory,
+)
+from turnrl.envs.base import ENVS
+from turnrl.lora import load_published, published_state
+from turnrl.models import configure_torch
+from turnrl.policy import load_policy
 from turnrl.rollout.engine import SamplingParams
 from turnrl.rollout.loop import Group, TurnLoop, run_sync
 from turnrl.selfplay import (
-    EndpointOpponent,
     FrozenPolicy,
-    ModelOpponent,
     OpponentPool,
-    PoolDraw,
-    attach_player,
 )
 
 
@@ -142,10 +150,16 @@ class RolloutWorker:
         configure_torch(threads or max(1, int(cfg.ray.worker_cpus)))
         if env_factory is not None:
             ENVS[cfg.env.name] = env_factory
+        self.refresh: Any = None
+        """ct2: the ``BackgroundRefresh`` converting each version while the engine samples."""
         if cfg.ray.engine == "vllm":
             # vLLM holds the weights on the GPU: no CPU copy of the model, only what plays it.
             policy = load_player(cfg)
             self.model, self.engine = None, vllm_engine(cfg, policy, index)
+        elif cfg.ray.engine == "ct2":
+            policy = load_policy(cfg)  # the model gives the architecture; weights come later
+            self.model = None
+            self.engine, self.refresh = ct2_engine(cfg, policy.model, index)
         else:
             policy = load_policy(cfg)  # the same model, chat and env checks as the learner
             self.model, self.engine = policy.model, policy.engine
@@ -193,19 +207,19 @@ class RolloutWorker:
         while not self._have_weights.wait(0.1):  # never generate with weights not sent
             if self._stopping:
                 return
+        if self.refresh is not None:  # ct2: converted in the background; adopted here
+            self.refresh.swap(lambda: self._stopping)
+            return
         with self._weights_lock:
             version, state = self._newest
         if version == self.engine.version:
             return
-        if isinstance(state, list):  # [ObjectRef]: fetch only now, and only the newest
-            import ray
-
-            state = ray.get(state[0])
+        state = fetched_state(state)  # fetched only now, and only the newest
         if self.model is None:  # vLLM: its own loader, in place
-            self.engine.update_weights(with_tied_weights(state), version, share_cuda=True)
+            self.engine.update_weights(state, version, share_cuda=True)
             return
         with self._loading:
-            load_published(self.model, with_tied_weights(state))  # LoRA: the adapter alone
+            load_published(self.model, state)  # LoRA: the adapter alone
             self.engine.version = version  # also invalidates the engine's KV cache
 
     # ---- actor methods -------------------------------------------------------------------
@@ -218,6 +232,8 @@ class RolloutWorker:
         with self._weights_lock:
             if self._newest is None or version > self._newest[0]:
                 self._newest = (version, state_dict_ref)
+        if self.refresh is not None:
+            self.refresh.offer(version, state_dict_ref)  # converted now, off the sampling path
         self._have_weights.set()
         return version
 
@@ -255,12 +271,16 @@ class RolloutWorker:
         """Finished groups (waiting up to ``wait_s`` for one) and the worker's state."""
         if self.rollout.error is not None:
             raise self.rollout.error  # the loop crashed: a bug or a broken env, not a restart
+        if self.refresh is not None:
+            self.refresh.check()  # a version that failed to convert, before any call met it
         groups = self.rollout.take_groups(max_groups, wait_s)
         with self._weights_lock:
             sent = self._newest[0] if self._newest is not None else -1
         return WorkerReport(self.index, self.incarnation, groups,
                             self.rollout.known_assignments(), self.engine.version, sent,
-                            self.rollout.report(), _drained(self.rollout.env_latencies),
+                            {**self.rollout.report(),
+                             **(self.refresh.stats() if self.refresh is not None else {})},
+                            _drained(self.rollout.env_latencies),
                             call_costs=_drained(self.rollout.call_costs),
                             reset_latencies=_drained(self.rollout.reset_latencies),
                             node=self.node, logs=_drained(self.logs.lines))
@@ -332,6 +352,8 @@ class RolloutWorker:
         if self.pool is not None:
             self.pool.close()  # a game waiting for the pool's first member stops waiting
         self.rollout.stop()
+        if self.refresh is not None:
+            self.refresh.close()
         self._thread.join(timeout=10)
 
 
@@ -379,117 +401,6 @@ def _drained(pending: deque) -> list:
     while pending:
         taken.append(pending.popleft())
     return taken
-
-
-@dataclass
-class Player:
-    """What a vLLM worker needs besides vLLM: the chat format and the context length (and,
-    for the tiny model only, the model itself, to save it where vLLM can load it)."""
-
-    tokenizer: Any
-    chat: ChatFormat
-    max_context: int | None
-    model_dir: Path | None
-    model: Any = None
-
-
-def load_player(cfg: Config) -> Player:
-    """The chat side of the policy without its weights (vLLM loads its own copy on the GPU);
-    the same chat-template and environment checks as ``load_policy``."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    path = model_directory(cfg.model.name, cfg.model.cache_dir or None, cfg.model.revision)
-    if path is None:  # tiny: built in code, nothing to load it from
-        policy = load_policy(replace(cfg, model=replace(cfg.model, device="cpu")))
-        return Player(policy.tokenizer, policy.chat, policy.max_context, None, policy.model)
-    trust = cfg.model.trust_remote_code
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
-    use_chat_template(tokenizer, cfg.model.chat_template)
-    chat = ChatFormat(tokenizer)
-    chat.check()
-    make_env(cfg.env.name, **cfg.env.options)
-    max_context = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust), "max_position_embeddings", None)
-    return Player(tokenizer, chat, max_context, path)
-
-
-def worker_env_factory(cfg: Config, pool: OpponentPool | None = None) -> Callable[[], Env]:
-    """The worker's env: a multi-seat game's seats are all played by the worker's own engine
-    (self-play); an outside opponent the worker can build itself (another local model, an
-    endpoint: frozen, the same in every worker) is handed to each new env; a pool opponent is
-    drawn from ``pool``, the worker's copy of the learner's (``set_pool``), when the game
-    first needs it (the learner sends the pool with the weights, before any work)."""
-    make = partial(make_env, cfg.env.name, **cfg.env.options)
-    opponent = cfg.env.options.get("opponent")
-    if opponent == "pool" and pool is not None:
-        return attach_player(make, partial(PoolDraw, pool, cfg.rollout.env_timeout_s))
-    if opponent == "model":
-        return ModelOpponent.load(cfg.env.opponent_model, cfg).attach(make)
-    if opponent == "endpoint":
-        return EndpointOpponent.from_config(cfg).attach(make)
-    return make
-
-
-def engine_dtype(cfg: Config) -> str:
-    """The rollout engine's dtype: ``ray.engine_dtype``, where 'auto' is bfloat16 on GPUs
-    (FlashAttention needs 16-bit weights) whatever the learner trains in."""
-    return "bfloat16" if cfg.ray.engine_dtype == "auto" else cfg.ray.engine_dtype
-
-
-def sampling_seed(run_seed: int, worker: int) -> int:
-    """Seed of a worker's sampling generator. Worker 0 draws the same random numbers as the
-    sync trainer's engine (seeded with ``run.seed``), so sync and async runs of one seed
-    draw from common random numbers (one group from the same weights is sampled alike; with
-    several in flight the worker batches rows differently and the draws land elsewhere).
-    With other seeds, one run of each compares two sampling streams, and at a few updates
-    the stream decides more than the mode (SmolLM2, 8 steps of guess-number, the sync loop alone:
-    26.6% held-out success with one stream, 71.9% with another)."""
-    return run_seed if worker == 0 else run_seed * 1009 + 17 * worker
-
-
-def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
-    """A ``VLLMEngine`` for worker ``index`` on the GPU Ray gave it (not run here: no GPU).
-
-    vLLM loads a model directory: a local one or the converted SmolLM2 cache as is; the tiny
-    model, built in code, is first saved from ``policy`` to a temporary directory. The
-    learner's weights then arrive through ``update_weights`` (vLLM's own loader, in place). The sampling seed is
-    the worker's, as for the HF engine; vLLM draws other random numbers than it does.
-    """
-    from turnrl.rollout.vllm_engine import VLLMEngine
-
-    path = policy.model_dir
-    if path is None:  # the tiny model, built in code: saved for vLLM to load
-        path = Path(tempfile.mkdtemp(prefix=f"turnrl-vllm-{index}-"))
-        base_copy(policy.model).save_pretrained(path)  # LoRA: the adapter comes per version
-        policy.tokenizer.save_pretrained(path)
-    return VLLMEngine(path, seed=sampling_seed(cfg.run.seed, index), dtype=engine_dtype(cfg),
-                      gpu_memory_utilization=cfg.ray.gpu_memory_utilization,
-                      max_model_len=policy.max_context,
-                      lora_config=vllm_lora_config(cfg.model.lora_plan()))
-
-
-def without_tied_weights(state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """``state`` with tensors that share storage with an earlier one (a tied lm_head and
-    embedding: a fifth of SmolLM2-135M) kept once, so each publication ships less."""
-    kept: dict[str, Any] = {}
-    first_key: dict[tuple[int, tuple[int, ...]], str] = {}
-    aliases: dict[str, str] = {}
-    for key, tensor in state.items():
-        identity = (tensor.data_ptr(), tuple(tensor.shape))
-        if identity in first_key:
-            aliases[key] = first_key[identity]
-        else:
-            first_key[identity] = key
-            kept[key] = tensor
-    kept[TIED_KEYS] = aliases
-    return kept
-
-
-def with_tied_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Inverse of ``without_tied_weights`` (a plain state dict passes through)."""
-    state = dict(state)
-    for key, original in state.pop(TIED_KEYS, {}).items():
-        state[key] = state[original]
-    return state
 
 
 def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None = None,

@@ -77,17 +77,17 @@ def _loaders() -> dict[str, Any]:
     return _MODEL_LOADERS
 
 
-def check_architecture(config: Any) -> None:
+def check_architecture(config: Any, key: str = "rollout.engine") -> None:
     """Fail in one line unless CTranslate2 converts the model's configuration to a decoder-only
     language model (it also converts encoders and encoder-decoders, which cannot sample
-    here)."""
+    here). ``key`` names the option that asked for ct2 (``ray.engine`` for async workers)."""
     load_ctranslate2()
     name = type(config).__name__
     loader = _loaders().get(name)
     architecture = getattr(loader, "architecture_name", None) or ""
     if not architecture.endswith(("ForCausalLM", "LMHeadModel")):  # a decoder-only LM
-        raise ValueError(f"rollout.engine ct2 cannot convert {name} models (CTranslate2 "
-                         "converts Llama, Qwen2, Mistral, Gemma, ...); use --rollout.engine hf")
+        raise ValueError(f"{key} ct2 cannot convert {name} models (CTranslate2 "
+                         f"converts Llama, Qwen2, Mistral, Gemma, ...); use --{key} hf")
 
 
 class _IdVocabulary:
@@ -206,15 +206,29 @@ class CT2Engine:
         if temperature in self._generators:
             self._generators[temperature] = self._generators.pop(temperature)  # most recent
             return self._generators[temperature]
-        folder = os.path.join(self._root, f"T{temperature!r}")
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
-        convert(self._model_class, self._config, self._weights, folder, self.compute_type,
-                temperature)
-        self._generators[temperature] = self._ct2.Generator(
-            folder, device="cpu", compute_type=self.compute_type, intra_threads=self.threads)
-        shutil.rmtree(folder, ignore_errors=True)  # loaded: the files are no longer needed
+        self._generators[temperature] = self.build(self._weights, temperature)
         return self._generators[temperature]
+
+    def build(self, weights: WeightsLike, temperature: float) -> Any:
+        """A loaded CTranslate2 model of ``weights``, its output layer divided by
+        ``temperature``. Touches no state of the engine, so another thread may build the next
+        version while this one samples (async rollout workers, ``ct2_refresh``)."""
+        folder = tempfile.mkdtemp(prefix=f"T{temperature!r}-", dir=self._root)
+        try:
+            convert(self._model_class, self._config, weights, folder, self.compute_type,
+                    temperature)
+            return self._ct2.Generator(folder, device="cpu", compute_type=self.compute_type,
+                                       intra_threads=self.threads)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # loaded (or failed): no longer needed
+
+    def adopt(self, weights: WeightsLike, version: int, temperature: float,
+              generator: Any) -> None:
+        """Sample as ``version`` from now on with ``generator`` (``build(weights,
+        temperature)``); another temperature is converted from ``weights`` on first use."""
+        self._weights = weights
+        self._generators = {temperature: generator}
+        self.version = version
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
                  ) -> list[Completion]:
@@ -224,7 +238,7 @@ class CT2Engine:
         if params.max_new_tokens < 1:
             return [Completion() for _ in prompts]
         greedy = params.temperature == 0
-        generator = self._generator_at(1.0 if greedy else float(params.temperature))
+        generator = self._generator_at(converted_temperature(params.temperature))
         sampling = (dict(sampling_topk=1) if greedy else
                     dict(sampling_topk=0, sampling_topp=params.top_p, sampling_temperature=1.0))
         steps: list[list[tuple[int, float]]] = [[] for _ in prompts]
@@ -256,6 +270,12 @@ class CT2Engine:
         """Free the loaded models and their scratch folder."""
         self._generators.clear()
         self._cleanup()
+
+
+def converted_temperature(temperature: float) -> float:
+    """The temperature a model is converted at for sampling at ``temperature``: greedy
+    decoding (0) reads temperature-1 log-probabilities, as ``HFEngine`` reports them."""
+    return 1.0 if temperature == 0 else float(temperature)
 
 
 def _completion(steps: list[tuple[int, float]], stop: set[int]) -> Completion:
