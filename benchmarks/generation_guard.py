@@ -245,6 +245,9 @@ def temporary_worktree(root: Path, commit: str) -> Iterator[Path]:
 
 def run_child(tree: Path, spec: dict, timeout_s: float) -> dict:
     """One measurement in a fresh process importing ``turnrl`` from ``tree``."""
+    if not (tree / "turnrl" / "__init__.py").is_file():
+        raise GuardError(f"{tree} has no turnrl/ package: not a TurnRL checkout (or a commit "
+                         "from before turnrl/ existed); pass a newer --base")
     env = {**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     with tempfile.TemporaryDirectory(prefix="turnrl-guard-run-") as cwd:
