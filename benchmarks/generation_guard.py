@@ -51,6 +51,7 @@ BASE_FILE = Path(__file__).resolve().with_name("generation_guard_base.txt")
 RESULT_PREFIX = "generation_guard-result: "
 RATIO_LINE = "ratio: this/base generation seconds, median of rounds = "
 SIDES = ("base", "this")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 REGRESSION, PASS, INCONCLUSIVE = "REGRESSION", "pass", "inconclusive"
 
 
@@ -143,10 +144,11 @@ def recorded_base(text: str) -> str:
 
 
 def measure(model_dir: str, groups: Sequence[int], collections: int, warmup: int, length: int,
-            threads: int, seed: int) -> dict:
+            threads: int, seed: int, clock: str = "wall") -> dict:
     """Seconds of each timed lock-step collection per group size, with whatever ``turnrl``
     this process imports (the tree on ``PYTHONPATH``). Only long-lived public calls are used,
-    so older trees run the same harness."""
+    so older trees run the same harness. ``clock``: ``wall`` seconds or ``cpu`` seconds of
+    this process, all its threads (steadier beside other jobs, blind to idle waiting)."""
     import random
     from dataclasses import replace
 
@@ -158,6 +160,7 @@ def measure(model_dir: str, groups: Sequence[int], collections: int, warmup: int
     from turnrl.policy import load_policy, training_seeds
     from turnrl.rollout import run_episodes, run_sync
 
+    timer = CLOCKS[clock]
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # as turnrl's trainer sets it (subnormals are slow)
     seconds: dict[str, list[float]] = {}
@@ -178,11 +181,11 @@ def measure(model_dir: str, groups: Sequence[int], collections: int, warmup: int
         params = replace(policy.params, stop_token_ids=())  # every completion is `length` long
         times = []
         for index in range(warmup + collections):
-            start = time.perf_counter()
+            start = timer()
             episodes = run_sync(run_episodes(
                 policy.make_env, training_seeds(cfg, index), policy.engine, policy.chat, params,
                 env_name=cfg.env.name, max_turns=1, max_context=policy.max_context))
-            times.append(time.perf_counter() - start)
+            times.append(timer() - start)
         seconds[f"G={group}"] = times[warmup:]
         tokens[f"G={group}"] = sum(ep.num_policy_tokens for ep in episodes)
         del policy, episodes
@@ -364,6 +367,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="tokens per completion, no early stop (default 16)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall seconds (default) or CPU seconds of the measuring process "
+                             "(steadier on a busy machine; blind to time spent waiting)")
     parser.add_argument("--threshold", type=float, default=1.10,
                         help="fail above this ratio this/base (default 1.10)")
     parser.add_argument("--confidence", type=float, default=0.9,
@@ -394,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     spec = {"groups": list(dict.fromkeys(args.groups)), "collections": args.collections,
             "warmup": args.warmup, "length": args.length, "threads": args.threads,
-            "seed": args.seed}
+            "seed": args.seed, "clock": args.clock}
     try:
         root = repo_root()
         base_ref = args.base or recorded_base(BASE_FILE.read_text())
@@ -409,13 +415,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"generation_guard: {args.model}, lock-step arithmetic collections of "
                   f"G in {spec['groups']} completions x {args.length} tokens, {args.threads} "
                   f"thread(s); per tree and round a fresh process: {args.warmup} warm-up + "
-                  f"{args.collections} timed collections per G (the fastest); {args.rounds} rounds")
+                  f"{args.collections} timed collections per G (the fastest, {args.clock} clock); "
+                  f"{args.rounds} rounds")
             print(f"base: {describe(root, base_commit)}")
             print(f"this: {describe(root, this_commit)}", flush=True)
             figures = run_rounds(trees, spec, args.rounds, args.child_timeout)
     except (GuardError, BenchError, OSError) as err:
         print(f"generation_guard: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the measuring process is killed, the worktrees removed
+        print("generation_guard: interrupted; no verdict", file=sys.stderr)
+        return 130
     return exit_code(report(figures, args.threshold, args.confidence))
 
 
