@@ -1,11 +1,12 @@
 # Two documented targets, each doing its own set-up on a fresh machine:
 #   make train   RL of the offline SmolLM2-135M-Instruct on the embedded default task
 #   make test    the whole test suite (what CI runs)
+# and `make bench-guard`, which fails when generation got slower than a base checkout's.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.turnrl-installed
 
-.PHONY: setup browser train test lint clean setup-gpu test-gpu train-gpu setup-vllm-cpu test-vllm-cpu
+.PHONY: setup browser train test lint bench-guard clean setup-gpu test-gpu train-gpu setup-vllm-cpu test-vllm-cpu
 
 setup: $(STAMP) browser
 
@@ -38,6 +39,12 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# Fails (exit 1) when this checkout's lock-step generation is over 1.10x a base checkout's,
+# measured side by side in alternating rounds (benchmarks/generation_guard.py; the base is
+# benchmarks/generation_guard_base.txt unless ARGS='--base REF'; ARGS='--model tiny' is quick).
+bench-guard: setup
+	$(PY) benchmarks/generation_guard.py $(ARGS)
 
 # GPU machines (not run here: no GPU was lent to this project's sessions). A venv of its own:
 # vLLM pins its own CUDA torch and a transformers range, which pip resolves together with
