@@ -1,4 +1,4 @@
-"""An async run of the tiny model on a local multi-node Ray cluster: 1 worker node vs 2.
+"""An async run (tiny, or ``--model``) on a local multi-node Ray cluster: 1 worker node vs 2.
 
 ``ray.cluster_utils.Cluster`` starts a head with no CPUs (the learner's node) and ``--nodes``
 worker nodes of ``4 / nodes`` logical CPUs each (so both layouts reserve the same CPUs); two
@@ -10,6 +10,8 @@ bytes pulled per node per step (``async/weights_mb_per_node``, ledger ``weights_
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/cluster_nodes.py --nodes 1
     PYTHONPATH=$PWD .venv/bin/python benchmarks/cluster_nodes.py --nodes 2
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/cluster_nodes.py --nodes 2 \
+        --model smollm2-135m-instruct --steps 4
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--model", default="tiny", help="e.g. smollm2-135m-instruct")
     args = parser.parse_args()
     from ray.cluster_utils import Cluster
 
@@ -48,7 +51,7 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp()) / "run"
     group_size, groups = 4, 4
     cfg = load_config(None, [
-        "--run.mode", "async", "--model.name", "tiny", "--env.name", "arithmetic",
+        "--run.mode", "async", "--model.name", args.model, "--env.name", "arithmetic",
         "--run.steps", str(args.steps), "--run.progress", "false", "--run.tensorboard", "false",
         "--ray.num_workers", "2", "--ray.placement", "spread", "--rollout.group_size",
         str(group_size), "--rollout.groups_per_step", str(groups), "--eval.episodes", "0",
