@@ -59,6 +59,26 @@ def test_calculator_example_expert_guides_failed_groups(tmp_path):
     assert step["guide/success"] == 1.0
 
 
-def test_tool_task_example_expert_guides_failed_groups(tmp_path):
-    (step,) = guided_run("tool_task.py", tmp_path, "--rollout.max_new_tokens", "192")  # characters
-    assert step["guide/fired_groups"] >= 1 and step["guide/success"] == 1.0
+def test_tool_task_example_expert_solves_every_seed():
+    """The date-span task names its tool call (``Task.calls``), so ToolEnv's built-in expert
+    (what ``--explore.guidance demo`` plays; the tiny model's context is too short for the
+    tool schema, so this plays the env directly) calls the tool, reads it and answers right."""
+    make = runpy.run_path(str(EXAMPLES / "tool_task.py"))["date_span"]
+
+    async def play(seed):
+        env = make()
+        first = await env.reset(seed)
+        player = env.reference_player()
+        player.reset(first)
+        observation = first
+        for _ in range(env.max_turns):
+            result = await env.step(player.act(observation))
+            observation = result.observation
+            if result.done:
+                return result
+        return result
+
+    for seed in range(6):
+        result = asyncio.run(play(seed))
+        assert result.done and result.info["success"], (seed, result)
+        assert result.info["tool_calls"] == 1 and result.info["malformed_calls"] == 0
