@@ -5,7 +5,8 @@ The model gets the tool's schema in its system prompt, calls it with
 ``<tool_response>`` and answers; ToolEnv runs the calls and scores the answer.
 
     python examples/tool_task.py                     # tiny model, a few steps
-    python examples/tool_task.py --model.name smollm2-135m-instruct --run.steps 20
+    python examples/tool_task.py --model.name smollm2-135m-instruct --run.steps 12 \
+        --rollout.max_new_tokens 64 --explore.guidance demo    # SmolLM2: 0/8 -> 7/8 held-out
 """
 
 import datetime
