@@ -96,3 +96,17 @@ class MovesEngine:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         ids = ids + [self.tokenizer.eos_token_id]
         return [Completion(list(ids), [-0.5] * len(ids), "stop") for _ in prompts]
+
+
+WIDE = {"hidden_size": 256, "num_heads": 4}
+"""A tiny model vLLM can load (its kernels need a head size it supports)."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The WIDE tiny model saved as a Hugging Face directory (the vLLM GPU tests load it)."""
+    model, tokenizer = tiny_model(seed=0, **WIDE)
+    path = tmp_path_factory.mktemp("tiny-vllm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

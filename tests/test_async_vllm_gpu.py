@@ -18,24 +18,16 @@ if DEVICE == "cpu" and vllm_platform() != "cpu":
 pytest.importorskip("vllm")
 pytest.importorskip("ray")
 
-from conftest import groups_within  # noqa: E402
+from conftest import (
+    WIDE,  # noqa: E402
+    groups_within,  # noqa: E402
+)
 
 from turnrl.config import load_config  # noqa: E402
 from turnrl.distributed.workers import RolloutWorker, without_tied_weights  # noqa: E402
 from turnrl.models import tiny_model  # noqa: E402
 from turnrl.trainer.step import UpdateSettings, with_proximal_logprobs  # noqa: E402
 from turnrl.types import Batch  # noqa: E402
-
-WIDE = {"hidden_size": 256, "num_heads": 4}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    model, tokenizer = tiny_model(seed=0, **WIDE)
-    path = tmp_path_factory.mktemp("tiny-vllm")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def _config(model_dir, *more):

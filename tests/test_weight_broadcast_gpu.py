@@ -28,6 +28,8 @@ if DEVICE == "cpu" and vllm_platform() != "cpu":
                 allow_module_level=True)
 pytest.importorskip("ray")
 
+from conftest import WIDE  # noqa: E402
+
 from turnrl.config import load_config  # noqa: E402
 from turnrl.distributed.book import AssignmentBook  # noqa: E402
 from turnrl.distributed.broadcaster import WeightBroadcaster  # noqa: E402
@@ -42,7 +44,6 @@ from turnrl.lora import published_state  # noqa: E402
 from turnrl.models import tiny_model  # noqa: E402
 from turnrl.policy import group_seed  # noqa: E402
 
-WIDE = {"hidden_size": 256, "num_heads": 4}
 """vLLM's attention kernels do not all take the tiny model's head size (as
 tests/test_async_vllm_gpu.py)."""
 
@@ -128,15 +129,6 @@ def test_an_hf_worker_receives_bit_identical_cuda_tensors_over_nccl(ray_gpus):
         assert fleet.broadcast_versions == [1, 2]
     finally:
         fleet.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    model, tokenizer = tiny_model(seed=0, **WIDE)
-    path = tmp_path_factory.mktemp("tiny-vllm")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def test_a_vllm_worker_samples_with_the_weights_broadcast_to_its_gpu(ray_gpus, model_dir):
