@@ -18,10 +18,7 @@ if DEVICE == "cpu" and vllm_platform() != "cpu":
 pytest.importorskip("vllm")
 pytest.importorskip("ray")
 
-from conftest import (
-    WIDE,  # noqa: E402
-    groups_within,  # noqa: E402
-)
+from conftest import WIDE, groups_within  # noqa: E402
 
 from turnrl.config import load_config  # noqa: E402
 from turnrl.distributed.workers import RolloutWorker, without_tied_weights  # noqa: E402
