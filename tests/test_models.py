@@ -320,3 +320,21 @@ def test_bundled_smollm2(monkeypatch):
     second_s = time.perf_counter() - started
     assert torch.equal(_logits(again, tok2, "The capital of France is"), logits)
     assert second_s < max(first_s, 10.0)
+
+
+def test_special_tokens_come_from_the_gguf():
+    """transformers 5.17 read SmolLM2's GGUF eos as <|im_start|> (seen on a GPU host; 5.24 reads
+    <|im_end|>): the converter takes bos/eos from the file's own metadata, so a tokenizer whose
+    special tokens were mis-mapped is put right."""
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    gguf_path = models._bundled_gguf_path()
+    ids = models.gguf_special_token_ids(gguf_path)
+    assert ids == {"bos": 1, "eos": 2}
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                        local_files_only=True)
+    tok.eos_token = "<|im_start|>"  # what transformers 5.17 produced
+    models.set_special_tokens(tok, ids)
+    assert (tok.eos_token, tok.bos_token) == ("<|im_end|>", "<|im_start|>")
+    assert tok.eos_token_id == 2

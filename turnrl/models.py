@@ -398,6 +398,7 @@ def _convert_smollm2(gguf_path: Path, out_dir: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file, local_files_only=True)
     if config.model_type != "llama":
         raise ValueError(f"expected a llama GGUF, got {config.model_type!r}")
+    set_special_tokens(tokenizer, gguf_special_token_ids(gguf_path))
     if tokenizer.eos_token != IM_END or not tokenizer.chat_template:
         raise ValueError(f"unexpected SmolLM2 tokenizer: eos={tokenizer.eos_token!r}")
     # The GGUF pads with <|im_end|>; a pad equal to eos would make `ids != pad` masks drop the
@@ -437,6 +438,29 @@ def _convert_smollm2(gguf_path: Path, out_dir: Path) -> dict:
     if loss > 1.5:
         raise ValueError(f"converted SmolLM2 looks broken: answer loss {loss:.2f} nats/token")
     return {"answer_loss": round(loss, 4)}
+
+
+def gguf_special_token_ids(gguf_path: Path) -> dict[str, int]:
+    """The GGUF's own bos/eos token ids (``tokenizer.ggml.*_token_id``).
+
+    transformers' reading of a GGUF tokenizer varies by version: 5.17 maps SmolLM2's eos to
+    <|im_start|> (id 1) although the file says 2, which 5.24 reads right. The file is the truth.
+    """
+    import gguf
+
+    fields = gguf.GGUFReader(gguf_path).fields
+    ids = {}
+    for role in ("bos", "eos"):
+        field = fields.get(f"tokenizer.ggml.{role}_token_id")
+        if field is not None:
+            ids[role] = int(field.parts[field.data[0]][0])
+    return ids
+
+
+def set_special_tokens(tokenizer: PreTrainedTokenizerBase, ids: dict[str, int]) -> None:
+    """Point the tokenizer's bos/eos at the given token ids."""
+    for role, token_id in ids.items():
+        setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
 def _copy_gguf_weights(gguf_path: Path, model: PreTrainedModel) -> None:
