@@ -46,7 +46,7 @@ lint: setup
 bench-guard: setup
 	$(PY) benchmarks/generation_guard.py $(ARGS)
 
-# GPU machines (not run here: no GPU was lent to this project's sessions). A venv of its own:
+# GPU machines (run once, in part, on an H100 without network: docs/gpu.md). A venv of its own:
 # vLLM pins its own CUDA torch and a transformers range, which pip resolves together with
 # TurnRL's ranges from a clean start (the CPU wheel above would conflict).
 GPU_VENV ?= .venv-gpu
