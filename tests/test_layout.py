@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
     {"registry", "types", "config", "stats", "safe_json", "leftovers", "devices"},
-    {"models", "hub", "lora", "envs", "rewards", "tools", "sandbox", "rollout", "metrics",
+    {"models", "gguf_weights", "hub", "lora", "envs", "rewards", "tools", "sandbox", "rollout", "metrics",
      "checkpoint", "demos", "evaluation"},
     {"algorithms", "policy", "selfplay"},
     {"trainer", "sft"},

@@ -329,12 +329,14 @@ def test_special_tokens_come_from_the_gguf():
     pytest.importorskip("gguf")
     from transformers import AutoTokenizer
 
+    from turnrl.gguf_weights import gguf_special_token_ids, set_special_tokens
+
     gguf_path = models._bundled_gguf_path()
-    ids = models.gguf_special_token_ids(gguf_path)
+    ids = gguf_special_token_ids(gguf_path)
     assert ids == {"bos": 1, "eos": 2}
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                         local_files_only=True)
     tok.eos_token = "<|im_start|>"  # what transformers 5.17 produced
-    models.set_special_tokens(tok, ids)
+    set_special_tokens(tok, ids)
     assert (tok.eos_token, tok.bos_token) == ("<|im_end|>", "<|im_start|>")
     assert tok.eos_token_id == 2

@@ -27,6 +27,7 @@ from turnrl.devices import (  # noqa: F401 - imported from here across the packa
     configure_torch,
     resolve_device,
 )
+from turnrl.gguf_weights import copy_gguf_weights, gguf_special_token_ids, set_special_tokens
 from turnrl.hub import HubModelNotFound, hub_snapshot, is_hub_id, near_hub_id
 
 if TYPE_CHECKING:
@@ -410,7 +411,7 @@ def _convert_smollm2(gguf_path: Path, out_dir: Path) -> dict:
 
     with _HF_LOCK:
         model = LlamaForCausalLM(config)
-    _copy_gguf_weights(gguf_path, model)
+    copy_gguf_weights(gguf_path, model)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
@@ -438,70 +439,3 @@ def _convert_smollm2(gguf_path: Path, out_dir: Path) -> dict:
     if loss > 1.5:
         raise ValueError(f"converted SmolLM2 looks broken: answer loss {loss:.2f} nats/token")
     return {"answer_loss": round(loss, 4)}
-
-
-def gguf_special_token_ids(gguf_path: Path) -> dict[str, int]:
-    """The GGUF's own bos/eos token ids (``tokenizer.ggml.*_token_id``).
-
-    transformers' reading of a GGUF tokenizer varies by version: 5.17 maps SmolLM2's eos to
-    <|im_start|> (id 1) although the file says 2, which 5.24 reads right. The file is the truth.
-    """
-    import gguf
-
-    fields = gguf.GGUFReader(gguf_path).fields
-    ids = {}
-    for role in ("bos", "eos"):
-        field = fields.get(f"tokenizer.ggml.{role}_token_id")
-        if field is not None:
-            ids[role] = int(field.parts[field.data[0]][0])
-    return ids
-
-
-def set_special_tokens(tokenizer: PreTrainedTokenizerBase, ids: dict[str, int]) -> None:
-    """Point the tokenizer's bos/eos at the given token ids."""
-    for role, token_id in ids.items():
-        setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
-
-
-def _copy_gguf_weights(gguf_path: Path, model: PreTrainedModel) -> None:
-    import gguf
-
-    config = model.config
-    reader = gguf.GGUFReader(gguf_path)
-    layer_names = {
-        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    }
-    top_names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                 "output": "lm_head"}
-    filled: set[int] = set()
-    with torch.no_grad():
-        for tensor in reader.tensors:
-            stem, _, suffix = tensor.name.rpartition(".")
-            if stem.startswith("blk."):
-                _, layer, part = stem.split(".", 2)
-                name = f"model.layers.{layer}.{layer_names[part]}.{suffix}"
-            else:
-                name = f"{top_names[stem]}.{suffix}"
-            weights = gguf.dequantize(tensor.data, tensor.tensor_type)
-            # llama.cpp interleaves q/k rows for its rotary layout; undo it for HF's half-split.
-            if stem.endswith("attn_q"):
-                weights = _unpermute_rotary(weights, config.num_attention_heads)
-            elif stem.endswith("attn_k"):
-                weights = _unpermute_rotary(weights, config.num_key_value_heads)
-            param = model.get_parameter(name)
-            if tuple(weights.shape) != tuple(param.shape):
-                raise ValueError(f"{tensor.name}: shape {weights.shape} != {tuple(param.shape)}")
-            param.copy_(torch.from_numpy(weights.copy()))
-            filled.add(id(param))
-    missing = [n for n, p in model.named_parameters() if id(p) not in filled]
-    if missing:
-        raise ValueError(f"GGUF has no weights for: {', '.join(missing[:5])}")
-
-
-def _unpermute_rotary(weights, n_heads: int):
-    rows = weights.shape[0]
-    return (weights.reshape(n_heads, rows // n_heads // 2, 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))

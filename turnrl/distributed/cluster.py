@@ -144,16 +144,9 @@ def uploaded(runtime_env: dict[str, Any]) -> dict[str, Any]:
     this for a job's, but the learner may join a Ray it did not start, as tests do)."""
     if not any(key in runtime_env for key in ("py_modules", "working_dir")):
         return runtime_env
-    # Ray's own upload step of ray.init (private: no public call uploads for an actor).
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+    from turnrl.distributed.ray_internals import upload_runtime_env
 
-    scratch = tempfile.mkdtemp(prefix="turnrl-runtime-env-")
-    env = upload_py_modules_if_needed(dict(runtime_env), include_gitignore=True,
-                                      scratch_dir=scratch)
-    env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
-    env.pop("excludes", None)
-    return env
+    return upload_runtime_env(runtime_env)
 
 
 def node_label() -> str:

@@ -152,8 +152,10 @@ class LearnerSeat:
         gpus = cfg.ray.learner_gpus
         if gpus < 0 and not on_cuda:
             gpus = 0.0
-        elif gpus < 0:  # no public call gives one node's free resources
-            node_free = ray._private.state.available_resources_per_node().get(node_id, {})
+        elif gpus < 0:
+            from turnrl.distributed.ray_internals import node_available
+
+            node_free = node_available(node_id)
             gpus = auto_learner_gpus(on_cuda, ray.cluster_resources().get("GPU", 0.0),
                                      cfg.ray.worker_gpus, cfg.ray.num_workers,
                                      node_free.get("GPU", 0.0))
