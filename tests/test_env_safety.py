@@ -323,6 +323,30 @@ def test_a_starved_process_does_not_blame_its_cooperative_env(mode):
     assert not seen["stalled"] and seen["shared"] and seen["warnings"] == [], seen
 
 
+def test_blocked_seconds_count_the_wall_outside_starvation_or_the_loop_threads_cpu():
+    from turnrl.rollout.env_calls import blocked_seconds
+
+    assert blocked_seconds(10.0, 12.0, [], 0.0) == 2.0  # a sleep: all of it
+    assert blocked_seconds(10.0, 12.0, [(10.2, 11.9)], 0.0) == pytest.approx(0.3)  # starved
+    # Windows count only where they overlap the gap; several add up.
+    assert blocked_seconds(10.0, 12.0, [(9.0, 10.5), (11.0, 11.5), (13.0, 14.0)],
+                           0.0) == pytest.approx(1.0)
+    # A C call that held the GIL made the control thread late too: its CPU time is its own.
+    assert blocked_seconds(10.0, 12.0, [(10.0, 12.0)], 1.8) == pytest.approx(1.8)
+
+
+def test_closing_the_shared_loop_ends_its_thread_and_its_control_thread():
+    from turnrl.rollout.env_calls import SharedLoop
+
+    shared = SharedLoop("closing")
+    time.sleep(0.6)  # a few beats on both
+    assert shared.thread.is_alive() and shared.control.is_alive() and not shared.stalled
+    shared.close()
+    shared.thread.join(10)
+    shared.control.join(10)
+    assert not shared.thread.is_alive() and not shared.control.is_alive()
+
+
 def test_plain_def_environments_are_accepted(tiny):
     class Plain:
         def reset(self, seed):

@@ -169,7 +169,8 @@ def blocked_seconds(start: float, end: float, starved: Any, cpu_s: float) -> flo
 
 class EnvThreads:
     """Where a turn loop's envs run: each on its own thread, or a ``cooperative`` one on the
-    loop they share, until that loop has once been blocked for over ``SharedLoop.STALL_S``:
+    loop they share, until an env has once blocked that loop for over ``SharedLoop.STALL_S``
+    (a process that was merely not run for that long, on a busy machine, does not count):
     then every later env gets its own thread (the calls stuck behind the block time out as
     usual), with a warning."""
 
