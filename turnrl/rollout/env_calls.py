@@ -87,7 +87,7 @@ class SharedLoop:
     delay it (``time.sleep`` and I/O release the GIL, and pure-Python work hands it over every
     5 ms). A heartbeat gap is blocking when what remains of it outside those windows is over
     ``STALL_S``, or when the loop thread itself spent over ``STALL_S`` of CPU in it (a
-    CPU-bound C call that holds the GIL late-runs the control thread too, but its CPU time is
+    CPU-bound C call that holds the GIL delays the control thread too, but its CPU time is
     its own; a starved thread uses none). Chosen over timing each env callback: nothing is
     added to the calls (the shared loop exists for their cost), and it also sees a blocking
     task an env started itself. Not seen: a call that holds the GIL while waiting (a C
