@@ -11,9 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -193,6 +198,153 @@ def test_a_cooperative_env_that_blocks_stalls_only_its_loop_mates_and_then_loses
     assert [ep.status for ep in later] == ["done"] * 4
     assert len({ep.info["thread"] for ep in later}) == 4  # a thread each from then on
     assert seconds < FREED_S  # nobody waited for the 30 s block
+
+
+STALL_CHILD = r"""
+import asyncio, ctypes, json, sys, threading, time, warnings
+from turnrl.envs import StepResult
+from turnrl.rollout.env_calls import EnvThreads
+
+mode = sys.argv[1]
+block, unblocked, done = threading.Event(), threading.Event(), threading.Event()
+
+
+def spin(cpu_s, work):
+    start = time.thread_time()
+    while time.thread_time() - start < cpu_s:
+        work()
+
+
+def cpu_seconds(work):
+    start = time.thread_time()
+    work()
+    return time.thread_time() - start
+
+
+SUM_S_PER_ITEM = min(cpu_seconds(lambda: sum(range(10**6))) for _ in range(3)) / 10**6
+
+
+class Probe:
+    cooperative = True
+
+    async def reset(self, seed):
+        return "go"
+
+    async def step(self, action):
+        if action == "block" and mode == "sleep":
+            time.sleep(2)
+        elif action == "block" and mode == "cpu":  # bytecode: hands the GIL over every 5 ms
+            spin(1.5, lambda: sum(i for i in range(1000)))
+        elif action == "block" and mode == "cpu-in-c":  # one C call holds the GIL throughout
+            sum(range(int(2.0 / SUM_S_PER_ITEM)))  # about 2 CPU-s
+        await asyncio.sleep(0.005)
+        return StepResult("", 1.0, False, {})
+
+
+threads = EnvThreads("probe")
+runner = threads.runner(Probe())
+widest = [0.0]
+
+
+async def drive():
+    last = time.monotonic()
+    while not done.is_set():
+        action = "block" if block.is_set() else "go"
+        block.clear()
+        await runner.call("step", action, 60.0)
+        if action == "block":
+            unblocked.set()
+        now = time.monotonic()
+        widest[0], last = max(widest[0], now - last), now
+
+
+threading.Thread(target=lambda: asyncio.run(drive()), daemon=True).start()
+time.sleep(0.5)
+print("ready", flush=True)
+sys.stdin.readline()  # "stopped": the parent stopped this process and let it go on
+if mode == "gil-elsewhere":  # another thread holds the GIL for 2 s in one C call
+    holder = threading.Thread(target=ctypes.PyDLL(None).usleep, args=(2_000_000,))
+    holder.start()
+    holder.join()
+elif mode in ("sleep", "cpu", "cpu-in-c"):
+    block.set()
+    unblocked.wait(60)
+time.sleep(1.0)  # a few heartbeats after it
+stalled = threads.shared.stalled
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    later = threads.runner(Probe())
+done.set()
+print(json.dumps({"stalled": stalled, "shared": later.shared is not None, "widest": widest[0],
+                  "warnings": [str(w.message) for w in caught]}), flush=True)
+threads.close()
+"""
+
+
+def _stall_child(mode):
+    """Run ``STALL_CHILD`` in ``mode``: a cooperative env stepping on its shared loop in a
+    process of its own (so it can be stopped), then what its shared loop concluded."""
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    child = subprocess.Popen([sys.executable, "-c", STALL_CHILD, mode], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        if mode == "stopped":  # the whole process descheduled, as on a busy machine
+            os.kill(child.pid, signal.SIGSTOP)
+            time.sleep(1.5)
+            os.kill(child.pid, signal.SIGCONT)
+        out, _ = child.communicate("go\n", timeout=180)
+    finally:
+        child.kill()
+    assert child.returncode == 0, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["sleep", "cpu", "cpu-in-c"])
+def test_a_cooperative_env_that_blocks_its_loop_is_named_whatever_blocks_it(mode):
+    """A ``time.sleep``, a CPU-bound loop in bytecode and one C call that holds the GIL while
+    it computes (the control thread is late then too: the loop thread's CPU time tells)."""
+    seen = _stall_child(mode)
+    assert seen["stalled"] and not seen["shared"], seen
+    assert len(seen["warnings"]) == 1, seen
+    assert "'probe' declares cooperative = True but blocked" in seen["warnings"][0]
+
+
+@pytest.mark.parametrize("mode", ["stopped", "gil-elsewhere"])
+def test_a_starved_process_does_not_blame_its_cooperative_env(mode):
+    """The env never blocks; the process is not run for 1.5-2 s (stopped by a signal, or
+    another thread holding the GIL in one C call). Its loop's heartbeat was as late as a
+    blocked one's (``widest``: the old check warned here), but the control thread was late
+    too: no warning, the loop stays shared."""
+    seen = _stall_child(mode)
+    assert seen["widest"] > 1.2, seen  # the starvation happened, and held up the env's calls
+    assert not seen["stalled"] and seen["shared"] and seen["warnings"] == [], seen
+
+
+def test_blocked_seconds_count_the_wall_outside_starvation_or_the_loop_threads_cpu():
+    from turnrl.rollout.env_calls import blocked_seconds
+
+    assert blocked_seconds(10.0, 12.0, [], 0.0) == 2.0  # a sleep: all of it
+    assert blocked_seconds(10.0, 12.0, [(10.2, 11.9)], 0.0) == pytest.approx(0.3)  # starved
+    # Windows count only where they overlap the gap; several add up.
+    assert blocked_seconds(10.0, 12.0, [(9.0, 10.5), (11.0, 11.5), (13.0, 14.0)],
+                           0.0) == pytest.approx(1.0)
+    # A C call that held the GIL made the control thread late too: its CPU time is its own.
+    assert blocked_seconds(10.0, 12.0, [(10.0, 12.0)], 1.8) == pytest.approx(1.8)
+
+
+def test_closing_the_shared_loop_ends_its_thread_and_its_control_thread():
+    from turnrl.rollout.env_calls import SharedLoop
+
+    shared = SharedLoop("closing")
+    time.sleep(0.6)  # a few beats on both
+    assert shared.thread.is_alive() and shared.control.is_alive() and not shared.stalled
+    shared.close()
+    shared.thread.join(10)
+    shared.control.join(10)
+    assert not shared.thread.is_alive() and not shared.control.is_alive()
 
 
 def test_plain_def_environments_are_accepted(tiny):

@@ -41,6 +41,7 @@ import numbers
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -73,44 +74,103 @@ class SharedLoop:
 
     The price: an env that blocks anyway (a ``time.sleep`` in ``async def step``) stalls the
     others on this loop; their calls still time out on the caller's side, so the turn loop
-    never stalls. ``stalled`` tells when no callback has run here for ``STALL_S``: the owner
-    then stops sharing (every later env gets its own thread) and says which env it was."""
+    never stalls. ``stalled`` tells when a callback here blocked the loop for over
+    ``STALL_S``: the owner then stops sharing (every later env gets its own thread) and says
+    which env it was.
+
+    Blocked, not starved: the loop's heartbeat (every ``BEAT_S``) is late both when a callback
+    blocks it and when the whole process is not run (a busy machine: other processes on the
+    cores, the process stopped, another thread holding the GIL in one long C call, such as
+    unpickling weights). Only the first is the env's fault, so a control thread (``_watch``,
+    waking every ``BEAT_S`` too, and doing nothing else) records the windows in which it was
+    late itself: what starved the process starved it too, while a blocking callback does not
+    delay it (``time.sleep`` and I/O release the GIL, and pure-Python work hands it over every
+    5 ms). A heartbeat gap is blocking when what remains of it outside those windows is over
+    ``STALL_S``, or when the loop thread itself spent over ``STALL_S`` of CPU in it (a
+    CPU-bound C call that holds the GIL delays the control thread too, but its CPU time is
+    its own; a starved thread uses none). Chosen over timing each env callback: nothing is
+    added to the calls (the shared loop exists for their cost), and it also sees a blocking
+    task an env started itself. Not seen: a call that holds the GIL while waiting (a C
+    extension's blocking I/O without releasing it) looks like starvation."""
 
     STALL_S = 1.0
-    """No callback for this long is blocking: a healthy loop runs its heartbeat every
-    ``STALL_S / 4``, late only by the GIL's switch interval (5 ms)."""
+    """A callback that keeps the loop for this long, not counting starvation, is blocking."""
+    BEAT_S = STALL_S / 4
+    """The heartbeat's and the control thread's period: a healthy loop beats on time but for
+    the GIL's switch interval (5 ms)."""
+    LATE_WINDOWS = 64
+    """Late windows of the control thread kept (16 s of beats, each late)."""
 
     def __init__(self, name: str = "env") -> None:
         self.loop = asyncio.new_event_loop()
-        self.beat, self.has_stalled = time.monotonic(), False
+        self.beat, self.beat_cpu, self.has_stalled = time.monotonic(), 0.0, False
+        self.control_due = self.beat + self.BEAT_S
+        self.late: deque[tuple[float, float]] = deque(maxlen=self.LATE_WINDOWS)
+        """(due, woke) of each beat the control thread was late for: starvation."""
+        self.closing = threading.Event()
         self.thread = threading.Thread(target=self._serve, name=f"env-{name}-shared",
                                        daemon=True)
+        self.control = threading.Thread(target=self._watch, name=f"env-{name}-control",
+                                        daemon=True)
         self.thread.start()
+        self.control.start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
+        self.beat_cpu = time.thread_time()
         self.loop.call_soon(self._heartbeat)
         self.loop.run_forever()
 
     def _heartbeat(self) -> None:
-        now = time.monotonic()
-        self.has_stalled |= now - self.beat > self.STALL_S
-        self.beat = now
-        self.loop.call_later(self.STALL_S / 4, self._heartbeat)
+        now, cpu = time.monotonic(), time.thread_time()
+        blocked = blocked_seconds(self.beat, now, self._starved_windows(now), cpu - self.beat_cpu)
+        self.has_stalled |= blocked > self.STALL_S
+        self.beat, self.beat_cpu = now, cpu
+        self.loop.call_later(self.BEAT_S, self._heartbeat)
+
+    def _watch(self) -> None:
+        """The control thread: wakes every ``BEAT_S``, notes when it woke late."""
+        while not self.closing.wait(max(0.0, self.control_due - time.monotonic())):
+            woke = time.monotonic()
+            if woke > self.control_due:
+                self.late.append((self.control_due, woke))
+            self.control_due = woke + self.BEAT_S
+
+    def _starved_windows(self, now: float) -> tuple[tuple[float, float], ...]:
+        """The control thread's late windows, with the one it is late for now, if any."""
+        due = self.control_due  # read before the windows: the thread appends, then moves it
+        late = tuple(self.late)
+        if now <= due or (late and late[-1][0] >= due):  # on time, or just recorded
+            return late
+        return (*late, (due, now))
 
     @property
     def stalled(self) -> bool:
-        """Blocked for over ``STALL_S``, now or at any time before."""
-        return self.has_stalled or time.monotonic() - self.beat > self.STALL_S
+        """Blocked for over ``STALL_S``, now or at any time before (``blocked_seconds``)."""
+        if self.has_stalled:
+            return True
+        now = time.monotonic()
+        # A callback running now: its CPU time is not readable from here, the wall time is.
+        return blocked_seconds(self.beat, now, self._starved_windows(now), 0.0) > self.STALL_S
 
     def close(self) -> None:
-        """Cancel what still runs and stop the loop (never waits for it)."""
+        """Cancel what still runs, stop the loop and the control thread (never waits)."""
+        self.closing.set()
         _stop(self.loop)
+
+
+def blocked_seconds(start: float, end: float, starved: Any, cpu_s: float) -> float:
+    """How long a loop that ran no callback from ``start`` to ``end`` was blocked: the wall
+    time outside the ``starved`` windows ((from, to) pairs, when the process was not run), or
+    the loop thread's own CPU time ``cpu_s`` in it, whichever is more."""
+    overlap = sum(max(0.0, min(end, to) - max(start, begin)) for begin, to in starved)
+    return max(end - start - overlap, cpu_s)
 
 
 class EnvThreads:
     """Where a turn loop's envs run: each on its own thread, or a ``cooperative`` one on the
-    loop they share, until that loop has once been blocked for over ``SharedLoop.STALL_S``:
+    loop they share, until an env has once blocked that loop for over ``SharedLoop.STALL_S``
+    (a process that was merely not run for that long, on a busy machine, does not count):
     then every later env gets its own thread (the calls stuck behind the block time out as
     usual), with a warning."""
 
