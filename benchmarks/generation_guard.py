@@ -186,11 +186,29 @@ def measure(model_dir: str, groups: Sequence[int], collections: int, warmup: int
                 policy.make_env, training_seeds(cfg, index), policy.engine, policy.chat, params,
                 env_name=cfg.env.name, max_turns=1, max_context=policy.max_context))
             times.append(timer() - start)
+            learner_pass(policy.model, episodes)
         seconds[f"G={group}"] = times[warmup:]
         tokens[f"G={group}"] = sum(ep.num_policy_tokens for ep in episodes)
         del policy, episodes
     return {"turnrl": str(Path(turnrl.__file__).resolve()), "seconds": seconds,
             "tokens": tokens}
+
+
+def learner_pass(model, episodes) -> None:
+    """A forward and backward pass over the collected tokens on this (the main) thread, then
+    the gradients dropped: the sync trainer updates between collections, and the 3100a78
+    regression (generation handed to a worker thread) showed only then. Its torch threads
+    were still spinning from the update when the generating thread's started, on 2 cores:
+    collections back to back, with nothing between, timed the two trees alike."""
+    import torch
+
+    rows = [ep.token_ids for ep in episodes]
+    width = min(len(row) for row in rows)
+    ids = torch.tensor([row[:width] for row in rows])
+    model.train()
+    model(input_ids=ids).logits.float().log_softmax(-1).mean().backward()
+    model.zero_grad(set_to_none=True)
+    model.eval()
 
 
 def child_main(spec: str) -> int:

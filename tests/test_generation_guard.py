@@ -227,3 +227,29 @@ def test_head_against_head_on_the_tiny_model(capsys):
     assert code == int(lines[-1].startswith("verdict: REGRESSION")), out
     assert code in (0, 1) and lines[-1].startswith("verdict: ")
     assert _worktrees() == before
+
+
+def test_learner_pass_runs_backward_and_leaves_no_trace():
+    """The pass between collections does the trainer's kind of work (a backward pass on the
+    main thread) but changes nothing the next collection sees: weights, gradients, mode."""
+    import torch
+
+    from turnrl.models import tiny_model
+    from turnrl.types import Episode
+
+    model, _ = tiny_model(seed=0)
+    model.eval()
+    weights = [p.detach().clone() for p in model.parameters()]
+    episodes = []
+    for length in (7, 9):  # rows of unequal length are cut to the shortest
+        episode = Episode(env="toy", seed=0, group=0)
+        episode.append(list(range(3, 3 + length)), policy=False)
+        episodes.append(episode)
+    seen = []
+    hook = model.lm_head.register_full_backward_hook(lambda *_: seen.append(True))
+    guard.learner_pass(model, episodes)
+    hook.remove()
+    assert seen  # a backward pass ran
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.training
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
