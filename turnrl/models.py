@@ -203,11 +203,14 @@ def tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
+    num_kv_heads: int | None = None,
     max_positions: int = 1024,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A tiny random Llama with a real character-level ChatML tokenizer, built without files.
 
-    Same seed, same weights; the global torch RNG is left untouched.
+    Same seed, same weights; the global torch RNG is left untouched. ``num_kv_heads`` below
+    ``num_heads`` shares each key/value head among several query heads (grouped-query
+    attention, as SmolLM2's 9 query and 3 key/value heads).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -218,7 +221,7 @@ def tiny_model(
         intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
         max_position_embeddings=max_positions,
         # Tied like SmolLM2, so code paths that handle tied weights get exercised in tests.
         tie_word_embeddings=True,
