@@ -38,6 +38,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -447,5 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return exit_code(report(figures, args.threshold, args.confidence))
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # `kill` cleans up as Ctrl-C does: worktrees removed, child ended
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(main())

@@ -253,3 +253,35 @@ def test_learner_pass_runs_backward_and_leaves_no_trace():
     assert all(p.grad is None for p in model.parameters())
     assert not model.training
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+
+
+def test_kill_cleans_up_as_ctrl_c_does():
+    """SIGTERM (`kill`, a CI job cancelled) mid-measurement: exit 130, the base's temporary
+    worktree and folders removed, no measuring process left behind."""
+    import signal
+    import sys
+    import tempfile
+    import time
+
+    before = _worktrees()
+    scratch = set(Path(tempfile.gettempdir()).glob("turnrl-guard-*"))
+    guard_process = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "generation_guard.py"), "--base", "HEAD",
+         "--model", "tiny", "--rounds", "2", "--collections", "50", "--threads", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in guard_process.stdout:  # measuring starts after the "this:" line
+        lines.append(line)
+        if line.startswith("this: "):
+            break
+    time.sleep(2)
+    assert _worktrees() != before  # the base's worktree exists while it measures
+    guard_process.send_signal(signal.SIGTERM)
+    _, err = guard_process.communicate(timeout=120)
+    assert guard_process.returncode == 130, "".join(lines) + err
+    assert "interrupted" in err
+    assert _worktrees() == before
+    assert set(Path(tempfile.gettempdir()).glob("turnrl-guard-*")) <= scratch
+    children = subprocess.run(["pgrep", "-f", "generation_guard.py --child"],
+                              capture_output=True, text=True).stdout.split()
+    assert not children
