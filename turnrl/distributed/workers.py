@@ -355,6 +355,9 @@ class RolloutWorker:
         if self.refresh is not None:
             self.refresh.close()
         self._thread.join(timeout=10)
+        cleanup = getattr(self.engine, "model_dir_cleanup", None)
+        if cleanup is not None:  # vLLM: the tiny model's temporary directory (model_dirs.py)
+            cleanup()
 
 
 class WarningTap(logging.Handler):
