@@ -146,7 +146,7 @@ def test_the_workers_are_asked_where_they_keep_weights_together(ray, members):
     with pytest.raises(WeightGroupError) as err:
         sender.form(ray, handles, dict.fromkeys(handles, "x"), CPU)
     elapsed = time.monotonic() - started
-    assert "worker 0, 1, 2 did not say where it keeps weights within 5 s" in str(err.value)
+    assert "workers 0, 1, 2 did not say where they keep weights within 5 s" in str(err.value)
     assert timeout_s <= elapsed < 2 * timeout_s  # 3 workers one at a time: >= 15 s
 
 

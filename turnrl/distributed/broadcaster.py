@@ -103,8 +103,9 @@ class WeightBroadcaster:
         silent = [w for w in refs if w not in answers]
         if silent:
             raise WeightGroupError(
-                f"ray.weight_sync broadcast: worker {', '.join(map(str, silent))} did not say "
-                f"where it keeps weights within {self.timeout_s:g} s; raise "
+                f"ray.weight_sync broadcast: {_named(silent)} did not say where "
+                f"{'it keeps' if len(silent) == 1 else 'they keep'} weights within "
+                f"{self.timeout_s:g} s; raise "
                 "--ray.weight_sync_timeout_s or use --ray.weight_sync object_store")
         kinds = {}
         for w, answer in answers.items():
@@ -152,6 +153,11 @@ def _join_failures(ray: Any, refs: dict[int, Any], wait_s: float) -> str:
         if answer:
             failures.append(f"worker {w}: {answer}")
     return "; ".join(failures)
+
+
+def _named(workers: list[int]) -> str:
+    """'worker 2' or 'workers 0, 1, 2'."""
+    return f"worker{'s' if len(workers) > 1 else ''} {', '.join(map(str, workers))}"
 
 
 def _answers(ray: Any, refs: dict[int, Any], wait_s: float) -> dict[int, Any]:
