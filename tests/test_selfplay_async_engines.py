@@ -107,19 +107,32 @@ def test_a_worker_game_whose_pool_never_comes_fails_with_the_pools_reason(tmp_pa
     weights sent, no pool): the game fails alone, as an env error naming the empty pool,
     not as an env timeout (the wait used to equal the env call's own timeout, which fired
     first)."""
-    from turnrl.distributed.workers import RolloutWorker, without_tied_weights
+    from turnrl.distributed.workers import (
+        RolloutWorker,
+        without_tied_weights,
+        worker_env_factory,
+    )
     from turnrl.models import tiny_model
+    from turnrl.selfplay import PoolDraw
 
     cfg = _cfg(tmp_path, *env_args, "--env.options.opponent", "pool",
-               "--rollout.env_timeout_s", "10")
-    worker = RolloutWorker(cfg, pool_size=4)
+               "--rollout.env_timeout_s", "10", "--rollout.group_size", "4")
+    worker = RolloutWorker(cfg, pool_size=8)
     try:
+        # The draw the worker's env factory makes gives up before the env call's timer...
+        draw = worker_env_factory(cfg, worker.pool)().player
+        assert isinstance(draw, PoolDraw) and draw.pool is worker.pool
+        assert draw.wait_s == pool_wait_s(10.0) <= 10.0 - 1.0
+        # ...so every game fails with the pool's reason (with equal waits the two raced: a
+        # game's reset or first step ended either way, more often as a timeout under load).
         state = tiny_model(seed=1)[0].state_dict()
         worker.set_weights(0, without_tied_weights({k: v.detach().clone()
                                                     for k, v in state.items()}))
-        worker.assign([(0, 7)])
-        [group] = groups_within(worker, 180)
-        for episode in group.episodes:
+        worker.assign([(0, 7), (1, 8)])
+        groups = []
+        while len(groups) < 2:
+            groups += groups_within(worker, 180)
+        for episode in (ep for group in groups for ep in group.episodes):
             assert (episode.status, episode.end_reason) == ("error", "env_error"), episode.info
             assert "the opponent pool is empty" in episode.info["reason"]
     finally:
