@@ -75,9 +75,9 @@ def ray():
 
 @pytest.fixture(scope="module")
 def members(ray):
-    """Three started members (threaded: a silent call does not block the next test)."""
+    """Four started members (threaded: a silent call does not block the next test)."""
     actor = ray.remote(Member).options(num_cpus=0, max_concurrency=8)
-    handles = [actor.remote() for _ in range(3)]
+    handles = [actor.remote() for _ in range(4)]
     ray.get([h.set_mode.remote("joins") for h in handles], timeout=300)
     return handles
 
@@ -120,7 +120,7 @@ def test_members_that_join_form_a_group_that_carries_a_version(ray, members):
 
 @pytest.mark.parametrize("modes, reason", [
     (("joins", "refuses"), "worker 1: refused after joining"),  # the answers, after the check
-    (("half",), "worker 0"),  # the group's first broadcast times out
+    (("half",), "(RuntimeError: "),  # the group's first broadcast times out
 ])
 def test_a_group_formed_but_refused_is_closed_before_the_error(ray, members, monkeypatch,
                                                                modes, reason):
@@ -131,14 +131,15 @@ def test_a_group_formed_but_refused_is_closed_before_the_error(ray, members, mon
                                                                          "x"), CPU)
     message = str(err.value)
     assert "\n" not in message and "did not form within 5 s" in message
-    assert reason in message
+    assert reason in message, message
     formed = [g for g in closed if g is not None]
     assert len(formed) == 1, closed  # the group made in this formation, closed (not leaked)
     assert sender.group is None and sender.members == {}
 
 
-def test_the_workers_are_asked_where_they_keep_weights_together(ray, members):
-    """Three silent workers cost one timeout, not three (the old wait was one a worker)."""
+def test_every_silent_worker_is_named_after_one_timeout(ray, members):
+    """Asked where they keep weights, three silent workers are named together (the old loop
+    stopped at the first), after one timeout."""
     timeout_s = 5.0
     handles = _with_modes(ray, members, "silent", "silent", "silent")
     sender = WeightBroadcaster(timeout_s=timeout_s, address="127.0.0.1")
@@ -147,16 +148,20 @@ def test_the_workers_are_asked_where_they_keep_weights_together(ray, members):
         sender.form(ray, handles, dict.fromkeys(handles, "x"), CPU)
     elapsed = time.monotonic() - started
     assert "workers 0, 1, 2 did not say where they keep weights within 5 s" in str(err.value)
-    assert timeout_s <= elapsed < 2 * timeout_s  # 3 workers one at a time: >= 15 s
+    assert "\n" not in str(err.value)
+    assert timeout_s <= elapsed < 2 * timeout_s
 
 
 def test_join_answers_are_waited_for_together(ray, members):
-    handles = _with_modes(ray, members, "silent", "silent", "joins")
+    """Three silent workers cost one wait, not three (the old loop waited a worker at a
+    time: 12 s here)."""
+    handles = _with_modes(ray, members, "silent", "silent", "silent", "joins")
     refs = {w: h.weights_device.remote() for w, h in handles.items()}
     started = time.monotonic()
     answers = broadcaster_module._join_failures(ray, refs, 4.0)
-    assert time.monotonic() - started < 8.0  # one bound of 4 s for both silent ones
-    assert answers == "worker 0: no answer; worker 1: no answer; worker 2: ('cpu', '')"
+    assert time.monotonic() - started < 8.0
+    assert answers == ("worker 0: no answer; worker 1: no answer; worker 2: no answer; "
+                       "worker 3: ('cpu', '')")  # any answer but '' names a failure
 
 
 def test_a_dead_worker_is_left_out_and_a_group_of_none_says_why_it_sent_nothing(ray, members):
