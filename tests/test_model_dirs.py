@@ -88,3 +88,59 @@ def test_directories_of_processes_that_are_gone_are_removed_by_the_next_save(tmp
     made = save_model_dir("4", _write, tmp_path)
     assert not any(p.exists() for p in orphans)
     assert all(p.exists() for p in live + other + [made])
+
+
+# ---- the engines that save the tiny model (vLLM is not on this machine: a stand-in records
+# what it is given, and can fail to start; the real one runs in tests/test_async_vllm_gpu.py)
+
+TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--run.progress", "false",
+        "--run.tensorboard", "false"]
+
+
+def _standin(monkeypatch, fails: bool) -> dict:
+    import turnrl.rollout.vllm_engine as vllm_module
+
+    given: dict = {}
+
+    class StandIn:
+        def __init__(self, path, **kwargs):
+            given["path"] = Path(path)
+            assert (given["path"] / "config.json").exists()  # saved before the engine starts
+            if fails:
+                raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(vllm_module, "VLLMEngine", StandIn)
+    return given
+
+
+def _worker_engine(tmp_path):
+    from turnrl.config import load_config
+    from turnrl.distributed.workers import load_player, vllm_engine
+
+    cfg = load_config(None, TINY + ["--run.mode", "async", "--ray.engine", "vllm",
+                                    "--ray.worker_gpus", "1", "--run.out_dir", str(tmp_path)])
+    return vllm_engine(cfg, load_player(cfg), 0)
+
+
+def _sync_engine(tmp_path):
+    from turnrl.config import load_config
+    from turnrl.models import tiny_model
+    from turnrl.policy import vllm_sampler
+
+    cfg = load_config(None, TINY + ["--rollout.engine", "vllm", "--run.out_dir", str(tmp_path)])
+    model, tokenizer = tiny_model(seed=0)
+    return vllm_sampler(cfg, model, tokenizer)
+
+
+@pytest.mark.parametrize("make", [_worker_engine, _sync_engine])
+def test_an_engine_that_starts_owns_its_directory_and_one_that_fails_leaves_none(
+        monkeypatch, tmp_path, make):
+    given = _standin(monkeypatch, fails=False)
+    engine = make(tmp_path)
+    assert given["path"].name.startswith(PREFIX) and given["path"].exists()
+    engine.model_dir_cleanup()  # a worker's stop; else the engine's collection or the exit
+    assert not given["path"].exists()
+    given = _standin(monkeypatch, fails=True)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        make(tmp_path)
+    assert not given["path"].exists()
