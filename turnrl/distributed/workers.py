@@ -158,7 +158,7 @@ class RolloutWorker:
             self.model, self.engine = None, vllm_engine(cfg, policy, index)
         elif cfg.ray.engine == "ct2":
             policy = load_policy(cfg)  # the model gives the architecture; weights come later
-            self.model = None
+            self.model = None  # no HF model to play: no opponent pool (config checks refuse it)
             self.engine, self.refresh = ct2_engine(cfg, policy.model, index)
         else:
             policy = load_policy(cfg)  # the same model, chat and env checks as the learner
