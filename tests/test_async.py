@@ -836,7 +836,7 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
     cfg = load_config(None, TINY + ["--ray.engine", "vllm", "--ray.worker_gpus", "1",
                                     "--run.seed", "3"])
     policy = load_player(cfg)
-    vllm_engine(cfg, policy, 1)
+    engine = vllm_engine(cfg, policy, 1)  # the saved directory lives as long as the engine
     saved_dir = given["path"]
     assert given["seed"] == sampling_seed(3, 1) and given["dtype"] == "bfloat16"
     saved, tokenizer = load_model(str(saved_dir))
@@ -847,5 +847,8 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
                                       "--model.name", str(saved_dir)])
     player = load_player(local)
     assert player.model is None  # no CPU copy of the weights: vLLM loads its own
-    vllm_engine(local, player, 0)
+    local_engine = vllm_engine(local, player, 0)
     assert given["path"] == saved_dir  # a local directory is used as it is, not copied
+    assert not hasattr(local_engine, "model_dir_cleanup")  # and never removed
+    engine.model_dir_cleanup()  # the saved one goes with its engine (the worker's stop)
+    assert not saved_dir.exists()

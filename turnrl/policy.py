@@ -7,6 +7,7 @@ environment the same way at start-up.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -178,22 +179,31 @@ def model_dtype_name(model: torch.nn.Module) -> str:
 
 def vllm_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
     """A ``VLLMEngine`` on the model's directory (the tiny model, built in code, is saved to
-    a temporary one first), in ``rollout.engine_dtype``; new versions reach it through
-    ``update_weights`` (``LocalSource.publish``)."""
-    import tempfile
-
+    a temporary one first, removed with the engine or at exit: turnrl/rollout/model_dirs.py),
+    in ``rollout.engine_dtype``; new versions reach it through ``update_weights``
+    (``LocalSource.publish``)."""
     from turnrl.models import model_directory
+    from turnrl.rollout.model_dirs import remove_with, save_model_dir
     from turnrl.rollout.vllm_engine import VLLMEngine
 
-    path = model_directory(cfg.model.name, cfg.model.cache_dir or None)
-    if path is None:
-        path = Path(tempfile.mkdtemp(prefix="turnrl-vllm-sync-"))
+    def save(path: Path) -> None:
         base_copy(model).save_pretrained(path)  # LoRA: the base; the adapter comes per version
         tokenizer.save_pretrained(path)
+
+    local = model_directory(cfg.model.name, cfg.model.cache_dir or None)
+    path = local or save_model_dir("sync", save)
     dtype = cfg.model.dtype if cfg.rollout.engine_dtype == "auto" else cfg.rollout.engine_dtype
-    return VLLMEngine(path, seed=cfg.run.seed, dtype=dtype,
-                      max_model_len=getattr(model.config, "max_position_embeddings", None),
-                      lora_config=vllm_lora_config(cfg.model.lora_plan()))
+    try:
+        engine = VLLMEngine(path, seed=cfg.run.seed, dtype=dtype,
+                            max_model_len=getattr(model.config, "max_position_embeddings", None),
+                            lora_config=vllm_lora_config(cfg.model.lora_plan()))
+    except BaseException:
+        if local is None:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    if local is None:
+        engine.model_dir_cleanup = remove_with(engine, path)
+    return engine
 
 
 def level_factory(cfg: Config, value: Any) -> Callable[[], Env]:

@@ -202,11 +202,22 @@ class OpponentPool:
         self.draws = int(state["draws"])
 
 
+def pool_wait_s(env_timeout_s: float) -> float:
+    """How long a game waits for an async worker's pool (``PoolDraw``): it waits inside an env
+    call (the reset or step that first needs the opponent) timed by ``rollout.env_timeout_s``
+    from before it starts, so it must give up first for the game to fail with the pool's
+    reason rather than as an env timeout (with equal waits the two raced). The call keeps a
+    margin of a fifth of its time, at least 1 s but at most half of it: a 30 s call waits
+    24 s, a 4 s one 3 s, a 1 s one 0.5 s."""
+    return max(0.5 * env_timeout_s, min(0.8 * env_timeout_s, env_timeout_s - 1.0))
+
+
 class PoolDraw:
     """One game's pool opponent, drawn when the game first needs it (its ``name`` or a move),
     on the env's thread: an async worker's pool may still be waiting for the learner's first
     version, and the turn loop must not wait for it (nor hold its lock) while starting games.
-    A pool still empty after ``wait_s`` fails that game only, with the pool's reason."""
+    A pool still empty after ``wait_s`` fails that game only, with the pool's reason (an async
+    worker waits ``pool_wait_s(rollout.env_timeout_s)``)."""
 
     def __init__(self, pool: OpponentPool, wait_s: float) -> None:
         self.pool, self.wait_s = pool, wait_s

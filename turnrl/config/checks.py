@@ -101,14 +101,15 @@ def check_env_plan(cfg: Config) -> None:
 def check_self_play(cfg: Config) -> None:
     """An outside opponent needs its player. In async mode each rollout worker builds its own
     (self-play: its engine in every seat; a local model; an endpoint) or, for the pool,
-    receives the learner's frozen versions and holds HF copies of them on its CPU, which a
-    vLLM worker does not have (docs/selfplay.md)."""
+    receives the learner's frozen versions and holds HF copies of them made from its own HF
+    model (where that model lives), which only an HF worker has: a vLLM worker holds its
+    weights in vLLM, a CTranslate2 worker in its converted model (docs/selfplay.md)."""
     opponent = cfg.env.options.get("opponent")
-    if cfg.run.mode == "async" and opponent == "pool" and cfg.ray.engine == "vllm":
-        raise ConfigError("env.options.opponent pool with ray.engine vllm: async workers hold "
-                          "the pool's frozen past policies as HF models, which a vLLM worker "
-                          "does not have; use --ray.engine hf, --run.mode sync, or opponent "
-                          "self")
+    if cfg.run.mode == "async" and opponent == "pool" and cfg.ray.engine != "hf":
+        raise ConfigError(f"env.options.opponent pool with ray.engine {cfg.ray.engine}: async "
+                          "workers hold the pool's frozen past policies as copies of their HF "
+                          "model, which only ray.engine hf workers have; use --ray.engine hf, "
+                          "--run.mode sync, or opponent self")
     if opponent == "model" and not cfg.env.opponent_model:
         raise ConfigError("env.options.opponent model needs env.opponent_model: the model that "
                           "plays the other seat (a name as model.name takes), e.g. "

@@ -26,6 +26,8 @@ from turnrl.distributed.weight_sync import (
 
 ANSWER_WAIT_S = 10.0
 """After a failed formation: how long to wait for the workers to say why they did not join."""
+NO_MEMBERS = "no worker to send to: none was up when the weight group last formed"
+"""Why ``send`` sent nothing when every worker was restarting or down at the last ``form``."""
 
 
 class WeightBroadcaster:
@@ -55,8 +57,8 @@ class WeightBroadcaster:
         self.close()
         kinds = self._devices(ray, handles)
         workers = sorted(kinds)
-        if not workers:  # every one is restarting: the object store carries this version
-            return
+        if not workers:  # every one is restarting: the object store carries this version, and
+            return  # ``send`` says why (``NO_MEMBERS``)
         backend = choose_backend(device_identity(learner_device), kinds)
         device = learner_device if backend == "nccl" else torch.device("cpu")
         world, timeout = len(workers) + 1, timedelta(seconds=self.timeout_s)
@@ -67,6 +69,7 @@ class WeightBroadcaster:
         refs = {w: handles[w].join_weight_group.remote(address, store.port, rank, world, backend,
                                                        self.generation, self.timeout_s)
                 for rank, w in enumerate(workers, start=1)}
+        group = None
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
@@ -77,6 +80,7 @@ class WeightBroadcaster:
             if failed:
                 raise WeightGroupError(failed)
         except Exception as err:  # noqa: BLE001 - one line, with the workers' own reasons
+            close_group(group)  # formed but unusable: NCCL's communicator aborted, not leaked
             reasons = _join_failures(ray, refs, ANSWER_WAIT_S) or first_line(err)
             raise WeightGroupError(
                 f"ray.weight_sync broadcast: the weight group (the learner and workers "
@@ -91,26 +95,32 @@ class WeightBroadcaster:
         self.backend, self.device = backend, device
 
     def _devices(self, ray: Any, handles: dict[int, Any]) -> dict[int, tuple[str, str]]:
-        """Where each worker keeps its weights; a worker restarting or gone is left out (it
-        catches up through the object store, and joins when the group forms again)."""
+        """Where each worker keeps its weights, asked of all at once (at most one timeout in
+        all); a worker restarting or gone is left out (it catches up through the object store,
+        and joins when the group forms again)."""
         refs = {w: handles[w].weights_device.remote() for w in sorted(handles)}
+        answers = _answers(ray, refs, self.timeout_s)
+        silent = [w for w in refs if w not in answers]
+        if silent:
+            raise WeightGroupError(
+                f"ray.weight_sync broadcast: {_named(silent)} did not say where "
+                f"{'it keeps' if len(silent) == 1 else 'they keep'} weights within "
+                f"{self.timeout_s:g} s; raise "
+                "--ray.weight_sync_timeout_s or use --ray.weight_sync object_store")
         kinds = {}
-        for w, ref in refs.items():
-            try:
-                kinds[w] = tuple(ray.get(ref, timeout=self.timeout_s))
-            except ray.exceptions.RayActorError:
+        for w, answer in answers.items():
+            if isinstance(answer, ray.exceptions.RayActorError):
                 continue
-            except ray.exceptions.GetTimeoutError:
-                raise WeightGroupError(
-                    f"ray.weight_sync broadcast: worker {w} did not say where it keeps weights "
-                    f"within {self.timeout_s:g} s; raise --ray.weight_sync_timeout_s or use "
-                    "--ray.weight_sync object_store") from None
+            if isinstance(answer, BaseException):
+                raise answer
+            kinds[w] = tuple(answer)
         return kinds
 
     def send(self, version: int, state: dict[str, Any], fire: Any) -> bool:
         """Broadcast ``state`` as ``version`` to every member (``fire`` sends the receive
         calls); False when it did not go through (the group is then dropped)."""
-        if self.group is None:
+        if self.group is None:  # formed with no worker up (each restarting or down)
+            self.failure = NO_MEMBERS
             return False
         layout = plan_layout(state)
         flats = flatten(state, layout, self.device)
@@ -133,14 +143,35 @@ class WeightBroadcaster:
 
 def _join_failures(ray: Any, refs: dict[int, Any], wait_s: float) -> str:
     """'worker 1: reason; worker 2: no answer' for the workers that did not join ('' if all
-    did)."""
+    did), waiting ``wait_s`` for all of them together."""
+    answers = _answers(ray, refs, wait_s)
     failures = []
-    for w, ref in refs.items():
-        try:
-            answer = ray.get(ref, timeout=wait_s)
-        except Exception as err:  # noqa: BLE001 - timed out, or the worker died
-            answer = "no answer" if isinstance(err, ray.exceptions.GetTimeoutError) \
-                else first_line(err)
+    for w in refs:
+        answer = answers.get(w, "no answer")
+        if isinstance(answer, BaseException):  # the call raised, or the worker died
+            answer = first_line(answer)
         if answer:
             failures.append(f"worker {w}: {answer}")
     return "; ".join(failures)
+
+
+def _named(workers: list[int]) -> str:
+    """'worker 2' or 'workers 0, 1, 2'."""
+    return f"worker{'s' if len(workers) > 1 else ''} {', '.join(map(str, workers))}"
+
+
+def _answers(ray: Any, refs: dict[int, Any], wait_s: float) -> dict[int, Any]:
+    """Worker -> its call's answer (or the exception it raised), for the calls in ``refs``
+    that ended within ``wait_s``, waited for together: one bound in all, not one a worker."""
+    if not refs:
+        return {}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait_s)
+    ended = set(ready)
+    answers: dict[int, Any] = {}
+    for w, ref in refs.items():
+        if ref in ended:
+            try:
+                answers[w] = ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - the caller names or skips it
+                answers[w] = err
+    return answers

@@ -24,7 +24,9 @@ the up workers or an incarnation changed (a restart, a given-up or revived worke
 that comes back between versions catches up through the object store. A broadcast that fails
 (a member died mid-way) sends that version through the object store; the group re-forms at the
 next publish. A group that cannot form within ``ray.weight_sync_timeout_s`` stops the run at
-start with one line naming the fix; mid-run the run warns and uses the object store from then on.
+start with one line naming the fix; mid-run the run warns, sends that version through the
+object store and tries again at the next publish, and after ``FORM_TRIES`` (fleet.py) failed
+formations in a row uses the object store for the rest of the run.
 """
 
 from __future__ import annotations

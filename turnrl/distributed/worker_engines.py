@@ -5,7 +5,7 @@ receipt). Used by ``RolloutWorker`` (workers.py), which re-exports these names."
 
 from __future__ import annotations
 
-import tempfile
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -21,12 +21,14 @@ from turnrl.lora import base_copy, vllm_lora_config
 from turnrl.models import model_directory
 from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
+from turnrl.rollout.model_dirs import remove_with, save_model_dir
 from turnrl.selfplay import (
     EndpointOpponent,
     ModelOpponent,
     OpponentPool,
     PoolDraw,
     attach_player,
+    pool_wait_s,
 )
 
 
@@ -66,11 +68,13 @@ def worker_env_factory(cfg: Config, pool: OpponentPool | None = None) -> Callabl
     (self-play); an outside opponent the worker can build itself (another local model, an
     endpoint: frozen, the same in every worker) is handed to each new env; a pool opponent is
     drawn from ``pool``, the worker's copy of the learner's (``set_pool``), when the game
-    first needs it (the learner sends the pool with the weights, before any work)."""
+    first needs it (the learner sends the pool with the weights, before any work), waiting for it
+    less than the env call it is drawn in lasts (``pool_wait_s``)."""
     make = partial(make_env, cfg.env.name, **cfg.env.options)
     opponent = cfg.env.options.get("opponent")
     if opponent == "pool" and pool is not None:
-        return attach_player(make, partial(PoolDraw, pool, cfg.rollout.env_timeout_s))
+        wait_s = pool_wait_s(cfg.rollout.env_timeout_s)
+        return attach_player(make, partial(PoolDraw, pool, wait_s))
     if opponent == "model":
         return ModelOpponent.load(cfg.env.opponent_model, cfg).attach(make)
     if opponent == "endpoint":
@@ -99,21 +103,35 @@ def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
     """A ``VLLMEngine`` for worker ``index`` on the GPU Ray gave it (not run here: no GPU).
 
     vLLM loads a model directory: a local one or the converted SmolLM2 cache as is; the tiny
-    model, built in code, is first saved from ``policy`` to a temporary directory. The
-    learner's weights then arrive through ``update_weights`` (vLLM's own loader, in place). The sampling seed is
-    the worker's, as for the HF engine; vLLM draws other random numbers than it does.
+    model, built in code, is first saved from ``policy`` to a temporary directory, removed
+    with the engine (``model_dir_cleanup``: at its collection, the worker's ``stop`` or the
+    process's exit; turnrl/rollout/model_dirs.py). The learner's weights then arrive through
+    ``update_weights`` (vLLM's own loader, in place). The sampling seed is the worker's, as
+    for the HF engine; vLLM draws other random numbers than it does.
     """
     from turnrl.rollout.vllm_engine import VLLMEngine
 
     path = policy.model_dir
     if path is None:  # the tiny model, built in code: saved for vLLM to load
-        path = Path(tempfile.mkdtemp(prefix=f"turnrl-vllm-{index}-"))
-        base_copy(policy.model).save_pretrained(path)  # LoRA: the adapter comes per version
-        policy.tokenizer.save_pretrained(path)
-    return VLLMEngine(path, seed=sampling_seed(cfg.run.seed, index), dtype=engine_dtype(cfg),
-                      gpu_memory_utilization=cfg.ray.gpu_memory_utilization,
-                      max_model_len=policy.max_context,
-                      lora_config=vllm_lora_config(cfg.model.lora_plan()))
+        path = save_model_dir(str(index), partial(_save_tiny_model, policy))
+    try:
+        engine = VLLMEngine(path, seed=sampling_seed(cfg.run.seed, index),
+                            dtype=engine_dtype(cfg),
+                            gpu_memory_utilization=cfg.ray.gpu_memory_utilization,
+                            max_model_len=policy.max_context,
+                            lora_config=vllm_lora_config(cfg.model.lora_plan()))
+    except BaseException:
+        if policy.model_dir is None:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    if policy.model_dir is None:
+        engine.model_dir_cleanup = remove_with(engine, path)
+    return engine
+
+
+def _save_tiny_model(policy: Player, path: Path) -> None:
+    base_copy(policy.model).save_pretrained(path)  # LoRA: the adapter comes per version
+    policy.tokenizer.save_pretrained(path)
 
 
 def ct2_engine(cfg: Config, model: torch.nn.Module, index: int) -> tuple[Any, Any]:

@@ -158,7 +158,7 @@ class RolloutWorker:
             self.model, self.engine = None, vllm_engine(cfg, policy, index)
         elif cfg.ray.engine == "ct2":
             policy = load_policy(cfg)  # the model gives the architecture; weights come later
-            self.model = None
+            self.model = None  # no HF model to play: no opponent pool (config checks refuse it)
             self.engine, self.refresh = ct2_engine(cfg, policy.model, index)
         else:
             policy = load_policy(cfg)  # the same model, chat and env checks as the learner
@@ -355,6 +355,9 @@ class RolloutWorker:
         if self.refresh is not None:
             self.refresh.close()
         self._thread.join(timeout=10)
+        cleanup = getattr(self.engine, "model_dir_cleanup", None)
+        if cleanup is not None:  # vLLM: the tiny model's temporary directory (model_dirs.py)
+            cleanup()
 
 
 class WarningTap(logging.Handler):
