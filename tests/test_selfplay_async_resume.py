@@ -282,3 +282,61 @@ def test_a_fired_failure_without_a_worker_names_the_method_from_the_error():
     assert fired_failure(None, "", err) == (
         "a rollout worker: receive_weights failed: ValueError: generation 3 is gone")
     assert fired_failure(2, "withdraw", err).startswith("rollout worker 2: withdraw failed: ")
+
+
+# ---- each worker's count of games drawn ----------------------------------------------------------
+
+def test_a_worker_counts_its_draws_on_from_the_count_it_is_sent(tmp_path):
+    from turnrl.distributed.weight_sync import weights_digest
+    from turnrl.distributed.workers import RolloutWorker, without_tied_weights
+    from turnrl.lora import published_state
+    from turnrl.models import tiny_model
+
+    model = tiny_model(seed=3)[0]
+    state = without_tied_weights(published_state(model))
+    worker = RolloutWorker(_cfg(tmp_path), pool_size=4)
+    try:
+        assert worker.set_pool([(0, state)], 5) == [0] and worker.pool.draws == 5
+        worker.set_pool([(0, state)], 2)  # a count older than its own: never back
+        assert worker.pool.draws == 5
+        first = worker.pool.sample()
+        assert worker.take_groups(None, 0.0).pool_draws == 6
+        worker.pool.draws = 5  # the same count draws the same opponent and stream
+        again = worker.pool.sample()
+        assert torch.equal(again.generator.get_state(), first.generator.get_state())
+        assert not torch.equal(worker.pool.sample().generator.get_state(),
+                               first.generator.get_state())
+        assert worker.pool_digests() == (7, {0: weights_digest(published_state(model))})
+    finally:
+        worker.stop()
+
+
+class _Calls:
+    """A worker handle recording the calls the learner fires (``handle.method.remote``)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getattr__(self, method):
+        return type("Method", (), {"remote": lambda _, *args: self.log.append((method, args))})()
+
+
+def test_the_learner_sends_each_worker_its_last_reported_draws_with_the_pool():
+    pytest.importorskip("ray")
+    from turnrl.distributed.book import AssignmentBook
+    from turnrl.distributed.fleet import Fleet
+    from turnrl.distributed.workers import WorkerReport
+
+    log = []
+    fleet = Fleet([_Calls(log)], AssignmentBook(lambda index: index))
+    fleet.weights = (0, "ref-0")
+    fleet.set_pool([0])
+    assert log[-1] == ("set_pool", ([(0, ["ref-0"])],))  # nothing drawn yet: no count
+    fleet.reconcile(0, fleet._next_seq(), WorkerReport(0, "a", [], set(), 0, 0, pool_draws=7))
+    fleet.reconcile(0, fleet._next_seq(), WorkerReport(0, "a", [], set(), 0, 0, pool_draws=3))
+    assert fleet.pool_draws == {0: 7}  # a late, older report does not lower it
+    del log[:]  # restarted: no weights, a fresh pool; it gets both back, and its count
+    fleet.reconcile(0, fleet._next_seq(), WorkerReport(0, "b", [], set(), -1, -1))
+    assert log == [("set_weights", (0, ["ref-0"])), ("set_pool", ([(0, ["ref-0"])], 7))]
+    fleet.seed_pool([(0, "ref-0"), (1, "ref-1")])  # a resumed run's pool: counts included
+    assert log[-1] == ("set_pool", ([(0, ["ref-0"]), (1, ["ref-1"])], 7))
