@@ -36,6 +36,8 @@ def _cfg(out, steps=STEPS, opponent="pool"):
         "--env.opponent_pool_size", "3", "--env.opponent_pool_every", "1",
         "--rollout.max_new_tokens", "3", "--rollout.group_size", "2",
         "--rollout.groups_per_step", "2", "--optim.lr", "1e-2", "--eval.episodes", "0",
+        # the tiny model forfeits most games (advantages 0): the entropy term moves every step
+        "--algo.entropy_coef", "0.05",
         "--run.mode", "async", "--ray.num_workers", "1", "--run.steps", str(steps),
         "--run.checkpoint_every", "2", "--run.keep_checkpoints", "5",
         "--run.progress", "false", "--run.tensorboard", "false", "--run.out_dir", str(out)])
@@ -167,7 +169,7 @@ def test_an_async_run_checkpoints_its_pool_as_a_sync_run_does(straight):
     for step, versions in ((2, (0, 1, 2)), (4, (2, 3, 4))):
         for version in versions:
             assert _equal(_member(out, step, version), recorder.published[version]), version
-    assert not _equal(recorder.published[0], recorder.published[1])  # the run learned
+    assert all(not _equal(recorder.published[v], recorder.published[v + 1]) for v in range(4))
     assert _inode(out, 2, 2) == _inode(out, 2) and _inode(out, 4, 4) == _inode(out, 4)
     assert _inode(out, 4, 2) == _inode(out, 2, 2)  # written once, linked after
     assert _inode(out, 4, 3) not in {_inode(out, 2), _inode(out, 4)}
@@ -195,7 +197,7 @@ def test_a_resumed_async_pool_run_plays_the_saved_pool_in_every_worker(straight,
     assert _equal(_member(out, 4, 2), before.published[2])
     for version in (3, 4):
         assert _equal(_member(out, 4, version), resumed.published[version])
-    assert not _equal(_member(out, 4, 3), _member(out, 4, 2))
+    assert not _equal(_member(out, 4, 3), _member(out, 4, 2))  # versions of their own
     assert _pool(out, 4)["worker_draws"][0] >= saved["worker_draws"][0]
 
 
@@ -330,6 +332,7 @@ def test_the_learner_sends_each_worker_its_last_reported_draws_with_the_pool():
     log = []
     fleet = Fleet([_Calls(log)], AssignmentBook(lambda index: index))
     fleet.weights = (0, "ref-0")
+    fleet.send_weights(0)
     fleet.set_pool([0])
     assert log[-1] == ("set_pool", ([(0, ["ref-0"])],))  # nothing drawn yet: no count
     fleet.reconcile(0, fleet._next_seq(), WorkerReport(0, "a", [], set(), 0, 0, pool_draws=7))
