@@ -119,7 +119,8 @@ class Fleet:
         their opponents); any other is logged, as the books repair it: weights missing at
         the next report are sent again, an assignment that never arrived is re-issued, a
         withdrawal that failed leaves a group played twice (its first delivery counts), a
-        resize that failed leaves the worker's pool at its old size."""
+        resize that failed leaves the worker's pool at its old size. Any other Ray error (a
+        lost object, a cancelled call) is logged the same way."""
         if not self.fired:
             return
         refs = [ref for ref, _, _ in self.fired]
@@ -139,6 +140,8 @@ class Fleet:
                 if method == "set_pool":
                     raise RuntimeError(line) from None
                 log.warning("%s", line)
+            except self.ray.exceptions.RayError as err:  # lost object, cancelled call...
+                log.warning("%s", fired_failure(worker, method, err))
 
     def up(self) -> list[int]:
         return [w for w in range(len(self.handles))
