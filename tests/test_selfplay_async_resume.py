@@ -31,7 +31,11 @@ def ray_pool():
 
 
 def _cfg(out, steps=STEPS, opponent="pool"):
-    return load_config(None, [
+    return load_config(None, _args(out, steps, opponent))
+
+
+def _args(out, steps=STEPS, opponent="pool"):
+    return [
         "--model.name", "tiny", "--env.name", "tictactoe", "--env.options.opponent", opponent,
         "--env.opponent_pool_size", "3", "--env.opponent_pool_every", "1",
         "--rollout.max_new_tokens", "3", "--rollout.group_size", "2",
@@ -40,7 +44,7 @@ def _cfg(out, steps=STEPS, opponent="pool"):
         "--algo.entropy_coef", "0.05",
         "--run.mode", "async", "--ray.num_workers", "1", "--run.steps", str(steps),
         "--run.checkpoint_every", "2", "--run.keep_checkpoints", "5",
-        "--run.progress", "false", "--run.tensorboard", "false", "--run.out_dir", str(out)])
+        "--run.progress", "false", "--run.tensorboard", "false", "--run.out_dir", str(out)]
 
 
 class Recorder:
@@ -343,3 +347,32 @@ def test_the_learner_sends_each_worker_its_last_reported_draws_with_the_pool():
     assert log == [("set_weights", (0, ["ref-0"])), ("set_pool", ([(0, ["ref-0"])], 7))]
     fleet.seed_pool([(0, "ref-0"), (1, "ref-1")])  # a resumed run's pool: counts included
     assert log[-1] == ("set_pool", ([(0, ["ref-0"]), (1, ["ref-1"])], 7))
+
+
+def test_a_lora_async_pool_run_resumes_with_each_members_adapter(ray_pool, tmp_path,
+                                                                   monkeypatch):
+    """LoRA: a member is the frozen base with its version's adapter; the checkpoint holds each
+    version's adapter alone, and a resumed worker holds those adapters bit for bit."""
+    from turnrl.checkpoint import load_frozen
+    from turnrl.lora import published_state
+    from turnrl.policy import load_policy
+
+    cfg = load_config(None, [*_args(tmp_path), "--model.lora.r", "4"])
+    _train(cfg, monkeypatch, stop_at=2)
+    resumed = _train(cfg, monkeypatch, resume=True)
+    assert _pool_sizes(tmp_path) == [2.0, 3.0, 3.0, 3.0]
+    assert _pool(tmp_path, 4)["versions"] == [2, 3, 4]
+    members = _checkpoint(tmp_path, 2) / "opponent_pool"
+    assert sorted(p.name for p in (members / "v000001").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    model = load_policy(cfg).model
+    adapters = {}
+    for version in (0, 1, 2):
+        assert load_frozen(_checkpoint(tmp_path, 2), f"opponent_pool/v{version:06d}", model)
+        adapters[version] = {k: v.clone() for k, v in published_state(model).items()}
+    ((_, held),) = resumed.workers
+    assert held == {v: _digest(state) for v, state in adapters.items()}
+    assert not _equal(adapters[0], adapters[1])
+    for version in (3, 4):
+        assert load_frozen(_checkpoint(tmp_path, 4), f"opponent_pool/v{version:06d}", model)
+        assert _equal(published_state(model), resumed.published[version])
