@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,9 @@ PREFIX = "step-"
 MODEL_WEIGHTS = "model.safetensors"
 WEIGHT_FILES = (MODEL_WEIGHTS, ADAPTER_WEIGHTS)
 """A checkpoint's weights: the whole model's, or a LoRA run's adapter's."""
+Frozen = torch.nn.Module | Callable[[], torch.nn.Module]
+"""Further weights to save: a model, or a function that builds it (async pools: the members'
+weights live in Ray's object store, and only a member not saved before is built)."""
 
 
 def _fsync_tree(path: Path) -> None:
@@ -86,10 +90,11 @@ def _link_weights(files: list[Path], directory: Path) -> None:
             shutil.copyfile(file, directory / file.name)
 
 
-def _save_frozen(tmp: Path, model: torch.nn.Module, frozen: dict[str, torch.nn.Module],
+def _save_frozen(tmp: Path, model: torch.nn.Module, frozen: dict[str, Frozen],
                  previous: Path | None) -> None:
     """Each of ``frozen`` under ``tmp/<name>/``, by the cheapest way that gives its bytes:
-    a link to the model's own files, to the previous checkpoint's, or written."""
+    a link to the model's own files, to the previous checkpoint's, or written. A builder
+    (a function returning the model) is called only when its bytes must be written."""
     own = weight_files(tmp)
     for name, weights in frozen.items():
         directory = tmp / name
@@ -97,7 +102,10 @@ def _save_frozen(tmp: Path, model: torch.nn.Module, frozen: dict[str, torch.nn.M
         earlier = weight_files(previous / name) if previous is not None else []
         if earlier:  # a name is one set of weights for the whole run
             _link_weights(earlier, directory)
-        elif same_weights(weights, model):
+            continue
+        if not isinstance(weights, torch.nn.Module):  # built now, dropped after writing
+            weights = weights()
+        if same_weights(weights, model):
             _link_weights(own, directory)
         else:
             save_weights(weights, directory)
@@ -155,13 +163,14 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, *, rng: dict, extra: dict | None = None,
                     components: dict[str, dict] | None = None,
-                    frozen: dict[str, torch.nn.Module] | None = None, keep: int = 2) -> Path:
+                    frozen: dict[str, Frozen] | None = None, keep: int = 2) -> Path:
     """Write ``checkpoints/step-NNNNNN`` atomically and keep only the newest ``keep``.
 
     ``components`` are further state dicts a resume needs (a critic, a replay buffer),
     saved as ``<name>.pt`` and read back with ``load_component``. ``frozen`` are further
     weights (name -> model), saved under ``<name>/`` without duplicated bytes (the module
-    docstring) and read back with ``load_frozen``.
+    docstring; a value may be a function building the model, called only if its bytes are
+    written) and read back with ``load_frozen``.
     """
     _require_finite(model, optimizer)
     root = Path(run_dir) / "checkpoints"

@@ -15,7 +15,9 @@ uniformly from them, and samples its moves, on a random stream of its own seeded
 (``run.seed``, ``n``): what a game plays depends on neither the order env threads reach the
 model nor on the games before it. The pool is saved with each checkpoint (its versions'
 weights and the number of games drawn: ``state_dict``, ``frozen_weights``), so a resumed run
-plays the same opponents as an uninterrupted one.
+plays the same opponents as an uninterrupted one. An async run saves the same pool from the
+learner's side (turnrl/distributed/pool_state.py): the same versions and weights on resume,
+but not the same game-by-game draws (which worker plays which game depends on timing).
 """
 
 from __future__ import annotations

@@ -10,14 +10,12 @@ moved; once the cluster has room for it again, a fresh actor takes its place (``
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
-from turnrl.config import Config
 from turnrl.distributed.book import Assignment, AssignmentBook
-from turnrl.distributed.cluster import cluster_address
+from turnrl.distributed.placement import learner_threads  # noqa: F401 - re-exported
 from turnrl.distributed.workers import without_tied_weights
 from turnrl.lora import published_state, state_bytes
 
@@ -58,7 +56,8 @@ class Fleet:
         self.weights: tuple[int, object] | None = None
         self.version_bytes = 0
         """Tensor bytes of the newest published version (a LoRA run: the adapter's)."""
-        self.fired: list = []
+        self.fired: list[tuple[object, int | None, str]] = []
+        """(ref, worker, method) of calls whose answer is never needed, until checked."""
         # Events since the learner last looked (it logs them per step).
         self.restarts = 0
         self.reissued: list[int] = []
@@ -87,6 +86,9 @@ class Fleet:
         """Node label -> weight bytes pulled to it since the learner last looked."""
         self.pool: list[tuple[int, object]] = []
         """The opponent pool's (version, ObjectRef of its weights): sent with the weights."""
+        self.pool_draws: dict[int, int] = {}
+        """Games each worker's pool has drawn, as last reported: a worker that is sent the
+        pool again (restarted, revived, a resumed run) goes on counting from there."""
         self.broadcaster = broadcaster
         """``ray.weight_sync: broadcast``: the learner's side of the weight group (None: the
         object store carries every version). Formed once the workers have started."""
@@ -101,17 +103,45 @@ class Fleet:
         self.seq += 1
         return self.seq
 
-    def _fire(self, ref) -> None:
-        """A call whose answer we never need; kept so a failure does not go unobserved."""
-        self.fired.append(ref)
-        if len(self.fired) > 64:
-            done, self.fired = self.ray.wait(self.fired, num_returns=len(self.fired),
-                                             timeout=0)
-            for ref in done:
-                try:
-                    self.ray.get(ref)
-                except self.ray.exceptions.RayActorError:
-                    pass  # the poll path notices dead workers
+    def _fire(self, ref, worker: int | None = None, method: str = "") -> None:
+        """A call whose answer we never need; kept so that a failure is seen at the next
+        ``poll`` (``check_fired``) and named with ``worker`` and ``method``."""
+        self.fired.append((ref, worker, method))
+
+    def _call(self, w: int, method: str, *args) -> None:
+        """``method(*args)`` on worker ``w``, fired (``_fire``)."""
+        self._fire(getattr(self.handles[w], method).remote(*args), w, method)
+
+    def check_fired(self) -> None:
+        """The fired calls that have finished (never waits): an actor that died is left to
+        the poll path; a method that raised is one line naming the worker, the method and
+        the cause. A failed ``set_pool`` raises (that worker's games would all fail without
+        their opponents); any other is logged, as the books repair it: weights missing at
+        the next report are sent again, an assignment that never arrived is re-issued, a
+        withdrawal that failed leaves a group played twice (its first delivery counts), a
+        resize that failed leaves the worker's pool at its old size. Any other Ray error (a
+        lost object, a cancelled call) is logged the same way."""
+        if not self.fired:
+            return
+        refs = [ref for ref, _, _ in self.fired]
+        done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        if not done:
+            return
+        finished = set(done)
+        calls = [call for call in self.fired if call[0] in finished]
+        self.fired = [call for call in self.fired if call[0] not in finished]
+        for ref, worker, method in calls:
+            try:
+                self.ray.get(ref)
+            except self.ray.exceptions.RayActorError:
+                pass  # the poll path notices dead workers
+            except self.ray.exceptions.RayTaskError as err:
+                line = fired_failure(worker, method, err)
+                if method == "set_pool":
+                    raise RuntimeError(line) from None
+                log.warning("%s", line)
+            except self.ray.exceptions.RayError as err:  # lost object, cancelled call...
+                log.warning("%s", fired_failure(worker, method, err))
 
     def up(self) -> list[int]:
         return [w for w in range(len(self.handles))
@@ -202,28 +232,39 @@ class Fleet:
 
     def send_weights(self, w: int) -> None:
         version, ref = self.weights[0], self.weights_ref()
-        self._fire(self.handles[w].set_weights.remote(version, [ref]))
+        self._call(w, "set_weights", version, [ref])
         self.weights_seq[w] = self._next_seq()
         if self.pool:  # a restarted or revived worker gets the pool back with the weights
-            self._fire(self.handles[w].set_pool.remote([(v, [r]) for v, r in self.pool]))
+            self.send_pool(w)
+
+    def send_pool(self, w: int) -> None:
+        """The pool to worker ``w``, with its count of games drawn when one was reported."""
+        members = [(v, [r]) for v, r in self.pool]
+        draws = self.pool_draws.get(w, 0)
+        self._call(w, "set_pool", *([members, draws] if draws else [members]))
 
     def set_pool(self, versions: list[int]) -> None:
         """The opponent pool is now ``versions``, each a published version (the newest is
         the one just published): every worker holds the same frozen copies."""
         refs = dict(self.pool)
         refs[self.weights[0]] = self.weights_ref()
-        self.pool = [(v, refs[v]) for v in versions]
+        self.seed_pool([(v, refs[v]) for v in versions])
+
+    def seed_pool(self, members: list[tuple[int, object]]) -> None:
+        """The opponent pool is ``members`` ((version, ObjectRef of its weights) each): sent
+        to every worker (a resumed run: the checkpoint's pool, before the first game)."""
+        self.pool = list(members)
         for w in self.alive():
-            self._fire(self.handles[w].set_pool.remote([(v, [r]) for v, r in self.pool]))
+            self.send_pool(w)
 
     def resize(self, pool_size: int) -> None:
         """Every worker's pool to ``pool_size`` live episodes (a restarted one gets it too)."""
         self.pool_size = pool_size
         for w in self.alive():
-            self._fire(self.handles[w].resize.remote(pool_size))
+            self._call(w, "resize", pool_size)
 
     def assign(self, w: int, assignments: list[Assignment]) -> None:
-        self._fire(self.handles[w].assign.remote([(a.id, a.seed) for a in assignments]))
+        self._call(w, "assign", [(a.id, a.seed) for a in assignments])
 
     def revive(self) -> None:
         """Start a fresh actor for each given-up worker the cluster has room for again (a node
@@ -243,7 +284,7 @@ class Fleet:
                 books.pop(w, None)  # its first report sets the incarnation
             log.warning("rollout worker %d revived: the cluster has room for it again", w)
             if self.pool_size is not None:
-                self._fire(self.handles[w].resize.remote(self.pool_size))
+                self._call(w, "resize", self.pool_size)
             if self.weights:
                 self.send_weights(w)
 
@@ -258,6 +299,7 @@ class Fleet:
     def poll(self, timeout_s: float) -> list[tuple[int, int, object]]:
         """Reports that arrived within ``timeout_s``: ``(worker, poll seq, WorkerReport)``."""
         self.revive()
+        self.check_fired()
         now = time.monotonic()
         for w in self.alive():
             if w not in self.polls and now >= self.retry_at.get(w, 0.0):
@@ -341,11 +383,14 @@ class Fleet:
         if self.incarnation.get(w, report.incarnation) != report.incarnation:
             self.restarts += 1
             if self.pool_size is not None:
-                self._fire(self.handles[w].resize.remote(self.pool_size))
+                self._call(w, "resize", self.pool_size)
         self.incarnation[w] = report.incarnation
         self.version[w] = report.version
         self._count_pull(w, report.version)
         self.stats[w] = report.stats
+        draws = getattr(report, "pool_draws", 0)
+        if draws > self.pool_draws.get(w, 0):
+            self.pool_draws[w] = draws
         if self.weights and report.weights_version < self.weights[0] \
                 and self.weights_seq.get(w, seq) < seq:
             self.send_weights(w)  # sent before this poll, yet missing: lost in a restart
@@ -372,7 +417,7 @@ class Fleet:
             return
         seq = self._next_seq()
         for donor, assignments in moved.items():
-            self._fire(self.handles[donor].withdraw.remote([a.id for a in assignments]))
+            self._call(donor, "withdraw", [a.id for a in assignments])
             for assignment in assignments:
                 self.book.move(assignment, w, seq)
                 self.reissued.append(assignment.id)
@@ -426,31 +471,15 @@ def shared_out(book: AssignmentBook, w: int, others: list[int]) -> dict[int, lis
     return moved
 
 
-def learner_threads(cfg: Config) -> int:
-    """Torch threads of the learner process.
-
-    ``run.threads`` (0: every core this process may use), at most the learner's own CPUs in
-    Ray (``ray.learner_cpus``) when it reserves some; else on a local cluster at most the
-    cores the workers leave: each worker runs
-    ``int(worker_cpus)`` threads, the learner gets what is left. On a 2-core laptop with one
-    worker that is 1 thread each: 2 processes on 2 cores, where torch's default of one thread
-    per core in every process would put 4 busy threads on 2 cores and thrash.
-    """
-    threads = cfg.run.threads or learner_cores()
-    if cfg.ray.learner_cpus > 0:  # its own share in Ray's books; the workers have theirs
-        return max(1, min(threads, int(cfg.ray.learner_cpus)))
-    if cluster_address(cfg):  # the workers run elsewhere (or say so by their own reservations)
-        return threads
-    workers = cfg.ray.num_workers * max(1, int(cfg.ray.worker_cpus))
-    return max(1, min(threads, (os.cpu_count() or 1) - workers))
-
-
-def learner_cores() -> int:
-    """The cores this process may run on (its affinity: a container's or a job's share)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+def fired_failure(worker: int | None, method: str, err: Exception) -> str:
+    """One line for a fired call that raised: the worker, the method, the cause. Calls fired
+    for another module (the weight group's ``receive_weights``) carry no worker; the error
+    then names the method."""
+    method = method or getattr(err, "function_name", "") or "a call"
+    who = f"rollout worker {worker}" if worker is not None else "a rollout worker"
+    cause = getattr(err, "cause", None) or err
+    return (f"{who}: {method.rsplit('.', 1)[-1]} failed: {type(cause).__name__}: "
+            f"{_first_line(cause)}")
 
 
 def _first_line(err: Exception) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnrl.config import Config, ConfigError
+from turnrl.distributed.cluster import cluster_address
 
 STRATEGIES = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREAD",
               "strict_pack": "STRICT_PACK"}
@@ -205,3 +206,30 @@ def release_placement(seat: LearnerSeat | None, group: Any) -> None:
             remove_placement_group(group)
         except Exception:  # noqa: BLE001 - the cluster is already gone
             pass
+
+
+def learner_threads(cfg: Config) -> int:
+    """Torch threads of the learner process.
+
+    ``run.threads`` (0: every core this process may use), at most the learner's own CPUs in
+    Ray (``ray.learner_cpus``) when it reserves some; else on a local cluster at most the
+    cores the workers leave: each worker runs
+    ``int(worker_cpus)`` threads, the learner gets what is left. On a 2-core laptop with one
+    worker that is 1 thread each: 2 processes on 2 cores, where torch's default of one thread
+    per core in every process would put 4 busy threads on 2 cores and thrash.
+    """
+    threads = cfg.run.threads or learner_cores()
+    if cfg.ray.learner_cpus > 0:  # its own share in Ray's books; the workers have theirs
+        return max(1, min(threads, int(cfg.ray.learner_cpus)))
+    if cluster_address(cfg):  # the workers run elsewhere (or say so by their own reservations)
+        return threads
+    workers = cfg.ray.num_workers * max(1, int(cfg.ray.worker_cpus))
+    return max(1, min(threads, (os.cpu_count() or 1) - workers))
+
+
+def learner_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or a job's share)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -44,6 +44,7 @@ from turnrl.distributed.placement import (
     release_placement,
     worker_group,
 )
+from turnrl.distributed.pool_state import frozen_members, pool_state, saved_members, seed_fleet
 from turnrl.distributed.rates import MeasuredRates
 from turnrl.distributed.refresh_stats import refresh_metrics
 from turnrl.distributed.sizing import (
@@ -61,6 +62,7 @@ from turnrl.selfplay import pool_after_offer
 from turnrl.trainer.buffer import StalenessBuffer, group_staleness
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults
+from turnrl.trainer.local import POOL_STATE
 from turnrl.trainer.run import Run, TrainResult, evaluate_env, play_seeds
 from turnrl.types import Episode
 
@@ -158,6 +160,8 @@ class RaySource(SourceDefaults):
             ledger_path.unlink(missing_ok=True)
         truncate_metrics(ledger_path, after_step=run.start_step)
         self.ledger = open(ledger_path, "a")  # noqa: SIM115 - closed by close()
+        # a resumed run's opponent pool (pool_state.py), read before any worker starts
+        saved_pool = saved_members(run) if self.pool_versions is not None else None
         if cfg.ray.engine == "ct2":  # before any worker starts: one line, not an actor error
             from turnrl.rollout.ct2_engine import check_architecture
 
@@ -185,6 +189,8 @@ class RaySource(SourceDefaults):
         self.fleet = Fleet(spawn(), book, cfg.ray.node_loss_wait_s, worker_needs(cfg),
                            respawn=respawn, has_room=bundle_placed(self.group),
                            broadcaster=broadcaster)
+        if saved_pool is not None:
+            self.pool_versions = seed_fleet(self.fleet, *saved_pool)
 
     def label(self, cfg: Config) -> str:
         return f"{cfg.env.name} (async)"
@@ -328,10 +334,25 @@ class RaySource(SourceDefaults):
         return metrics
 
     def state_dict(self) -> dict:
-        """Checkpoint extras: where the seed schedule and assignment ids continue."""
+        """Checkpoint extras: where the seed schedule and assignment ids continue; the
+        opponent pool's versions and each worker's games drawn (``opponent: pool``)."""
+        pool = {}
+        if self.pool_versions is not None:
+            draws = getattr(self.fleet, "pool_draws", {})
+            pool = {POOL_STATE: pool_state(self.pool_versions, [
+                draws.get(w, 0) for w in range(self.cfg.ray.num_workers)])}
         return {"seed_index": self.book.next_index, "next_assignment": self.book.next_id,
                 "max_versions": self.max_versions,
-                **(self.guidance.state_dict() if self.guidance is not None else {})}
+                **(self.guidance.state_dict() if self.guidance is not None else {}), **pool}
+
+    def frozen_weights(self) -> dict:
+        """The pool members' weights by checkpoint name: the newest version is the learner's
+        model itself, an older one is built from the object store, and only when the
+        checkpoint writes its bytes (pool_state.py)."""
+        if not self.pool_versions or self.run is None:
+            return {}
+        return frozen_members(self.pool_versions, self.version, self.run.learner.model,
+                              dict(self.fleet.pool))
 
     def close(self) -> None:
         """Stop the workers; what is still outstanding or buffered is abandoned."""

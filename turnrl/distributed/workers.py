@@ -125,6 +125,8 @@ class WorkerReport:
     """(Ray node id, 'host (ip)') the worker runs on."""
     logs: list[str] = field(default_factory=list)
     """Warnings and errors the worker logged since the last report (the learner logs them)."""
+    pool_draws: int = 0
+    """Games its opponent pool has drawn (``opponent: pool``; saved with checkpoints)."""
 
 
 class RolloutWorker:
@@ -224,6 +226,9 @@ class RolloutWorker:
 
     # ---- actor methods -------------------------------------------------------------------
 
+    def __repr__(self) -> str:  # Ray names the actor by this in its errors
+        return f"rollout worker {self.index}"
+
     def ping(self) -> str:
         return self.incarnation
 
@@ -237,13 +242,17 @@ class RolloutWorker:
         self._have_weights.set()
         return version
 
-    def set_pool(self, members: list[tuple[int, Any]]) -> list[int]:
+    def set_pool(self, members: list[tuple[int, Any]], draws: int = 0) -> list[int]:
         """Hold the learner's opponent pool: ``(version, [ObjectRef] or state dict)`` each, a
-        frozen copy of the model with those weights built for a version not held yet."""
+        frozen copy of the model with those weights built for a version not held yet.
+        ``draws``: games this worker's pool had drawn before (a restart, a resumed run): the
+        count, which seeds each game's draw, goes on from there, never back."""
         if self.pool is None:
             raise RuntimeError("set_pool: this worker plays no opponent pool "
                                "(env.options.opponent is not pool)")
         states = dict(members)
+        with self.pool.changed:
+            self.pool.draws = max(self.pool.draws, int(draws))
         self.pool.hold([version for version, _ in members],
                        lambda version: self._frozen(version, states[version]))
         return self.pool.versions()
@@ -283,7 +292,8 @@ class RolloutWorker:
                             _drained(self.rollout.env_latencies),
                             call_costs=_drained(self.rollout.call_costs),
                             reset_latencies=_drained(self.rollout.reset_latencies),
-                            node=self.node, logs=_drained(self.logs.lines))
+                            node=self.node, logs=_drained(self.logs.lines),
+                            pool_draws=self.pool.draws if self.pool is not None else 0)
 
     def resize(self, pool_size: int) -> int:
         """A new target of live episodes (``pool.auto``); the loop admits or lets drain
@@ -339,6 +349,14 @@ class RolloutWorker:
         version the engine then has."""
         self._load_newest_weights()
         return self.engine.version
+
+    def pool_digests(self) -> tuple[int, dict[int, str]]:
+        """(games its opponent pool has drawn, version -> SHA-256 of each member's published
+        tensors): what its pool games play against."""
+        if self.pool is None:
+            return 0, {}
+        return self.pool.draws, {m.version: weights_digest(published_state(m.model))
+                                 for m in self.pool.members}
 
     def loaded_weights_digest(self) -> tuple[int, str]:
         """(version it samples with, SHA-256 of its model's published tensors); HF engine."""

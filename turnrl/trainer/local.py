@@ -90,14 +90,25 @@ POOL_STATE = "opponent_pool"
 """The pool's key in a checkpoint's ``state.json`` (its weights: ``selfplay.member_name``)."""
 
 
-def restore_pool(pool: OpponentPool, run: Run) -> None:
-    """The pool of the checkpoint ``run`` resumes from; a checkpoint written before pools were
-    saved has none: the pool starts again from the resumed weights, with a one-line warning."""
+def saved_pool(run: Run) -> dict | None:
+    """The pool entry of the checkpoint ``run`` resumes from (None: not resuming). A
+    checkpoint written before pools were saved has none: the pool starts again from the
+    resumed weights, with a one-line warning (sync and async runs alike)."""
+    if run.checkpoint is None:
+        return None
     state = run.checkpoint_state.get(POOL_STATE)
     if state is None:
         warnings.warn(f"checkpoint {run.checkpoint} has no opponent pool (written before pools "
                       f"were checkpointed): the pool starts again from step {run.start_step}'s "
-                      "weights, so opponents differ from the interrupted run's", stacklevel=2)
+                      "weights, so opponents differ from the interrupted run's", stacklevel=3)
+    return state
+
+
+def restore_pool(pool: OpponentPool, run: Run) -> None:
+    """The pool of the checkpoint ``run`` resumes from (``saved_pool``), its members' weights
+    read from the checkpoint."""
+    state = saved_pool(run)
+    if state is None:
         return
     try:
         pool.load_state_dict(state, run.learner.model,
