@@ -110,3 +110,14 @@ def model_dir(tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+class RecordingHandle:
+    """A stand-in for a Ray worker handle that records the calls the learner fires at it
+    (``handle.method.remote(*args)`` appends ``(method, args)`` to ``log``)."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def __getattr__(self, method: str):
+        return type("Method", (), {"remote": lambda _, *args: self.log.append((method, args))})()

@@ -8,7 +8,7 @@ import sys
 from functools import partial
 
 import pytest
-from conftest import MovesEngine, local_ray
+from conftest import MovesEngine, RecordingHandle, local_ray
 
 from turnrl.config import ConfigError, load_config
 from turnrl.envs import StepResult, make_env, register_env
@@ -417,16 +417,6 @@ def test_an_async_run_against_the_pool(ray_games, tmp_path):
     assert {ep.info["opponent"] for ep in evaluated} == {"random", "minimax"}
 
 
-class _Calls:
-    """A worker handle that records the calls the learner sends it (``handle.method.remote``)."""
-
-    def __init__(self, log):
-        self.log = log
-
-    def __getattr__(self, method):
-        return type("Method", (), {"remote": lambda _, *args: self.log.append((method, args))})()
-
-
 def test_the_learner_sends_the_pool_with_the_weights_and_again_after_a_restart():
     pytest.importorskip("ray")
     from turnrl.distributed.book import AssignmentBook
@@ -434,7 +424,7 @@ def test_the_learner_sends_the_pool_with_the_weights_and_again_after_a_restart()
     from turnrl.distributed.workers import WorkerReport
 
     log = []
-    fleet = Fleet([_Calls(log)], AssignmentBook(lambda index: index))
+    fleet = Fleet([RecordingHandle(log)], AssignmentBook(lambda index: index))
     fleet.weights = (0, "ref-0")
     fleet.send_weights(0)
     assert [name for name, _ in log] == ["set_weights"]  # no pool: nothing else sent

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import local_ray
+from conftest import RecordingHandle, local_ray
 
 from turnrl.config import load_config
 from turnrl.metrics import read_metrics
@@ -317,16 +317,6 @@ def test_a_worker_counts_its_draws_on_from_the_count_it_is_sent(tmp_path):
         worker.stop()
 
 
-class _Calls:
-    """A worker handle recording the calls the learner fires (``handle.method.remote``)."""
-
-    def __init__(self, log):
-        self.log = log
-
-    def __getattr__(self, method):
-        return type("Method", (), {"remote": lambda _, *args: self.log.append((method, args))})()
-
-
 def test_the_learner_sends_each_worker_its_last_reported_draws_with_the_pool():
     pytest.importorskip("ray")
     from turnrl.distributed.book import AssignmentBook
@@ -334,7 +324,7 @@ def test_the_learner_sends_each_worker_its_last_reported_draws_with_the_pool():
     from turnrl.distributed.workers import WorkerReport
 
     log = []
-    fleet = Fleet([_Calls(log)], AssignmentBook(lambda index: index))
+    fleet = Fleet([RecordingHandle(log)], AssignmentBook(lambda index: index))
     fleet.weights = (0, "ref-0")
     fleet.send_weights(0)
     fleet.set_pool([0])
