@@ -10,6 +10,7 @@ nats.
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 
@@ -310,22 +311,11 @@ def test_a_lock_step_run_samples_with_ct2_and_logs_the_mismatch(tmp_path, dtype)
             assert row["mismatch/logprob_diff_max"] < 1e-3
 
 
-@pytest.mark.parametrize("timings,chosen", [
-    ({"hf float32": [2.0, 2.1, 9.0], "ct2 int8": [1.0, 1.1, 1.2]}, "ct2 int8"),
-    ({"hf float32": [2.0, 2.0, 2.0], "ct2 int8": [1.8, 1.8, 0.1]}, "hf float32"),  # < margin
-    ({"hf float32": [1.0], "ct2 int8": [3.0], "hf bfloat16": [0.5]}, "hf bfloat16"),
-    ({"hf float32": [1.0], "ct2 int8": [1.0 / 1.15]}, "ct2 int8"),  # exactly the margin
-])
-def test_pick_fastest_needs_the_margin_over_the_default(timings, chosen):
-    from turnrl.rollout.engine_choice import pick_fastest
-
-    assert pick_fastest(timings, default="hf float32") == chosen
-
-
 def test_auto_times_the_candidates_and_keeps_the_fastest(capsys):
     """`rollout.engine auto` on this machine: every sampler it can run is timed (ct2 int8
-    here; hf bf16 where the CPU has it), the printed choice is the engine returned, its
-    seed and version start fresh."""
+    here; hf bf16 where the CPU has it), sampling and one refresh each; the printed choice
+    is the cheapest step by the margin rule on the printed figures, and the engine returned;
+    its seed and version start fresh."""
     from turnrl.policy import load_policy
     from turnrl.rollout.hf_engine import HFEngine
 
@@ -337,6 +327,21 @@ def test_auto_times_the_candidates_and_keeps_the_fastest(capsys):
     assert "hf float32" in line[0] and "ct2 int8" in line[0]
     assert ("hf bfloat16" in line[0]) is cpu_has_bf16()
     chosen = line[0].split("auto: ")[1].split(" (")[0]
+    assert "sampling 8 rows x 8 turns x 4 tokens + one weight refresh" in line[0]
+    figures = {name: (float(step), float(sampling), float(refresh))  # step = sampling + refresh
+               for name, step, sampling, refresh in re.findall(
+                   r"(\w+ \w+) ([\d.]+) s = ([\d.]+) \+ ([\d.]+)", line[0])}
+    assert set(figures) == {"hf float32", "ct2 int8"} | ({"hf bfloat16"} if cpu_has_bf16()
+                                                          else set())
+    for step_s, sampling_s, refresh_s in figures.values():
+        assert step_s == pytest.approx(sampling_s + refresh_s, abs=0.011)  # 2 decimals each
+    assert figures["hf float32"][2] == 0  # the learner's own tensors: nothing to refresh
+    assert figures["ct2 int8"][2] > 0  # a conversion
+    hf_s, best = figures["hf float32"][0], min(figures, key=lambda name: figures[name][0])
+    if chosen == "hf float32":  # the margin rule on the printed (rounded) figures
+        assert figures[best][0] * 1.15 >= hf_s - 0.02
+    else:
+        assert chosen == best and figures[best][0] * 1.15 <= hf_s + 0.02
     engine = policy.engine
     kind = {CT2Engine: "ct2 int8", HFCopyEngine: "hf bfloat16", HFEngine: "hf float32"}
     assert kind[type(engine)] == chosen

@@ -146,8 +146,10 @@ def sampler_candidates(cfg: Config, model: torch.nn.Module) -> list[tuple[str, s
 
 
 def fastest_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
-    """``rollout.engine auto``: every candidate timed on the run's batch shape, the fastest
-    kept (``turnrl.rollout.engine_choice``); the choice and the timings printed in one line."""
+    """``rollout.engine auto``: every candidate timed on the run's batch shape, sampling and
+    one weight refresh each, and the one whose estimated step (sampling scaled to the step's
+    rows, turns and new tokens, plus the refresh every lock-step step pays) is cheapest kept
+    (``turnrl.rollout.engine_choice``); the choice and the figures printed in one line."""
     from turnrl.rollout import engine_choice
 
     candidates = sampler_candidates(cfg, model)
@@ -156,15 +158,20 @@ def fastest_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
     if len(candidates) == 1:
         print(f"rollout.engine auto: {label[candidates[0]]} (the only sampler this machine has)")
         return cpu_sampler(cfg, model, tokenizer, *candidates[0])
-    rows = cfg.rollout.group_size * cfg.rollout.groups_per_step
+    rollout = cfg.rollout
+    step = engine_choice.Shape(rollout.group_size * rollout.groups_per_step,
+                               rollout.max_turns, rollout.max_new_tokens)
+    probe = engine_choice.probe_shape(step.rows, step.new_tokens)
     builders = {label[pair]: partial(cpu_sampler, cfg, model, tokenizer, *pair)
                 for pair in candidates}
     was_training = model.training
     engines, timings = engine_choice.time_engines(
-        builders, rows, int(model.config.vocab_size), min(cfg.rollout.max_new_tokens, 32))
+        builders, lambda engine, version: refresh_sampler(engine, model, version), probe,
+        int(model.config.vocab_size))
     model.train(was_training)
-    chosen = engine_choice.pick_fastest(timings, default=label[candidates[0]])
-    print(engine_choice.describe(chosen, timings, rows))
+    chosen = engine_choice.pick_fastest(timings.step_s(probe, step),
+                                        default=label[candidates[0]])
+    print(engine_choice.describe(chosen, timings, probe, step))
     engine = engines.pop(chosen)
     for other in engines.values():
         getattr(other, "close", lambda: None)()
