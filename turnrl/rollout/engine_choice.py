@@ -64,13 +64,14 @@ def step_seconds(sample_s: float, refresh_s: float, probe: Shape, step: Shape) -
     two turns) scaled by the step's rows, turns and new tokens over the probe's, plus one
     ``refresh_s`` (the ``update_weights`` every step pays after its update).
 
-    The estimate is linear in each factor and an upper bound on the sampling: it assumes
-    every episode runs all ``rollout.max_turns`` turns and every reply reaches
+    The estimate is linear in each factor. It over-counts the work: it assumes every
+    episode runs all ``rollout.max_turns`` turns and every reply reaches
     ``rollout.max_new_tokens`` (episodes that end early or replies that stop early make the
-    real sampling smaller, and the refresh weigh more). It leaves out that later turns
-    carry longer histories (which ct2, keeping no keys and values, re-reads every turn),
-    that a CPU batch past ``MAX_ROWS`` rows costs less than linearly more, and the sampling
-    of evaluation, dynamic sampling and guidance, none of which pay a refresh.
+    real sampling smaller, and the refresh weigh more). It under-counts ct2's turns: later
+    turns carry longer histories than the probe's prompts, which ct2, keeping no keys and
+    values, re-reads every turn. It leaves out that a CPU batch past ``MAX_ROWS`` rows
+    costs less than linearly more, and the sampling of evaluation, dynamic sampling and
+    guidance, none of which pay a refresh.
     """
     scale = (step.rows / probe.rows) * (step.turns / probe.turns) \
         * (step.new_tokens / probe.new_tokens)
