@@ -112,7 +112,7 @@ def test_concurrent_moves_go_in_one_batch_and_each_game_plays_as_it_would_alone(
     threads_before = set(threading.enumerate())
     together = _play_together([PoolPlayer(member, seed) for seed in seeds], observations,
                               rounds)
-    assert member.moves.batch_sizes == [games] * rounds
+    assert list(member.moves.batch_sizes) == [games] * rounds
     assert together == alone
     assert len({reply for replies in alone for reply in replies}) > games  # not all alike
     # no thread of its own: the callers ran the batches
@@ -138,7 +138,7 @@ def test_a_failing_batch_fails_each_of_its_moves_with_the_reason_and_the_next_wo
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    assert member.moves.batch_sizes == [3] and len(errors) == 3
+    assert list(member.moves.batch_sizes) == [3] and len(errors) == 3
     for err in errors:
         assert "opponent pool-v0: a batch of 3 failed: IndexError" in str(err)
         assert isinstance(err.__cause__, IndexError)
@@ -146,7 +146,7 @@ def test_a_failing_batch_fails_each_of_its_moves_with_the_reason_and_the_next_wo
     member.moves.window_s = 0.0
     again = member.moves.call((good[0], torch.Generator().manual_seed(0)))
     alone = member.engine.generate([good[0]], member.params, generators=_streams([0]))[0]
-    assert again.token_ids == alone.token_ids and member.moves.batch_sizes == [3, 1]
+    assert again.token_ids == alone.token_ids and list(member.moves.batch_sizes) == [3, 1]
 
 
 @pytest.mark.parametrize("failure, raised", [
@@ -167,8 +167,26 @@ def test_any_failure_of_a_batch_reaches_each_of_its_callers(failure, raised):
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    assert calls.batch_sizes == [3]
+    assert list(calls.batch_sizes) == [3]
     assert all(outcomes[i] == f"test: a batch of 3 failed: {raised}" for i in (1, 2, 3))
+
+
+def test_calls_past_max_batch_wait_for_the_next_batch_and_each_gets_its_own_answer():
+    calls = BatchedCalls(lambda items: [10 * x for x in items], name="test", window_s=0.5,
+                         max_batch=2)
+    answers: dict[int, int] = {}
+    start = threading.Barrier(5)
+
+    def ask(item):
+        start.wait(timeout=60)
+        answers[item] = calls.call(item)
+    threads = [threading.Thread(target=ask, args=(item,)) for item in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert answers == {item: 10 * item for item in range(5)}
+    assert sum(calls.batch_sizes) == 5 and max(calls.batch_sizes) == 2
 
 
 def test_an_interrupt_in_a_batch_stops_its_leader_fails_the_others_and_the_next_works():

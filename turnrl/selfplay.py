@@ -56,9 +56,8 @@ finish (``failed``: env error, timeout, turn limit) as none of them."""
 
 
 class FrozenPolicy:
-    """A past policy, frozen, answering one move at a time: ``act(system_prompt,
-    observation)`` is its reply to a one-message chat (the game's whole state is in the
-    observation). Safe to call from several env threads: the moves asked for together are
+    """A past policy, frozen: ``act(system_prompt, observation)`` is its reply to a
+    one-message chat (the game's whole state is in the observation). Safe to call from several env threads: the moves asked for together are
     generated in one batch (``BatchedCalls``; ``max_batch`` 1: one at a time), each on its
     game's own random stream, so a game's replies do not depend on its batch."""
 

@@ -18,6 +18,7 @@ it leads: the others get their answers. A batch that raises fails each of its ca
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ loop's env threads ask within about 1 ms of each other (32 TicTacToe games, tiny
 busy 2-core machine), and a lone call pays it (`benchmarks/opponent_batching.py`)."""
 MAX_BATCH = 64
 """Calls in one batch at most (the rest wait for the next)."""
+SIZES_KEPT = 1024
 
 
 class BatchError(RuntimeError):
@@ -61,8 +63,8 @@ class BatchedCalls:
         self._finished = threading.Condition(self._lock)  # the others wait on it
         self._waiting: list[_Call] = []
         self._running = False
-        self.batch_sizes: list[int] = []
-        """The size of every batch run so far, in order (for tests and benchmarks)."""
+        self.batch_sizes: deque[int] = deque(maxlen=SIZES_KEPT)
+        """The sizes of the last ``SIZES_KEPT`` batches, in order (tests, benchmarks)."""
 
     def call(self, item: Any) -> Any:
         """The answer to ``item``, run in a batch with the calls waiting at the same time."""
