@@ -45,6 +45,7 @@ from turnrl.envs.contract import (  # noqa: F401 - uses_pool, fixed_opponent_opt
 )
 from turnrl.evaluation import EvalResult
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+from turnrl.rollout.batched_calls import MAX_BATCH, BatchedCalls
 from turnrl.stats import wilson_interval
 from turnrl.types import Episode
 
@@ -55,18 +56,21 @@ finish (``failed``: env error, timeout, turn limit) as none of them."""
 
 
 class FrozenPolicy:
-    """A past policy, frozen, answering one move at a time: ``act(system_prompt,
-    observation)`` is its reply to a one-message chat (the game's whole state is in the
-    observation). Safe to call from several env threads (one generation at a time)."""
+    """A past policy, frozen: ``act(system_prompt, observation)`` is its reply to a
+    one-message chat (the game's whole state is in the observation). Safe to call from several env threads: the moves asked for together are
+    generated in one batch (``BatchedCalls``; ``max_batch`` 1: one at a time), each on its
+    game's own random stream, so a game's replies do not depend on its batch."""
 
     def __init__(self, model: torch.nn.Module, chat: ChatFormat, params: SamplingParams,
-                 version: int, seed: int = 0) -> None:
+                 version: int, seed: int = 0, *, label: str = "",
+                 max_batch: int = MAX_BATCH) -> None:
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         self.chat, self.params, self.version = chat, params, version
         self.engine = HFEngine(self.model, chat.tokenizer.pad_token_id, seed=seed + version,
                                reuse_cache=False)
-        self.lock = threading.Lock()
-        self.label = ""
+        self.label = label
+        self.moves = BatchedCalls(self._generate, name=f"opponent {self.name}",
+                                  max_batch=max_batch)
 
     @property
     def name(self) -> str:
@@ -77,17 +81,16 @@ class FrozenPolicy:
             generator: torch.Generator | None = None) -> str:
         """The reply, sampled on ``generator`` (a game's own stream) or the engine's own."""
         _, _, ids = self.chat.start(observation, system_prompt)
-        with self.lock, torch.no_grad():
-            own = self.engine.generator
-            self.engine.generator = generator or own
-            try:
-                completion = self.engine.generate([ids], self.params)[0]
-            finally:
-                self.engine.generator = own
+        completion = self.moves.call((ids, generator))
         tokens = completion.token_ids
         if completion.finish_reason == "stop":
             tokens = tokens[:-1]
         return self.chat.tokenizer.decode(tokens)
+
+    def _generate(self, requests: list[tuple[list[int], torch.Generator | None]]) -> list:
+        """One batch of moves: each prompt's completion, drawn on its own stream."""
+        prompts, generators = zip(*requests, strict=True)
+        return self.engine.generate(prompts, self.params, generators=generators)
 
 
 class PoolPlayer:
@@ -265,8 +268,8 @@ class ModelOpponent:
                                       cache_dir=cfg.model.cache_dir or None,
                                       trust_remote_code=cfg.model.trust_remote_code)
         chat = ChatFormat(tokenizer)
-        player = FrozenPolicy(model, chat, sampling_params(cfg, chat), 0, cfg.run.seed)
-        player.label = f"model:{name}"
+        player = FrozenPolicy(model, chat, sampling_params(cfg, chat), 0, cfg.run.seed,
+                              label=f"model:{name}")
         return cls(player)
 
     def sample(self) -> FrozenPolicy:

@@ -224,11 +224,20 @@ class _Batch:
         return self.kv[:, :, i, :, :self.length][:, :, :, self.mask[i, :self.length]]
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+Streams = torch.Generator | Sequence[torch.Generator]
+"""One random stream for the whole batch, or one per row (``generate``'s ``generators``)."""
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: Streams
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample_tokens``, but plain sampling (top_p 1) draws by inverting the CDF: the same
     distribution from one uniform number per row, where ``torch.multinomial`` draws one per
-    vocabulary entry (about 20x slower on CPU for SmolLM2's 49k tokens)."""
+    vocabulary entry (about 20x slower on CPU for SmolLM2's 49k tokens). With a stream per
+    row, each row is sampled as a batch of one on its own stream: it takes exactly the random
+    numbers it would take alone, whatever rows share the batch."""
+    if not isinstance(generator, torch.Generator):
+        drawn = [_sample(logits[i:i + 1], params, g) for i, g in enumerate(generator)]
+        return torch.cat([t for t, _ in drawn]), torch.cat([lp for _, lp in drawn])
     if params.temperature == 0 or params.top_p < 1:
         return sample_tokens(logits, params.temperature, params.top_p, generator)
     logprobs = torch.log_softmax(logits.float() / params.temperature, dim=-1)
@@ -335,24 +344,35 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 on_step: StepHook | None = None) -> list[Completion]:
+                 on_step: StepHook | None = None,
+                 generators: Sequence[torch.Generator | None] | None = None
+                 ) -> list[Completion]:
         """``on_step`` (optional) is called after every decode step with the tokens just
         sampled, ``[(prompt index, token id, logprob), ...]`` for the rows still going, on
         this thread (a server streams them to its clients as they come). When it returns
         True the call ends after that step: unfinished rows come back cut short (finish
         reason "length"), with their keys and values kept, so a later call that continues
-        them (prompt + tokens so far) prefills one token each."""
+        them (prompt + tokens so far) prefills one token each.
+
+        ``generators`` (optional, one per prompt; None: the engine's own): each row draws its
+        random numbers from its own stream only, so it samples what it would in a call of its
+        own (frozen opponents batch the moves of games with a stream each: selfplay.py)."""
         if not prompts:
             return []
+        if generators is not None and len(generators) != len(prompts):
+            raise ValueError(f"generate: {len(generators)} generators for {len(prompts)} "
+                             "prompts (one per prompt, or none)")
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(prompts, params, on_step)
+            return self._generate(prompts, params, on_step, generators)
         finally:
             self.model.train(was_training)
 
     def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                  on_step: StepHook | None = None) -> list[Completion]:
+                  on_step: StepHook | None = None,
+                  generators: Sequence[torch.Generator | None] | None = None
+                  ) -> list[Completion]:
         if self._kept.version != self._version or not self.reuse_cache:
             self._kept = _KeptRows(self._version)
         if self.share_prompts:
@@ -384,7 +404,9 @@ class HFEngine:
             batch.copy_rows(shared, len(unique))
             logits = torch.cat([logits, logits[shared]])
         hook = on_step and (lambda rows: on_step([(rows_of[k], *rest) for k, *rest in rows]))
-        decoded, decoded_kvs = self._decode(batch, logits, len(prompts), params, hook)
+        streams = None if generators is None else [
+            self.generator if generators[row] is None else generators[row] for row in rows_of]
+        decoded, decoded_kvs = self._decode(batch, logits, len(prompts), params, hook, streams)
         completions, kvs = [Completion()] * len(prompts), [None] * len(prompts)
         for row, completion, kv in zip(rows_of, decoded, decoded_kvs, strict=True):
             completions[row], kvs[row] = completion, kv  # back in the caller's order
@@ -433,16 +455,19 @@ class HFEngine:
         return _Batch(kv, mask, width, positions), views
 
     def _decode(self, batch: _Batch, logits: torch.Tensor, rows: int, params: SamplingParams,
-                on_step: StepHook | None = None) -> tuple[list[Completion], list[torch.Tensor]]:
-        """Sample up to ``max_new_tokens`` per row; returns the completions and, if the cache
-        is reused, each row's keys/values (prompt and reply, less the last sampled token)."""
+                on_step: StepHook | None = None, streams: list[torch.Generator] | None = None
+                ) -> tuple[list[Completion], list[torch.Tensor]]:
+        """Sample up to ``max_new_tokens`` per row (on ``streams[row]``, one per buffer row,
+        if given); returns the completions and, if the cache is reused, each row's keys/values
+        (prompt and reply, less the last sampled token)."""
         completions = [Completion() for _ in range(rows)]
         kvs: list[torch.Tensor | None] = [None] * rows
         live = list(range(rows))  # completion of each batch row
         stop = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long, device=logits.device)
         finished = torch.zeros(rows, dtype=torch.bool, device=logits.device)
         for step in range(params.max_new_tokens):
-            tokens, logprobs = _sample(logits, params, self.generator)
+            tokens, logprobs = _sample(logits, params, self.generator if streams is None
+                                       else [streams[row] for row in live])
             newly_stopped = torch.isin(tokens, stop) & ~finished
             # One device-to-host copy per decode step, not one per row.
             was_done = finished.tolist()
