@@ -55,3 +55,24 @@ def test_unknown_tasks_and_methods_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         cold_start.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_reasoning_gym_task_is_two_one_digit_terms_and_its_oracle_is_right():
+    pytest.importorskip("reasoning_gym")
+    import asyncio
+
+    from turnrl.envs.adapters.reasoning_gym_env import ReasoningGym
+
+    flags = cold_start.TASKS["chain-sum"].env
+    options = dict(zip(flags[::2], flags[1::2], strict=True))
+    assert options.pop("--env.name") == "reasoning-gym"
+    kwargs = {key.removeprefix("--env.options."): value for key, value in options.items()}
+    task = kwargs.pop("task")
+    env = ReasoningGym(task, **{key: int(value) for key, value in kwargs.items()})
+    for seed in range(20):
+        question = asyncio.run(env.reset(seed))
+        terms = re.findall(r"(\d+)\s*([+-])\s*(\d+)\s*=", question)
+        assert len(terms) == 1 and all(len(terms[0][i]) == 1 for i in (0, 2)), question
+        reply = env.reference_player().act(question)
+        assert asyncio.run(env.step(reply)).info["success"], (question, reply)
+    assert set(cold_start.DEFAULT_TASKS) <= set(cold_start.TASKS)
