@@ -23,10 +23,6 @@ from turnrl.registry import ESTIMATORS
 if TYPE_CHECKING:
     from turnrl.config.root import Config
 
-
-SELF_PLAY_SUFFIX = "-selfplay"
-"""Names of the built-in games registered with self-play as their default (envs/tictactoe.py)."""
-
 VLLM_TEMPERATURES = (0.01, 2.0)
 """vLLM raises a temperature in (0, 0.01) to 0.01 and rejects one above 2."""
 
@@ -122,12 +118,12 @@ def check_self_play(cfg: Config) -> None:
                           "http://127.0.0.1:8000/v1 --env.opponent_endpoint_model tiny")
     for i, entry in enumerate(cfg.env.mix):
         options = entry.get("options") or {} if isinstance(entry, dict) else {}
-        name = entry.get("name", "") if isinstance(entry, dict) else ""
-        if options.get("opponent") in ("self", "pool", "model", "endpoint") \
-                or str(name).endswith(SELF_PLAY_SUFFIX):
-            raise ConfigError(f"env.mix[{i}] is a self-play or pool game, which a mix cannot "
-                              "play yet (its seats are known only after the draw); train it "
-                              "alone with --env.name")
+        outside = options.get("opponent") if isinstance(options, dict) else None
+        if outside in ("pool", "model", "endpoint"):
+            raise ConfigError(f"env.mix[{i}] plays against opponent {outside}, which a mix "
+                              "cannot hand over yet (the trainer gives an outside opponent to "
+                              "a single env); train it alone with --env.name, or play it "
+                              "with opponent self or a fixed opponent in the mix")
 
 
 def check_weight_sync(cfg: Config) -> None:

@@ -45,6 +45,9 @@ single-agent, as before. ``set_opponent(player)`` (optional) hands a single-agen
 outside player (a frozen past policy: ``turnrl.selfplay``) for its other seat.
 ``eval_opponents`` (a tuple of ``opponent`` option values) names the fixed opponents a run
 trained against ``self`` or ``pool`` is evaluated against, one row each.
+``choose_for_seed(seed)`` (optional) is called on a new env before anything else, with the
+seed its ``reset`` will get: an env that picks what it plays from the seed (a mix,
+envs/mix.py) picks then, so its ``seats`` and ``cooperative`` are the chosen game's.
 
 ``StepResult.info`` keys the framework reads (any others are kept with the episode, made
 JSON-safe): ``success`` (bool, a solved episode for evaluation) and ``state_key`` (above).
@@ -110,6 +113,15 @@ def seats(env: Any) -> tuple[str, ...]:
             or not all(isinstance(s, str) and s for s in value) or len(set(value)) != len(value)):
         raise ValueError(f"env seats must be two or more distinct role names, got {value!r}")
     return tuple(value)
+
+
+def chosen_for_seed(env: Any, seed: int) -> Any:
+    """``env``, told (``choose_for_seed``) the seed of the game it is about to play, when it
+    picks its game from the seed (a mix); any other env as it is."""
+    choose = getattr(env, "choose_for_seed", None)
+    if callable(choose):
+        choose(seed)
+    return env
 
 
 def is_zero_sum(env: Any) -> bool:

@@ -28,7 +28,10 @@ def mix_choice(weights: Sequence[float], run_seed: int, seed: int) -> int:
 
 class MixEnv:
     """Plays, per ``reset(seed)``, the env ``mix_choice`` draws; every other call goes to it.
-    ``names``: each entry's registered env name, for its built-in reference player."""
+    ``names``: each entry's registered env name, for its built-in reference player.
+
+    The turn loop draws before the reset (``choose_for_seed``, envs/contract.py), so a drawn
+    self-play game's ``seats`` are read as its own: one slot per seat, as when it runs alone."""
 
     def __init__(self, makers: Sequence[Callable[[], Env]], weights: Sequence[float],
                  run_seed: int, names: Sequence[str] = ()) -> None:
@@ -36,10 +39,26 @@ class MixEnv:
         self.names = list(names) or [""] * len(self.makers)
         self.current: Env | None = None
         self.drawn = 0
+        self.chosen: int | None = None
+        """The seed of a draw not reset yet (``choose_for_seed``)."""
+        self.failed: Exception | None = None
+
+    def choose_for_seed(self, seed: int) -> None:
+        """Draw and build the env ``seed`` plays. A build that fails is kept and raised by
+        the reset, so it fails that game only, as a failing reset does."""
+        self.drawn = mix_choice(self.weights, self.run_seed, seed)
+        self.chosen, self.failed = seed, None
+        try:
+            self.current = self.makers[self.drawn]()
+        except Exception as err:  # noqa: BLE001 - env code: the game's reset reports it
+            self.current, self.failed = None, err
 
     async def reset(self, seed: int) -> str:
-        self.drawn = mix_choice(self.weights, self.run_seed, seed)
-        self.current = self.makers[self.drawn]()
+        if self.chosen != seed:  # not drawn for this seed yet (not the turn loop, a second game)
+            self.choose_for_seed(seed)
+        self.chosen = None
+        if self.failed is not None:
+            raise self.failed
         return await self.current.reset(seed)
 
     def reference_player(self):
