@@ -160,14 +160,48 @@ def test_a_run_mixing_a_self_play_game_trains_both_seats_and_reports_it_per_env(
     assert {ep.info.get("opponent") for ep in evaluated} == {"random", "minimax", None}
 
 
-@pytest.mark.parametrize("opponent", ["pool", "model", "endpoint"])
-def test_a_mix_refuses_outside_opponents_in_one_line(opponent):
-    for entry in (f"{{name: tictactoe, options: {{opponent: {opponent}}}}}",
-                  f"{{name: kuhn-poker-selfplay, options: {{opponent: {opponent}}}}}"):
-        with pytest.raises(ConfigError, match=rf"env.mix\[1\] plays against opponent "
-                                              rf"{opponent}, which a mix cannot hand over"):
-            load_config(None, ["--env.name", "mix", "--env.mix",
-                               f"[{{name: guess-number}}, {entry}]"])
+@pytest.mark.parametrize("opponent, recorded", [("pool", {"pool-v0", "pool-v1"}),
+                                                ("model", {"model:tiny"})])
+def test_a_mix_entry_against_an_outside_opponent_plays_it(tmp_path, opponent, recorded):
+    entries = (f"[{{name: tictactoe, options: {{opponent: {opponent}, role: both}}, label: "
+               "ttt}, {name: guess-number}]")
+    run_seed = next(seed for seed in range(50) if _both_played(seed))
+    args = _mix_args(tmp_path, run_seed, "--env.mix", entries, "--env.opponent_model", "tiny")
+    result = learn(load_config(None, args), LocalSource())
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    played = set()
+    for step in (1, 2):
+        episodes = read_episodes(tmp_path / "episodes" / f"step-{step:06d}.jsonl")
+        games = [ep for ep in episodes if ep.env == "ttt"]
+        assert games and all(ep.status == "done" for ep in games)  # each game had its player
+        played |= {ep.info["opponent"] for ep in games}
+        assert all("opponent" not in ep.info for ep in episodes if ep.env == "guess-number")
+        row = rows[step - 1]
+        assert sum(v for k, v in row.items() if k.startswith("game/opponent/") and
+                   not k.endswith("/none")) == row["env/ttt/episodes"] == len(games)
+    assert played == recorded  # the pool: version 0, then the first update's copy too
+    if opponent == "pool":  # logged after each update's offer: versions 0-1, then 0-2
+        assert [row["game/pool_versions"] for row in rows] == [2.0, 3.0]
+    assert set(result.after.per_env) == {"ttt@random", "ttt@minimax", "guess-number"}
+
+
+def test_a_mix_takes_one_kind_of_outside_opponent_and_checks_its_settings():
+    def mix(*entries):
+        return ["--env.name", "mix", "--env.mix", f"[{', '.join(entries)}]"]
+
+    pool, model = ("{name: tictactoe, options: {opponent: pool}}",
+                   "{name: kuhn-poker, options: {opponent: model}}")
+    with pytest.raises(ConfigError, match="entries play against opponents pool and model; a "
+                                          "run builds one outside opponent"):
+        load_config(None, mix(pool, model, "{name: guess-number}"))
+    with pytest.raises(ConfigError, match="opponent model needs env.opponent_model"):
+        load_config(None, mix(model, "{name: guess-number}"))
+    with pytest.raises(ConfigError, match="opponent endpoint needs env.opponent_endpoint"):
+        load_config(None, mix("{name: kuhn-poker, options: {opponent: endpoint}}"))
+    cfg = load_config(None, mix(pool, "{name: kuhn-poker-selfplay, options: {opponent: pool}, "
+                                      "label: kp}"))
+    assert cfg.env.outside_opponent() == "pool"
+    assert load_config(None, mix("{name: guess-number}")).env.outside_opponent() == ""
 
 
 def test_a_mix_takes_self_play_entries_in_sync_mode_only():

@@ -25,7 +25,7 @@ from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 from turnrl.rollout.chat import sampling_params  # noqa: F401 - also imported from here
 from turnrl.rollout.engine import Engine
-from turnrl.selfplay import evaluation_factories, with_outcome_metrics
+from turnrl.selfplay import evaluation_factories, uses_pool, with_outcome_metrics
 
 
 @dataclass
@@ -231,7 +231,7 @@ def env_factories(cfg: Config) -> tuple[Callable[[], Env], dict[str, Callable[[]
         makes = [_checked(f"env.mix[{i}]", partial(make_env, e.name, **e.options))
                  for i, e in enumerate(mix)]
         train = partial(MixEnv, makes, [e.weight for e in mix], cfg.run.seed,
-                        [e.name for e in mix])
+                        [e.name for e in mix], [uses_pool(e.options) for e in mix])
         evaluated = {}
         for entry, make in zip(mix, makes, strict=True):  # a self-play game: its fixed opponents
             for label, factory in evaluation_factories(entry.name, entry.options, make()).items():

@@ -100,7 +100,7 @@ def check_self_play(cfg: Config) -> None:
     receives the learner's frozen versions and holds HF copies of them made from its own HF
     model (where that model lives), which only an HF worker has: a vLLM worker holds its
     weights in vLLM, a CTranslate2 worker in its converted model (docs/selfplay.md)."""
-    opponent = cfg.env.options.get("opponent")
+    opponent = cfg.env.outside_opponent()  # env.options's, or a mix's entries'
     if cfg.run.mode == "async" and opponent == "pool" and cfg.ray.engine != "hf":
         raise ConfigError(f"env.options.opponent pool with ray.engine {cfg.ray.engine}: async "
                           "workers hold the pool's frozen past policies as copies of their HF "
@@ -116,14 +116,6 @@ def check_self_play(cfg: Config) -> None:
                           "env.opponent_endpoint_model: the OpenAI-compatible endpoint and the "
                           "model it serves, e.g. --env.opponent_endpoint "
                           "http://127.0.0.1:8000/v1 --env.opponent_endpoint_model tiny")
-    for i, entry in enumerate(cfg.env.mix):
-        options = entry.get("options") or {} if isinstance(entry, dict) else {}
-        outside = options.get("opponent") if isinstance(options, dict) else None
-        if outside in ("pool", "model", "endpoint"):
-            raise ConfigError(f"env.mix[{i}] plays against opponent {outside}, which a mix "
-                              "cannot hand over yet (the trainer gives an outside opponent to "
-                              "a single env); train it alone with --env.name, or play it "
-                              "with opponent self or a fixed opponent in the mix")
 
 
 def check_weight_sync(cfg: Config) -> None:

@@ -59,6 +59,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from turnrl.config.env_plan import OUTSIDE_OPPONENTS
+
 
 def system_prompt(env: Any) -> Any:
     """The env's system message (None: none); the turn loop refuses one that is not text."""
@@ -176,8 +178,6 @@ def describe(name: str, factory: Callable[..., Any], env: Any | None) -> str:
     return "\n".join(lines)
 
 
-OUTSIDE_OPPONENTS = ("pool", "model", "endpoint")
-"""``opponent`` values whose player the trainer hands over (turnrl/selfplay.py)."""
 
 
 def uses_pool(options: dict[str, Any]) -> bool:

@@ -31,12 +31,17 @@ class MixEnv:
     ``names``: each entry's registered env name, for its built-in reference player.
 
     The turn loop draws before the reset (``choose_for_seed``, envs/contract.py), so a drawn
-    self-play game's ``seats`` are read as its own: one slot per seat, as when it runs alone."""
+    self-play game's ``seats`` are read as its own: one slot per seat, as when it runs alone.
+    ``takes_opponent[i]``: entry i plays an outside opponent, the player the trainer hands
+    over (``set_opponent``, before the draw) when that entry is drawn."""
 
     def __init__(self, makers: Sequence[Callable[[], Env]], weights: Sequence[float],
-                 run_seed: int, names: Sequence[str] = ()) -> None:
+                 run_seed: int, names: Sequence[str] = (),
+                 takes_opponent: Sequence[bool] = ()) -> None:
         self.makers, self.weights, self.run_seed = list(makers), list(weights), run_seed
         self.names = list(names) or [""] * len(self.makers)
+        self.takes_opponent = list(takes_opponent) or [False] * len(self.makers)
+        self.player: Any = None
         self.current: Env | None = None
         self.drawn = 0
         self.chosen: int | None = None
@@ -50,8 +55,14 @@ class MixEnv:
         self.chosen, self.failed = seed, None
         try:
             self.current = self.makers[self.drawn]()
+            if self.takes_opponent[self.drawn] and self.player is not None:
+                self.current.set_opponent(self.player)
         except Exception as err:  # noqa: BLE001 - env code: the game's reset reports it
             self.current, self.failed = None, err
+
+    def set_opponent(self, player: Any) -> None:
+        """The outside player of this game, for an entry that takes one (``takes_opponent``)."""
+        self.player = player
 
     async def reset(self, seed: int) -> str:
         if self.chosen != seed:  # not drawn for this seed yet (not the turn loop, a second game)
