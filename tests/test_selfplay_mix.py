@@ -219,10 +219,14 @@ def test_turnrl_eval_refuses_a_mix_with_a_self_play_entry_and_names_the_fix():
     def mix(entries):
         return load_config(None, ["--env.name", "mix", "--env.mix", entries]).env.mix_plan()
 
-    with pytest.raises(ConfigError, match=r"env.mix\[1\] \(kp\) is self-play: evaluate it alone "
-                                          r"with --env.name kuhn-poker-selfplay "
-                                          r"--env.options.opponent random"):
+    with pytest.raises(ConfigError, match=r"env.mix\[1\] \(kp\) is self-play \(or a pool\): "
+                                          r"evaluate it alone with --env.name "
+                                          r"kuhn-poker-selfplay --env.options.opponent random"):
         refuse_mixed_self_play(mix("[{name: guess-number}, "
                                    "{name: kuhn-poker-selfplay, label: kp}]"))
+    with pytest.raises(ConfigError, match=r"env.mix\[0\] \(tictactoe\) is self-play \(or a "
+                                          r"pool\): evaluate it alone with --env.name tictactoe "
+                                          r"--env.options.opponent random"):
+        refuse_mixed_self_play(mix("[{name: tictactoe, options: {opponent: pool}}]"))
     refuse_mixed_self_play(mix("[{name: guess-number}, {name: kuhn-poker-selfplay, label: kp, "
                                "options: {opponent: nash}}]"))  # a fixed opponent: fine

@@ -126,16 +126,16 @@ def refuse_self_play(env, name: str, options: dict) -> None:
 
 
 def refuse_mixed_self_play(mix: Sequence[MixEntry]) -> None:
-    """A mix whose entry is a self-play game is refused the same way: its games would give an
-    episode per seat to count as one task's sample."""
+    """A mix whose entry is a self-play game (its games would give an episode per seat to
+    count as one task's sample) or plays a pool (no player here) is refused the same way."""
     for i, entry in enumerate(mix):
         env = make_env(entry.name, **entry.options)
-        if seats(env):
+        if seats(env) or uses_pool(entry.options):
             fixed = getattr(env, "eval_opponents", ()) or ("<a fixed opponent>",)
             raise ConfigError(f"turnrl eval plays a fixed opponent, and env.mix[{i}] "
-                              f"({entry.label}) is self-play: evaluate it alone with --env.name "
-                              f"{entry.name} --env.options.opponent {fixed[0]} (training "
-                              "evaluates a mix's self-play entries against each fixed opponent)")
+                              f"({entry.label}) is self-play (or a pool): evaluate it alone "
+                              f"with --env.name {entry.name} --env.options.opponent {fixed[0]} "
+                              "(training evaluates such entries against each fixed opponent)")
 
 
 class Evaluator:
