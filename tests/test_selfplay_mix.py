@@ -100,6 +100,26 @@ def test_a_mixed_self_play_game_gives_one_episode_per_seat_beside_single_agent_g
             assert trained == [i for t in ep.turns for i in range(t.start, t.end)]
 
 
+def test_an_entry_that_fails_to_build_fails_its_own_games_only(tiny):
+    model, tok = tiny
+    chat = ChatFormat(tok)
+
+    def broken():
+        raise RuntimeError("the game server is down")
+    make = partial(MixEnv, [broken, partial(make_env, "test-mix-solo")], WEIGHTS, 3)
+    seeds = list(range(8))
+    episodes = run_sync(run_episodes(
+        make, [(seed, seed) for seed in seeds], HFEngine(model, tok.pad_token_id, seed=1), chat,
+        SamplingParams(3, 1.0, stop_token_ids=(chat.end_of_turn,)), env_name="mix"))
+    assert len(episodes) == len(seeds)
+    for seed, ep in zip(seeds, episodes, strict=True):
+        if mix_choice(WEIGHTS, 3, seed) == 0:
+            assert ep.status == "error" and "the game server is down" in ep.info["reason"]
+        else:
+            assert ep.status == "done" and ep.success
+    assert {mix_choice(WEIGHTS, 3, seed) for seed in seeds} == {0, 1}
+
+
 def _mix_args(tmp_path, run_seed, *extra):
     return ["--model.name", "tiny", "--env.name", "mix", "--env.mix",
             "[{name: tictactoe-selfplay, label: ttt}, {name: guess-number}]",

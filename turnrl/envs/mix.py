@@ -3,8 +3,10 @@
 The draw is a pure function of the run's seed and the group's env seed (``mix_choice``), and a
 step's groups have their seeds from ``run.seed`` and the step (``turnrl.policy.training_seeds``):
 so the draw is deterministic, a resumed run draws what the uninterrupted one did, and every
-episode of a group plays the same env. ``MixEnv`` makes that choice at ``reset`` and hands every
-later call to the chosen env, so a mix plays in one batched turn loop like any single env.
+episode of a group plays the same env. ``MixEnv`` makes that choice when the turn loop starts
+the game (``choose_for_seed``; at ``reset`` when nothing did) and hands every later call to the
+chosen env, so a mix plays in one batched turn loop like any single env, a self-play entry's
+seats included.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class MixEnv:
         return await self.current.step(action)
 
     def __getattr__(self, name: str) -> Any:
-        """The drawn env's attributes (system_prompt, tools, ...); none before ``reset``."""
+        """The drawn env's attributes (system_prompt, seats, tools, ...); none before the draw."""
         current = self.__dict__.get("current")
         if current is None:
             raise AttributeError(name)
