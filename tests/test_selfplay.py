@@ -475,17 +475,14 @@ def test_a_hanging_opponent_times_out_its_game_only(tiny):
     assert fine.status == "done" and fine.info["opponent"] == "quick"
 
 
-def test_the_selfplay_names_default_to_self_play_and_mixes_refuse_them(tmp_path):
-    from turnrl.config import ConfigError, load_config
+def test_the_selfplay_names_default_to_self_play(tmp_path):
+    from turnrl.config import load_config
 
     assert make_env("tictactoe-selfplay").seats == ("X", "O")
     assert make_env("kuhn-poker-selfplay").seats == ("first", "second")
     assert make_env("kuhn-poker-selfplay", opponent="nash").seats == ()
     load_config(None, ["--env.name", "tictactoe-selfplay", "--run.mode", "async"])
-    with pytest.raises(ConfigError, match=r"env.mix\[1\] is a self-play or pool game"):
-        load_config(None, ["--env.name", "mix", "--env.mix",
-                           '[{"name": "tictactoe"}, {"name": "tictactoe", "label": "t2", '
-                           '"options": {"opponent": "self"}}]'])
+    # self-play and outside opponents inside a mix: tests/test_selfplay_mix.py
 
 
 def test_turnrl_eval_names_the_option_that_picks_a_fixed_opponent():

@@ -91,14 +91,12 @@ def test_async_mode_refuses_the_pool_on_vllm_workers_in_one_line(tmp_path, env):
     assert "--ray.engine hf" in message and "--run.mode sync" in message
 
 
-@pytest.mark.parametrize("mode, message", [
-    ("sync", r"env.mix\[0\] is a self-play or pool game"),
-    ("async", "env.mix works in run.mode sync only"),
-])
-def test_mixes_still_refuse_self_play(mode, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, ["--env.name", "mix", "--run.mode", mode, "--env.mix",
-                           '[{"name": "tictactoe-selfplay"}, {"name": "tictactoe"}]'])
+@pytest.mark.parametrize("opponent", ["self", "pool"])
+def test_mixes_of_games_refuse_async_mode(opponent):
+    with pytest.raises(ConfigError, match="env.mix works in run.mode sync only"):
+        load_config(None, ["--env.name", "mix", "--run.mode", "async", "--env.mix",
+                           f'[{{"name": "tictactoe-selfplay", "options": {{"opponent": '
+                           f'"{opponent}"}}}}, {{"name": "tictactoe"}}]'])
 
 
 # ---- the worker's side: its env, its pool, the versions of each seat --------------------------

@@ -1,7 +1,8 @@
 """Frozen opponents batch the moves that games ask for at the same time (turnrl/selfplay.py
 ``FrozenPolicy``, turnrl/rollout/batched_calls.py), each game on its own random stream
 (``HFEngine.generate``'s ``generators``): what a game's opponent plays does not depend on
-which games shared its batch (docs/selfplay.md)."""
+which games shared its batch, nor (``opponent: model``) on which games ran beside it
+(docs/selfplay.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from conftest import MovesEngine
 from turnrl.envs import StepResult, make_env, register_env
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
 from turnrl.rollout.batched_calls import BatchedCalls, BatchError
-from turnrl.selfplay import OpponentPool, PoolPlayer
+from turnrl.selfplay import FrozenPolicy, ModelOpponent, OpponentPool, PoolPlayer
 
 
 def _streams(seeds):
@@ -288,3 +289,33 @@ def test_games_that_time_out_in_a_batch_do_not_wedge_the_later_ones(tiny):
     while set(threading.enumerate()) - threads_before and time.monotonic() < deadline:
         time.sleep(0.1)  # the abandoned env threads end once their calls return
     assert not set(threading.enumerate()) - threads_before
+
+
+def _model_answers(opponent, seeds):
+    """The opponent's answers in each game of one rollout of ``test-answered`` (env seeds
+    ``seeds``, in that order), the policy's moves scripted."""
+    chat = opponent.player.chat
+    played = run_sync(run_episodes(
+        opponent.attach(partial(make_env, "test-answered")),
+        [(seed, i) for i, seed in enumerate(seeds)], MovesEngine(chat.tokenizer, ["hi", "so"]),
+        chat, SamplingParams(4, 1.0, stop_token_ids=(chat.end_of_turn,)),
+        env_name="test-answered"))
+    assert all(ep.status == "done" for ep in played)
+    return [ep.info["answers"] for ep in played]
+
+
+def test_a_model_opponent_plays_each_game_on_its_own_stream_whatever_runs_beside_it(tiny):
+    model, tok = tiny
+    chat = ChatFormat(tok)
+    params = SamplingParams(6, 1.0, stop_token_ids=(chat.end_of_turn,))
+    player = FrozenPolicy(model, chat, params, 0, 5, label="model:tiny")
+    opponent = ModelOpponent(player, seed=5)
+    alone = _model_answers(opponent, [4])[0]
+    beside = _model_answers(opponent, [1, 4, 2, 4, 3])  # seed 4 twice: one group's games
+    assert beside[1] == alone == beside[3]
+    assert _model_answers(opponent, [4])[0] == alone  # the model's own stream is not used
+    assert len({tuple(answers) for answers in beside}) == 4  # the other seeds play otherwise
+    assert len(set(alone)) > 1  # each move draws on
+    assert _model_answers(ModelOpponent(player, seed=6), [4])[0] != alone  # run.seed counts
+    with pytest.raises(RuntimeError, match="before its game started"):
+        opponent.sample().act("Answer.", "no reset")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
 
 from turnrl.checkpoint import is_checkpoint, latest_checkpoint, load_weights
-from turnrl.config import Config, ConfigError, load_config, load_run_config
+from turnrl.config import Config, ConfigError, MixEntry, load_config, load_run_config
+from turnrl.envs import make_env
 from turnrl.envs.contract import seats
 from turnrl.evaluation import (
     SampledEval,
@@ -71,6 +73,7 @@ def play(policy: Policy, cfg: Config, samples: int, label: str
     with ``run.seed`` first so two policies compared draw alike; the result and the
     episodes."""
     refuse_self_play(policy.make_env(), cfg.env.name, cfg.env.options)
+    refuse_mixed_self_play(cfg.env.mix_plan())
     policy.engine.generator.manual_seed(cfg.run.seed)
     tasks = range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes)
     seeds = [seed for seed in tasks for _ in range(samples)]
@@ -120,6 +123,19 @@ def refuse_self_play(env, name: str, options: dict) -> None:
     raise ConfigError(f"turnrl eval plays a fixed opponent, and env {name} is self-play (or a "
                       f"pool): add --env.options.opponent {fixed[0]} (or one of "
                       f"{', '.join(fixed)})")
+
+
+def refuse_mixed_self_play(mix: Sequence[MixEntry]) -> None:
+    """A mix whose entry is a self-play game (its games would give an episode per seat to
+    count as one task's sample) or plays a pool (no player here) is refused the same way."""
+    for i, entry in enumerate(mix):
+        env = make_env(entry.name, **entry.options)
+        if seats(env) or uses_pool(entry.options):
+            fixed = getattr(env, "eval_opponents", ()) or ("<a fixed opponent>",)
+            raise ConfigError(f"turnrl eval plays a fixed opponent, and env.mix[{i}] "
+                              f"({entry.label}) is self-play (or a pool): evaluate it alone "
+                              f"with --env.name {entry.name} --env.options.opponent {fixed[0]} "
+                              "(training evaluates such entries against each fixed opponent)")
 
 
 class Evaluator:

@@ -25,7 +25,7 @@ from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 from turnrl.rollout.chat import sampling_params  # noqa: F401 - also imported from here
 from turnrl.rollout.engine import Engine
-from turnrl.selfplay import evaluation_factories, with_outcome_metrics
+from turnrl.selfplay import evaluation_factories, uses_pool, with_outcome_metrics
 
 
 @dataclass
@@ -224,14 +224,19 @@ def env_factories(cfg: Config) -> tuple[Callable[[], Env], dict[str, Callable[[]
     an unknown env or a bad option fails at start-up with one line naming the config key.
 
     A curriculum evaluates at its hardest level (fixed, so before and after compare); a mix
-    evaluates each of its envs."""
+    evaluates each of its envs (a self-play entry against each of its fixed opponents,
+    ``LABEL@OPPONENT``, as it would alone)."""
     curriculum, mix = cfg.env.curriculum_plan(), cfg.env.mix_plan()
     if mix:
-        makes = {e.label: _checked(f"env.mix[{i}]", partial(make_env, e.name, **e.options))
-                 for i, e in enumerate(mix)}
-        train = partial(MixEnv, list(makes.values()), [e.weight for e in mix], cfg.run.seed,
-                        [e.name for e in mix])
-        return train, makes
+        makes = [_checked(f"env.mix[{i}]", partial(make_env, e.name, **e.options))
+                 for i, e in enumerate(mix)]
+        train = partial(MixEnv, makes, [e.weight for e in mix], cfg.run.seed,
+                        [e.name for e in mix], [uses_pool(e.options) for e in mix])
+        evaluated = {}
+        for entry, make in zip(mix, makes, strict=True):  # a self-play game: its fixed opponents
+            for label, factory in evaluation_factories(entry.name, entry.options, make()).items():
+                evaluated[entry.label + label.removeprefix(entry.name)] = factory
+        return train, evaluated
     if curriculum:
         for i, value in enumerate(curriculum.levels):
             _checked(f"env.curriculum level {i} ({curriculum.option}={value!r})",

@@ -2,9 +2,10 @@
 
 Opponents a game can be set to (``--env.options.opponent``): ``self`` (the policy in every
 seat: one episode per seat, rollout/loop.py), ``pool`` (a frozen past policy from an
-``OpponentPool``, below), ``model`` (another local model), ``endpoint`` (an agent behind an
-OpenAI-compatible endpoint, ``EndpointOpponent``: recorded as ``endpoint:<model>``), the game's scripted player (TicTacToe's minimax, Kuhn Poker's
-Nash strategy) and ``random``. Each episode records its ``role`` and ``opponent`` in
+``OpponentPool``, below), ``model`` (another local model, ``ModelOpponent``), ``endpoint`` (an
+agent behind an OpenAI-compatible endpoint, ``EndpointOpponent`` in envs/endpoint_opponent.py:
+recorded as ``endpoint:<model>``), the game's scripted player (TicTacToe's minimax, Kuhn
+Poker's Nash strategy) and ``random``. Each episode records its ``role`` and ``opponent`` in
 ``info``; a pool opponent is named ``pool-v<version>``, the training step its weights are
 from.
 
@@ -24,12 +25,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import os
 import random
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -42,6 +39,13 @@ from turnrl.envs.contract import (  # noqa: F401 - uses_pool, fixed_opponent_opt
     fixed_opponent_options,
     seats,
     uses_pool,
+)
+from turnrl.envs.endpoint_opponent import (  # noqa: F401 - re-exported
+    EndpointError,
+    EndpointOpponent,
+    attach_player,
+    chat_completions_url,
+    reply_content,
 )
 from turnrl.evaluation import EvalResult
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
@@ -252,10 +256,13 @@ def pool_after_offer(kept: Sequence[int], version: int, every: int, size: int
 
 class ModelOpponent:
     """Another local model in the other seat (``opponent: model``, ``env.opponent_model``):
-    one frozen player, its own tokenizer and chat template, for every game."""
+    one frozen player, its own tokenizer and chat template, for every game. Each game samples
+    on a stream of its own (``GameStream``), seeded by (``seed``: ``run.seed``, the game's
+    env seed), so what a game plays does not depend on the games beside it; the games of one
+    group share their env seed and so their stream, as a scripted opponent's do."""
 
-    def __init__(self, player: FrozenPolicy) -> None:
-        self.player = player
+    def __init__(self, player: FrozenPolicy, seed: int = 0) -> None:
+        self.player, self.seed = player, seed
         self.members = [player]
 
     @classmethod
@@ -270,119 +277,55 @@ class ModelOpponent:
         chat = ChatFormat(tokenizer)
         player = FrozenPolicy(model, chat, sampling_params(cfg, chat), 0, cfg.run.seed,
                               label=f"model:{name}")
-        return cls(player)
+        return cls(player, cfg.run.seed)
 
-    def sample(self) -> FrozenPolicy:
-        return self.player
+    def sample(self) -> GameStream:
+        return GameStream(self.player, self.seed)
 
     def attach(self, make: Callable[[], Env]) -> Callable[[], Env]:
-        return attach_player(make, self.sample)
+        """``make`` with each new env's player a ``GameStream``, seeded when the env resets."""
+        def make_with_opponent() -> Env:
+            env, player = make(), self.sample()
+            env.set_opponent(player)
+            return seeded_at_reset(env, player.start)
+        return make_with_opponent
 
 
-class EndpointError(RuntimeError):
-    """An endpoint opponent's call failed: the game it was playing fails with this reason."""
+class GameStream:
+    """One game of a frozen player (``opponent: model``): its moves sampled on the game's own
+    stream, seeded by ``start(seed)`` from (run seed, the game's env seed)."""
 
-
-def chat_completions_url(url: str) -> str:
-    """The chat-completions route of ``url``: a base (``http://host:8000``, ``.../v1``) or the
-    route itself."""
-    url = url.rstrip("/")
-    if url.endswith("/chat/completions"):
-        return url
-    return f"{url}/chat/completions" if url.endswith("/v1") else f"{url}/v1/chat/completions"
-
-
-def reply_content(payload: Any) -> str:
-    """The first choice's message text of a chat-completions response; ``EndpointError``
-    naming what is missing otherwise."""
-    try:
-        content = payload["choices"][0]["message"]["content"]
-    except (KeyError, IndexError, TypeError):
-        raise EndpointError("the endpoint's response has no choices[0].message.content: "
-                            f"{str(payload)[:120]}") from None
-    if not isinstance(content, str):
-        raise EndpointError(f"the endpoint's reply content is {type(content).__name__}, "
-                            "not text")
-    return content
-
-
-class EndpointOpponent:
-    """An agent behind an OpenAI-compatible endpoint in the other seat (``opponent:
-    endpoint``): each move is one ``POST /v1/chat/completions`` (system prompt and the seat's
-    observation) with the standard library, under ``timeout_s``. A failed, refused, hanging
-    or malformed call raises ``EndpointError``: the env step fails, so that game ends
-    ``error`` with the reason and the run goes on."""
-
-    def __init__(self, url: str, model: str, *, timeout_s: float = 60.0, api_key: str = "",
-                 max_tokens: int = 64, temperature: float = 1.0) -> None:
-        self.url, self.model = chat_completions_url(url), model
-        self.timeout_s, self.api_key = timeout_s, api_key
-        self.max_tokens, self.temperature = max_tokens, temperature
-        self.members = [self]
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> EndpointOpponent:
-        env = cfg.env
-        return cls(env.opponent_endpoint, env.opponent_endpoint_model,
-                   timeout_s=env.opponent_endpoint_timeout_s,
-                   api_key=os.environ.get("TURNRL_OPPONENT_API_KEY", ""),
-                   max_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)
+    def __init__(self, member: FrozenPolicy, run_seed: int) -> None:
+        self.member, self.run_seed = member, run_seed
+        self.generator: torch.Generator | None = None
 
     @property
     def name(self) -> str:
-        """What episodes record as their ``opponent``."""
-        return f"endpoint:{self.model}"
+        return self.member.name
 
-    def request(self, system_prompt: str | None, observation: str) -> urllib.request.Request:
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": observation})
-        body = json.dumps({"model": self.model, "messages": messages,
-                           "max_tokens": self.max_tokens,
-                           "temperature": self.temperature}).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+    def start(self, seed: int) -> None:
+        """A new game on env seed ``seed``: its stream starts again from that seed."""
+        stream_seed = random.Random(f"opponent-model/{self.run_seed}/{seed}").getrandbits(63)
+        self.generator = torch.Generator(self.member.model.device).manual_seed(stream_seed)
 
     def act(self, system_prompt: str | None, observation: str) -> str:
-        try:
-            with urllib.request.urlopen(self.request(system_prompt, observation),
-                                        timeout=self.timeout_s) as response:
-                payload = json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            raise EndpointError(f"opponent {self.name} at {self.url} answered HTTP {err.code}: "
-                                f"{err.read()[:200].decode(errors='replace')}") from None
-        except TimeoutError:
-            raise EndpointError(f"opponent {self.name} at {self.url} did not answer within "
-                                f"{self.timeout_s:g}s (env.opponent_endpoint_timeout_s)"
-                                ) from None
-        except urllib.error.URLError as err:
-            reason = err.reason
-            if isinstance(reason, TimeoutError):
-                raise EndpointError(f"opponent {self.name} at {self.url} did not answer within "
-                                    f"{self.timeout_s:g}s (env.opponent_endpoint_timeout_s)"
-                                    ) from None
-            raise EndpointError(f"opponent {self.name} at {self.url} unreachable: {reason}"
-                                ) from None
-        except (OSError, ValueError) as err:
-            raise EndpointError(f"opponent {self.name} at {self.url} failed: "
-                                f"{type(err).__name__}: {err}") from None
-        return reply_content(payload)
-
-    def sample(self) -> EndpointOpponent:
-        return self
-
-    def attach(self, make: Callable[[], Env]) -> Callable[[], Env]:
-        return attach_player(make, self.sample)
+        if self.generator is None:
+            raise RuntimeError(f"opponent {self.name}: a move before its game started (the "
+                               "env's reset seeds the game's stream)")
+        return self.member.act(system_prompt, observation, self.generator)
 
 
-def attach_player(make: Callable[[], Env], choose: Callable[[], Any]) -> Callable[[], Env]:
-    """``make`` with each new env's opponent ``choose()`` (handed over by ``set_opponent``)."""
-    def make_with_opponent() -> Env:
-        env = make()
-        env.set_opponent(choose())
-        return env
-    return make_with_opponent
+def seeded_at_reset(env: Env, start: Callable[[int], None]) -> Env:
+    """``env`` whose ``reset(seed)`` first calls ``start(seed)`` (on the env's thread, before
+    the env's own reset may ask its opponent for a move); the same object, so every other
+    attribute the turn loop reads is the env's own."""
+    reset = env.reset
+
+    async def reset_and_start(seed: int) -> str:
+        start(seed)
+        return await reset(seed)
+    env.reset = reset_and_start
+    return env
 
 
 # --------------------------------------------------------------------- per-role results

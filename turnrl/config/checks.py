@@ -23,10 +23,6 @@ from turnrl.registry import ESTIMATORS
 if TYPE_CHECKING:
     from turnrl.config.root import Config
 
-
-SELF_PLAY_SUFFIX = "-selfplay"
-"""Names of the built-in games registered with self-play as their default (envs/tictactoe.py)."""
-
 VLLM_TEMPERATURES = (0.01, 2.0)
 """vLLM raises a temperature in (0, 0.01) to 0.01 and rejects one above 2."""
 
@@ -104,7 +100,7 @@ def check_self_play(cfg: Config) -> None:
     receives the learner's frozen versions and holds HF copies of them made from its own HF
     model (where that model lives), which only an HF worker has: a vLLM worker holds its
     weights in vLLM, a CTranslate2 worker in its converted model (docs/selfplay.md)."""
-    opponent = cfg.env.options.get("opponent")
+    opponent = cfg.env.outside_opponent()  # env.options's, or a mix's entries'
     if cfg.run.mode == "async" and opponent == "pool" and cfg.ray.engine != "hf":
         raise ConfigError(f"env.options.opponent pool with ray.engine {cfg.ray.engine}: async "
                           "workers hold the pool's frozen past policies as copies of their HF "
@@ -120,14 +116,6 @@ def check_self_play(cfg: Config) -> None:
                           "env.opponent_endpoint_model: the OpenAI-compatible endpoint and the "
                           "model it serves, e.g. --env.opponent_endpoint "
                           "http://127.0.0.1:8000/v1 --env.opponent_endpoint_model tiny")
-    for i, entry in enumerate(cfg.env.mix):
-        options = entry.get("options") or {} if isinstance(entry, dict) else {}
-        name = entry.get("name", "") if isinstance(entry, dict) else ""
-        if options.get("opponent") in ("self", "pool", "model", "endpoint") \
-                or str(name).endswith(SELF_PLAY_SUFFIX):
-            raise ConfigError(f"env.mix[{i}] is a self-play or pool game, which a mix cannot "
-                              "play yet (its seats are known only after the draw); train it "
-                              "alone with --env.name")
 
 
 def check_weight_sync(cfg: Config) -> None:

@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from turnrl.config.env_plan import MIX_NAME, Curriculum, MixEntry, parse_curriculum, parse_mix
+from turnrl.config.env_plan import (
+    MIX_NAME,
+    OUTSIDE_OPPONENTS,
+    Curriculum,
+    MixEntry,
+    parse_curriculum,
+    parse_mix,
+)
 from turnrl.config.lora_plan import LoraSpec, parse_lora
 from turnrl.config.types import ConfigError, Section
 from turnrl.registry import ESTIMATORS, UnknownName
@@ -109,6 +116,11 @@ class EnvConfig(Section):
                               "its entry (env.mix[i].options)")
         if curriculum and mix:
             raise ConfigError("env.curriculum and env.mix cannot be combined; drop one")
+        kinds = self.outside_opponents()
+        if len(kinds) > 1:
+            raise ConfigError(f"env.mix: entries play against opponents {' and '.join(kinds)}; "
+                              "a run builds one outside opponent for every entry that takes "
+                              "one: give them the same opponent, or train one alone")
         if curriculum and curriculum.option in self.options:
             raise ConfigError(f"env.options.{curriculum.option} is set by env.curriculum (its "
                               "levels; evaluation uses the hardest); drop it from env.options")
@@ -120,6 +132,17 @@ class EnvConfig(Section):
     def mix_plan(self) -> tuple[MixEntry, ...]:
         """``mix`` parsed (empty: one env)."""
         return parse_mix(self.mix)
+
+    def outside_opponents(self) -> list[str]:
+        """The outside opponents (``pool``, ``model``, ``endpoint``) the env's options, or a
+        mix's entries, play against, in that order."""
+        played = [self.options.get("opponent"), *(e.options.get("opponent")
+                                                  for e in self.mix_plan())]
+        return [kind for kind in OUTSIDE_OPPONENTS if kind in played]
+
+    def outside_opponent(self) -> str:
+        """The one outside opponent the trainer builds and hands to each env ("": none)."""
+        return next(iter(self.outside_opponents()), "")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ DEFAULT_BAND = (0.3, 0.8)
 DEFAULT_WINDOW = 2
 MIX_NAME = "mix"
 """``env.name`` of a run that mixes the envs of ``env.mix``."""
+OUTSIDE_OPPONENTS = ("pool", "model", "endpoint")
+"""``opponent`` values whose player the trainer builds and hands over (turnrl/selfplay.py)."""
 
 
 @dataclass(frozen=True)

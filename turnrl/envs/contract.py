@@ -45,6 +45,9 @@ single-agent, as before. ``set_opponent(player)`` (optional) hands a single-agen
 outside player (a frozen past policy: ``turnrl.selfplay``) for its other seat.
 ``eval_opponents`` (a tuple of ``opponent`` option values) names the fixed opponents a run
 trained against ``self`` or ``pool`` is evaluated against, one row each.
+``choose_for_seed(seed)`` (optional) is called on a new env before anything else, with the
+seed its ``reset`` will get: an env that picks what it plays from the seed (a mix,
+envs/mix.py) picks then, so its ``seats`` and ``cooperative`` are the chosen game's.
 
 ``StepResult.info`` keys the framework reads (any others are kept with the episode, made
 JSON-safe): ``success`` (bool, a solved episode for evaluation) and ``state_key`` (above).
@@ -55,6 +58,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from typing import Any
+
+from turnrl.config.env_plan import OUTSIDE_OPPONENTS
 
 
 def system_prompt(env: Any) -> Any:
@@ -112,6 +117,15 @@ def seats(env: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def chosen_for_seed(env: Any, seed: int) -> Any:
+    """``env``, told (``choose_for_seed``) the seed of the game it is about to play, when it
+    picks its game from the seed (a mix); any other env as it is."""
+    choose = getattr(env, "choose_for_seed", None)
+    if callable(choose):
+        choose(seed)
+    return env
+
+
 def is_zero_sum(env: Any) -> bool:
     """Whether the env declares (``zero_sum = True``) that its seats' rewards sum to zero."""
     return getattr(env, "zero_sum", False) is True
@@ -164,8 +178,6 @@ def describe(name: str, factory: Callable[..., Any], env: Any | None) -> str:
     return "\n".join(lines)
 
 
-OUTSIDE_OPPONENTS = ("pool", "model", "endpoint")
-"""``opponent`` values whose player the trainer hands over (turnrl/selfplay.py)."""
 
 
 def uses_pool(options: dict[str, Any]) -> bool:

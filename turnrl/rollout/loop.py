@@ -298,7 +298,7 @@ class TurnLoop(SeatedGames):
     def _start(self, assignment: int, seed: int, group: int) -> list[_Slot]:
         """The slots of one new env, its reset launched: one slot, or one per seat of a
         multi-seat game (sharing the env and its thread; the reset runs on the first)."""
-        env = self.make()
+        env = contract.chosen_for_seed(self.make(), seed)  # a mix: seats after its draw
         runner = self._threads.runner(env)
         seats = contract.seats(env)
         if not seats:

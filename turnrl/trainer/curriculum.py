@@ -18,6 +18,7 @@ from turnrl.config import Config, Curriculum
 from turnrl.envs import Env
 from turnrl.envs.mix import mix_choice
 from turnrl.policy import level_factory
+from turnrl.selfplay import role_outcomes
 from turnrl.trainer.run import Run
 from turnrl.types import Episode
 
@@ -94,13 +95,18 @@ def mix_labels(cfg: Config) -> Callable[[int], str]:
 
 
 def per_env_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """``env/<label>/reward``, ``/success`` and ``/episodes`` per env the step played."""
+    """``env/<label>/reward``, ``/success`` and ``/episodes`` per env the step played; a game
+    with roles (self-play: one episode per seat) also ``env/<label>/<role>/win`` and
+    ``/reward`` (the step's ``game/<role>/...`` pool every env whose seats share a role's name)."""
     metrics: dict[str, float] = {}
     for label in sorted({ep.env for ep in episodes}):
         mine = [ep for ep in episodes if ep.env == label]
         metrics[f"env/{label}/reward"] = float(np.mean([ep.reward for ep in mine]))
         metrics[f"env/{label}/success"] = float(np.mean([ep.success for ep in mine]))
         metrics[f"env/{label}/episodes"] = float(len(mine))
+        for role, row in role_outcomes(mine).items():
+            metrics[f"env/{label}/{role}/win"] = row["win"]
+            metrics[f"env/{label}/{role}/reward"] = row["reward"]
     return metrics
 
 

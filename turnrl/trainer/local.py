@@ -123,7 +123,7 @@ def opponents(run: Run) -> OpponentPool | ModelOpponent | EndpointOpponent | Non
     policies (``opponent: pool``), another local model (``opponent: model``), an agent behind
     an OpenAI-compatible endpoint (``opponent: endpoint``), else None."""
     cfg = run.cfg
-    opponent = cfg.env.options.get("opponent")
+    opponent = cfg.env.outside_opponent()  # a mix: the one its entries play (config checks)
     if opponent == "model":
         return ModelOpponent.load(cfg.env.opponent_model, cfg)
     if opponent == "endpoint":
