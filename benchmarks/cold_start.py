@@ -33,6 +33,7 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,8 +128,11 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_once(command: list[str], out_dir: Path) -> dict:
-    """Run one training (unless its results are there) and return its figures."""
+def run_once(command: list[str], out_dir: Path, keep_checkpoints: bool = False) -> dict:
+    """Run one training (unless its results are there) and return its figures. A finished
+    run's checkpoints are deleted unless ``keep_checkpoints``: its figures need only the
+    evaluations, and SmolLM2's (weights and Adam moments, about 1.6 GB each, up to four for a
+    warm-up run) would fill a disk over the 27 runs of the whole table."""
     record = out_dir / "cold_start.json"
     if record.exists() and (out_dir / "eval_after.json").exists():
         return json.loads(record.read_text())
@@ -151,6 +155,9 @@ def run_once(command: list[str], out_dir: Path) -> dict:
                "before": [before["successes"], before["episodes"]],
                "after": [after["successes"], after["episodes"]]}
     record.write_text(json.dumps(figures, indent=1))
+    if not keep_checkpoints:
+        for folder in (out_dir / "checkpoints", out_dir / "sft" / "checkpoints"):
+            shutil.rmtree(folder, ignore_errors=True)
     return figures
 
 
@@ -202,6 +209,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="policy model (default SmolLM2-135M-Instruct)")
     parser.add_argument("--threads", type=int, help="torch threads per run")
     parser.add_argument("--out", default="runs/cold_start")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep each finished run's checkpoints (SmolLM2: 1.6 GB each)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny model, 1 RL step, 4 held-out episodes: checks the wiring")
     args = parser.parse_args(argv)
@@ -234,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([task_name, method, "not available in this tree (no "
                              "explore.guidance)", "", "", "0", "", ""])
                 continue
-            runs = [run_once(train_command(task, method, seed, budget,
-                                           out / task_name / method / f"seed-{seed}"),
-                             out / task_name / method / f"seed-{seed}")
-                    for seed in range(args.seeds)]
+            runs = [run_once(train_command(task, method, seed, budget, folder), folder,
+                             args.keep_checkpoints)
+                    for seed in range(args.seeds)
+                    for folder in [out / task_name / method / f"seed-{seed}"]]
             if method == "rl":
                 base = [r["before"] for r in runs]
             rows.append(row(task_name, method, runs, base))

@@ -28,6 +28,9 @@ def test_a_quick_benchmark_runs_each_method_and_reuses_finished_runs(tmp_path, c
                        .read_text())
     assert record["after"] == [after["successes"], after["episodes"]] and after["episodes"] == 4
     assert record["cpu_s"] > 0 and record["wall_s"] >= record["cpu_s"] / 4
+    warmup = tmp_path / "frozenlake" / "warmup" / "seed-0"
+    assert not (warmup / "checkpoints").exists() and not (warmup / "sft" / "checkpoints").exists()
+    assert (warmup / "metrics.jsonl").exists()  # the figures stay; the 1.6 GB checkpoints go
     rows = {tuple(line.split()[:2]) for line in out.splitlines()}
     assert {("frozenlake", "rl"), ("frozenlake", "warmup"), ("frozenlake", "guided")} <= rows
     if not cold_start.guidance_available():
@@ -36,6 +39,14 @@ def test_a_quick_benchmark_runs_each_method_and_reuses_finished_runs(tmp_path, c
 
     assert cold_start.main(argv) == 0  # everything is there: nothing runs again
     assert "$ turnrl train" not in capsys.readouterr().out
+
+
+def test_keep_checkpoints_keeps_them(tmp_path):
+    argv = ["--quick", "--tasks", "frozenlake", "--methods", "warmup", "--seeds", "1",
+            "--out", str(tmp_path), "--keep-checkpoints"]
+    assert cold_start.main(argv) == 0
+    run = tmp_path / "frozenlake" / "warmup" / "seed-0"
+    assert any((run / "checkpoints").iterdir()) and any((run / "sft" / "checkpoints").iterdir())
 
 
 def test_cells_are_median_success_with_wilson_or_t_intervals():
