@@ -632,6 +632,10 @@ def test_a_killed_worker_is_restarted_and_its_work_reissued(ray_cluster, tmp_pat
                                     "--run.checkpoint_every", "0",
                                     "--env.options.turns", "2",
                                     "--pool.overprovision", "2",
+                                    # The restarted actor imports torch and loads the model
+                                    # again: at load 5-6 on 2 cores Ray took 155 s to create
+                                    # one, past the default 120 s the run waits for it.
+                                    "--ray.node_loss_wait_s", "600",
                                     "--run.out_dir", str(tmp_path)])
     killed = []
     trained = threading.Event()
