@@ -37,6 +37,42 @@ class SayDigit:
                           {"success": ok})
 
 
+@register_env("test-chatter")
+class Chatter:
+    """A two-seat game (self-play tests) in which any reply is a legal move (the tiny random model plays whole
+    games): ``moves`` replies, alternating from seat ``a``; the longer talker wins (zero-sum).
+    Each seat's result lists its own moves as the env received them."""
+
+    seats = ("a", "b")
+    zero_sum = True
+
+    def __init__(self, moves: int = 4):
+        self.total, self.said = moves, {"a": [], "b": []}
+
+    async def reset(self, seed):
+        self.said = {"a": [], "b": []}
+        return self.observe("a")
+
+    @property
+    def seat_to_move(self):
+        return self.seats[sum(map(len, self.said.values())) % 2]
+
+    def observe(self, seat):
+        other = "b" if seat == "a" else "a"
+        last = self.said[other][-1] if self.said[other] else "nothing yet"
+        return f"You are {seat}. {other} said: {last}. Say something."
+
+    async def step(self, action):
+        self.said[self.seat_to_move].append(action)
+        if sum(map(len, self.said.values())) < self.total:
+            return StepResult("", 0.0, False, {})
+        talk = {seat: sum(map(len, said)) for seat, said in self.said.items()}
+        sign = (talk["a"] > talk["b"]) - (talk["a"] < talk["b"])
+        return StepResult("", 0.0, True, {"seats": {
+            "a": {"reward": float(sign), "moves": list(self.said["a"])},
+            "b": {"reward": float(-sign), "moves": list(self.said["b"])}}})
+
+
 @pytest.fixture(autouse=True)
 def _two_threads():
     torch.set_num_threads(2)

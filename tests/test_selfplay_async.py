@@ -11,49 +11,13 @@ import pytest
 from conftest import MovesEngine, RecordingHandle, local_ray
 
 from turnrl.config import ConfigError, load_config
-from turnrl.envs import StepResult, make_env, register_env
+from turnrl.envs import make_env
 from turnrl.rollout import ChatFormat, SamplingParams, TurnLoop, run_sync
 from turnrl.types import ENV_VERSION, Episode
 
 BASE = ["--model.name", "tiny", "--rollout.max_new_tokens", "3", "--run.progress", "false",
         "--run.tensorboard", "false", "--rollout.group_size", "2",
         "--rollout.groups_per_step", "2"]
-
-
-@register_env("test-chatter")
-class Chatter:
-    """A two-seat game in which any reply is a legal move (the tiny random model plays whole
-    games): ``moves`` replies, alternating from seat ``a``; the longer talker wins (zero-sum).
-    Each seat's result lists its own moves as the env received them."""
-
-    seats = ("a", "b")
-    zero_sum = True
-
-    def __init__(self, moves: int = 4):
-        self.total, self.said = moves, {"a": [], "b": []}
-
-    async def reset(self, seed):
-        self.said = {"a": [], "b": []}
-        return self.observe("a")
-
-    @property
-    def seat_to_move(self):
-        return self.seats[sum(map(len, self.said.values())) % 2]
-
-    def observe(self, seat):
-        other = "b" if seat == "a" else "a"
-        last = self.said[other][-1] if self.said[other] else "nothing yet"
-        return f"You are {seat}. {other} said: {last}. Say something."
-
-    async def step(self, action):
-        self.said[self.seat_to_move].append(action)
-        if sum(map(len, self.said.values())) < self.total:
-            return StepResult("", 0.0, False, {})
-        talk = {seat: sum(map(len, said)) for seat, said in self.said.items()}
-        sign = (talk["a"] > talk["b"]) - (talk["a"] < talk["b"])
-        return StepResult("", 0.0, True, {"seats": {
-            "a": {"reward": float(sign), "moves": list(self.said["a"])},
-            "b": {"reward": float(-sign), "moves": list(self.said["b"])}}})
 
 
 def _cfg(tmp_path, *extra):

@@ -20,40 +20,6 @@ from turnrl.trainer import LocalSource, learn
 from turnrl.types import read_episodes
 
 
-@register_env("test-mix-talk")
-class Talk:
-    """Two seats, any reply a legal move (the tiny model plays whole games): ``moves``
-    replies, alternating from seat ``a``; the longer talker wins (zero-sum). Each seat's
-    result lists its own moves as the env received them."""
-
-    seats = ("a", "b")
-    zero_sum = True
-
-    def __init__(self, moves: int = 4):
-        self.total, self.said = moves, {"a": [], "b": []}
-
-    async def reset(self, seed):
-        self.said = {"a": [], "b": []}
-        return self.observe("a")
-
-    @property
-    def seat_to_move(self):
-        return self.seats[sum(map(len, self.said.values())) % 2]
-
-    def observe(self, seat):
-        return f"You are {seat}; the other said {len(self.said)} things. Say something."
-
-    async def step(self, action):
-        self.said[self.seat_to_move].append(action)
-        if sum(map(len, self.said.values())) < self.total:
-            return StepResult("", 0.0, False, {})
-        talk = {seat: sum(map(len, said)) for seat, said in self.said.items()}
-        sign = (talk["a"] > talk["b"]) - (talk["a"] < talk["b"])
-        return StepResult("", 0.0, True, {"seats": {
-            "a": {"reward": float(sign), "said": list(self.said["a"])},
-            "b": {"reward": float(-sign), "said": list(self.said["b"])}}})
-
-
 @register_env("test-mix-solo")
 class Solo:
     """One seat, one reply, always solved."""
@@ -71,8 +37,8 @@ WEIGHTS = [1.0, 1.0]
 def _mixed_rollout(tiny, seeds):
     model, tok = tiny
     chat = ChatFormat(tok)
-    make = partial(MixEnv, [partial(make_env, "test-mix-talk"), partial(make_env, "test-mix-solo")],
-                   WEIGHTS, 3, ["test-mix-talk", "test-mix-solo"])
+    make = partial(MixEnv, [partial(make_env, "test-chatter"), partial(make_env, "test-mix-solo")],
+                   WEIGHTS, 3, ["test-chatter", "test-mix-solo"])
     return run_sync(run_episodes(
         make, [(seed, seed) for seed in seeds], HFEngine(model, tok.pad_token_id, seed=1), chat,
         SamplingParams(3, 1.0, stop_token_ids=(chat.end_of_turn,)), env_name="mix"))
@@ -95,7 +61,7 @@ def test_a_mixed_self_play_game_gives_one_episode_per_seat_beside_single_agent_g
         assert played[0].info["play_order"] == ["a", "b", "a", "b"]
         assert played[0].reward == -played[1].reward  # zero-sum, each seat its own reward
         for ep in played:  # each seat trains exactly its own two moves
-            assert [t.action for t in ep.turns] == ep.info["said"]
+            assert [t.action for t in ep.turns] == ep.info["moves"]
             trained = [i for i, m in enumerate(ep.loss_mask) if m]
             assert trained == [i for t in ep.turns for i in range(t.start, t.end)]
 
