@@ -72,8 +72,12 @@ class Workload:
     """Measured steps the worker will be asked for in all (TRL needs ``max_steps`` upfront)."""
     engine: str = "hf"
     engine_dtype: str = "auto"
-    """TurnRL's sampler (``rollout.engine``/``engine_dtype``: ct2 int8, a bf16 copy); the
-    learner and TRL stay float32."""
+    """TurnRL's sampler (``rollout.engine``/``engine_dtype``: ct2 int8, a bf16 copy)."""
+    compute_dtype: str = "float32"
+    """TurnRL's update (``optim.compute_dtype``: bfloat16 = autocast, float32 weights)."""
+    trl_bf16: bool = False
+    """TRL's ``bf16`` (its autocast, float32 weights): the like-for-like partner of
+    ``compute_dtype bfloat16``."""
 
     @property
     def completions(self) -> int:
@@ -160,7 +164,7 @@ def turnrl_config(wl: Workload):
                     "temperature": 1.0, "top_p": 1.0, "engine": wl.engine,
                     "engine_dtype": wl.engine_dtype},
         "algo": {"advantage": "grpo", "kl_coef": 0.0, "entropy_coef": 0.0, "epochs": 1},
-        "optim": {"lr": wl.lr},
+        "optim": {"lr": wl.lr, "compute_dtype": wl.compute_dtype},
         "eval": {"episodes": 0},
         "run": {"seed": wl.seed, "threads": wl.threads, "progress": False},
     })
@@ -335,7 +339,8 @@ def trl_config(wl: Workload, output_dir: str):
     return GRPOConfig(
         output_dir=output_dir,
         use_cpu=True,
-        bf16=False, fp16=False,  # TRL defaults to bf16; both systems run float32
+        # TRL defaults to bf16; float32 unless asked (--trl-bf16, beside --compute-dtype)
+        bf16=wl.trl_bf16, fp16=False,
         gradient_checkpointing=False,  # TRL's default recomputes activations; TurnRL does not
         seed=wl.seed,
         # One generation of G*P completions, then one optimiser step over it.
@@ -723,6 +728,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-dtype", default="auto",
                         help="TurnRL's sampler precision (rollout.engine_dtype: auto, int8, "
                              "bfloat16...; default auto)")
+    parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="TurnRL's update precision (optim.compute_dtype; default float32)")
+    parser.add_argument("--trl-bf16", action="store_true",
+                        help="TRL's bf16 autocast (its bf16=True) for a like-for-like bf16 pair")
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate (default 1e-6)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
@@ -775,13 +784,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                             completion_length=args.completion_length, lr=args.lr,
                             seed=args.seed, threads=args.threads, warmup=args.warmup,
                             measured=args.steps, engine=args.engine,
-                            engine_dtype=args.engine_dtype)
+                            engine_dtype=args.engine_dtype, compute_dtype=args.compute_dtype,
+                            trl_bf16=args.trl_bf16)
             order = ", ".join(f"{s} {n}" for n in split_blocks(args.steps, args.rounds)
                               for s in systems)
             print(f"step_throughput: {args.model}, arithmetic (seeded, single turn), "
                   f"{args.prompts} prompt(s)/step, completions of exactly "
-                  f"{args.completion_length} tokens, float32 (TurnRL sampler: {args.engine} "
-                  f"{args.engine_dtype}), {args.threads} thread(s), "
+                  f"{args.completion_length} tokens, float32 weights (TurnRL sampler: "
+                  f"{args.engine} {args.engine_dtype}, update {args.compute_dtype}; TRL "
+                  f"{'bf16 autocast' if args.trl_bf16 else 'float32'}), {args.threads} thread(s), "
                   f"lr {args.lr:g}, no KL, 1 optimiser step per step")
             print(f"each system in its own process: {args.warmup} warm-up step(s), then "
                   f"measured steps in turn ({order}); {versions}; load average {load:.2f}")

@@ -115,14 +115,18 @@ def test_optimisations_on_and_off_reach_the_same_parameters(tiny, per_token):
         torch.testing.assert_close(other, finals[0], atol=2e-6, rtol=1e-4)
 
 
-def test_one_epoch_decoupled_update_takes_the_proximal_policy_from_its_own_pass(tiny):
-    """Skipping the separate proximal pass (one epoch) changes neither the step nor the ESS."""
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_one_epoch_decoupled_update_takes_the_proximal_policy_from_its_own_pass(tiny,
+                                                                               compute_dtype):
+    """Skipping the separate proximal pass (one epoch) changes neither the step nor the ESS,
+    in either update precision: the proximal pass runs in the update's own precision."""
     model, _ = tiny
     batch = _batch(_grouped_episodes(groups=2, size=4))
     # Behaviour log-probs that differ from the model's, as with stale episodes.
     batch.old_logprobs = batch.old_logprobs + 0.3 * batch.loss_mask * torch.randn(
         batch.old_logprobs.shape, generator=torch.Generator().manual_seed(2))
-    settings = UpdateSettings(AlgoConfig(decoupled=True, epochs=1), OptimConfig(),
+    settings = UpdateSettings(AlgoConfig(decoupled=True, epochs=1),
+                              OptimConfig(compute_dtype=compute_dtype),
                               temperature=1.0, agg_constant=16)
     finals, metrics = [], []
     for precomputed in (True, False):

@@ -140,6 +140,7 @@ def check_across(cfg: Config) -> None:
         raise ConfigError("rollout.engine vllm is the sync sampler; async rollout workers take "
                           "theirs from ray.engine (--ray.engine vllm)")
     check_sampler(cfg)
+    check_update_precision(cfg)
     check_worker_sampler(cfg)
     check_critic_options(cfg.algo.advantage, cfg.critic)
     check_explore(cfg)
@@ -181,6 +182,16 @@ def check_sampler(cfg: Config) -> None:
         raise ConfigError("rollout.engine_dtype bfloat16: this CPU has no native bf16 (no "
                           "avx512_bf16/amx_bf16 flag), where bf16 samples slower than fp32; "
                           "use auto (float32) or --rollout.engine ct2 (int8)")
+
+
+def check_update_precision(cfg: Config) -> None:
+    """``optim.compute_dtype bfloat16`` on a CPU without native bf16 fails here: emulated bf16
+    updates run slower than fp32 (never assumed: the flags are read from the CPU)."""
+    if cfg.optim.compute_dtype == "bfloat16" and samples_on_cpu(cfg.model.device) \
+            and not cpu_has_bf16():
+        raise ConfigError("optim.compute_dtype bfloat16: this CPU has no native bf16 (no "
+                          "avx512_bf16/amx_bf16 flag), where a bf16 update runs slower than "
+                          "fp32; use --optim.compute_dtype float32")
 
 
 def check_worker_sampler(cfg: Config) -> None:

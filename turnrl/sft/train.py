@@ -41,7 +41,7 @@ from turnrl.trainer.run import (
     start_run,
     step_logging,
 )
-from turnrl.trainer.step import micro_batches, score_policy_tokens
+from turnrl.trainer.step import micro_batches, score_policy_tokens, update_autocast
 from turnrl.types import Batch, Episode
 
 
@@ -154,8 +154,10 @@ def step_indices(count: int, batch_size: int, step: int, seed: int) -> list[int]
 
 def sft_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                episodes: list[Episode], *, pad_id: int, micro_batch_size: int,
-               token_budget: int, max_grad_norm: float) -> dict[str, float]:
-    """One AdamW step on the mean NLL of the assistant tokens of ``episodes``."""
+               token_budget: int, max_grad_norm: float, compute_dtype: str = "float32"
+               ) -> dict[str, float]:
+    """One AdamW step on the mean NLL of the assistant tokens of ``episodes``, its matmuls in
+    ``compute_dtype`` (``optim.compute_dtype``, as the RL update)."""
     batch = Batch.from_episodes(episodes, torch.zeros(len(episodes)), pad_id)
     count = batch.loss_mask[:, 1:].sum().clamp(min=1)
     device = next(model.parameters()).device
@@ -164,7 +166,8 @@ def sft_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     total = 0.0
     for part in micro_batches(batch, micro_batch_size, token_budget):
         part = part.to(device)
-        nll, _ = policy_nll(model, part)
+        with update_autocast(model, compute_dtype):
+            nll, _ = policy_nll(model, part)
         (nll / count.to(device)).backward()
         total += float(nll.detach())
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
@@ -264,7 +267,8 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
                                                          step, cfg.run.seed)]
             with timer("update"):
                 metrics = sft_update(model, learner.optimizer, batch,
-                                     max_grad_norm=cfg.optim.max_grad_norm, **sizes)
+                                     max_grad_norm=cfg.optim.max_grad_norm,
+                                     compute_dtype=cfg.optim.compute_dtype, **sizes)
             run.policy.engine.version = step + 1
             metrics["sft/epoch"] = (step + 1) * cfg.sft.batch_size / len(train_set)
             if held_out and eval_due(cfg, step):

@@ -66,7 +66,7 @@ from turnrl.rollout import run_episodes, run_sync
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.engine import Completion, SamplingParams
 from turnrl.trainer.rl_step import explore_settings
-from turnrl.trainer.step import batch_logprobs
+from turnrl.trainer.step import batch_logprobs, update_autocast
 from turnrl.types import Batch, Episode
 
 
@@ -239,15 +239,17 @@ async def hint_at(env: Any, env_name: str, seed: int, level: int, levels: int,
 
 
 def learner_logprobs(model: torch.nn.Module, episodes: list[Episode], pad_id: int,
-                     temperature: float) -> None:
+                     temperature: float, compute_dtype: str = "float32") -> None:
     """Set each episode's policy-token log-probs to the model's own (in place): the "old"
-    policy of a demonstration the policy did not sample (see the module docstring)."""
+    policy of a demonstration the policy did not sample (see the module docstring), scored
+    in the update's precision (``optim.compute_dtype``) so its ratio starts at 1."""
     if not episodes:
         return
     was_training = model.training
     model.eval()
     batch = Batch.from_episodes(episodes, torch.zeros(len(episodes)), pad_id)
-    scores = batch_logprobs(model, batch, temperature, len(episodes))
+    with update_autocast(model, compute_dtype):
+        scores = batch_logprobs(model, batch, temperature, len(episodes))
     model.train(was_training)
     for row, ep in enumerate(episodes):
         for index, trained in enumerate(ep.loss_mask):
@@ -358,8 +360,9 @@ class Guidance:
                         f"({ep.end_reason or ep.status})")
             return []
         # at the update's temperature (a temperature schedule moves it), so the ratio is 1
+        settings = explore_settings(run.learner)
         learner_logprobs(policy.model, [ep], policy.tokenizer.pad_token_id,
-                         explore_settings(run.learner).temperature)
+                         settings.temperature, settings.optim.compute_dtype)
         return [ep]
 
     def _hinted(self, run: Any, make: Callable[[], Any], seed: int, group: int, level: int,

@@ -40,6 +40,18 @@ class UpdateSettings:
     """Policy-gradient loss only on this top share of tokens by entropy (``explore``)."""
 
 
+def update_autocast(model: nn.Module, compute_dtype: str) -> torch.autocast:
+    """The update's precision (``optim.compute_dtype``): under ``bfloat16`` the matmuls of the
+    forward (and so the backward) run in bf16 while weights, gradients and optimiser moments
+    stay in the model's dtype, mixed precision as in Micikevicius et al. 2018 ("Mixed
+    Precision Training"); log-probabilities are still taken in float32 (``token_logprobs``).
+    Every pass that scores tokens for the update (its own, the proximal policy's, the entropy
+    threshold's, the reference model's) runs under the same precision, so a ratio starts at 1
+    exactly where fp32 would."""
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=compute_dtype == "bfloat16")
+
+
 def micro_batches(batch: Batch, size: int, token_budget: int = 0) -> list[Batch]:
     """Split a batch for gradient accumulation.
 
@@ -318,8 +330,9 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         optimizer.zero_grad(set_to_none=True)
         for mb in micro_batches(batch, settings.optim.micro_batch_size, settings.token_budget):
             mb = mb.to(next(model.parameters()).device)
-            loss, stats = _micro_batch_loss(model, ref_model, mb, settings, totals,
-                                            measure=epoch == 0)
+            with update_autocast(model, settings.optim.compute_dtype):
+                loss, stats = _micro_batch_loss(model, ref_model, mb, settings, totals,
+                                                measure=epoch == 0)
             loss.backward()
             sums["loss"] += float(loss.detach())
             for key, value in stats.items():
@@ -399,8 +412,9 @@ def batch_entropy_threshold(model: nn.Module, batch: Batch, settings: UpdateSett
     for start in range(0, len(batch), settings.optim.micro_batch_size):
         mb = batch.select(torch.arange(start, min(start + settings.optim.micro_batch_size,
                                                   len(batch)))).to(device)
-        _, entropy = score_policy_tokens(model, mb, settings.temperature, entropy=True,
-                                         shared_prefix=settings.optim.shared_prefix)
+        with update_autocast(model, settings.optim.compute_dtype):
+            _, entropy = score_policy_tokens(model, mb, settings.temperature, entropy=True,
+                                             shared_prefix=settings.optim.shared_prefix)
         values.append(entropy[mb.loss_mask[:, 1:].bool()].cpu())
     return entropy_threshold(torch.cat(values), settings.top_entropy_fraction)
 
@@ -414,8 +428,9 @@ def with_proximal_logprobs(model: nn.Module, batch: Batch, settings: UpdateSetti
     no-grad scoring pass gives it.
     """
     model.eval()
-    prox = batch_logprobs(model, batch, settings.temperature, settings.optim.micro_batch_size,
-                          settings.optim.shared_prefix)
+    with update_autocast(model, settings.optim.compute_dtype):
+        prox = batch_logprobs(model, batch, settings.temperature,
+                              settings.optim.micro_batch_size, settings.optim.shared_prefix)
     return replace(batch, prox_logprobs=prox)
 
 
