@@ -714,6 +714,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="alternating blocks the measured steps are split into (default 2)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--no-scaling", action="store_true", help="skip the TurnRL scaling table")
+    parser.add_argument("--no-limits", action="store_true",
+                        help="skip the table of each stage against its hardware floor")
     parser.add_argument("--scaling-steps", type=int, default=None,
                         help="measured steps per scaling row (default 2)")
     parser.add_argument("--scaling-groups", type=int, nargs="+", default=None,
@@ -820,6 +822,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"{ratio:.2f}")
                 report["workloads"].append(entry)
 
+            if not args.no_limits and "turnrl" in systems:
+                print_limits(model_dir, args.threads, report)
+
             if not args.no_scaling and "turnrl" in systems:
                 rows = scaling_workloads(replace(base, measured=args.scaling_steps),
                                          args.scaling_groups, args.scaling_lengths,
@@ -855,6 +860,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"{RATIO_LINE}n/a (TRL not run)")
     return 0
+
+
+def print_limits(model_dir: str, threads: int, report: dict[str, Any]) -> None:
+    """TurnRL's generation and update against their floors (``hardware_limits.py``): memory
+    bandwidth and peak matmul rate measured now, with every worker idle."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import hardware_limits
+
+    rates = hardware_limits.measure_rates(threads)
+    report["rates"] = asdict(rates)
+    print()
+    print(f"TurnRL against the hardware ({threads} thread(s), measured now: memory read "
+          f"{rates.read_gb_s:.1f} GB/s, matmul float32 {rates.fp32_gflops:.0f} GFLOP/s, "
+          f"bfloat16 {rates.bf16_gflops:.0f} GFLOP/s):")
+    print_table(["stage", "measured s", "floor s", "x floor", "floor from"],
+                hardware_limits.limits_table(hardware_limits.model_size(model_dir), rates,
+                                             report["workloads"]))
 
 
 def fairness_warnings(wl: Workload, results: dict[str, dict]) -> list[str]:

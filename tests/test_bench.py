@@ -29,6 +29,9 @@ def test_turnrl_side_and_scaling(capsys, tmp_path):
     assert re.search(r"^turnrl\s+\d+\.\d+\s+\d+\.\d", text, re.M), text
     assert not re.search(r"^trl\s", text, re.M)
     assert "TurnRL scaling" in text
+    assert "TurnRL against the hardware" in text
+    assert re.search(r"^G=4 gen\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\dx", text, re.M), text
+    assert re.search(r"^G=4 update\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\dx", text, re.M), text
     for label in ("group size 2", "completion length 8", "turns 2 (guess-number)"):
         assert label in text
     assert lines[-1] == "ratio: turnrl/trl completion tokens per second = n/a (TRL not run)"
@@ -39,6 +42,10 @@ def test_turnrl_side_and_scaling(capsys, tmp_path):
     assert turnrl["completion_tokens_per_step"] == 4 * 16
     assert turnrl["completion_len_range"] == [16, 16]
     assert turnrl["median_step_s"] > 0 and turnrl["peak_rss_mb"] > 0
+    assert report["rates"]["read_gb_s"] > 0 and report["rates"]["fp32_gflops"] > 0
+    floors = report["workloads"][0]["floors"]
+    assert 0 < floors["gen_floor_s"] < turnrl["median_gen_s"]  # a floor, never above the time
+    assert 0 < floors["update_floor_s"] < turnrl["median_update_s"]
     # the sync trainer's stages, publish included (an engine with its own weights reloads)
     assert set(turnrl["records"][0]["stages_s"]) == {"collect", "advantages", "update", "log",
                                                       "publish"}
