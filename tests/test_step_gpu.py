@@ -110,3 +110,23 @@ def test_smollm2_gradients_on_cuda_equal_the_cpus():
     torch.testing.assert_close(lp_cuda, lp_cpu, atol=2e-3, rtol=1e-3)
     cosine = torch.nn.functional.cosine_similarity(g_cuda, g_cpu, dim=0)
     assert cosine > 0.999, f"SmolLM2's CUDA gradient cosine to the CPU's: {cosine:.6f}"
+
+
+def test_a_bf16_update_on_cuda_keeps_float32_state_and_follows_the_cpus_bf16_step(shaped):
+    """``optim.compute_dtype bfloat16`` on CUDA: CUDA autocast, float32 weights and moments,
+    and a step in the direction the CPU's bf16 step takes (not run on a GPU yet)."""
+    model, _ = shaped
+    batch = _batch(_grouped_episodes(groups=2, size=4))
+    settings = UpdateSettings(AlgoConfig(), OptimConfig(compute_dtype="bfloat16"),
+                              temperature=1.0, agg_constant=16)
+    start = torch.cat([p.detach().flatten() for p in model.parameters()])
+    moved = {}
+    for device in ("cpu", "cuda"):
+        copy_ = copy.deepcopy(model).to(device)
+        optimizer = make_optimizer(copy_, OptimConfig(lr=1e-3))
+        policy_update(copy_, optimizer, batch, settings)
+        assert all(p.dtype == torch.float32 for p in copy_.parameters())
+        assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values())
+        moved[device] = torch.cat([p.detach().flatten().cpu() for p in copy_.parameters()]) - start
+    cosine = torch.nn.functional.cosine_similarity(moved["cuda"], moved["cpu"], dim=0)
+    assert cosine > 0.9, f"CUDA bf16 step's cosine to the CPU's: {cosine:.4f}"
