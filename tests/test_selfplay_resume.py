@@ -180,3 +180,35 @@ def test_a_checkpoint_missing_a_pool_members_weights_is_refused_in_one_line(
     assert code == 2 and len(err.splitlines()) == 1
     assert "opponent pool version 3 has no weights under opponent_pool/v000003/" in err
     assert "step-000004" in err and "move that checkpoint aside" in err
+
+
+def _mix_cfg(model, out, steps=STEPS):
+    return load_config(None, [
+        "--model.name", str(model), "--env.name", "mix", "--env.mix",
+        "[{name: tictactoe, options: {opponent: pool, role: both}, label: ttt}, "
+        "{name: guess-number}]",
+        "--env.opponent_pool_size", "3", "--env.opponent_pool_every", "1",
+        "--rollout.max_new_tokens", "3", "--rollout.group_size", "2",
+        "--rollout.groups_per_step", "4", "--optim.lr", "1e-2", "--eval.episodes", "0",
+        "--run.steps", str(steps), "--run.checkpoint_every", "2", "--run.keep_checkpoints", "2",
+        "--run.progress", "false", "--run.tensorboard", "false", "--run.out_dir", str(out)])
+
+
+def test_a_pool_inside_a_mix_resumes_bit_for_bit(player, tmp_path, monkeypatch):
+    """A mix entry playing the pool keeps its pool across a kill as a plain pool run does:
+    the same versions drawn for the mix's games after the resume, the same weights."""
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    train(_mix_cfg(player, straight))
+    _interrupted(_mix_cfg(player, cut), monkeypatch, at_step=STEPS - 1)
+    saved = json.loads((cut / "checkpoints" / "step-000002" / "state.json").read_text())
+    assert saved["opponent_pool"]["versions"] == [0, 1, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(_mix_cfg(player, cut), resume=True)
+    played = _opponents(straight)
+    assert _opponents(cut) == played
+    assert {k for row in played for k in row if k.startswith("game/opponent/pool-v")}
+    assert _equal(_weights(cut, STEPS), _weights(straight, STEPS))
+    for version in (2, 3, 4):
+        name = f"opponent_pool/v{version:06d}"
+        assert _equal(_weights(cut, STEPS, name), _weights(straight, STEPS, name))
