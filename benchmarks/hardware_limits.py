@@ -3,7 +3,8 @@
 Two floors, both from rates measured here at run time (never a vendor's figure):
 
 - **generation**: each decode step reads every weight of the sampler once (the whole batch
-  shares the read) and does ``2 x parameters`` FLOPs per row, so a step costs at least the
+  shares the read; an untied input embedding is a lookup) and does ``2 x parameters`` FLOPs
+  per row, so a step costs at least the
   larger of ``weight bytes / memory read bandwidth`` and ``2 x parameters x rows / peak
   FLOP rate``; the prompt's prefill adds ``2 x parameters x prompt tokens`` FLOPs once per
   distinct prompt. Sampling itself and attention are left out, so the floor is optimistic.
@@ -95,6 +96,12 @@ class ModelSize:
         embedding = 0 if self.tied else self.head_params
         return self.params - self.head_params - embedding
 
+    @property
+    def decode_params(self) -> int:
+        """The parameters a decode step reads and multiplies by: the decoder and the head (an
+        untied input embedding is read one row per token, a lookup)."""
+        return self.decoder_params + self.head_params
+
 
 def model_size(model_dir: str) -> ModelSize:
     """Counted on the meta device from the model's config: no weights are read."""
@@ -118,8 +125,7 @@ learner's own weights)."""
 
 def peak_flops(rates: Rates, dtype: str) -> float:
     """FLOP/s ceiling of matmuls in ``dtype``: bf16's where the weights are bf16 or int8 (no
-    int8 rate is measured; an int8 engine's kernels are at least as fast on this hardware),
-    float32's otherwise."""
+    int8 rate is measured; bf16's stands in for it), float32's otherwise."""
     return 1e9 * (rates.bf16_gflops if dtype in ("bfloat16", "int8", "int8_float32")
                   else rates.fp32_gflops)
 
@@ -129,16 +135,16 @@ def floors(size: ModelSize, rates: Rates, *, prompts: int, rows: int, prompt_tok
     """Floor seconds of one step's generation and update (see the module docstring);
     ``prompts`` distinct prompts of ``prompt_tokens`` each, ``rows`` completions of
     ``completion_tokens`` each."""
-    weight_bytes = size.params * SAMPLER_BYTES[sampler_dtype]
+    weight_bytes = size.decode_params * SAMPLER_BYTES[sampler_dtype]
     sampler_peak = peak_flops(rates, sampler_dtype)
-    decode_step = max(weight_bytes / (rates.read_gb_s * 1e9), 2 * size.params * rows / sampler_peak)
-    prefill = 2 * size.params * prompts * prompt_tokens / sampler_peak
+    decode_step = max(weight_bytes / (rates.read_gb_s * 1e9),
+                      2 * size.decode_params * rows / sampler_peak)
+    prefill = 2 * size.decode_params * prompts * prompt_tokens / sampler_peak
     update_flops = 6 * (size.decoder_params * (prompts * prompt_tokens + rows * completion_tokens)
                         + size.head_params * rows * completion_tokens)
     return {"gen_floor_s": completion_tokens * decode_step + prefill,
             "update_floor_s": update_flops / peak_flops(rates, update_dtype),
             "update_gflop": update_flops / 1e9, "weight_gb": weight_bytes / 1e9}
-
 
 
 def limits_table(size: ModelSize, rates: Rates, workloads: list[dict]) -> list[list[str]]:
@@ -156,7 +162,7 @@ def limits_table(size: ModelSize, rates: Rates, workloads: list[dict]) -> list[l
                      f"{f['gen_floor_s']:.3f}", f"{r['median_gen_s'] / f['gen_floor_s']:.1f}x",
                      f"{wl['completion_length']} decode steps x {f['weight_gb']:.2f} GB of "
                      f"weights / {rates.read_gb_s:.1f} GB/s (or FLOPs where more)"])
-        peak = rates.bf16_gflops if wl["compute_dtype"] == "bfloat16" else rates.fp32_gflops
+        peak = peak_flops(rates, wl["compute_dtype"]) / 1e9
         rows.append([f"G={wl['group_size']} update", f"{r['median_update_s']:.3f}",
                      f"{f['update_floor_s']:.3f}",
                      f"{r['median_update_s'] / f['update_floor_s']:.1f}x",

@@ -39,9 +39,10 @@ class SayDigit:
 
 @register_env("test-chatter")
 class Chatter:
-    """A two-seat game (self-play tests) in which any reply is a legal move (the tiny random model plays whole
-    games): ``moves`` replies, alternating from seat ``a``; the longer talker wins (zero-sum).
-    Each seat's result lists its own moves as the env received them."""
+    """A two-seat game for the self-play tests in which any reply is a legal move (the tiny
+    random model plays whole games): ``moves`` replies, alternating from seat ``a``; the
+    longer talker wins (zero-sum). Each seat's result lists its own moves as the env
+    received them."""
 
     seats = ("a", "b")
     zero_sum = True

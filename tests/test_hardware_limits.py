@@ -41,8 +41,13 @@ def test_a_large_batch_makes_decoding_compute_bound():
     assert f["gen_floor_s"] == pytest.approx(2 * 1000 * 64 / 1e10)
 
 
-def test_an_untied_embedding_is_not_decoder_compute():
-    assert hw.ModelSize(params=1200, head_params=200, tied=False).decoder_params == 800
+def test_an_untied_embedding_is_neither_decoder_compute_nor_read_per_decode_step():
+    untied = hw.ModelSize(params=1200, head_params=200, tied=False)
+    assert untied.decoder_params == 800 and untied.decode_params == 1000
+    tied = hw.ModelSize(params=1000, head_params=200, tied=True)
+    args = dict(prompts=1, rows=2, prompt_tokens=3, completion_tokens=4,
+                sampler_dtype="float32", update_dtype="float32")
+    assert hw.floors(untied, RATES, **args) == hw.floors(tied, RATES, **args)
 
 
 def test_model_size_counts_the_real_model(tiny, tmp_path):

@@ -269,8 +269,8 @@ class OptimConfig(Section):
     """compute the prompt a group shares once in the update's forward and backward"""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """the update's matmuls: bfloat16 runs its forward and backward under autocast (weights,
-    gradients and Adam moments stay in model.dtype); 2-2.7x faster updates on a CPU with
-    native bf16 (needed: read at run time), with a measured sampler/learner mismatch"""
+    gradients and Adam moments stay in model.dtype); 1.6-2.1x faster updates measured on a CPU
+    with native bf16 (needed: read at run time), with a measured sampler/learner mismatch"""
 
     def _check(self) -> None:
         self._require("lr", self.lr > 0, "> 0")
