@@ -1,9 +1,11 @@
 """`turnrl eval` end to end on the tiny model: pass@k JSON, --compare, seeds pooled."""
 
 import json
+import shutil
 
 import pytest
 
+from turnrl.checkpoint_eval import base_model
 from turnrl.cli import main
 
 TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_tokens", "3",
@@ -89,3 +91,26 @@ def test_bad_eval_arguments_are_one_line_errors(argv, message, capsys):
     assert main(["eval", *argv, *TINY]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_compare_follows_a_run_back_to_the_checkpoint_it_started_from(runs, tmp_path, capsys):
+    """RL after a warm-up runs with ``model.name`` = the warm-up's checkpoint: comparing the
+    two (or runs after different warm-ups) is one model, not 'different models'."""
+    start = runs[0] / "checkpoints" / "step-000002"
+    later = tmp_path / "later"
+    assert main(["train", *TINY, "--run.steps", "1", "--model.name", str(start),
+                 "--run.out_dir", str(later)]) == 0
+    assert base_model(str(later / "checkpoints" / "step-000001")) == "tiny"
+    assert base_model(str(start)) == "tiny" and base_model("tiny") == "tiny"
+    # a checkpoint copied out of its run has no run config to follow: it is its own model
+    loose = tmp_path / "loose"
+    shutil.copytree(start, loose)
+    assert base_model(str(loose)) == str(loose)
+    capsys.readouterr()
+    assert main(["eval", "--compare", str(start), str(later), "--samples", "1"]) == 0
+    assert "paired" in capsys.readouterr().out
+    assert main(["eval", "--compare", str(start), str(later), "--samples", "1",
+                 "--env.name", "guess-number"]) == 0  # one override applies to both sides
+    capsys.readouterr()
+    assert main(["eval", "--compare", str(loose), str(later), "--samples", "1"]) == 2
+    assert "need the same model and env" in capsys.readouterr().err

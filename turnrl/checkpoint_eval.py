@@ -194,9 +194,24 @@ def _label(checkpoint: Path) -> str:
     return f"{checkpoint.parent.parent.name}/{checkpoint.name}"
 
 
+def base_model(name: str) -> str:
+    """The model a run started from, followed back through checkpoints: a run whose
+    ``model.name`` is another run's checkpoint (RL after ``sft.env_demos``, or a run started
+    from ``runs/X/checkpoints/step-N``) has that run's model, so a warm-up and the RL after
+    it, or runs after different warm-ups, compare as one model."""
+    seen = set()
+    while is_checkpoint(name) and name not in seen:
+        seen.add(name)
+        saved = Path(name).parent.parent / "config.yaml"
+        if not saved.is_file():
+            break
+        name = load_run_config(str(saved), []).model.name
+    return name
+
+
 def _same_job(configs: list[Config], what: str) -> None:
     """Paired or pooled results need the same model and task on every side."""
-    keys = {(c.model.name, c.env.name, json.dumps(c.env.options, sort_keys=True))
+    keys = {(base_model(c.model.name), c.env.name, json.dumps(c.env.options, sort_keys=True))
             for c in configs}
     if len(keys) > 1:
         raise ConfigError(f"{what} need the same model and env; got {sorted(keys)}")
