@@ -42,7 +42,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("turnrl", "trl")
+SYSTEMS = ("turnrl", "turnrl-torch", "trl")
+"""turnrl-torch: TurnRL with ``rollout.matmul torch`` (its sampler on torch's products), in the
+same alternating blocks as ``turnrl`` (``--matmul`` picks turnrl's own)."""
 TRL_MISSING = ("step_throughput: TRL is not installed; run `pip install -e '.[bench]'` "
                "(or pass --systems turnrl)")
 RATIO_LINE = "ratio: turnrl/trl completion tokens per second = "
@@ -73,6 +75,8 @@ class Workload:
     engine: str = "hf"
     engine_dtype: str = "auto"
     """TurnRL's sampler (``rollout.engine``/``engine_dtype``: ct2 int8, a bf16 copy)."""
+    matmul: str = "auto"
+    """TurnRL's sampler's matrix products on CPU (``rollout.matmul``: onednn, torch)."""
     compute_dtype: str = "float32"
     """TurnRL's update (``optim.compute_dtype``: bfloat16 = autocast, float32 weights)."""
     trl_bf16: bool = False
@@ -162,7 +166,7 @@ def turnrl_config(wl: Workload):
         "rollout": {"group_size": wl.group_size, "groups_per_step": wl.prompts,
                     "max_new_tokens": wl.completion_length, "max_turns": wl.turns,
                     "temperature": 1.0, "top_p": 1.0, "engine": wl.engine,
-                    "engine_dtype": wl.engine_dtype},
+                    "engine_dtype": wl.engine_dtype, "matmul": wl.matmul},
         "algo": {"advantage": "grpo", "kl_coef": 0.0, "entropy_coef": 0.0, "epochs": 1},
         "optim": {"lr": wl.lr, "compute_dtype": wl.compute_dtype},
         "eval": {"episodes": 0},
@@ -515,7 +519,7 @@ def _worker_main(conn, system: str, threads: int) -> None:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         meter = PeakRSS()
-        (_serve_turnrl if system == "turnrl" else _serve_trl)(conn, meter)
+        (_serve_turnrl if system.startswith("turnrl") else _serve_trl)(conn, meter)
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
@@ -632,7 +636,8 @@ def compare(wl: Workload, systems: Sequence[str], rounds: int) -> dict[str, dict
     try:
         for system in systems:  # one at a time: a loading worker never overlaps a measured one
             workers[system] = Worker(system, wl.threads)
-            setup[system] = workers[system].ask("setup", asdict(wl))
+            own = {"matmul": "torch"} if system == "turnrl-torch" else {}
+            setup[system] = workers[system].ask("setup", {**asdict(wl), **own})
         for block in split_blocks(wl.measured, rounds):
             for system in systems:
                 records[system] += workers[system].ask("run", block)
@@ -730,6 +735,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-dtype", default="auto",
                         help="TurnRL's sampler precision (rollout.engine_dtype: auto, int8, "
                              "bfloat16...; default auto)")
+    parser.add_argument("--matmul", default="auto", choices=("auto", "torch", "onednn"),
+                        help="TurnRL's sampler's products on CPU (rollout.matmul; default auto)")
     parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="TurnRL's update precision (optim.compute_dtype; default float32)")
     parser.add_argument("--trl-bf16", action="store_true",
@@ -786,14 +793,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                             completion_length=args.completion_length, lr=args.lr,
                             seed=args.seed, threads=args.threads, warmup=args.warmup,
                             measured=args.steps, engine=args.engine,
-                            engine_dtype=args.engine_dtype, compute_dtype=args.compute_dtype,
+                            engine_dtype=args.engine_dtype, matmul=args.matmul,
+                            compute_dtype=args.compute_dtype,
                             trl_bf16=args.trl_bf16)
             order = ", ".join(f"{s} {n}" for n in split_blocks(args.steps, args.rounds)
                               for s in systems)
             print(f"step_throughput: {args.model}, arithmetic (seeded, single turn), "
                   f"{args.prompts} prompt(s)/step, completions of exactly "
                   f"{args.completion_length} tokens, float32 weights (TurnRL sampler: "
-                  f"{args.engine} {args.engine_dtype}, update {args.compute_dtype}; TRL "
+                  f"{args.engine} {args.engine_dtype}, matmul {args.matmul}, update "
+                  f"{args.compute_dtype}; TRL "
                   f"{'bf16 autocast' if args.trl_bf16 else 'float32'}), {args.threads} thread(s), "
                   f"lr {args.lr:g}, no KL, 1 optimiser step per step")
             print(f"each system in its own process: {args.warmup} warm-up step(s), then "
@@ -814,12 +823,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for warning in fairness_warnings(wl, results):
                     print(f"warning: {warning}")
                 entry = {"group_size": group, "workload": asdict(wl), "systems": results}
-                if len(systems) == 2:
+                if "turnrl" in systems and "trl" in systems:
                     ratio = (results["turnrl"]["completion_tokens_per_s"]
                              / results["trl"]["completion_tokens_per_s"])
                     ratios[f"G={group}"] = entry["ratio"] = ratio
                     print(f"ratio (G={group}): turnrl/trl completion tokens per second = "
                           f"{ratio:.2f}")
+                if "turnrl" in systems and "turnrl-torch" in systems:
+                    print(f"ratio (G={group}): turnrl/turnrl-torch completion tokens per "
+                          "second = " + _fmt(results["turnrl"]["completion_tokens_per_s"]
+                                             / results["turnrl-torch"]["completion_tokens_per_s"]))
                 report["workloads"].append(entry)
 
             if not args.no_limits and "turnrl" in systems:

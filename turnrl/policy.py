@@ -25,6 +25,7 @@ from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 from turnrl.rollout.chat import sampling_params  # noqa: F401 - also imported from here
 from turnrl.rollout.engine import Engine
+from turnrl.rollout.onednn import resolve_matmul
 from turnrl.selfplay import evaluation_factories, uses_pool, with_outcome_metrics
 
 
@@ -120,9 +121,10 @@ def cpu_sampler(cfg: Config, model: torch.nn.Module, tokenizer, engine: str,
         from turnrl.rollout.copy_engine import HFCopyEngine
 
         return HFCopyEngine(model, dtype, tokenizer.pad_token_id, seed=cfg.run.seed,
-                            reuse_cache=cfg.rollout.reuse_cache)
+                            reuse_cache=cfg.rollout.reuse_cache, matmul=cfg.rollout.matmul)
     return HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
-                    reuse_cache=cfg.rollout.reuse_cache)
+                    reuse_cache=cfg.rollout.reuse_cache,
+                    matmul=resolve_matmul(cfg.rollout.matmul, model))
 
 
 def sampler_candidates(cfg: Config, model: torch.nn.Module) -> list[tuple[str, str]]:

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from turnrl.rollout.hf_engine import HFEngine
+from turnrl.rollout.onednn import resolve_matmul
 
 
 class HFCopyEngine(HFEngine):
@@ -20,9 +21,10 @@ class HFCopyEngine(HFEngine):
     place, converting its dtype (no re-allocation)."""
 
     def __init__(self, model: PreTrainedModel, dtype: torch.dtype, pad_token_id: int,
-                 **kwargs):
+                 matmul: str = "torch", **kwargs):
         sampler = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
-        super().__init__(sampler, pad_token_id, **kwargs)
+        # the copy's products (``rollout.matmul``): oneDNN repacks after each in-place refresh
+        super().__init__(sampler, pad_token_id, matmul=resolve_matmul(matmul, sampler), **kwargs)
 
     @torch.no_grad()
     def update_weights(self, weights, version: int) -> None:

@@ -19,20 +19,18 @@ of its time in prefill). The caching rules:
   With ``keep_cache_across_versions`` they are kept instead, and later tokens are sampled by
   the new weights attending to keys and values the old ones computed (PipelineRL's in-flight
   weight update: Piché et al. 2025, arXiv:2509.19128, whose Fig. 7 finds the extra
-  off-policyness negligible). The log-probabilities reported are still those of the
-  distribution each token was drawn from, so decoupled PPO's importance weights see, and
-  correct, the difference. Re-reading every live episode after each update is what this
-  saves: 7.7 vs 2.7 ms a generated row, 81% of it prefill, in a worker swapping weights
-  every 1.8 s (``benchmarks/worker_loop.py``).
+  off-policyness negligible). The log-probabilities reported are those each token was drawn
+  from, so decoupled PPO's importance weights see, and correct, the difference. Re-reading every live episode after each update is what this
+  saves: 7.7 vs 2.7 ms a generated row, 81% of it prefill (``benchmarks/worker_loop.py``).
 - Identical prompts of one call (a GRPO group's first turn) are prefilled once and their keys,
   values and last logits copied to every row (``share_prompts``).
 
-Positions count real tokens only, so padding anywhere (left, in between, after a row stopped)
-shifts nothing, and rows of any lengths and histories share one batch. Decoding writes each
-step's keys and values in place into a preallocated buffer; ``compact`` drops stopped rows
-from the batch once at least half of it has stopped (their keys and values are kept). Only
-the last position's logits are computed, and plain sampling inverts the CDF instead of
-calling ``torch.multinomial`` (same distribution, other random draws than before).
+Positions count real tokens only, so padding anywhere shifts nothing, and rows of any lengths
+and histories share one batch. Decoding writes each step's keys and values in place into a
+preallocated buffer; ``compact`` drops stopped rows from the batch once at least half of it
+has stopped (their keys and values are kept). Only
+the last position's logits are computed; plain sampling inverts the CDF. ``matmul="onednn"``
+runs the passes on a tree over the same tensors with oneDNN's packed products (onednn.py).
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from turnrl.models import cache_kwargs
 from turnrl.rollout.engine import Completion, SamplingParams, sample_tokens
+from turnrl.rollout.onednn import packed_decoder, unpack
 
 StepHook = Callable[[list[tuple[int, int, float]]], bool | None]
 """Called after each decode step with ``(prompt index, token id, logprob)`` of each live row;
@@ -74,10 +73,8 @@ class _KeptRows:
 
     Indexed by length and last few tokens, so that finding a prompt's past tries a short key
     per kept length and compares a whole prefix only on a hit: hashing ``prompt[:n]`` for
-    every kept length cost O(kept rows x length) per prompt and per released episode. Kept
-    rows of 200-2000 tokens, a pool of 1000: 0.28 -> 0.03 ms a prompt, 4.5 -> 0.29 ms a
-    release; a pool of 320 of 200-460 tokens: 0.08 -> 0.02 and 0.31 -> 0.08 ms (under the
-    noise of ``benchmarks/worker_loop.py`` at that pool, ~3 ms a generated row).
+    every kept length cost O(kept rows x length) per prompt and per released episode (a pool
+    of 1000 rows of 200-2000 tokens: 0.28 -> 0.03 ms a prompt, 4.5 -> 0.29 ms a release).
     """
 
     def __init__(self, version: int):
@@ -296,15 +293,16 @@ class HFEngine:
     All prompts of a call are left-padded into one batch, prefilled once, then decoded token
     by token from the KV cache. A row that samples a stop token is finished (it is fed
     padding, masked out, from then on, or leaves the batch with ``compact``); the call ends
-    when every row is finished or ``max_new_tokens`` is reached. See the module docstring for
-    what is kept between calls.
+    when every row is finished or ``max_new_tokens`` is reached (kept between calls: above).
     """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, seed: int = 0,
                  reuse_cache: bool = True, *, max_kept_rows: int = 64,
                  share_prompts: bool = True, compact: bool = True,
-                 keep_cache_across_versions: bool = False):
+                 keep_cache_across_versions: bool = False, matmul: str = "torch"):
         self.model = model
+        self.matmul = matmul  # "onednn": passes on a tree over model's tensors (onednn.py)
+        self.decoder = packed_decoder(model) if matmul == "onednn" else model
         self.pad_token_id = pad_token_id
         self.reuse_cache = reuse_cache
         self.max_kept_rows = max_kept_rows
@@ -322,6 +320,8 @@ class HFEngine:
     @version.setter
     def version(self, value: int) -> None:
         self._version = value
+        if self.decoder is not self.model:
+            unpack(self.decoder)  # new weights: the packed copies are stale (onednn.py)
         if self.keep_cache_across_versions:
             self._kept.version = value  # stale keys and values, kept on purpose
         else:
@@ -362,12 +362,12 @@ class HFEngine:
         if generators is not None and len(generators) != len(prompts):
             raise ValueError(f"generate: {len(generators)} generators for {len(prompts)} "
                              "prompts (one per prompt, or none)")
-        was_training = self.model.training
-        self.model.eval()
+        was_training = self.decoder.training
+        self.decoder.eval()
         try:
             return self._generate(prompts, params, on_step, generators)
         finally:
-            self.model.train(was_training)
+            self.decoder.train(was_training)
 
     def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                   on_step: StepHook | None = None,
@@ -394,7 +394,7 @@ class HFEngine:
         logits = []
         for bucket, (rows, part) in zip(buckets, parts, strict=True):
             input_ids, new_mask = _left_padded([news[u] for u in bucket], self.pad_token_id)
-            logits.append(part.prefill(self.model, input_ids.to(batch.kv.device),
+            logits.append(part.prefill(self.decoder, input_ids.to(batch.kv.device),
                                        new_mask.to(batch.kv.device)))
             batch.positions[rows] = part.positions
         logits = torch.cat(logits)
@@ -493,7 +493,7 @@ class HFEngine:
                 batch.select(active)
                 live = [live[i] for i in active.tolist()]
                 tokens, finished = tokens[active], finished[active]
-            logits = batch.step(self.model, tokens.masked_fill(finished, self.pad_token_id),
+            logits = batch.step(self.decoder, tokens.masked_fill(finished, self.pad_token_id),
                                 ~finished)
         for i, row in enumerate(live):
             kvs[row] = batch.row(i) if self.reuse_cache else None
