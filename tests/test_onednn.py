@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_hf_engine import assert_logprobs_match, recomputed
 from torch.nn import functional
 
 from turnrl.config import ConfigError, load_config
@@ -22,8 +23,6 @@ from turnrl.rollout.onednn import (
     packed_decoder,
     resolve_matmul,
 )
-
-from test_hf_engine import assert_logprobs_match, recomputed
 
 pytestmark = pytest.mark.skipif(onednn_unusable(torch.nn.Linear(2, 2)) is not None,
                                 reason="this torch build has no oneDNN linear")
