@@ -95,12 +95,22 @@ def test_lora_policy_samples_through_packed_products_with_its_adapter():
         for name, tensor in policy.model.named_parameters():
             if "lora_B" in name:
                 tensor.normal_(0, 0.5)
-    policy.engine.version = 1
     params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    policy.engine.generate(PROMPTS, params)
+    layers = [m for m in policy.engine.decoder.modules() if isinstance(m, PackedLinear)]
+    before = {id(m): m.packed[1] for m in layers}
+    with torch.no_grad():  # an update: the adapter changes, the base stays
+        for name, tensor in policy.model.named_parameters():
+            if "lora_B" in name:
+                tensor.mul_(2)
+    policy.engine.version = 2
     completions = policy.engine.generate(PROMPTS, params)
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         expected = recomputed(policy.model, prompt, completion, 1.0)
         assert torch.allclose(expected, torch.tensor(completion.logprobs), atol=1e-4)
+    kept = [before[id(m)] is m.packed[1] for m in layers]
+    frozen = [not m.linear.weight.requires_grad for m in layers]
+    assert kept == frozen and any(frozen) and not all(frozen)  # the base packed once
 
 
 @pytest.mark.skipif(not cpu_has_bf16(), reason="the bf16 copy engine needs native bf16")

@@ -9,8 +9,9 @@ was 1.0-4.7x faster per product at 4 rows (the LM head most) and 1.2-1.4x at 256
 
 What: ``packed_decoder(model)`` is a second module tree over the *same* tensors in which
 every ``nn.Linear`` is a ``PackedLinear``. A ``PackedLinear`` packs its weight at its first
-call and again after ``unpack(decoder)``, which the HF engine calls whenever its version is
-set (every new version of the weights sets it: ``policy.refresh_sampler``), so the first
+call and again after ``unpack(decoder)`` (weights that take a gradient), which the HF engine
+calls whenever its version is set (every new version of the weights sets it:
+``policy.refresh_sampler``), so the first
 generate after an update repacks (0.14-0.26 s for SmolLM2's 135M float32 parameters on 2
 cores). It also repacks when the weight's storage or version counter moved; the counter alone
 is not enough: fused AdamW writes the weights without bumping it. The learner's modules are
@@ -86,9 +87,12 @@ class PackedLinear(torch.nn.Module):
 
 
 def unpack(decoder: torch.nn.Module) -> None:
-    """Drop every packed weight of ``decoder``: the next pass packs the weights as they are."""
+    """Drop the packed weights of ``decoder`` that training may have changed, those that take
+    a gradient: the next pass packs them as they are. A frozen weight (a LoRA run's base
+    model) stays packed, as long as its storage and version counter stay (a checkpoint load
+    moves the counter), so LoRA packs the base once."""
     for module in decoder.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear) and module.linear.weight.requires_grad:
             module.packed = None
 
 
