@@ -60,8 +60,8 @@ def products(model: torch.nn.Module, rows: Sequence[int], rounds: int) -> list[d
         repeat = max(1, int(2e7 // (n_out * n_in)))
         for m in rows:
             x = torch.randn(m, n_in, dtype=model.dtype)
-            t = alternate({"torch": lambda: functional.linear(x, weight),
-                           "onednn": lambda: _product(x, packed, None)}, rounds, repeat)
+            t = alternate({"torch": lambda x=x, w=weight: functional.linear(x, w),
+                           "onednn": lambda x=x, p=packed: _product(x, p, None)}, rounds, repeat)
             gb = weight.numel() * weight.element_size() / 1e9
             out.append({"shape": f"{n_out}x{n_in}", "rows": m, "torch_us": t["torch"] * 1e6,
                         "onednn_us": t["onednn"] * 1e6, "torch_gb_s": gb / t["torch"],
@@ -83,11 +83,13 @@ def generation(model, tokenizer, groups: Sequence[int], tokens: int, rounds: int
                "onednn": HFEngine(model, tokenizer.pad_token_id, seed=0, matmul="onednn")}
     sample = SamplingParams(max_new_tokens=tokens, temperature=1.0)
     out = []
+    def call(engine, rows):
+        engine.version += 1  # a new version each call: onednn repacks, as after an update
+        engine.generate([ids] * rows, sample)
+
     for g in groups:
-        def call(engine):
-            engine.version += 1  # a new version each call: onednn repacks, as after an update
-            engine.generate([ids] * g, sample)
-        t = alternate({name: (lambda e=e: call(e)) for name, e in engines.items()}, rounds)
+        t = alternate({name: (lambda e=e, g=g: call(e, g)) for name, e in engines.items()},
+                      rounds)
         greedy = SamplingParams(max_new_tokens=tokens, temperature=0.0)
         a, b = (engines[name].generate([ids] * g, greedy)[0] for name in ("torch", "onednn"))
         same = a.token_ids == b.token_ids
