@@ -41,6 +41,8 @@ def test_a_packed_product_is_torchs_within_rounding_and_keeps_autograd():
             assert torch.allclose(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     needs_grad = torch.randn(3, 40, requires_grad=True)
     assert packed(needs_grad).grad_fn is not None  # torch's linear where a gradient is wanted
+    with torch.no_grad():
+        assert packed(torch.randn(0, 40)).shape == (0, 24)  # an empty batch
 
 
 def test_the_decoder_shares_the_learners_tensors_and_leaves_its_modules_alone():

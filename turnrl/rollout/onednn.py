@@ -50,7 +50,7 @@ def _product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 class PackedLinear(torch.nn.Module):
     """An ``nn.Linear``'s product through oneDNN on a packed copy of its weight, repacked when
     the weight changed. Falls back to ``functional.linear`` where the packed product does not
-    apply: a gradient is wanted, or the input's dtype is not the weight's."""
+    apply: a gradient is wanted, the input's dtype is not the weight's, or it is empty."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -78,7 +78,8 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.linear.weight
-        if x.dtype != weight.dtype or (torch.is_grad_enabled() and x.requires_grad):
+        if x.dtype != weight.dtype or x.numel() == 0 or (torch.is_grad_enabled()
+                                                        and x.requires_grad):
             return functional.linear(x, weight, self.linear.bias)
         rows = x.reshape(-1, x.shape[-1])
         out = _product(rows if rows.is_contiguous() else rows.contiguous(),
