@@ -20,17 +20,17 @@ of its time in prefill). The caching rules:
   the new weights attending to keys and values the old ones computed (PipelineRL's in-flight
   weight update: Piché et al. 2025, arXiv:2509.19128, whose Fig. 7 finds the extra
   off-policyness negligible). The log-probabilities reported are those each token was drawn
-  from, so decoupled PPO's importance weights see, and correct, the difference. Re-reading every live episode after each update is what this
-  saves: 7.7 vs 2.7 ms a generated row, 81% of it prefill (``benchmarks/worker_loop.py``).
+  from, so decoupled PPO's importance weights see, and correct, the difference. Not re-reading
+  live episodes after an update: 7.7 -> 2.7 ms a generated row (``benchmarks/worker_loop.py``).
 - Identical prompts of one call (a GRPO group's first turn) are prefilled once and their keys,
   values and last logits copied to every row (``share_prompts``).
 
 Positions count real tokens only, so padding anywhere shifts nothing, and rows of any lengths
 and histories share one batch. Decoding writes each step's keys and values in place into a
 preallocated buffer; ``compact`` drops stopped rows from the batch once at least half of it
-has stopped (their keys and values are kept). Only
-the last position's logits are computed; plain sampling inverts the CDF. ``matmul="onednn"``
-runs the passes on a tree over the same tensors with oneDNN's packed products (onednn.py).
+has stopped (their keys and values are kept). Only the last position's logits are computed;
+plain sampling inverts the CDF. ``matmul="onednn"`` runs the passes on a tree over the same
+tensors with oneDNN's packed products (onednn.py).
 """
 
 from __future__ import annotations
