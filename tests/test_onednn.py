@@ -45,6 +45,13 @@ def test_a_packed_product_is_torchs_within_rounding_and_keeps_autograd():
         assert packed(torch.randn(0, 40)).shape == (0, 24)  # an empty batch
 
 
+def test_the_cache_size_is_read_from_the_machine():
+    from turnrl.rollout.onednn import last_level_cache_bytes
+
+    cache = last_level_cache_bytes()  # None where sysfs does not say; auto then ignores it
+    assert cache is None or cache >= 1 << 15
+
+
 def test_the_decoder_shares_the_learners_tensors_and_leaves_its_modules_alone():
     model, _ = tiny_model(seed=0)
     decoder = packed_decoder(model)
@@ -137,11 +144,12 @@ def test_requests_resolve_or_fail_in_one_line(monkeypatch):
 
     model, _ = tiny_model(seed=0)
     assert resolve_matmul("torch", model) == "torch"
-    assert onednn.last_level_cache_bytes() > linear_weight_bytes(model)  # 0.6 MB
+    weights = linear_weight_bytes(model)  # 0.6 MB
+    monkeypatch.setattr(onednn, "last_level_cache_bytes", lambda: weights + 1)
     assert resolve_matmul("auto", model) == "torch"  # weights in cache: not read-bound
-    monkeypatch.setattr(onednn, "last_level_cache_bytes", lambda: linear_weight_bytes(model) - 1)
+    monkeypatch.setattr(onednn, "last_level_cache_bytes", lambda: weights - 1)
     assert resolve_matmul("auto", model) == "onednn"  # float32 on a CPU with oneDNN
-    monkeypatch.setattr(onednn, "available_memory_bytes", lambda: linear_weight_bytes(model))
+    monkeypatch.setattr(onednn, "available_memory_bytes", lambda: weights)
     assert resolve_matmul("auto", model) == "torch"  # no room for the packed copy
     assert resolve_matmul("auto", model.half()) == "torch"
     with pytest.raises(ConfigError, match="float16.*--rollout.matmul torch"):
