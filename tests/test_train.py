@@ -113,8 +113,14 @@ def _train_cmd(out_dir, *extra):
             "--run.checkpoint_every", "2", "--optim.lr", "1e-3", *extra]
 
 
-def test_resume_after_sigkill_continues_from_the_checkpoint(tmp_path):
-    proc = subprocess.Popen(_train_cmd(tmp_path, "--run.steps", "200"),
+@pytest.mark.parametrize("matmul", ["torch", "onednn"])
+def test_resume_after_sigkill_continues_from_the_checkpoint(tmp_path, matmul):
+    """Also with the sampler on oneDNN's packed products (``rollout.matmul onednn``): the
+    resumed run repacks the loaded weights and samples what the uninterrupted one did."""
+    def train_cmd(out_dir, *extra):
+        return _train_cmd(out_dir, "--rollout.matmul", matmul, *extra)
+
+    proc = subprocess.Popen(train_cmd(tmp_path, "--run.steps", "200"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     checkpoints = tmp_path / "checkpoints"
     deadline = time.monotonic() + 90
@@ -129,17 +135,17 @@ def test_resume_after_sigkill_continues_from_the_checkpoint(tmp_path):
     config_before = (tmp_path / "config.yaml").read_text()
 
     # Without --resume a run directory with checkpoints is refused, not overwritten.
-    refused = subprocess.run(_train_cmd(tmp_path, "--run.steps", "12"), capture_output=True,
+    refused = subprocess.run(train_cmd(tmp_path, "--run.steps", "12"), capture_output=True,
                              text=True)
     assert refused.returncode == 2 and "--resume" in refused.stderr
 
     # Resuming may extend the run, but not silently change what it trains.
-    changed = subprocess.run(_train_cmd(tmp_path, "--run.steps", "12", "--resume",
+    changed = subprocess.run(train_cmd(tmp_path, "--run.steps", "12", "--resume",
                                         "--optim.lr", "5"), capture_output=True, text=True)
     assert changed.returncode == 2 and "cannot change optim.lr" in changed.stderr
 
     final = resume_from + 4
-    done = subprocess.run(_train_cmd(tmp_path, "--run.steps", str(final), "--resume"),
+    done = subprocess.run(train_cmd(tmp_path, "--run.steps", str(final), "--resume"),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"from step {resume_from}" in done.stdout
@@ -150,7 +156,7 @@ def test_resume_after_sigkill_continues_from_the_checkpoint(tmp_path):
 
     # Model, optimiser and RNG states all came back: the same weights as a run never killed.
     straight = tmp_path.parent / f"{tmp_path.name}-straight"
-    subprocess.run(_train_cmd(straight, "--run.steps", str(final)), check=True,
+    subprocess.run(train_cmd(straight, "--run.steps", str(final)), check=True,
                    capture_output=True, timeout=120)
     resumed = load_file(checkpoints / f"step-{final:06d}" / "model.safetensors")
     uninterrupted = load_file(straight / "checkpoints" / f"step-{final:06d}" / "model.safetensors")

@@ -1,10 +1,12 @@
 """Torch set-up shared by every model in a process: the device a name resolves to, threads and
-denormal flushing, and the keyword a model's forward takes its key/value cache by."""
+denormal flushing, the keyword a model's forward takes its key/value cache by, and the memory
+the machine has free."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 
 import torch
 
@@ -44,3 +46,18 @@ def cache_kwargs(module: torch.nn.Module, cache: object) -> dict[str, object]:
 @functools.cache
 def _cache_keyword(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else free pages; 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0

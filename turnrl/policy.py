@@ -25,7 +25,6 @@ from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
 from turnrl.rollout.chat import sampling_params  # noqa: F401 - also imported from here
 from turnrl.rollout.engine import Engine
-from turnrl.rollout.onednn import resolve_matmul
 from turnrl.selfplay import evaluation_factories, uses_pool, with_outcome_metrics
 
 
@@ -123,8 +122,7 @@ def cpu_sampler(cfg: Config, model: torch.nn.Module, tokenizer, engine: str,
         return HFCopyEngine(model, dtype, tokenizer.pad_token_id, seed=cfg.run.seed,
                             reuse_cache=cfg.rollout.reuse_cache, matmul=cfg.rollout.matmul)
     return HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
-                    reuse_cache=cfg.rollout.reuse_cache,
-                    matmul=resolve_matmul(cfg.rollout.matmul, model))
+                    reuse_cache=cfg.rollout.reuse_cache, matmul=cfg.rollout.matmul)
 
 
 def sampler_candidates(cfg: Config, model: torch.nn.Module) -> list[tuple[str, str]]:

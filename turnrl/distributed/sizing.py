@@ -48,10 +48,10 @@ first measurement. The band and factors are fractions, not rates tuned to a mach
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from turnrl.devices import available_memory_bytes  # noqa: F401 - re-exported
 from turnrl.distributed.rates import MeasuredRates
 
 BUSY_WORKER = 0.8
@@ -380,18 +380,3 @@ def kv_bytes_per_token(model_config, element_size: int) -> int:
     head_dim = getattr(model_config, "head_dim", None) or (
         getattr(model_config, "hidden_size", 0) // max(heads, 1))
     return 2 * layers * kv_heads * head_dim * element_size
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else free pages; 0 when unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0

@@ -9,7 +9,6 @@ import torch
 from transformers import PreTrainedModel
 
 from turnrl.rollout.hf_engine import HFEngine
-from turnrl.rollout.onednn import resolve_matmul
 
 
 class HFCopyEngine(HFEngine):
@@ -21,10 +20,11 @@ class HFCopyEngine(HFEngine):
     place, converting its dtype (no re-allocation)."""
 
     def __init__(self, model: PreTrainedModel, dtype: torch.dtype, pad_token_id: int,
-                 matmul: str = "torch", **kwargs):
+                 **kwargs):
         sampler = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
-        # the copy's products (``rollout.matmul``): oneDNN repacks after each in-place refresh
-        super().__init__(sampler, pad_token_id, matmul=resolve_matmul(matmul, sampler), **kwargs)
+        # ``matmul`` resolves on the copy: with onednn, its in-place refresh moves the packed
+        # weights' version counters, so they repack
+        super().__init__(sampler, pad_token_id, **kwargs)
 
     @torch.no_grad()
     def update_weights(self, weights, version: int) -> None:

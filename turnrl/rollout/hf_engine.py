@@ -45,7 +45,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from turnrl.models import cache_kwargs
 from turnrl.rollout.engine import Completion, SamplingParams, sample_tokens
-from turnrl.rollout.onednn import packed_decoder, unpack
+from turnrl.rollout.onednn import packed_decoder, resolve_matmul, unpack
 
 StepHook = Callable[[list[tuple[int, int, float]]], bool | None]
 """Called after each decode step with ``(prompt index, token id, logprob)`` of each live row;
@@ -301,8 +301,8 @@ class HFEngine:
                  share_prompts: bool = True, compact: bool = True,
                  keep_cache_across_versions: bool = False, matmul: str = "torch"):
         self.model = model
-        self.matmul = matmul  # "onednn": passes on a tree over model's tensors (onednn.py)
-        self.decoder = packed_decoder(model) if matmul == "onednn" else model
+        self.matmul = resolve_matmul(matmul, model)  # onednn: a tree over model's tensors
+        self.decoder = packed_decoder(model) if self.matmul == "onednn" else model
         self.pad_token_id = pad_token_id
         self.reuse_cache = reuse_cache
         self.max_kept_rows = max_kept_rows

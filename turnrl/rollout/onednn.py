@@ -33,6 +33,7 @@ import torch
 from torch.nn import functional
 
 from turnrl.config.types import ConfigError
+from turnrl.devices import available_memory_bytes
 
 PACK_ROWS = 32
 """oneDNN's hint of the rows a product will see; 4, 32 and 128 timed the same from 4 rows up
@@ -140,18 +141,6 @@ def onednn_unusable(model: torch.nn.Module) -> str | None:
     return None
 
 
-def available_memory_bytes() -> int | None:
-    """``MemAvailable`` from /proc/meminfo (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def linear_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of ``model``'s distinct ``nn.Linear`` weights: what packing them adds."""
     weights = {id(m.weight): m.weight for m in model.modules() if type(m) is torch.nn.Linear}
@@ -187,5 +176,5 @@ def resolve_matmul(requested: str, model: torch.nn.Module) -> str:
     weights, cache, available = (linear_weight_bytes(model), last_level_cache_bytes(),
                                  available_memory_bytes())
     streams = cache is None or weights > cache
-    fits = available is None or 2 * weights <= available
+    fits = available == 0 or 2 * weights <= available  # 0: unknown
     return "onednn" if reason is None and streams and fits else "torch"
