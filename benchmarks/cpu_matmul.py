@@ -27,7 +27,7 @@ from torch.nn import functional
 
 from turnrl.models import load_model
 from turnrl.rollout import HFEngine, SamplingParams
-from turnrl.rollout.onednn import _pack, _product, onednn_unusable, packed_decoder
+from turnrl.rollout.onednn import _pack, _product, onednn_unusable
 
 
 def alternate(variants: dict[str, Callable[[], object]], rounds: int, repeat: int = 1
@@ -116,7 +116,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     reason = onednn_unusable(model)
     if reason:
         raise SystemExit(f"cpu_matmul: {reason}")
-    packed_decoder(model)  # fails here, not mid-measurement, on a model it cannot wrap
     load = os.getloadavg()[0]
     print(f"cpu_matmul: {args.model}, {args.threads} thread(s), {args.rounds} alternating "
           f"rounds, medians; load {load:.2f}")
