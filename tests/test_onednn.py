@@ -45,11 +45,14 @@ def test_a_packed_product_is_torchs_within_rounding_and_keeps_autograd():
         assert packed(torch.randn(0, 40)).shape == (0, 24)  # an empty batch
 
 
-def test_the_cache_size_is_read_from_the_machine():
+def test_the_largest_cache_is_read_from_sysfs_files(tmp_path):
     from turnrl.rollout.onednn import last_level_cache_bytes
 
-    cache = last_level_cache_bytes()  # None where sysfs does not say; auto then ignores it
-    assert cache is None or cache >= 1 << 15
+    for index, size in enumerate(["48K", "2048K", "32M\n", "garbage"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size)
+    assert last_level_cache_bytes(tmp_path) == 32 << 20
+    assert last_level_cache_bytes(tmp_path / "missing") is None  # auto then ignores the cache
 
 
 def test_the_decoder_shares_the_learners_tensors_and_leaves_its_modules_alone():

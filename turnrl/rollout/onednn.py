@@ -147,10 +147,11 @@ def linear_weight_bytes(model: torch.nn.Module) -> int:
     return sum(w.numel() * w.element_size() for w in weights.values())
 
 
-def last_level_cache_bytes() -> int | None:
-    """The largest CPU cache (sysfs, cpu0), None where it cannot be read."""
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The largest CPU cache (sysfs: ``index*/size`` files such as ``32768K``), None where
+    none can be read."""
     sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for entry in root.glob("index*/size"):
         try:
             text = entry.read_text().strip().upper()
             sizes.append(int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
