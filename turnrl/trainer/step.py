@@ -8,7 +8,6 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from turnrl.algorithms.exploration import entropy_threshold, high_entropy_mask
 from turnrl.algorithms.losses import (
@@ -22,7 +21,7 @@ from turnrl.algorithms.mismatch import correction_weights, mismatch_sums
 from turnrl.algorithms.offpolicy import behaviour_weights, decoupled_policy_loss
 from turnrl.config import AlgoConfig, OptimConfig
 from turnrl.lora import adapter_disabled, trainable_parameters
-from turnrl.models import cache_kwargs
+from turnrl.trainer.prefix import shared_prefix_hidden, shared_prefix_split
 from turnrl.types import Batch
 
 
@@ -115,7 +114,7 @@ def score_policy_tokens(model: nn.Module, mb: Batch, temperature: float, *,
     softmax over the vocabulary run only where the policy sampled: in a multi-turn episode
     most tokens are prompt and environment text, and on CPU the 49k-wide softmax over them
     cost about a third of the update. With ``shared_prefix`` a prompt that several rows
-    share is run once (see ``_shared_prefix_hidden``); the result is the same to float
+    share is run once (``trainer/prefix.py``); the result is the same to float
     tolerance. Assumes the model's logits are ``lm_head(hidden)`` (optionally soft-capped).
     """
     where = mb.loss_mask[:, 1:].bool()
@@ -125,7 +124,7 @@ def score_policy_tokens(model: nn.Module, mb: Batch, temperature: float, *,
                                      attention_mask=mb.attention_mask).last_hidden_state
         scored = hidden[:, :-1][where]
     else:
-        scored = _shared_prefix_hidden(model, mb, split)
+        scored = shared_prefix_hidden(model, mb, split)
     logits = model.get_output_embeddings()(scored)  # [N, V]
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
@@ -140,78 +139,6 @@ def score_policy_tokens(model: nn.Module, mb: Batch, temperature: float, *,
         values = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
     entropies = torch.zeros_like(logprobs).masked_scatter(where, values)
     return logprobs, entropies
-
-
-@dataclass(frozen=True)
-class PrefixSplit:
-    """Rows cut where their own tokens begin; rows with the same prompt share its cut.
-
-    ``cut[b]`` tokens of row ``b`` form its prefix: everything before its first policy
-    token except the last prompt token, which stays with the suffix because its hidden
-    state scores the first policy token. ``owner[b]`` indexes ``prefixes``, the distinct
-    prefixes (all equal for the rows of one GRPO group).
-    """
-
-    cut: torch.Tensor  # [B]
-    owner: torch.Tensor  # [B]
-    prefixes: list[list[int]]
-
-
-def shared_prefix_split(mb: Batch) -> PrefixSplit | None:
-    """Find the prompts rows share; None when no two rows share a prefix worth skipping (or
-    no row has a policy token)."""
-    has_policy = mb.loss_mask.bool().any(dim=1)
-    if not bool(has_policy.any()):
-        return None
-    cut = torch.where(has_policy, mb.loss_mask.argmax(dim=1) - 1, 0).clamp(min=0)
-    ids = mb.input_ids.tolist()
-    index: dict[tuple[int, ...], int] = {}
-    owner = [index.setdefault(tuple(row[:c]), len(index)) for row, c in zip(ids, cut.tolist(),
-                                                                            strict=True)]
-    if len(index) == len(owner) or int(cut.min()) == 0:
-        return None  # nothing shared, or a row with no prompt to share
-    prefixes = [list(key) for key in index]
-    return PrefixSplit(cut, torch.tensor(owner), prefixes)
-
-
-def _shared_prefix_hidden(model: nn.Module, mb: Batch, split: PrefixSplit) -> torch.Tensor:
-    """Hidden states ``[N, H]`` at the positions that score policy tokens, prefixes run once.
-
-    The distinct prefixes go through the decoder once (with gradients), their key/value
-    cache is indexed out to every row that shares it (indexing is differentiable: the
-    backward pass sums each row's gradient into the one prefix computation), then each
-    row's suffix attends to its prefix through that cache. Prefixes are padded on the
-    right; the attention mask hides the padding and explicit positions skip it.
-    """
-    device = mb.input_ids.device
-    decoder = model.get_decoder()
-    width = max(len(p) for p in split.prefixes)
-    prefix_ids = torch.full((len(split.prefixes), width), int(mb.input_ids[0, 0]),
-                            dtype=torch.long, device=device)
-    prefix_mask = torch.zeros_like(prefix_ids)
-    for u, prefix in enumerate(split.prefixes):
-        prefix_ids[u, :len(prefix)] = torch.tensor(prefix, device=device)
-        prefix_mask[u, :len(prefix)] = 1
-    cache = DynamicCache()
-    decoder(input_ids=prefix_ids, attention_mask=prefix_mask, **cache_kwargs(decoder, cache),
-            use_cache=True)
-    owner = split.owner.to(device)
-    cache.batch_select_indices(owner)
-
-    cut = split.cut.to(device)
-    lengths = mb.attention_mask.sum(dim=1)
-    suffix_width = int((lengths - cut).max())
-    columns = cut[:, None] + torch.arange(suffix_width, device=device)[None, :]
-    in_row = columns < lengths[:, None]
-    columns = columns.clamp(max=mb.input_ids.shape[1] - 1)
-    suffix_ids = mb.input_ids.gather(1, columns).masked_fill(~in_row, int(mb.input_ids[0, 0]))
-    attention_mask = torch.cat([prefix_mask[owner], in_row.long()], dim=1)
-    hidden = decoder(input_ids=suffix_ids, attention_mask=attention_mask, position_ids=columns,
-                     **cache_kwargs(decoder, cache), use_cache=True).last_hidden_state
-    # Suffix position k holds token cut + k; it scores token cut + k + 1.
-    scores_next = mb.loss_mask.gather(1, (columns + 1).clamp(max=mb.input_ids.shape[1] - 1))
-    scores_next = scores_next.bool() & ((columns + 1) < lengths[:, None])
-    return hidden[scores_next]
 
 
 def _policy_loss(logprobs: torch.Tensor, mb: Batch, advantages: torch.Tensor,
