@@ -49,6 +49,8 @@ def group_batch(group_size: int, prompt: int, completion: int, vocab: int) -> Ba
 
 def rule_pick(model, batch: Batch) -> str:
     """The path ``shared_prefix_hidden`` takes for this batch's micro-batches."""
+    if prefix._mask_format(model.get_decoder()) is None:
+        return "cached"
     picks = set()
     for mb in micro_batches(batch, OptimConfig().micro_batch_size):
         split = prefix.shared_prefix_split(mb)
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model)
+    if prefix._mask_format(model.get_decoder()) is None:
+        raise SystemExit(f"shared_prefix: {model.config.model_type} with "
+                         f"{model.config._attn_implementation} attention cannot run the packed "
+                         f"path (turnrl/trainer/prefix.py: PACKABLE_MODELS); nothing to compare")
     optimizer = make_optimizer(model, OptimConfig(lr=1e-7))
     vocab = model.config.vocab_size
     print(f"model {args.model}, prompt {args.prompt} tokens, completions {args.completion} "

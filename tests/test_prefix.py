@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_step import _batch, _grouped_episodes
-from transformers import LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from turnrl.trainer import prefix
 from turnrl.trainer.prefix import (
@@ -27,18 +27,39 @@ def _with_grads(model, fn):
     model.zero_grad()
     hidden = fn()
     (hidden * torch.linspace(0.5, 2.0, hidden.shape[-1])).sum().backward()
-    return hidden.detach(), [p.grad.clone() for p in model.parameters()]
+    return hidden.detach(), [p.grad.clone() for p in model.get_decoder().parameters()]
 
 
+def _tiny_of(model_type: str, attention: str):
+    """A 2-layer model of ``model_type`` with grouped-query attention (4 heads, 2 key/value)."""
+    config = AutoConfig.for_model(model_type, vocab_size=96, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=256)
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def _interleaved(mb):
+    """The rows reordered so the two groups alternate: the packed order is not batch order."""
+    rows = torch.tensor([0, 3, 1, 4, 2, 5])
+    return mb.select(rows)
+
+
+@pytest.mark.parametrize("model_type", sorted(prefix.PACKABLE_MODELS))
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_packed_and_cached_prefixes_give_the_plain_hidden_states_and_gradients(tiny, attention):
-    """Two groups with prompts of different lengths (so one packed row is padded), multi-turn
-    suffixes (environment tokens between policy turns), gradients included: a padding query
-    with nothing to attend to would put NaN into every weight gradient."""
-    model, _ = tiny
-    model.set_attn_implementation(attention)
-    mb = _batch(_grouped_episodes(groups=2, size=3, seed=4))
+def test_packed_and_cached_prefixes_give_the_plain_hidden_states_and_gradients(model_type,
+                                                                              attention):
+    """Each model type the packed path runs on, on both attention kernels: two groups with
+    prompts of different lengths (so one packed row is padded) whose rows alternate in the
+    batch, multi-turn suffixes (environment tokens between policy turns), gradients included:
+    a padding query with nothing to attend to would put NaN into every weight gradient."""
+    model = _tiny_of(model_type, attention)
+    mb = _interleaved(_batch(_grouped_episodes(groups=2, size=3, seed=4)))
     split = shared_prefix_split(mb)
+    assert split.owner.tolist() == [0, 1, 0, 1, 0, 1]
+    assert prefix._mask_format(model.get_decoder()) is not None
     layout = PackedLayout.of(mb, split)
     assert layout.piece.shape[0] == 2 and bool((layout.piece == -2).any())  # a padded row
     decoder = model.get_decoder()
@@ -108,6 +129,14 @@ def test_packing_pays_for_short_groups_and_not_for_long_episodes_or_sliding_wind
     assert not packing_pays(windowed, layout, split, mb)
     windowed.sliding_window = 4096
     assert packing_pays(windowed, layout, split, mb)
+
+
+def test_a_model_type_not_checked_for_packing_takes_the_cached_path_and_agrees():
+    model = _tiny_of("gemma", "sdpa")
+    assert prefix._mask_format(model.get_decoder()) is None
+    mb = _interleaved(_batch(_grouped_episodes(groups=2, size=3, seed=4)))
+    torch.testing.assert_close(prefix.shared_prefix_hidden(model, mb, shared_prefix_split(mb)),
+                               _plain_hidden(model, mb), atol=1e-5, rtol=1e-5)
 
 
 def test_the_update_packs_only_where_the_attention_takes_a_4d_mask(tiny, monkeypatch):

@@ -12,10 +12,10 @@ Two ways to the same hidden states, to float tolerance:
   gradients: on SmolLM2 a GRPO update took 1.24x as long as packed at G=4 and 1.33x at G=16
   (``benchmarks/shared_prefix.py``).
 
-Packed needs a decoder of attention layers only whose attention takes a custom 4D mask
-(``sdpa``, ``eager``), and pays only while the masked-out attention it still computes is small
-next to the linear layers' work (``packing_pays``); otherwise the update takes the cached
-path.
+Packed needs a decoder checked to run it (``PACKABLE_MODELS``: attention-only, Llama-shaped)
+whose attention takes a custom 4D mask (``sdpa``, ``eager``), and pays only while the
+masked-out attention it still computes is small next to the linear layers' work
+(``packing_pays``); otherwise the update takes the cached path.
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ def shared_prefix_hidden(model: nn.Module, mb: Batch, split: PrefixSplit) -> tor
     """Hidden states ``[N, H]`` at the positions that score policy tokens (row-major, as
     ``hidden[:, :-1][loss_mask[:, 1:]]`` of a plain pass), each prefix run once."""
     decoder = model.get_decoder()
-    layout = PackedLayout.of(mb, split)
-    if _mask_format(decoder) is not None and packing_pays(decoder.config, layout, split, mb):
-        return packed_prefix_hidden(decoder, mb, layout)
+    if _mask_format(decoder) is not None:
+        layout = PackedLayout.of(mb, split)
+        if packing_pays(decoder.config, layout, split, mb):
+            return packed_prefix_hidden(decoder, mb, layout)
     return cached_prefix_hidden(decoder, mb, split)
 
 
@@ -130,14 +131,14 @@ def packing_pays(config, layout: PackedLayout, split: PrefixSplit, mb: Batch) ->
 
     Per layer and token a linear layer costs 2 FLOPs a weight; each query-key pair costs
     4 x heads x head size (scores and the weighted sum). Counts only, no machine constant."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    inner = getattr(config, "intermediate_size", 4 * config.hidden_size)
-    kv = getattr(config, "num_key_value_heads", heads) * head_dim
-    layer_weights = config.hidden_size * (2 * heads * head_dim + 2 * kv + 3 * inner)
     sliding = getattr(config, "sliding_window", None)
     if sliding and int(layout.column.max()) >= sliding:
         return False  # one 4D mask for every layer would drop the sliding window
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    inner = getattr(config, "intermediate_size", None) or 4 * hidden
+    layer_weights = hidden * (2 * heads * head_dim + 2 * kv + 3 * inner)  # a gated MLP
     tokens = int((layout.piece != -2).sum())
     packed_pairs = layout.piece.shape[0] * layout.piece.shape[1] ** 2
     prefix_lengths = torch.tensor([len(p) for p in split.prefixes])
@@ -147,18 +148,23 @@ def packing_pays(config, layout: PackedLayout, split: PrefixSplit, mb: Batch) ->
     return wasted <= MASKED_ATTENTION_SHARE * 2 * layer_weights * tokens
 
 
+PACKABLE_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""``config.model_type`` of the decoders the packed path runs on: attention-only Llama-shaped
+stacks, each checked against a plain pass in tests/test_prefix.py. Others (hybrid recurrent or
+convolutional layers would carry state from one packed suffix into the next; per-layer inputs,
+shared key/value layers, older mask code) keep the cached path until they are checked."""
+
+
 def _mask_format(decoder: nn.Module) -> str | None:
     """How this decoder's attention takes a custom 4D mask: booleans (sdpa), an additive float
-    mask (eager), or not at all (None): flash attention and other kernels, and any decoder with
-    layers that are not attention (recurrent or convolutional layers, as in hybrid models,
-    would carry state from one packed suffix into the next)."""
-    implementation = getattr(decoder.config, "_attn_implementation", None)
-    layers = getattr(decoder, "layers", None)
-    kinds = set(getattr(decoder.config, "layer_types", None) or ["full_attention"])
-    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers) \
+    mask (eager), or not at all (None): flash attention and other kernels, and any model type
+    not in ``PACKABLE_MODELS``."""
+    config = decoder.config
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if getattr(config, "model_type", None) not in PACKABLE_MODELS \
             or not kinds <= {"full_attention", "sliding_attention"}:
         return None
-    return {"sdpa": "bool", "eager": "float"}.get(implementation)
+    return {"sdpa": "bool", "eager": "float"}.get(getattr(config, "_attn_implementation", None))
 
 
 def packed_prefix_hidden(decoder: nn.Module, mb: Batch, layout: PackedLayout) -> torch.Tensor:
@@ -173,7 +179,7 @@ def packed_prefix_hidden(decoder: nn.Module, mb: Batch, layout: PackedLayout) ->
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
     hidden = decoder(input_ids=mb.input_ids[source, column], attention_mask=mask,
-                     position_ids=column).last_hidden_state
+                     position_ids=column, use_cache=False).last_hidden_state
     # Suffix token (b, c) scores token c + 1 of row b when the policy wrote that one.
     lengths = mb.attention_mask.sum(dim=1)
     following = (column + 1).clamp(max=mb.input_ids.shape[1] - 1)
