@@ -15,6 +15,7 @@ from turnrl.trainer.prefix import (
     packing_pays,
     shared_prefix_split,
 )
+from turnrl.types import Batch
 
 
 def _plain_hidden(model, mb):
@@ -100,15 +101,9 @@ def _layout(rows: int, prompt: int, suffix: int):
     mask = torch.ones_like(ids)
     loss = torch.zeros(ids.shape)
     loss[:, prompt:] = 1
-    mb = _batch_from(ids, mask, loss)
+    mb = Batch(ids, mask, loss, torch.zeros(loss.shape), torch.zeros(rows))
     split = shared_prefix_split(mb)
     return mb, split, PackedLayout.of(mb, split)
-
-
-def _batch_from(ids, mask, loss):
-    from turnrl.types import Batch
-
-    return Batch(ids, mask, loss, torch.zeros(loss.shape), torch.zeros(ids.shape[0]))
 
 
 SMOLLM2_SHAPE = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
