@@ -7,8 +7,10 @@ Three measurements, each in alternating rounds after a warm-up, medians:
    and the weight bytes read per second (a decode step is bound by reading the weights);
 2. packing every weight once (what a new version costs the onednn sampler);
 3. ``HFEngine.generate`` of ``--groups`` copies of one chat prompt, ``--tokens`` new tokens
-   each (no stop token), a new version before every call, so the onednn figure includes its
-   repack; plus the largest |log-prob difference| of the two engines' greedy tokens.
+   each (no stop token), a new version before every call, so the onednn figures include the
+   repack: torch's products, oneDNN's through the ``PackedLinear`` tree (transformers' own
+   pass), and oneDNN's through the lean pass (lean.py, what ``onednn`` runs where it can);
+   plus the largest |log-prob difference| of torch's and the lean pass's greedy tokens.
 
 Usage: ``python benchmarks/cpu_matmul.py [--model smollm2-135m-instruct] [--threads 2]
 [--rows 4 16 64 256] [--groups 4 16] [--tokens 16] [--rounds 5]``. Run it on an idle machine.
@@ -27,7 +29,8 @@ from torch.nn import functional
 
 from turnrl.models import load_model
 from turnrl.rollout import HFEngine, SamplingParams
-from turnrl.rollout.onednn import _pack, _product, onednn_unusable
+from turnrl.rollout.lean import LeanDecoder
+from turnrl.rollout.onednn import _pack, _product, onednn_unusable, packed_decoder
 
 
 def alternate(variants: dict[str, Callable[[], object]], rounds: int, repeat: int = 1
@@ -80,7 +83,9 @@ def generation(model, tokenizer, groups: Sequence[int], tokens: int, rounds: int
                                            add_generation_prompt=True, tokenize=False)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     engines = {"torch": HFEngine(model, tokenizer.pad_token_id, seed=0),
+               "tree": HFEngine(model, tokenizer.pad_token_id, seed=0, matmul="onednn"),
                "onednn": HFEngine(model, tokenizer.pad_token_id, seed=0, matmul="onednn")}
+    engines["tree"].decoder = packed_decoder(model)  # transformers' pass on PackedLinear
     sample = SamplingParams(max_new_tokens=tokens, temperature=1.0)
     out = []
     def call(engine, rows):
@@ -95,8 +100,9 @@ def generation(model, tokenizer, groups: Sequence[int], tokens: int, rounds: int
         same = a.token_ids == b.token_ids
         drift = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) if same \
             else float("nan")
-        out.append({"group": g, "torch_s": t["torch"], "onednn_s": t["onednn"],
-                    "ratio": t["torch"] / t["onednn"], "greedy_same": same,
+        out.append({"group": g, "torch_s": t["torch"], "tree_s": t["tree"],
+                    "onednn_s": t["onednn"], "ratio": t["torch"] / t["onednn"],
+                    "lean_gain": t["tree"] / t["onednn"], "greedy_same": same,
                     "max_dlogp": drift})
     return out
 
@@ -129,9 +135,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
               f"{r['torch_gb_s']:11.1f} {r['onednn_gb_s']:12.1f} {r['ratio']:5.2f}x")
     print(f"packing every weight: {results['pack_s']:.3f} s")
     print(f"generate, {args.tokens} new tokens a row, a new version before each call:")
-    print(f"{'rows':>5} {'torch s':>8} {'onednn s':>9} {'ratio':>6}  greedy tokens, max |dlogp|")
+    lean = isinstance(HFEngine(model, 0, matmul="onednn").decoder, LeanDecoder)
+    print(f"(onednn = {'the lean pass' if lean else 'the tree: this model has no lean pass'})")
+    print(f"{'rows':>5} {'torch s':>8} {'tree s':>7} {'onednn s':>9} {'torch/onednn':>13} "
+          f"{'tree/onednn':>12}  greedy tokens, max |dlogp|")
     for r in results["generation"]:
-        print(f"{r['group']:>5} {r['torch_s']:8.3f} {r['onednn_s']:9.3f} {r['ratio']:5.2f}x  "
+        print(f"{r['group']:>5} {r['torch_s']:8.3f} {r['tree_s']:7.3f} {r['onednn_s']:9.3f} "
+              f"{r['ratio']:12.2f}x {r['lean_gain']:11.2f}x  "
               f"{'same' if r['greedy_same'] else 'differ'}, {r['max_dlogp']:.2e}")
     return results
 

@@ -25,12 +25,11 @@ of its time in prefill). The caching rules:
 - Identical prompts of one call (a GRPO group's first turn) are prefilled once and their keys,
   values and last logits copied to every row (``share_prompts``).
 
-Positions count real tokens only, so padding anywhere shifts nothing, and rows of any lengths
-and histories share one batch. Decoding writes each step's keys and values in place into a
-preallocated buffer; ``compact`` drops stopped rows from the batch once at least half of it
-has stopped (their keys and values are kept). Only the last position's logits are computed;
-plain sampling inverts the CDF. ``matmul="onednn"`` runs the passes on a tree over the same
-tensors with oneDNN's packed products (onednn.py).
+Positions count real tokens only, so rows of any lengths and histories share one batch.
+Decoding writes keys and values in place into a preallocated buffer; ``compact`` drops stopped
+rows once half the batch has stopped. Only the last position's logits are computed. ``matmul="onednn"`` runs the passes through oneDNN's packed
+products: a lean pass for Llama-shaped models (lean.py), else a tree over the same tensors
+(onednn.py).
 """
 
 from __future__ import annotations
@@ -45,7 +44,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from turnrl.models import cache_kwargs
 from turnrl.rollout.engine import Completion, SamplingParams, sample_tokens
-from turnrl.rollout.onednn import packed_decoder, resolve_matmul, unpack
+from turnrl.rollout.lean import LeanDecoder, onednn_decoder, unpack
+from turnrl.rollout.onednn import resolve_matmul
 
 StepHook = Callable[[list[tuple[int, int, float]]], bool | None]
 """Called after each decode step with ``(prompt index, token id, logprob)`` of each live row;
@@ -171,11 +171,16 @@ class _Batch:
     def _forward(self, model: PreTrainedModel, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the last input column; the inputs' keys/values land in the buffer."""
-        cache = Cache(layers=[_InPlaceLayer(layer, self.length) for layer in self.kv])
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        if isinstance(model, LeanDecoder):
+            logits = model.last_logits(input_ids, attention_mask, position_ids, self.kv,
+                                       self.length)
+        else:
+            cache = Cache(layers=[_InPlaceLayer(layer, self.length) for layer in self.kv])
+            logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, **cache_kwargs(model, cache),
+                           use_cache=True, logits_to_keep=1).logits[:, -1]
         self.length += input_ids.shape[1]
-        return out.logits[:, -1]
+        return logits
 
     def prefill(self, model: PreTrainedModel, input_ids: torch.Tensor,
                 new_mask: torch.Tensor) -> torch.Tensor:
@@ -247,8 +252,7 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator: Streams
 
 
 def _left_padded(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input ids, mask of real tokens), both ``[rows, longest]``, padding on the left, built
-    on the host (the caller moves them to the model's device)."""
+    """(input ids, mask of real tokens), ``[rows, longest]``, left-padded, on the host."""
     width = max(len(tokens) for tokens in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device="cpu")
     mask = torch.zeros((len(rows), width), dtype=torch.bool, device="cpu")
@@ -266,9 +270,8 @@ def _prefill_buckets(new_lengths: list[int]) -> list[list[int]]:
     """Rows to prefill together: longest first, a bucket closed when the next row is under
     half its longest and the longest is over ``MIN_SPLIT_TOKENS`` (below that, one more
     forward pass costs more than the padding). One batch pads every row to the longest new
-    segment, so a fresh episode's prompt (hundreds of tokens) in a call of continuing
-    episodes (tens each) would multiply the prefill: 228 ms for 20 continuing rows and a
-    fresh group of 8 on the tiny model in one batch, 67 + 28 ms apart, 115 ms bucketed."""
+    segment, so a fresh episode's prompt in a call of continuing episodes would multiply the
+    prefill (tiny model, 20 continuing rows and a fresh group of 8: 228 ms, 115 bucketed)."""
     order = sorted(range(len(new_lengths)), key=lambda i: -new_lengths[i])
     buckets: list[list[int]] = []
     for i in order:
@@ -301,8 +304,8 @@ class HFEngine:
                  share_prompts: bool = True, compact: bool = True,
                  keep_cache_across_versions: bool = False, matmul: str = "torch"):
         self.model = model
-        self.matmul = resolve_matmul(matmul, model)  # onednn: a tree over model's tensors
-        self.decoder = packed_decoder(model) if self.matmul == "onednn" else model
+        self.matmul = resolve_matmul(matmul, model)  # onednn: lean.py, else onednn.py
+        self.decoder = onednn_decoder(model) if self.matmul == "onednn" else model
         self.pad_token_id = pad_token_id
         self.reuse_cache = reuse_cache
         self.max_kept_rows = max_kept_rows
@@ -321,7 +324,7 @@ class HFEngine:
     def version(self, value: int) -> None:
         self._version = value
         if self.decoder is not self.model:
-            unpack(self.decoder)  # new weights: the packed copies are stale (onednn.py)
+            unpack(self.decoder)  # new weights: the packed copies are stale
         if self.keep_cache_across_versions:
             self._kept.version = value  # stale keys and values, kept on purpose
         else:
@@ -330,10 +333,7 @@ class HFEngine:
     def release(self, sequences: Sequence[Sequence[int]]) -> None:
         """Forget the kept keys/values of sequences that will never be continued (ended
         episodes): the bound then evicts rows of finished episodes first, not the row of an
-        episode that waits long on a tool (the least recently written one). Memory for kept
-        rows follows the live episodes. (Measured effect on speed: small; with 500 ms tools
-        the share of rows prefilled from scratch was 0.26 with a 160-row bound and 0.22
-        with room for every row, i.e. new episodes' first turns.)"""
+        episode that waits long on a tool (the least recently written one)."""
         for sequence in sequences:
             self._kept.drop_prefixes_of(sequence)
 
