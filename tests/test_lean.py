@@ -118,6 +118,10 @@ def test_models_the_lean_pass_cannot_run_keep_the_packed_tree():
     assert "nn.Linear" in lean_unusable(model)  # a wrapped projection (LoRA is one)
     decoder = onednn_decoder(model)
     assert any(isinstance(m, PackedLinear) for m in decoder.modules())
+    mixed = _variant("qwen2")  # q/k/v concatenate: a bias on some of them only cannot
+    mixed.model.layers[0].self_attn.k_proj.bias = None
+    assert "bias" in lean_unusable(mixed)
+    assert not isinstance(onednn_decoder(mixed), LeanDecoder)
 
 
 def test_the_self_check_turns_a_wrong_formula_away(monkeypatch):

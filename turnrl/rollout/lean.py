@@ -66,7 +66,7 @@ class _Layer:
         self.out = _FusedWeight([attention.o_proj])
         self.q_norm = getattr(attention, "q_norm", None)
         self.k_norm = getattr(attention, "k_norm", None)
-        self.scaling = attention.scaling
+        self.scaling = getattr(attention, "scaling", None)  # None: sdpa's 1/sqrt(head_dim)
         self.post_norm = layer.post_attention_layernorm
         self.gate_up = _FusedWeight([mlp.gate_proj, mlp.up_proj])
         self.down = _FusedWeight([mlp.down_proj])
@@ -101,6 +101,9 @@ def lean_unusable(model: nn.Module) -> str | None:
         linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if any(type(m) is not nn.Linear for m in linears):
             return "a projection is not a plain nn.Linear (LoRA or another wrapper)"
+        for fused in (linears[:3], linears[4:6]):  # concatenated: all with a bias or none
+            if len({m.bias is None for m in fused}) > 1:
+                return "some of q/k/v or gate/up have a bias and some not"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))
                   if n is not None]
