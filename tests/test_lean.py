@@ -26,10 +26,10 @@ PROMPTS = [[5, 9, 14, 3, 40, 41], [7, 7, 21], [5, 9, 14, 3, 40, 41], [60, 2]]
 
 def _variant(model_type: str, **extra):
     """``_tiny_of``'s shape (4 heads on 2 key/value heads) with config overrides."""
-    config = AutoConfig.for_model(model_type, vocab_size=96, hidden_size=64,
-                                  intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                  max_position_embeddings=256, **extra)
+    shape = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=256)
+    config = AutoConfig.for_model(model_type, **{**shape, **extra})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # non-zero biases and norm weights, so a dropped one shows
@@ -97,6 +97,42 @@ def test_new_weights_after_a_fused_adamw_step_are_sampled_once_the_version_is_se
     assert_logprobs_match(model, PROMPTS, engine.generate(PROMPTS, params), 1.0)
 
 
+def test_biases_and_weights_unfrozen_after_start_up_are_refreshed_too():
+    """The review's cases: the copies of the biases follow them, and a tensor that takes a
+    gradient only after the engine was built is still dropped on a new version. Each stale
+    sampler is shown to fail the check first (a saturated model would pass anything)."""
+    model = _variant("qwen2")  # q/k/v biases
+    model.requires_grad_(False)
+    engine = HFEngine(model, 0, seed=0, matmul="onednn")
+    assert isinstance(engine.decoder, LeanDecoder)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    engine.generate(PROMPTS, params)  # packs the weights and copies the biases
+    with torch.no_grad():  # only a bias moves, in place (its version counter moves)
+        model.model.layers[0].self_attn.v_proj.bias.add_(5.0)
+    assert_logprobs_match(model, PROMPTS, engine.generate(PROMPTS, params), 1.0)
+    model.requires_grad_(True)
+    ids = torch.tensor([PROMPTS[0] + [11, 12]])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    loss = -functional.log_softmax(model(input_ids=ids).logits[0, -1], -1)[11]
+    loss.backward()
+    optimizer.step()
+    with pytest.raises(AssertionError):
+        assert_logprobs_match(model, PROMPTS, engine.generate(PROMPTS, params), 1.0)
+    engine.version = 1
+    assert_logprobs_match(model, PROMPTS, engine.generate(PROMPTS, params), 1.0)
+
+
+def test_sampling_leaves_the_learners_module_modes_alone():
+    model = _tiny_of("llama", "sdpa").eval()
+    engine = HFEngine(model, 0, seed=0, matmul="onednn")
+    assert isinstance(engine.decoder, LeanDecoder)
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=3, temperature=1.0))
+    assert not any(m.training for m in model.modules())
+    model.train()
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=3, temperature=1.0))
+    assert all(m.training for m in model.modules())
+
+
 @pytest.mark.skipif(not cpu_has_bf16(), reason="the bf16 copy engine needs native bf16")
 def test_the_bf16_copy_engine_samples_through_the_lean_pass():
     model, tok = tiny_model(seed=0)
@@ -122,6 +158,20 @@ def test_models_the_lean_pass_cannot_run_keep_the_packed_tree():
     mixed.model.layers[0].self_attn.k_proj.bias = None
     assert "bias" in lean_unusable(mixed)
     assert not isinstance(onednn_decoder(mixed), LeanDecoder)
+
+
+def test_a_model_that_breaks_the_lean_pass_falls_back_instead_of_failing():
+    """More layers than ``num_hidden_layers`` (transformers runs the first ones only) and a
+    lean pass that raises: the engine still starts, on the tree."""
+    model = _variant("llama", num_hidden_layers=3)
+    model.config.num_hidden_layers = 2
+    assert isinstance(HFEngine(model, 0, matmul="onednn").decoder, LeanDecoder)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    assert [c.token_ids for c in HFEngine(model, 0, matmul="onednn").generate(PROMPTS, greedy)] \
+        == [c.token_ids for c in HFEngine(model, 0).generate(PROMPTS, greedy)]
+    broken = _tiny_of("llama", "sdpa")
+    broken.model.layers[0].self_attn.q_proj.weight = torch.nn.Parameter(torch.zeros(3, 3))
+    assert not isinstance(onednn_decoder(broken), LeanDecoder)
 
 
 def test_the_self_check_turns_a_wrong_formula_away(monkeypatch):

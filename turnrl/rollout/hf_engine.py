@@ -27,9 +27,9 @@ of its time in prefill). The caching rules:
 
 Positions count real tokens only, so rows of any lengths and histories share one batch.
 Decoding writes keys and values in place into a preallocated buffer; ``compact`` drops stopped
-rows once half the batch has stopped. Only the last position's logits are computed. ``matmul="onednn"`` runs the passes through oneDNN's packed
-products: a lean pass for Llama-shaped models (lean.py), else a tree over the same tensors
-(onednn.py).
+rows once half the batch has stopped. Only the last position's logits are computed.
+``matmul="onednn"`` runs the passes through oneDNN's packed products: a lean pass for
+Llama-shaped models (lean.py), else a tree over the same tensors (onednn.py).
 """
 
 from __future__ import annotations

@@ -4,14 +4,15 @@ Why: a decode step at a few rows is short arithmetic spread over many small call
 (30 layers, 4 rows, 2 cores) a step took about 45 ms, of which about 24 ms were the products
 and about 21 ms transformers' per-layer Python, the ``PackedLinear`` modules and small kernels
 (docs/benchmarks.md, stop 48). This pass is the same arithmetic written as one loop over the
-layers: q, k and v in one packed product, gate and up in another, rotary embedding applied to
-q and k together, keys and values written straight into the engine's buffer.
+layers: q, k and v in one packed product, gate and up in another, keys and values written
+straight into the engine's buffer, the learner's modules never called or changed.
 
 Which models: ``config.model_type`` in ``LEAN_MODELS`` (llama, mistral, qwen2, qwen3:
-attention-only, Llama-shaped), plain ``nn.Linear`` projections (a LoRA wrapper keeps the
-transformers pass), RMS norms, and a start-up self-check: the lean pass's logits must match
-transformers' on a short batch, else the engine keeps transformers' pass. Like the engine's
-transformers pass, which hands attention an explicit 4D mask, it applies no sliding window.
+attention-only, Llama-shaped), plain ``nn.Linear`` projections, RMS norms, and a start-up
+self-check: the lean pass's logits must match transformers' on a short batch. Any other model
+(a LoRA wrapper among them) samples through the ``PackedLinear`` tree (onednn.py). Like the
+engine's transformers pass, which hands attention an explicit 4D mask, it applies no sliding
+window.
 
 Arithmetic: oneDNN's products on the concatenated weights sum in another order than the
 learner's ``nn.Linear``, so sampled log-probabilities differ from the learner's by about 1e-5
@@ -31,16 +32,25 @@ LEAN_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 class _FusedWeight:
-    """The packed concatenation of some linear layers' weights (and biases), repacked when any
-    of them moved (storage or version counter) or after ``drop``."""
+    """The packed concatenation of some linear layers' weights and a copy of their biases,
+    made again when any of those tensors moved (storage or version counter) or after
+    ``drop_trainable``."""
 
     def __init__(self, linears: list[nn.Linear]):
         self.linears = linears
         self.packed: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
-        self.trainable = any(linear.weight.requires_grad for linear in linears)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for m in self.linears for t in (m.weight, m.bias) if t is not None]
 
     def _source(self) -> tuple:
-        return tuple((id(w), w.data_ptr(), w._version) for w in (m.weight for m in self.linears))
+        return tuple((id(t), t.data_ptr(), t._version) for t in self._tensors())
+
+    def drop_trainable(self) -> None:
+        """Forget the copies if any of the tensors takes a gradient now: fused AdamW writes
+        them without moving their version counters."""
+        if any(t.requires_grad for t in self._tensors()):
+            self.packed = None
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         source, packed = self._source(), self.packed
@@ -84,18 +94,24 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * x32.to(dtype)
 
 
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers transformers runs: the first ``num_hidden_layers``."""
+    return list(model.model.layers[:model.config.num_hidden_layers])
+
+
 def lean_unusable(model: nn.Module) -> str | None:
     """Why the lean pass cannot run ``model`` (None: it can)."""
     config = model.config
-    if getattr(config, "model_type", None) not in LEAN_MODELS:
-        return f"model type {getattr(config, 'model_type', None)!r} is not one of {sorted(LEAN_MODELS)}"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in LEAN_MODELS:
+        return f"model type {model_type!r} is not one of {sorted(LEAN_MODELS)}"
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if not kinds <= {"full_attention", "sliding_attention"}:
         return f"layer types {sorted(kinds)} are not attention-only"
     decoder = getattr(model, "model", None)
     if decoder is None or not hasattr(decoder, "layers") or not hasattr(model, "lm_head"):
         return "no model.layers / lm_head"
-    for layer in decoder.layers:
+    for layer in _decoder_layers(model):
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(attention, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -105,8 +121,7 @@ def lean_unusable(model: nn.Module) -> str | None:
             if len({m.bias is None for m in fused}) > 1:
                 return "some of q/k/v or gate/up have a bias and some not"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        norms += [n for n in (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))
-                  if n is not None]
+        norms += [getattr(attention, n) for n in ("q_norm", "k_norm") if hasattr(attention, n)]
         if any(not hasattr(n, "variance_epsilon") for n in norms):
             return "a norm is not an RMS norm"
     if type(model.lm_head) is not nn.Linear:
@@ -114,23 +129,31 @@ def lean_unusable(model: nn.Module) -> str | None:
     return None
 
 
-class LeanDecoder(nn.Module):
-    """The lean pass over ``model``'s own tensors (nothing copied but the packed weights).
+class LeanDecoder:
+    """The lean pass over ``model``'s own tensors (nothing copied but the packed weights and
+    the biases beside them).
 
     ``last_logits`` feeds ``input_ids`` ``[rows, new]`` after the ``length`` filled columns of
     the engine's buffer ``kv`` ``[layers, 2, rows, kv_heads, capacity, head_dim]``, writes their
-    keys and values there, and returns the logits of the last column."""
+    keys and values there, and returns the logits of the last column. Not an ``nn.Module``:
+    it borrows the learner's modules, and the engine's ``eval()``/``train()`` around a call
+    must not switch them (the pass has no dropout, so it has no mode of its own)."""
+
+    training = False
+
+    def eval(self) -> LeanDecoder:
+        return self
+
+    def train(self, mode: bool = True) -> LeanDecoder:
+        return self
 
     def __init__(self, model: nn.Module):
-        super().__init__()
         config = model.config
-        self.config = config
-        self._model = [model]  # a list: not registered, so .eval() here never touches it
         decoder = model.model
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm
-        self.layers = [_Layer(layer) for layer in decoder.layers]
+        self.layers = [_Layer(layer) for layer in _decoder_layers(model)]
         self.head = _FusedWeight([model.lm_head])
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -138,10 +161,9 @@ class LeanDecoder(nn.Module):
                          or config.hidden_size // config.num_attention_heads)
 
     def unpack(self) -> None:
-        """Drop the packed copies of weights that take a gradient (new weights are coming)."""
+        """Drop the copies of tensors that take a gradient (new weights are coming)."""
         for fused in [w for layer in self.layers for w in layer.weights()] + [self.head]:
-            if fused.trainable:
-                fused.packed = None
+            fused.drop_trainable()
 
     def last_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     position_ids: torch.Tensor, kv: torch.Tensor, length: int) -> torch.Tensor:
@@ -180,9 +202,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def self_check(model: nn.Module, lean: LeanDecoder) -> str | None:
-    """Why ``lean`` disagrees with ``model``'s own forward pass (None: it agrees): the log-probs
+    """Why ``lean`` disagrees with ``model``'s own forward pass (None: it agrees): the logits
     of the next token after a 5-token prefill into an empty buffer and after one more token
-    fed from that buffer, 2 rows, against transformers' pass on the same tokens."""
+    fed from that buffer, 2 rows, against transformers' pass on the same tokens, the largest
+    gap in standard deviations of transformers' logits."""
     config = model.config
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (2, 6), generator=generator)
@@ -216,9 +239,12 @@ def onednn_decoder(model: nn.Module) -> nn.Module:
     """The engine's decoder for ``rollout.matmul onednn``: the lean pass where it runs the model
     and passes its self-check, else the ``PackedLinear`` tree (onednn.py)."""
     if lean_unusable(model) is None:
-        lean = LeanDecoder(model)
-        if self_check(model, lean) is None:
-            return lean
+        try:
+            lean = LeanDecoder(model)
+            if self_check(model, lean) is None:
+                return lean
+        except Exception:  # noqa: BLE001 (a model the checks above missed: the tree runs it)
+            pass
     return onednn.packed_decoder(model)
 
 
