@@ -235,7 +235,7 @@ SELF_CHECK_BOUND = {torch.float32: 1e-3, torch.bfloat16: 0.05}
 is far below these (tests/test_lean.py), a wrong formula (rotary, norm) far above."""
 
 
-def onednn_decoder(model: nn.Module) -> nn.Module:
+def onednn_decoder(model: nn.Module) -> LeanDecoder | nn.Module:
     """The engine's decoder for ``rollout.matmul onednn``: the lean pass where it runs the model
     and passes its self-check, else the ``PackedLinear`` tree (onednn.py)."""
     if lean_unusable(model) is None:
@@ -248,7 +248,7 @@ def onednn_decoder(model: nn.Module) -> nn.Module:
     return onednn.packed_decoder(model)
 
 
-def unpack(decoder: nn.Module) -> None:
+def unpack(decoder: LeanDecoder | nn.Module) -> None:
     """New weights: drop the packed copies of those that take a gradient, either decoder's."""
     if isinstance(decoder, LeanDecoder):
         decoder.unpack()
