@@ -5,6 +5,7 @@ unchanged: logprobs are checked against one full forward pass over prompt + repl
 replies against the engine with the optimisation switched off.
 """
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -341,3 +342,37 @@ def test_step_hook_names_each_callers_row_when_the_batch_reorders_them(tiny):
     completions = engine.generate(prompts, params, on_step=hook)
     assert_logprobs_match(model, prompts, completions)
     assert all(streamed[i] == c.token_ids for i, c in enumerate(completions))
+
+
+def _windowed(model_type: str, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=96, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_a_sliding_window_the_engine_does_not_apply_is_named_at_start_up():
+    """The engine's explicit masks reach attention as given, so a sliding window is not
+    applied (docs/samplers.md): past the window the engine's log-probs are not the model's.
+    It says so when built; models whose every layer sees the whole context stay quiet."""
+    windowed = {"mistral": _windowed("mistral", sliding_window=4),
+                "qwen2": _windowed("qwen2", use_sliding_window=True, sliding_window=4,
+                                   max_window_layers=0)}
+    for model in windowed.values():
+        with pytest.warns(UserWarning, match="4-token sliding window"):
+            engine = HFEngine(model, 0, seed=0)
+        prompt = [5, 9, 14, 3, 40, 41, 7, 7, 21, 60]  # past the window
+        completion = engine.generate([prompt], SamplingParams(4, 1.0, 1.0))[0]
+        drift = recomputed(model, prompt, completion, 1.0) - torch.tensor(completion.logprobs)
+        assert drift.abs().max() > 1e-3  # what the warning says: fix it, then change both
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for model in (_windowed("mistral", sliding_window=None), _windowed("qwen2"),
+                      _windowed("llama")):
+            HFEngine(model, 0, seed=0)

@@ -35,6 +35,7 @@ Llama-shaped models (lean.py), else a tree over the same tensors (onednn.py).
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from turnrl.devices import unapplied_window_warning
 from turnrl.models import cache_kwargs
 from turnrl.rollout.engine import Completion, SamplingParams, sample_tokens
 from turnrl.rollout.lean import LeanDecoder, onednn_decoder, unpack
@@ -306,14 +308,12 @@ class HFEngine:
         self.model = model
         self.matmul = resolve_matmul(matmul, model)  # onednn: lean.py, else onednn.py
         self.decoder = onednn_decoder(model) if self.matmul == "onednn" else model
-        self.pad_token_id = pad_token_id
-        self.reuse_cache = reuse_cache
-        self.max_kept_rows = max_kept_rows
-        self.share_prompts = share_prompts
-        self.compact = compact
+        self.pad_token_id, self.reuse_cache = pad_token_id, reuse_cache
+        self.max_kept_rows, self.share_prompts, self.compact = max_kept_rows, share_prompts, compact
+        if warning := unapplied_window_warning(model.config):
+            warnings.warn(warning, stacklevel=2)
         self.keep_cache_across_versions = keep_cache_across_versions
-        self._version = 0
-        self._kept = _KeptRows(self._version)
+        self._version, self._kept = 0, _KeptRows(0)
         self.generator = torch.Generator(model.device).manual_seed(seed)
 
     @property
