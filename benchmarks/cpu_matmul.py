@@ -86,6 +86,7 @@ def generation(model, tokenizer, groups: Sequence[int], tokens: int, rounds: int
                "tree": HFEngine(model, tokenizer.pad_token_id, seed=0, matmul="onednn"),
                "onednn": HFEngine(model, tokenizer.pad_token_id, seed=0, matmul="onednn")}
     engines["tree"].decoder = packed_decoder(model)  # transformers' pass on PackedLinear
+    onednn_pass = "lean" if isinstance(engines["onednn"].decoder, LeanDecoder) else "tree"
     sample = SamplingParams(max_new_tokens=tokens, temperature=1.0)
     out = []
     def call(engine, rows):
@@ -102,7 +103,8 @@ def generation(model, tokenizer, groups: Sequence[int], tokens: int, rounds: int
             else float("nan")
         out.append({"group": g, "torch_s": t["torch"], "tree_s": t["tree"],
                     "onednn_s": t["onednn"], "ratio": t["torch"] / t["onednn"],
-                    "lean_gain": t["tree"] / t["onednn"], "greedy_same": same,
+                    "lean_gain": t["tree"] / t["onednn"], "onednn_pass": onednn_pass,
+                    "greedy_same": same,
                     "max_dlogp": drift})
     return out
 
@@ -135,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
               f"{r['torch_gb_s']:11.1f} {r['onednn_gb_s']:12.1f} {r['ratio']:5.2f}x")
     print(f"packing every weight: {results['pack_s']:.3f} s")
     print(f"generate, {args.tokens} new tokens a row, a new version before each call:")
-    lean = isinstance(HFEngine(model, 0, matmul="onednn").decoder, LeanDecoder)
+    lean = all(r["onednn_pass"] == "lean" for r in results["generation"])
     print(f"(onednn = {'the lean pass' if lean else 'the tree: this model has no lean pass'})")
     print(f"{'rows':>5} {'torch s':>8} {'tree s':>7} {'onednn s':>9} {'torch/onednn':>13} "
           f"{'tree/onednn':>12}  greedy tokens, max |dlogp|")

@@ -1,7 +1,8 @@
 """The lean sampling pass (turnrl/rollout/lean.py) samples what transformers' pass samples:
 each Llama-shaped model type, grouped-query attention, biases, q/k norms and scaled rotary
-embeddings, multi-turn calls that continue kept keys and values, new weights after a fused
-AdamW step; models it cannot run and a wrong formula fall back to the PackedLinear tree."""
+embeddings, multi-turn calls that continue kept keys and values, refreshed biases and
+unfrozen weights (fused AdamW's refresh, lean and tree alike: tests/test_onednn.py); models it
+cannot run and a wrong formula fall back to the PackedLinear tree."""
 
 from __future__ import annotations
 
@@ -74,28 +75,6 @@ def test_the_lean_pass_samples_what_transformers_pass_samples(name):
     first, longer, second = _two_turns(fast, params)
     assert_logprobs_match(model, PROMPTS, first, 0.7)
     assert_logprobs_match(model, longer, second, 0.7)  # continued from the kept cache
-
-
-def test_new_weights_after_a_fused_adamw_step_are_sampled_once_the_version_is_set():
-    """Fused AdamW writes the weights without bumping their version counters, so the packed
-    concatenations are stale until ``version`` is set (what ``refresh_sampler`` does)."""
-    model, tok = tiny_model(seed=0)
-    engine = HFEngine(model, tok.pad_token_id, seed=0, matmul="onednn")
-    assert isinstance(engine.decoder, LeanDecoder)
-    params = SamplingParams(max_new_tokens=4, temperature=1.0)
-    engine.generate(PROMPTS, params)  # packs the weights
-    ids = torch.tensor([PROMPTS[0] + [11, 12]])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
-    for _ in range(3):
-        loss = -functional.log_softmax(model(input_ids=ids).logits[0, -1], -1)[11]
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    stale = engine.generate(PROMPTS, params)
-    with pytest.raises(AssertionError):  # the proof that the test can fail
-        assert_logprobs_match(model, PROMPTS, stale, 1.0)
-    engine.version = 1
-    assert_logprobs_match(model, PROMPTS, engine.generate(PROMPTS, params), 1.0)
 
 
 def test_biases_and_weights_unfrozen_after_start_up_are_refreshed_too():

@@ -16,6 +16,7 @@ from turnrl.models import tiny_model
 from turnrl.policy import load_policy
 from turnrl.rollout import HFEngine, SamplingParams
 from turnrl.rollout.copy_engine import HFCopyEngine
+from turnrl.rollout.lean import LeanDecoder
 from turnrl.rollout.onednn import (
     PackedLinear,
     linear_weight_bytes,
@@ -66,24 +67,38 @@ def test_the_decoder_shares_the_learners_tensors_and_leaves_its_modules_alone():
     assert linear_weight_bytes(model) > 0
 
 
-def test_onednn_engine_reports_the_models_logprobs_and_samples_as_torch_does():
+def _onednn_engine(model, pad_token_id, decoder: str, seed: int = 0) -> HFEngine:
+    """An onednn engine on the lean pass (what the tiny llama gets) or forced onto the tree
+    (what LoRA and other model types get)."""
+    engine = HFEngine(model, pad_token_id, seed=seed, matmul="onednn")
+    assert isinstance(engine.decoder, LeanDecoder)
+    if decoder == "tree":
+        engine.decoder = packed_decoder(model)
+    return engine
+
+
+@pytest.mark.parametrize("decoder", ["lean", "tree"])
+def test_onednn_engine_reports_the_models_logprobs_and_samples_as_torch_does(decoder):
     model, tok = tiny_model(seed=0)
     params = SamplingParams(max_new_tokens=6, temperature=0.7)
-    fast = HFEngine(model, tok.pad_token_id, seed=3, matmul="onednn")
+    fast = _onednn_engine(model, tok.pad_token_id, decoder, seed=3)
     completions = fast.generate(PROMPTS, params)
     assert_logprobs_match(model, PROMPTS, completions, 0.7)
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     plain = HFEngine(model, tok.pad_token_id, seed=3)
     assert [c.token_ids for c in fast.generate(PROMPTS, greedy)] == \
         [c.token_ids for c in plain.generate(PROMPTS, greedy)]
-    again = HFEngine(model, tok.pad_token_id, seed=3, matmul="onednn").generate(PROMPTS, params)
+    again = _onednn_engine(model, tok.pad_token_id, decoder, seed=3).generate(PROMPTS, params)
     assert [(c.token_ids, c.logprobs) for c in again] == \
         [(c.token_ids, c.logprobs) for c in completions]  # deterministic run to run
 
 
-def test_a_new_version_repacks_after_a_fused_adamw_step():
+@pytest.mark.parametrize("decoder", ["lean", "tree"])
+def test_a_new_version_repacks_after_a_fused_adamw_step(decoder):
+    """Fused AdamW writes the weights without bumping their version counters, so the packed
+    copies are stale until ``version`` is set (what ``refresh_sampler`` does)."""
     model, tok = tiny_model(seed=0)
-    engine = HFEngine(model, tok.pad_token_id, seed=0, matmul="onednn")
+    engine = _onednn_engine(model, tok.pad_token_id, decoder)
     params = SamplingParams(max_new_tokens=4, temperature=1.0)
     engine.generate(PROMPTS, params)  # packs the weights
     ids = torch.tensor([PROMPTS[0] + [11, 12]])
@@ -93,6 +108,8 @@ def test_a_new_version_repacks_after_a_fused_adamw_step():
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    with pytest.raises(AssertionError):  # stale until the version is set: the test can fail
+        assert_logprobs_match(model, PROMPTS, engine.generate(PROMPTS, params), 1.0)
     engine.version = 1  # what refresh_sampler does after every update
     completions = engine.generate(PROMPTS, params)
     assert_logprobs_match(model, PROMPTS, completions, 1.0)  # the new weights, not the old
