@@ -57,6 +57,9 @@ from turnrl.tools.mcp_client import (  # noqa: F401 - the client's names, re-exp
 from turnrl.tools.mcp_http import MCPHttpServer, sse_data  # noqa: F401 - re-exported
 from turnrl.tools.schema import Tool
 
+MAX_MESSAGE_BYTES = 64 << 20
+"""The longest line read from a stdio server's stdout (one JSON-RPC message)."""
+
 
 class MCPServer(MCPClient):
     """One MCP server over stdio: ``start()``, ``tools()``, ``await call(name, arguments)``."""
@@ -73,6 +76,7 @@ class MCPServer(MCPClient):
         self._lock = threading.Lock()  # one writer on the server's stdin at a time
         self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
         self._stderr_reader: threading.Thread | None = None
+        self.max_message_bytes = MAX_MESSAGE_BYTES
 
     @property
     def where(self) -> str:
@@ -135,35 +139,71 @@ class MCPServer(MCPClient):
 
     def _read(self, proc: subprocess.Popen) -> None:
         """The reader thread: route each answer to its request until the server's stdout
-        closes; then the server is dead and every pending call fails."""
+        closes; then the server is dead and every pending call fails. A line over
+        ``max_message_bytes`` stops the server (nothing after it could be trusted)."""
+        cap = self.max_message_bytes
         with proc.stdout:
-            for raw in proc.stdout:
-                try:
-                    message = json.loads(raw)
-                except ValueError:
-                    self._stderr.append(f"(not JSON on stdout) {raw[:200]!r}")
-                    continue
-                if isinstance(message, dict):
-                    self._dispatch(message)
+            while raw := proc.stdout.readline(cap + 1):
+                if len(raw) > cap and not raw.endswith(b"\n"):
+                    self._died(proc, f"sent a message over {cap} bytes on stdout (raise "
+                                     f"MCPServer.max_message_bytes if its answers are that big)")
+                    return
+                self._take(raw)
         self._died(proc)
 
-    def _read_stderr(self, proc: subprocess.Popen) -> None:
-        with proc.stderr:
-            for raw in proc.stderr:
-                self._stderr.append(raw.decode(errors="replace").rstrip()[:300])
+    def _take(self, raw: bytes) -> None:
+        """One line of the server's stdout: a message is dispatched; anything else is named
+        in the stderr tail that error messages show."""
+        try:
+            message = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past the stack
+            if raw.strip():
+                self._stderr.append(f"(not JSON on stdout) {raw[:200]!r}")
+            return
+        if isinstance(message, dict):
+            self._dispatch(message)
+        else:
+            self._stderr.append(f"(not a JSON-RPC message on stdout) {raw[:200]!r}")
 
-    def _died(self, proc: subprocess.Popen) -> None:
+    def _unanswerable(self, message: dict) -> None:
+        self._stderr.append(f"(an answer with id {json.dumps(message.get('id'))[:60]} on "
+                            "stdout, which no request has)")
+
+    def _read_stderr(self, proc: subprocess.Popen) -> None:
+        """Keep the tail of the server's stderr, each line on one line and cut short; read
+        in bounded pieces (a flood without line ends never piles up here)."""
+        with proc.stderr:
+            while raw := proc.stderr.readline(4096):
+                text = " ".join(raw.decode(errors="replace").split())[:300]
+                if text:
+                    self._stderr.append(text)
+
+    def _died(self, proc: subprocess.Popen, why: str = "") -> None:
+        """The server's stdout closed (or broke the protocol: ``why``): no answer can come
+        any more. Say so at once, then wait for its exit code (or stop it) and fail every
+        pending call with the reason."""
         if proc is not self._proc or self._death:
             return
+        self._death = f"MCP server '{self.name}' {why or 'closed its stdout'}"
+        if why:
+            self._death += self._detail()
+            self._fail_pending(self._death)
+            _stop(proc)
+            return
         try:
-            code = proc.wait(timeout=2.0)
+            what = f"exited with code {proc.wait(timeout=2.0)}"
         except subprocess.TimeoutExpired:  # stdout closed but still running: stop it
             _stop(proc)
-            code = proc.poll()
+            what = "closed its stdout but kept running (stopped)"
         # its last words (why it exited) may still be in the pipe: let the reader take them
         self._stderr_reader.join(timeout=1.0)
-        self._death = f"MCP server '{self.name}' exited with code {code}{self._detail()}"
-        self._fail_pending(self._death)
+        if proc is self._proc:  # not replaced by a fresh start meanwhile
+            self._death = f"MCP server '{self.name}' {what}{self._detail()}"
+            self._fail_pending(self._death)
+
+    def _fix(self) -> str:
+        return (f"; check that `{self.where}` starts an MCP server that answers JSON-RPC on "
+                "stdout, one message a line")
 
 
 _LAUNCHERS = {"python", "python3", "node", "npx", "uv", "uvx", "deno", "bun", "pipx"}

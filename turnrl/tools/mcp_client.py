@@ -78,6 +78,10 @@ class MCPClient:
         """More words for a failure (the stdio server's stderr tail)."""
         return ""
 
+    def _fix(self) -> str:
+        """What to do when the server does not start (said after the reason)."""
+        return ""
+
     def _abandoned(self, request_id: int) -> None:
         """A request nobody waits for any more (timed out): tell the server."""
         if self.alive:
@@ -109,8 +113,9 @@ class MCPClient:
         except (MCPServerError, MCPToolError) as err:
             self.close()
             reason = str(err).removeprefix(f"MCP server '{self.name}' ")
+            fix = "" if "; check " in reason else self._fix()
             raise MCPServerError(f"MCP server '{self.name}' ({self.where}) did "
-                                 f"not start: {reason}") from None
+                                 f"not start: {reason}{fix}") from None
 
     def _initialized(self, result: dict) -> None:
         self.server_info = result.get("serverInfo") or {}
@@ -129,6 +134,7 @@ class MCPClient:
 
     def _submit(self, method: str, params: dict) -> tuple[int, Future]:
         request_id, future = next(self._ids), Future()
+        future.method = method  # named when the answer is malformed
         self._pending[request_id] = future
         try:
             self._send({"jsonrpc": "2.0", "id": request_id, "method": method,
@@ -146,8 +152,8 @@ class MCPClient:
         except FutureTimeout:
             self._pending.pop(request_id, None)
             self._abandoned(request_id)
-            raise MCPServerError(f"no answer to {method} within {timeout_s:g} s"
-                                 f"{self._detail()}") from None
+            raise MCPServerError(self._death or f"no answer to {method} within "
+                                 f"{timeout_s:g} s{self._detail()}") from None
 
     async def arequest(self, method: str, params: dict) -> dict:
         """Send a request and await its result; the caller bounds the wait. A wait that is
@@ -170,15 +176,26 @@ class MCPClient:
                 except MCPServerError:
                     pass
             return
-        future = self._pending.pop(message.get("id"), None)
+        request_id = message.get("id")
+        if not isinstance(request_id, int | str):  # no request of ours has such an id
+            self._unanswerable(message)
+            return
+        future = self._pending.pop(request_id, None)
         if future is None or future.done():  # a late answer to a cancelled request
             return
         if "error" in message:
             error = message["error"] if isinstance(message["error"], dict) else {}
             future.set_exception(MCPToolError(
                 f"{error.get('message', 'error')} (JSON-RPC error {error.get('code')})"))
+        elif not isinstance(message.get("result", {}), dict):
+            future.set_exception(MCPToolError(
+                f"answered {getattr(future, 'method', 'the request')} with a result that is "
+                f"not an object: {json.dumps(message['result'])[:100]}"))
         else:
             future.set_result(message.get("result") or {})
+
+    def _unanswerable(self, message: dict) -> None:
+        """An answer whose id no request can have: named in the failure detail."""
 
     # --- tools -----------------------------------------------------------------------------
 
