@@ -25,7 +25,8 @@ from turnrl.envs import make_env
 from turnrl.envs.tool_env import Task, ToolEnv
 from turnrl.models import tiny_tokenizer
 from turnrl.rewards import exact_match
-from turnrl.rollout import ChatFormat, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import SamplingParams
 from turnrl.tools.mcp import MCPHttpServer, MCPServerError, close_shared_servers, sse_data
 
 HTTP_SERVER = [sys.executable, str(Path(__file__).parent / "mcp_http_server.py")]
