@@ -8,6 +8,7 @@ serving; never a traceback, a hang or a silent drop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import socket
@@ -115,7 +116,8 @@ def trickle(conn: socket.socket, stop: threading.Event) -> None:
 
 
 def stall(conn: socket.socket, stop: threading.Event) -> None:
-    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{")
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{")
     stop.wait(30)
 
 
@@ -212,3 +214,125 @@ def test_a_truncated_answer_fails_the_game_with_the_opponent_and_url(role, raise
         reason
     assert f"cut its reply short (9 bytes of the {len(body)}" in reason
     assert "IncompleteRead" not in reason
+
+
+# ---- the MCP Streamable HTTP client ----------------------------------------------------------
+
+def rpc(result, id_=1) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": id_, "result": result}).encode()
+
+
+def sse(*events: bytes) -> bytes:
+    return b"".join(b"data: " + e + b"\n\n" for e in events)
+
+
+def mcp_cases(rng: random.Random) -> dict[str, tuple[Behave, str]]:
+    """Misbehaviours of an MCP server answering ``initialize``, and the phrase for each."""
+    good = rpc({"protocolVersion": "2025-06-18", "capabilities": {}})
+    cut = rng.randrange(0, len(good))
+    junk = rng.randbytes(rng.randrange(1, 400))
+    shape = rng.choice([rpc([1, 2]), rpc("ok"), rpc(7), rpc({}, id_=[1]), rpc({}, id_={"a": 1}),
+                        b"[" * 5000, b'{"jsonrpc": "2.0", "id": 1}x', b"[1, 2, 3]"])
+    return {
+        "truncated": (lambda c, r, s: c.sendall(answer("200 OK", good[:cut], length=len(good))),
+                      "gave no answer to initialize (IncompleteRead"),
+        "reset": (lambda c, r, s: reset(c), "gave no answer to initialize"),
+        "hang up": (lambda c, r, s: None, "gave no answer to initialize"),
+        "garbage status": (lambda c, r, s: c.sendall(b"\x00" + junk),
+                           "gave no answer to initialize"),
+        "garbage body": (lambda c, r, s: c.sendall(answer("200 OK", b"\xff" + junk)),
+                         "answered initialize without its JSON-RPC answer"),
+        "wrong shape": (lambda c, r, s: c.sendall(answer("200 OK", shape)), "answered"),
+        "garbage stream": (lambda c, r, s: c.sendall(answer("200 OK", sse(junk.replace(
+            b"\n", b" ")), kind="text/event-stream")), "ended the event stream of initialize"),
+        "wrong type": (lambda c, r, s: c.sendall(answer("200 OK", good, kind="text/html")),
+                       "Content-Type 'text/html'"),
+        "huge declared": (lambda c, r, s: c.sendall(answer("200 OK", b"{", length=1 << 40)),
+                          "(an answer over 32 MiB)"),
+        "huge event": (lambda c, r, s: c.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+            + b"data: " + b"x" * (33 << 20)), "(an answer over 32 MiB)"),
+        "error status": (lambda c, r, s: c.sendall(answer("500 Internal Server Error", junk)),
+                         "answered initialize with HTTP 500 Internal Server Error"),
+        "wrong key": (lambda c, r, s: c.sendall(answer("401 Unauthorized", b"")),
+                      "check the headers given with the URL"),
+        "redirect loop": (lambda c, r, s: c.sendall(answer(
+            "307 Temporary Redirect", b"", kind="", extra="Location: /mcp\r\n")),
+                          "answered initialize with HTTP 307"),
+        "stall": (lambda c, r, s: stall(c, s), "no answer to initialize within 1 s"),
+        "trickle": (lambda c, r, s: trickle(c, s), "no answer to initialize within 1 s"),
+    }
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_mcp_server_that_answers_badly_fails_its_start_in_one_line(seed):
+    threads = threading.active_count()
+    for case, (behave, phrase) in mcp_cases(random.Random(seed)).items():
+        with misbehaving(behave) as base:
+            url = f"{base}/mcp"
+            client = MCPHttpServer(url, start_timeout_s=1)
+            started = time.monotonic()
+            with pytest.raises(MCPServerError) as caught:
+                client.start()
+        message = str(caught.value)
+        assert time.monotonic() - started < 15, case  # loose: the bound is 1 s
+        assert message.startswith(f"MCP server '{base[7:]}' ({url}) did not start: "), \
+            (case, message)
+        assert phrase in message and "\n" not in message, (case, message)
+        assert "check" in message, (case, message)
+    deadline = time.monotonic() + 10
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads  # no POST's thread left blocked
+
+
+def mcp_server_listing(tools_result: bytes, call_answer: Callable[[], bytes]) -> Behave:
+    """An MCP server that starts well, lists ``tools_result`` and answers calls with
+    ``call_answer()`` (raw HTTP)."""
+    def behave(conn, request, stop):
+        body = json.loads(request.partition(b"\r\n\r\n")[2] or b"{}")
+        method, id_ = body.get("method"), body.get("id")
+        if method == "initialize":
+            conn.sendall(answer("200 OK", rpc({"protocolVersion": "2025-06-18"}, id_),
+                                extra="Mcp-Session-Id: s1\r\n"))
+        elif method == "tools/list":
+            conn.sendall(tools_result.replace(b'"id": 0', f'"id": {id_}'.encode()))
+        elif method == "tools/call":
+            conn.sendall(call_answer().replace(b'"id": 0', f'"id": {id_}'.encode()))
+        else:
+            conn.sendall(answer("202 Accepted", b""))
+    return behave
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mcp_tool_listings_and_results_of_the_wrong_shape_are_taken_or_named(seed):
+    """Garbage inside well-formed answers: a listing whose entries, schemas or results have
+    the wrong types is taken as far as it makes sense (no schema: unchecked); a result that is
+    not an object fails that call in one line; a call cut short fails it naming the server."""
+    rng = random.Random(seed)
+    odd = rng.choice([[1], "s", 3, None, {"a": 1}])
+    tools = json.dumps({"jsonrpc": "2.0", "id": 0, "result": {"tools": [
+        {"name": "t", "inputSchema": odd, "description": odd},
+        {"name": "u", "inputSchema": {"properties": odd, "required": odd}},
+        {"name": 5}, "junk"]}}).encode()
+    results = iter([answer("200 OK", rpc({"content": odd}, 0)),
+                    answer("200 OK", rpc({"content": [{"type": "resource", "resource": odd}]},
+                                         0)),
+                    answer("200 OK", rpc(rng.choice([[1], "s", 3]), 0)),
+                    answer("200 OK", b'{"jsonrpc": "2.0", "id": 0, "res', length=90)])
+    with misbehaving(mcp_server_listing(answer("200 OK", tools), lambda: next(results))
+                     ) as base:
+        client = MCPHttpServer(f"{base}/mcp", start_timeout_s=5)
+        try:
+            listed = {tool.name: tool for tool in client.tools()}
+            assert sorted(listed) == ["t", "u"]
+            for _ in range(2):  # content, a resource of the wrong type: text all the same
+                assert isinstance(asyncio.run(client.call("t", {})), str)
+            with pytest.raises(MCPServerError, match=r"answered with a result that is not an "
+                                                     r"object \(\w+\); check that "):
+                asyncio.run(client.call("t", {}))
+            with pytest.raises(MCPServerError, match=rf"^MCP server '{base[7:]}' gave no answer "
+                                                     r"to tools/call \(IncompleteRead"):
+                asyncio.run(client.call("t", {}))
+        finally:
+            client.close()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from turnrl.envs.base import Env
+from turnrl.tools.mcp_http import one_line
 
 MAX_REPLY_BYTES = 8 << 20
 """The most of a reply read (8 MiB): one move's chat completion is a few KB, and a server
@@ -53,7 +54,7 @@ def reply_content(payload: Any) -> str:
         content = payload["choices"][0]["message"]["content"]
     except (KeyError, IndexError, TypeError):
         raise EndpointError("sent a response with no choices[0].message.content "
-                            f"({' '.join(str(payload).split())[:120]}): {OPENAI_FIX}"
+                            f"({one_line(str(payload), 120)}): {OPENAI_FIX}"
                             ) from None
     if not isinstance(content, str):
         raise EndpointError(f"sent reply content of type {type(content).__name__}, not text: "
@@ -216,10 +217,12 @@ def _reason(err: BaseException) -> str:
     """A network error in a few words: the OS's, else the exception's (with its name)."""
     if isinstance(err, socket.gaierror):
         return f"host not found: {err.strerror or err}"
-    words = getattr(err, "strerror", None) or " ".join(str(err).split())[:200]
+    if type(err) is http.client.BadStatusLine:  # its text is the server's raw bytes
+        return f"a status line that is not HTTP: {one_line(str(err), 60)}"
+    words = getattr(err, "strerror", None) or one_line(str(err), 200)
     return f"{type(err).__name__}: {words}" if words else type(err).__name__
 
 
 def _body_text(raw: bytes) -> str:
-    text = " ".join(raw.decode("utf-8", errors="replace").split())[:200]
+    text = one_line(raw.decode("utf-8", errors="replace"), 200)
     return f": {text}" if text else ""
