@@ -336,3 +336,158 @@ def test_mcp_tool_listings_and_results_of_the_wrong_shape_are_taken_or_named(see
                 asyncio.run(client.call("t", {}))
         finally:
             client.close()
+
+
+# ---- turnrl serve ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served():
+    """``turnrl serve``'s app on the tiny model, with a 1 s body timeout and a 1 MiB body
+    limit; the errors uvicorn logs (a traceback escaping a route is logged there)."""
+    import logging
+
+    import torch
+    from test_serve import tiny_server
+
+    from turnrl.serve.app import RunningServer
+
+    torch.set_num_threads(2)
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = logged.append
+    for name in ("uvicorn.error", "uvicorn"):
+        logging.getLogger(name).addHandler(handler)
+    try:
+        with RunningServer(tiny_server(body_timeout_s=1.0, max_body_mb=1.0, max_n=2)) as running:
+            yield running.port, logged
+    finally:
+        for name in ("uvicorn.error", "uvicorn"):
+            logging.getLogger(name).removeHandler(handler)
+
+
+def send(port: int, raw: bytes, *, close_write: bool = False) -> tuple[int, bytes]:
+    """Send ``raw`` on a new connection; (status, body) of the answer (0, b"" for none)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(raw)
+        if close_write:
+            conn.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 "):
+        return 0, b""
+    if b"transfer-encoding: chunked" in head.lower():
+        body = dechunk(body)
+    return int(head.split()[1]), body
+
+
+def dechunk(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size, _, body = body.partition(b"\r\n")
+        if not int(size, 16):
+            break
+        out, body = out + body[:int(size, 16)], body[int(size, 16) + 2:]
+    return out
+
+
+def post(path: str, body: bytes, length: int | None = None, extra: str = "") -> bytes:
+    length = len(body) if length is None else length
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n{extra}Connection: close\r\n\r\n").encode() + body
+
+
+CHAT = "/v1/chat/completions"
+GOOD = {"model": "tiny", "messages": [{"role": "user", "content": "Say a digit."}],
+        "max_tokens": 3}
+VALUES = [None, 0, -1, 3, 1e308, -1e308, 10 ** 30, "", "x", "tiny", [], [1], ["a", 2], {},
+          {"a": []}, True, False, [{"role": "user"}], {"type": "function"}]
+FIELDS = ["model", "messages", "tools", "tool_choice", "n", "temperature", "top_p",
+          "max_tokens", "stop", "logprobs", "top_logprobs", "stream", "stream_options",
+          "turnrl_episode", "max_completion_tokens"]
+MESSAGE_FIELDS = ["role", "content", "tool_calls", "name", "tool_call_id"]
+
+
+def mutated(rng: random.Random) -> list[dict]:
+    """Chat requests with one field (top level or the message's) of a random type: two
+    values for each field."""
+    bodies = []
+    for field in FIELDS + MESSAGE_FIELDS:
+        for value in rng.sample(VALUES, 2):
+            body = json.loads(json.dumps(GOOD))
+            (body if field in FIELDS else body["messages"][0])[field] = value
+            bodies.append(body)
+    return bodies
+
+
+def assert_api_error(status: int, body: bytes, expected: tuple[int, ...], case) -> str:
+    """The answer is OpenAI's error shape with one of ``expected`` and a one-line message."""
+    assert status in expected, (case, status, body[:300])
+    message = json.loads(body)["error"]["message"]
+    assert message and "\n" not in message and "Traceback" not in message, (case, message)
+    return message
+
+
+def assert_serving(port: int, logged: list) -> None:
+    """The server still answers a good request, and logged no error."""
+    status, body = send(port, post(CHAT, json.dumps(GOOD).encode()))
+    assert status == 200 and json.loads(body)["choices"], body[:300]
+    assert not logged, [r.getMessage() for r in logged]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_serve_answers_malformed_requests_with_a_4xx_json_error_and_goes_on(served, seed):
+    port, logged = served
+    rng = random.Random(seed)
+    junk = rng.randbytes(rng.randrange(1, 300))
+    cases = {
+        "garbage": (post(CHAT, b"\x00" + junk), (400,), "not valid JSON"),
+        "not UTF-8": (post(CHAT, b'{"model": "\xff"}'), (400,), "not valid JSON"),
+        "too deep": (post(CHAT, b"[" * 100_000), (400,), "not valid JSON"),
+        "not an object": (post(CHAT, json.dumps(rng.choice([[], 3, "x", None])).encode()),
+                          (400,), "must be a JSON object"),
+        "huge declared": (post(CHAT, b"{}", length=1 << 40), (413,), "serve.max_body_mb"),
+        "huge sent": (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                      "Connection: close\r\n\r\n".encode()
+                      + b"100000\r\n" + b" " * (1 << 20) + b"\r\n400\r\n" + b" " * 1024,
+                      (413,), "serve.max_body_mb"),  # and no more: all it sent is read
+        "reward garbage": (post("/v1/turnrl/episodes/e/reward", json.dumps(
+            {"reward": rng.choice([10 ** 400, "nan", "inf", None, [1], "x"])}).encode()),
+                           (400,), "a finite number"),
+    }
+    for case, (raw, expected, phrase) in cases.items():
+        message = assert_api_error(*send(port, raw), expected, case)
+        assert phrase in message, (case, message)
+    for body in mutated(rng):  # wrong types: a 4xx naming the field, or a completion
+        status, answer_ = send(port, post(CHAT, json.dumps(body).encode()))
+        if status != 200:
+            assert_api_error(status, answer_, (400, 404), body)
+    assert_serving(port, logged)
+
+
+def test_serve_survives_truncated_slow_and_departing_clients(served):
+    port, logged = served
+    body = json.dumps(GOOD).encode()
+    # cut short: the client closes its side before the body it announced has come
+    status, _ = send(port, post(CHAT, body[:10], length=len(body)), close_write=True)
+    assert status in (0, 400)
+    # slow: half a body, then nothing; meanwhile the server answers others; 408 at 1 s
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as slow:
+        slow.sendall(post(CHAT, body[:10], length=len(body)))
+        started = time.monotonic()
+        assert_serving(port, logged)
+        data = b""
+        while chunk := slow.recv(65536):
+            data += chunk
+        assert time.monotonic() - started < 20  # loose: the bound is 1 s
+    assert data.startswith(b"HTTP/1.1 408 "), data[:200]
+    assert "serve.body_timeout_s" in json.loads(data.partition(b"\r\n\r\n")[2])["error"][
+        "message"]
+    # gone mid-stream: a streamed reply's client leaves after its first event
+    streamed = json.dumps({**GOOD, "stream": True, "max_tokens": 12}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as leaving:
+        leaving.sendall(post(CHAT, streamed))
+        assert leaving.recv(65536).startswith(b"HTTP/1.1 200 ")
+        reset(leaving)
+    assert_serving(port, logged)
