@@ -19,6 +19,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import pytest
+import torch
 from conftest import MovesEngine
 
 from turnrl.envs import make_env
@@ -346,7 +347,6 @@ def served():
     limit; the errors uvicorn logs (a traceback escaping a route is logged there)."""
     import logging
 
-    import torch
     from test_serve import tiny_server
 
     from turnrl.serve.app import RunningServer
@@ -491,3 +491,75 @@ def test_serve_survives_truncated_slow_and_departing_clients(served):
         assert leaving.recv(65536).startswith(b"HTTP/1.1 200 ")
         reset(leaving)
     assert_serving(port, logged)
+
+
+# ---- the judge's client ----------------------------------------------------------------------
+
+def judge_cases(rng: random.Random) -> dict[str, tuple[Behave, str]]:
+    """Misbehaviours of a judge's chat endpoint; the phrase its ``JudgeError`` holds ("" for
+    an answer the judge reads as no scores)."""
+    body = completion('{"scores": [1, 2]}')
+    cut = rng.randrange(0, len(body))
+    junk = rng.randbytes(rng.randrange(1, 300))
+    return {
+        "truncated": (lambda c, r, s: c.sendall(answer("200 OK", body[:cut], length=len(body))),
+                      "failed (APIConnectionError"),
+        "reset": (lambda c, r, s: reset(c), "failed (APIConnectionError"),
+        "garbage body": (lambda c, r, s: c.sendall(answer("200 OK", b"\xff" + junk)), "failed ("),
+        "error status": (lambda c, r, s: c.sendall(answer("500 Internal Server Error", junk)),
+                         "failed (InternalServerError"),
+        "stall": (lambda c, r, s: stall(c, s), "failed (APITimeoutError"),
+        "wrong shape": (lambda c, r, s: c.sendall(answer("200 OK", rng.choice(
+            [b"{}", b'{"choices": []}', b'{"choices": [{"message": {"content": 3}}]}']))), ""),
+    }
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_judge_endpoint_that_fails_raises_one_line_naming_it(seed):
+    from turnrl.serve.agents import JudgeError, self_judge
+
+    for case, (behave, phrase) in judge_cases(random.Random(seed)).items():
+        with misbehaving(behave) as url:
+            judge = self_judge(f"{url}/v1", "j", timeout_s=1.0)
+            started = time.monotonic()
+            if not phrase:
+                assert asyncio.run(judge("task", ["a", "b"])) is None, case
+                continue
+            with pytest.raises(JudgeError) as caught:
+                asyncio.run(judge("task", ["a", "b"]))
+        message = str(caught.value)
+        assert time.monotonic() - started < 15, case  # loose: the bound is 1 s a call
+        assert message.startswith(f"the judge 'j' at {url}/v1 {phrase}"), (case, message)
+        assert "\n" not in message and "check that it is running" in message, (case, message)
+
+
+def test_a_failing_judge_leaves_its_group_out_with_the_reason_and_the_step_goes_on():
+    from test_serve_record import ScriptedEngine
+
+    from turnrl.config import ServeConfig
+    from turnrl.serve import Server
+    from turnrl.serve.agents import play_groups, self_judge
+    from turnrl.serve.app import RunningServer
+
+    tokenizer = tiny_tokenizer()
+    server = Server(torch.nn.Linear(1, 1), ChatFormat(tokenizer), ScriptedEngine(tokenizer, ["hi"]),
+                    name="tiny", max_context=1024, cfg=ServeConfig(max_tokens=8))
+
+    async def rollout(client, task):  # no verifiable reward: the judge's to give
+        await client.chat.completions.create(model="tiny", messages=[
+            {"role": "user", "content": task}])
+
+    async def odd_judge(task, transcripts):
+        return ["high"] * len(transcripts)
+
+    with RunningServer(server) as running, \
+            misbehaving(lambda c, r, s: reset(c)) as judge_url:
+        for judge, why in ((self_judge(f"{judge_url}/v1", "j", timeout_s=5),
+                            f"the judge raised JudgeError: the judge 'j' at {judge_url}/v1 "
+                            "failed (APIConnectionError"),
+                           (odd_judge, "the judge returned ['high', 'high'], not 2 finite")):
+            episodes, left_out = asyncio.run(play_groups(server, running.base_url, rollout,
+                                                         ["Q"], 2, 0, 1.0, judge))
+            assert not episodes and len(left_out) == 2
+            assert all(x["reason"].startswith(why) for x in left_out), left_out
+            assert not server.recorder.episodes  # taken, none left behind
