@@ -230,7 +230,8 @@ def test_a_server_that_hangs_fails_its_start_in_bounded_time():
             client.start()
         assert time.monotonic() - started < 20  # loose: the bound is 1 s
         assert str(caught.value) == (f"MCP server '{url.split('/')[2]}' ({url}) did not start: "
-                                     "no answer to initialize within 1 s")
+                                     "no answer to initialize within 1 s; check that the server "
+                                     "answers MCP, or raise the env's start_timeout_s")
         deadline = time.monotonic() + 20
         while threading.active_count() > threads and time.monotonic() < deadline:
             time.sleep(0.1)

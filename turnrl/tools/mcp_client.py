@@ -152,8 +152,9 @@ class MCPClient:
         except FutureTimeout:
             self._pending.pop(request_id, None)
             self._abandoned(request_id)
-            raise MCPServerError(self._death or f"no answer to {method} within "
-                                 f"{timeout_s:g} s{self._detail()}") from None
+            raise MCPServerError(self._death or (
+                f"no answer to {method} within {timeout_s:g} s{self._detail()}; check that "
+                "the server answers MCP, or raise the env's start_timeout_s")) from None
 
     async def arequest(self, method: str, params: dict) -> dict:
         """Send a request and await its result; the caller bounds the wait. A wait that is
@@ -183,16 +184,18 @@ class MCPClient:
         future = self._pending.pop(request_id, None)
         if future is None or future.done():  # a late answer to a cancelled request
             return
+        result = message.get("result", {})
         if "error" in message:
             error = message["error"] if isinstance(message["error"], dict) else {}
             future.set_exception(MCPToolError(
                 f"{error.get('message', 'error')} (JSON-RPC error {error.get('code')})"))
-        elif not isinstance(message.get("result", {}), dict):
+        elif not isinstance(result, dict):  # the call's error: an observation mid-episode
             future.set_exception(MCPToolError(
                 f"answered {getattr(future, 'method', 'the request')} with a result that is "
-                f"not an object: {json.dumps(message['result'])[:100]}"))
+                f"not an object ({type(result).__name__}: {json.dumps(result)[:100]}); "
+                f"check that {self.where} is an MCP server"))
         else:
-            future.set_result(message.get("result") or {})
+            future.set_result(result or {})
 
     def _unanswerable(self, message: dict) -> None:
         """An answer whose id no request can have: named in the failure detail."""
@@ -204,8 +207,9 @@ class MCPClient:
         for _ in range(1000):  # pages; a server that never stops paging is cut off
             result = self.request("tools/list", {"cursor": cursor} if cursor else {},
                                   self.start_timeout_s)
-            listed += [t for t in result.get("tools", []) if isinstance(t, dict)
-                       and isinstance(t.get("name"), str)]
+            tools = result.get("tools") or []
+            listed += [t for t in tools if isinstance(t, dict)
+                       and isinstance(t.get("name"), str)] if isinstance(tools, list) else []
             cursor = result.get("nextCursor")
             if not cursor:
                 break
@@ -239,9 +243,11 @@ def input_schema(entry: dict) -> dict:
     """A tool's ``inputSchema`` in the shape ``Tool`` checks arguments against: an object with
     ``properties`` and ``required``; a nullable type list (["string", "null"]) becomes the
     type and ``nullable``; other type lists are left unchecked."""
-    schema = dict(entry.get("inputSchema") or {})
+    schema = entry.get("inputSchema")
+    schema = dict(schema) if isinstance(schema, dict) else {}  # a server's garbage: unchecked
+    given = schema.get("properties")
     properties = {}
-    for key, prop in (schema.get("properties") or {}).items():
+    for key, prop in (given if isinstance(given, dict) else {}).items():
         prop = dict(prop) if isinstance(prop, dict) else {}
         kinds = prop.get("type")
         if isinstance(kinds, list):
@@ -252,7 +258,9 @@ def input_schema(entry: dict) -> dict:
             if "null" in kinds:
                 prop["nullable"] = True
         properties[key] = prop
-    required = [r for r in schema.get("required") or [] if r in properties]
+    required = schema.get("required")
+    required = [r for r in required if isinstance(r, str) and r in properties] \
+        if isinstance(required, list) else []
     return {**schema, "type": "object", "properties": properties, "required": required}
 
 
@@ -260,12 +268,14 @@ def result_text(result: dict) -> str:
     """The text of a ``tools/call`` result: its text parts joined; other parts described
     (an image by its MIME type, a resource by its text or URI); else the structured content."""
     parts = []
-    for item in result.get("content") or []:
+    content = result.get("content")
+    for item in content if isinstance(content, list) else []:
         kind = item.get("type") if isinstance(item, dict) else None
         if kind == "text":
             parts.append(str(item.get("text", "")))
         elif kind == "resource":
-            resource = item.get("resource") or {}
+            resource = item.get("resource")
+            resource = resource if isinstance(resource, dict) else {}
             parts.append(str(resource.get("text") or f"[resource {resource.get('uri')}]"))
         elif kind is not None:
             parts.append(f"[{kind} {item.get('mimeType') or item.get('uri') or ''}]".strip())
