@@ -27,7 +27,9 @@ from turnrl.models import tiny_tokenizer
 from turnrl.rewards import exact_match
 from turnrl.rollout import ChatFormat, run_episodes, run_sync
 from turnrl.samplers import SamplingParams
-from turnrl.tools.mcp import MCPHttpServer, MCPServerError, close_shared_servers, sse_data
+from turnrl.tools.mcp.client import MCPServerError
+from turnrl.tools.mcp.http import MCPHttpServer, sse_data
+from turnrl.tools.mcp.servers import close_shared_servers
 
 HTTP_SERVER = [sys.executable, str(Path(__file__).parent / "mcp_http_server.py")]
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from turnrl.envs.base import Env
-from turnrl.tools.mcp_http import one_line
+from turnrl.tools.mcp.http import one_line
 
 MAX_REPLY_BYTES = 8 << 20
 """The most of a reply read (8 MiB): one move's chat completion is a few KB, and a server

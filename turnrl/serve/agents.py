@@ -20,7 +20,7 @@ from turnrl.serve.judge import judge_group
 from turnrl.serve.protocol import EPISODE_HEADER
 from turnrl.serve.record import RecordedEpisode, training_episodes
 from turnrl.serve.server import Server
-from turnrl.tools.mcp_http import one_line
+from turnrl.tools.mcp.http import one_line
 from turnrl.types import Episode
 
 Rollout = Callable[..., Awaitable[float | None]]

@@ -1,7 +1,7 @@
 """The transport-independent half of TurnRL's MCP client: the handshake, tool listing and
 calls over JSON-RPC 2.0 (``MCPClient``), the errors, and how MCP's tool entries and results
-become TurnRL's. The transports: stdio in ``tools/mcp.py`` (``MCPServer``), Streamable HTTP
-in ``tools/mcp_http.py`` (``MCPHttpServer``); the module docstring of ``tools/mcp.py`` says
+become TurnRL's. The transports: stdio in ``stdio.py`` (``MCPServer``), Streamable HTTP
+in ``http.py`` (``MCPHttpServer``); the package docstring (``__init__.py``) says
 how the whole client behaves."""
 
 from __future__ import annotations

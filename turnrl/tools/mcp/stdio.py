@@ -1,61 +1,24 @@
-"""MCP servers' tools as typed ``Tool``s: a minimal Model Context Protocol client, over stdio
-(``MCPServer``) or Streamable HTTP (``MCPHttpServer``), on the standard library.
-
-stdio: the server is a subprocess; JSON-RPC 2.0 messages go one per line to its stdin and
-come back one per line on its stdout (its stderr is its log, kept here as a tail for error
-messages). HTTP: each message is POSTed to the server's URL, and a request's answer comes
-back as a JSON body or in a ``text/event-stream``; the session id from the answer to
-``initialize`` goes with every later message. Either way the client (``MCPClient``) does the
-handshake (``initialize``, then the ``notifications/initialized`` notification), lists the
-tools (``tools/list``, following ``nextCursor``) and calls them (``tools/call``).
-
-Each listed tool becomes a ``Tool`` whose schema is the server's ``inputSchema``; calling it
-sends ``tools/call`` and returns the text of the result's content. So MCP tools go through
-``run_tool_calls`` like Python tools: the same argument checks, ``call_timeout_s``
-(a call that overruns gets a ``notifications/cancelled`` and a timed-out error observation),
-concurrency (calls in flight are told apart by their JSON-RPC ids) and error observations
-(a result with ``isError`` or a JSON-RPC error raises ``MCPToolError``).
-
-The server itself failing is not the model's doing: a server that cannot start raises
-``MCPServerError`` with the reason (command not found, exit code and stderr tail, URL not
-reachable, no answer to ``initialize`` in ``start_timeout_s``); one that exits mid-episode
-(HTTP: drops a call's connection, answers an HTTP error, forgets its session) fails its
-pending calls and ``ToolEnv.step`` then raises, which fails the episode (``end_reason``
-env_error) with the reason. A dead server is started (a lost session opened) afresh on the
-next ``reset``. Nothing here waits without a bound: every request has a timeout.
-
-Answers resolve ``concurrent.futures`` futures (stdio: a reader thread per server owns its
-stdout; HTTP: a thread per POST), so a call can be awaited from any event loop (each env
-runs on its own, ``rollout.env_calls``). ``shared_server`` gives the one client per server
-spec that a process's episodes share; ``episode_tools`` gives an episode its own.
-"""
+"""The stdio transport: the MCP server is a subprocess; JSON-RPC 2.0 messages go one per line
+to its stdin and come back one per line on its stdout (its stderr is its log, kept as a tail
+for error messages). A reader thread per server owns its stdout (the package docstring says
+how the client behaves)."""
 
 from __future__ import annotations
 
 import collections
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
 import threading
 import weakref
-from typing import Any
 
-from turnrl import leftovers
-from turnrl.tools.mcp_client import (  # noqa: F401 - the client's names, re-exported
-    PROTOCOL_VERSION,
+from turnrl.tools.mcp.client import (
     STDERR_TAIL,
     MCPClient,
     MCPServerError,
-    MCPToolError,
-    _version,
-    input_schema,
-    result_text,
 )
-from turnrl.tools.mcp_http import MCPHttpServer, sse_data  # noqa: F401 - re-exported
-from turnrl.tools.schema import Tool
 
 MAX_MESSAGE_BYTES = 64 << 20
 """The longest line read from a stdio server's stdout (one JSON-RPC message)."""
@@ -219,102 +182,6 @@ def server_name(command: list[str]) -> str:
             if not arg.startswith("-") and arg not in ("run", "exec"):
                 return os.path.basename(arg)
     return program
-
-
-def tool_servers(tools: Any) -> list[MCPClient]:
-    """The MCP servers behind ``tools`` (a list or name -> Tool dict), each once."""
-    found = {}
-    for t in tools.values() if isinstance(tools, dict) else tools:
-        server = getattr(t.fn, "mcp_server", None)
-        if server is not None:
-            found[id(server)] = server
-    return list(found.values())
-
-
-ServerSpec = str | list | dict
-"""How a config names a server: a command (a string or an argv list), an ``http(s)://`` URL,
-or a mapping ``{command: ...}`` or ``{url: ..., headers: {...}}``."""
-
-
-def parse_spec(spec: ServerSpec) -> tuple[str, tuple, tuple]:
-    """``("stdio", argv, ())`` or ``("http", (url,), headers)`` for a server spec; a
-    ``ValueError`` naming the problem for anything else."""
-    if isinstance(spec, str) and re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", spec.strip()):
-        spec = {"url": spec.strip()}  # any scheme: a URL (the client names the ones it speaks)
-    if isinstance(spec, dict):
-        unknown = set(spec) - {"command", "url", "headers"}
-        if unknown or ("command" in spec) == ("url" in spec):
-            raise ValueError(f"MCP server {spec!r}: give either command (a program and its "
-                             "arguments) or url (http://HOST:PORT/PATH, with optional headers)"
-                             + (f", not {', '.join(sorted(unknown))}" if unknown else ""))
-        if "command" in spec:
-            if "headers" in spec:
-                raise ValueError(f"MCP server {spec!r}: headers go with a url, not a command")
-            return parse_spec(spec["command"])
-        headers = spec.get("headers") or {}
-        if not isinstance(headers, dict) or not isinstance(spec["url"], str):
-            raise ValueError(f"MCP server {spec!r}: url must be a string and headers a mapping "
-                             "of header names to values")
-        return "http", (spec["url"],), tuple(sorted((str(k), str(v)) for k, v in headers.items()))
-    if isinstance(spec, str):
-        argv = shlex.split(spec)
-    elif isinstance(spec, list | tuple) and all(isinstance(a, str | int | float) for a in spec):
-        argv = [str(a) for a in spec]
-    else:
-        argv = []
-    if not argv:
-        raise ValueError(f"MCP server {spec!r} is not a command, a URL or a mapping; give e.g. "
-                         "\"python server.py\" or http://localhost:8000/mcp")
-    return "stdio", tuple(argv), ()
-
-
-def new_server(spec: ServerSpec, start_timeout_s: float = 30.0,
-               cwd: str | None = None) -> MCPClient:
-    """A client (not started) for a server spec: ``MCPServer`` or ``MCPHttpServer``."""
-    kind, target, headers = parse_spec(spec)
-    if kind == "http":
-        return MCPHttpServer(target[0], headers=dict(headers), start_timeout_s=start_timeout_s)
-    return MCPServer(list(target), cwd=cwd, start_timeout_s=start_timeout_s)
-
-
-_SHARED: dict[tuple, MCPClient] = {}
-_SHARED_LOCK = threading.Lock()
-_EPISODE_SERVERS: weakref.WeakSet = weakref.WeakSet()
-
-
-def shared_server(spec: ServerSpec, start_timeout_s: float = 30.0,
-                  cwd: str | None = None) -> MCPClient:
-    """The process's one client for ``spec`` (envs are made per episode; the server is
-    started once and shared by them, and closed when the command ends)."""
-    key = (parse_spec(spec), cwd)
-    with _SHARED_LOCK:
-        if key not in _SHARED:
-            _SHARED[key] = new_server(spec, start_timeout_s, cwd)
-        return _SHARED[key]
-
-
-def episode_tools(spec: ServerSpec, start_timeout_s: float = 30.0,
-                  cwd: str | None = None) -> list[Tool]:
-    """Tools bound to a server of their own, for one episode: a new process (stdio) or a new
-    session (HTTP), started when the env resets and closed when the episode ends (the
-    owning ``ToolEnv``'s ``close``). The tool list comes from the shared server (started
-    once), so making an env costs no start-up."""
-    template = shared_server(spec, start_timeout_s, cwd).start()
-    server = new_server(spec, start_timeout_s, cwd)
-    _EPISODE_SERVERS.add(server)
-    return [server._as_tool(entry) for entry in template._listed]
-
-
-def close_shared_servers() -> None:
-    """Close the shared servers and any per-episode server still open."""
-    with _SHARED_LOCK:
-        servers = [*_SHARED.values(), *list(_EPISODE_SERVERS)]
-        _SHARED.clear()
-    for server in servers:
-        server.close()
-
-
-leftovers.CLOSE_AT_END.append(close_shared_servers)
 
 
 def _stop(proc: subprocess.Popen) -> None:

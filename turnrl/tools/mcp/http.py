@@ -1,7 +1,7 @@
 """MCP over Streamable HTTP (``MCPHttpServer``): each JSON-RPC message is POSTed to the
 server's URL, a request's answer comes back as a JSON body or in a ``text/event-stream``, and
 the session id from the answer to ``initialize`` goes with every later message
-(``tools/mcp.py`` says how the client behaves; ``tools/mcp_client.py`` is the shared half)."""
+(the package docstring says how the client behaves; ``client.py`` is the shared half)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import threading
 import urllib.parse
 from typing import Any
 
-from turnrl.tools.mcp_client import (
+from turnrl.tools.mcp.client import (
     PROTOCOL_VERSION,
     MCPClient,
 )
