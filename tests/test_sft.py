@@ -571,7 +571,7 @@ def test_serve_recordings_and_run_episodes_train_as_recorded(tmp_path, tiny):
      "segments[0].loss_mask: must be a list of 0/1, one per token id (2)"),
     ({"token_ids": [1, 2], "loss_mask": [0, 2]}, "loss_mask: must be a list of 0/1"),
     ({"token_ids": [1, 2], "loss_mask": [0, 1], "reward": "high"},
-     "reward: must be a number or null, got a string"),
+     "reward: must be a finite number or null, got a string"),
 ])
 def test_malformed_token_rows_are_one_line_errors(tmp_path, row, message):
     from turnrl.demos.data import DataError, read_demonstrations
