@@ -90,8 +90,9 @@ def decode(raw: bytes, where: str) -> str:
 
 def _not_utf8(raw: bytes, err: UnicodeDecodeError, column: int) -> str:
     byte = raw[err.start]
-    return (f"byte 0x{byte:02x} at column {column + 1} (in bytes) is not UTF-8 ({err.reason}); "
-            "save the file as UTF-8")
+    hint = " (NUL bytes: is the file UTF-16?)" if b"\x00" in raw else ""
+    return (f"byte 0x{byte:02x} at column {column + 1} (in bytes) is not UTF-8 ({err.reason})"
+            f"{hint}; save the file as UTF-8")
 
 
 def parse_json(text: str, where: str) -> Any:

@@ -114,27 +114,39 @@ def _read_yaml(path: str) -> Any:
     if not Path(path).is_file():
         raise ConfigError(f"config file '{path}' not found; check the path")
     try:
-        return yaml.safe_load(read_text(path)) or {}
+        text = read_text(path)
+        return yaml.safe_load(text) or {}
     except DataFileError as exc:
         raise ConfigError(f"config file {exc}") from None
     except OSError as exc:
         raise ConfigError(f"config file '{path}' cannot be read ({exc.strerror or exc})"
                           ) from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else f"'{path}'"
-        what = " ".join(str(getattr(exc, "problem", None) or exc).split())
-        raise ConfigError(f"config file {where}: not valid YAML ({what}); fix it") from None
+        raise ConfigError(f"config file {path}:{_yaml_line(exc, text)}: not valid YAML "
+                          f"({' '.join(str(getattr(exc, 'problem', None) or exc).split())}); "
+                          "fix it") from None
     except RecursionError:
         raise ConfigError(f"config file '{path}': nested too deeply to read; a config is "
                           "sections of keys") from None
+
+
+def _yaml_line(exc: yaml.YAMLError, text: str) -> int:
+    """The line (from 1) a YAML error points at: its mark, or a reader error's position."""
+    if (mark := getattr(exc, "problem_mark", None)) is not None:
+        return mark.line + 1
+    return text.count("\n", 0, getattr(exc, "position", 0)) + 1
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults, then the YAML file at ``path``, then command-line ``overrides``."""
     tree = config_to_dict(Config())
     if path:
-        _merge(tree, _read_yaml(path), f"config file '{path}'")
+        data = _read_yaml(path)
+        try:
+            _merge(tree, data, f"config file '{path}'")
+        except ConfigError as err:  # a key's problem: say which file holds it
+            raise err if path in str(err) else ConfigError(f"config file '{path}': {err}"
+                                                           ) from None
     _apply_overrides(tree, overrides)
     return _build(tree)
 
