@@ -141,12 +141,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Confi
     """Defaults, then the YAML file at ``path``, then command-line ``overrides``."""
     tree = config_to_dict(Config())
     if path:
-        data = _read_yaml(path)
-        try:
-            _merge(tree, data, f"config file '{path}'")
-        except ConfigError as err:  # a key's problem: say which file holds it
-            raise err if path in str(err) else ConfigError(f"config file '{path}': {err}"
-                                                           ) from None
+        _merge(tree, _read_yaml(path), f"config file '{path}'")
     _apply_overrides(tree, overrides)
     return _build(tree)
 

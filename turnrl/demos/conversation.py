@@ -44,8 +44,9 @@ def conversation_episode(chat: ChatFormat, messages: list[dict], tools: list[dic
     """``messages`` (OpenAI chat format) as an ``Episode``: assistant tokens loss_mask 1
     (0 for a reply with OpenAI's ``"weight": 0``, kept as context only).
 
-    ``tools`` (JSON schemas) are rendered by the template, as the loop does for an env with
-    tools. Messages after the last assistant reply are left out: a played episode ends with
+    ``tools`` (JSON schemas) and tool calls are rendered as the loop renders an env with
+    tools for this template (``loop_messages``): by the template where it has a tool
+    format, else in the fallback format the env teaches. Messages after the last assistant reply are left out: a played episode ends with
     the policy's last reply. Raises ``DemoError`` when the template cannot render it exactly.
     """
     messages, tools = loop_messages(chat, messages, tools)
