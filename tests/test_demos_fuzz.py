@@ -232,3 +232,28 @@ def test_mcp_tasks_and_config_keep_their_own_errors(tmp_path):
     message = _outcome("config", config, b"run:\n" + b"  " + b"[" * 5000 + b"\n")
     assert "config file" in message
     assert _outcome("config", config, codecs.BOM_UTF8 + CONFIG).run.steps == 3
+
+
+def test_a_chat_template_file_is_utf8_with_its_bad_byte_named(tmp_path):
+    from turnrl.models import tiny_tokenizer
+    from turnrl.policy import use_chat_template
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    tok = tiny_tokenizer()
+    path.write_bytes(codecs.BOM_UTF8 + template.encode())
+    use_chat_template(tok, str(path))
+    assert tok.chat_template == template
+    rng = random.Random(5)
+    for _ in range(10):
+        data = bytearray((template + "\n{# é #}\n").encode())
+        data[rng.randrange(len(data))] = rng.choice([0xff, 0xfe, 0xc3, 0x80])
+        path.write_bytes(bytes(data))
+        try:
+            use_chat_template(tok, str(path))
+        except DataFileError as err:
+            message = str(err)
+            assert message.startswith(f"model.chat_template {path}:") and "\n" not in message
+            assert "save the file as UTF-8" in message or "save it as UTF-8" in message
+        else:  # the byte still made UTF-8 (0x80 after 0xc3): read as it is
+            assert tok.chat_template == bytes(data).decode()
