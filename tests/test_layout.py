@@ -12,7 +12,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
-    {"registry", "types", "config", "stats", "safe_json", "leftovers", "devices"},
+    {"registry", "types", "config", "stats", "safe_json", "leftovers", "devices", "datafile"},
     {"models", "gguf_weights", "hub", "lora", "envs", "rewards", "tools", "sandbox", "rollout", "metrics",
      "checkpoint", "demos", "evaluation", "samplers"},
     {"algorithms", "policy", "selfplay"},

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from turnrl.config import Config
+from turnrl.datafile import DataFileError, read_text
 from turnrl.envs import Env, make_env
 from turnrl.envs.mix import MixEnv
 from turnrl.evaluation import EvalResult, evaluate, evaluate_each, reply_scorer, with_env_metrics
@@ -267,7 +268,10 @@ def _checked(where: str, make: Callable[[], Env]) -> Callable[[], Env]:
 def use_chat_template(tokenizer, path: str) -> None:
     """Replace the tokenizer's chat template with the file ``path`` ('' keeps it)."""
     if path:
-        tokenizer.chat_template = Path(path).expanduser().read_text()
+        try:  # UTF-8 (a byte-order mark dropped); a bad byte is named by its line
+            tokenizer.chat_template = read_text(Path(path).expanduser())
+        except DataFileError as err:
+            raise DataFileError(f"model.chat_template {err}") from None
 
 
 def training_seeds(cfg: Config, step: int) -> list[tuple[int, int]]:

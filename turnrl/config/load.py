@@ -16,6 +16,7 @@ import yaml
 from turnrl.config.renames import check_not_moved, moved_key_error, translate_stored
 from turnrl.config.root import Config, sections
 from turnrl.config.types import ConfigError, did_you_mean, parse_yaml_value, type_hints
+from turnrl.datafile import DataFileError, read_text
 
 
 def _all_keys() -> list[str]:
@@ -108,12 +109,32 @@ def _build(tree: Mapping[str, Mapping[str, Any]]) -> Config:
 
 
 def _read_yaml(path: str) -> Any:
+    """The YAML file at ``path`` (UTF-8, a leading byte-order mark allowed); every problem
+    one ``ConfigError`` line naming FILE:LINE (``turnrl.datafile``)."""
     if not Path(path).is_file():
         raise ConfigError(f"config file '{path}' not found; check the path")
     try:
-        return yaml.safe_load(Path(path).read_text()) or {}
+        text = read_text(path)
+        return yaml.safe_load(text) or {}
+    except DataFileError as exc:
+        raise ConfigError(f"config file {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file '{path}' cannot be read ({exc.strerror or exc})"
+                          ) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file '{path}' is not valid YAML ({exc}); fix it") from None
+        raise ConfigError(f"config file {path}:{_yaml_line(exc, text)}: not valid YAML "
+                          f"({' '.join(str(getattr(exc, 'problem', None) or exc).split())}); "
+                          "fix it") from None
+    except RecursionError:
+        raise ConfigError(f"config file '{path}': nested too deeply to read; a config is "
+                          "sections of keys") from None
+
+
+def _yaml_line(exc: yaml.YAMLError, text: str) -> int:
+    """The line (from 1) a YAML error points at: its mark, or a reader error's position."""
+    if (mark := getattr(exc, "problem_mark", None)) is not None:
+        return mark.line + 1
+    return text.count("\n", 0, getattr(exc, "position", 0)) + 1
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:

@@ -8,10 +8,21 @@ A demonstration is tokenised the same way, its replies as the tokenizer encodes 
 so SFT trains on exactly the ids an RL episode of the same conversation holds: loss on the
 assistant's tokens (and its end of turn), none on anything else.
 
+Tool calls render as the turn loop renders that model's tool turns (``loop_messages``):
+where the template has a tool format (``ChatFormat.native_tools``) it shows ``tools`` and the
+calls, and tool results go back as ``tool`` messages where it has that role
+(``ChatFormat.tool_role``), else as one user message of ``<tool_response>`` blocks. Where it
+has no tool format (SmolLM2's, the tiny model's) a demonstration is played in the fallback
+the loop teaches: the tools described in the system prompt after its own text
+(``fallback_system_prompt``), each call written in the reply as ``<tool_call>`` JSON after the
+content (``render_call``), the results of a run of tool messages as one user message
+(``format_tool_results``). A tool message's content is the result's ``content`` (the loop
+writes a failed call as ``error``; a demonstration cannot tell them apart).
+
 A demonstration the template cannot render exactly is refused (``DemoError``, the reason in
 one line): a template that rewrites an earlier turn, renders an assistant message as other
-than its content and end of turn, has no tool role or tool format for a tool message or
-``tools``, or a message order the loop cannot produce.
+than its content and end of turn, drops a tool call, or a message order the loop cannot
+produce.
 """
 
 from __future__ import annotations
@@ -19,6 +30,8 @@ from __future__ import annotations
 import json
 
 from turnrl.rollout.chat import ChatFormat
+from turnrl.tools import ToolResult, fallback_system_prompt, format_tool_results, render_call
+from turnrl.tools.schema import Tool
 from turnrl.types import Episode, Turn
 
 
@@ -31,11 +44,13 @@ def conversation_episode(chat: ChatFormat, messages: list[dict], tools: list[dic
     """``messages`` (OpenAI chat format) as an ``Episode``: assistant tokens loss_mask 1
     (0 for a reply with OpenAI's ``"weight": 0``, kept as context only).
 
-    ``tools`` (JSON schemas) are rendered by the template, as the loop does for an env with
-    tools. Messages after the last assistant reply are left out: a played episode ends with
+    ``tools`` (JSON schemas) and tool calls are rendered as the loop renders an env with
+    tools for this template (``loop_messages``): by the template where it has a tool
+    format, else in the fallback format the env teaches. Messages after the last assistant reply are left out: a played episode ends with
     the policy's last reply. Raises ``DemoError`` when the template cannot render it exactly.
     """
-    check_roles(messages, chat, tools)
+    messages, tools = loop_messages(chat, messages, tools)
+    check_roles(messages)
     rendered_messages = [template_message(m) for m in messages]
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     rendered = chat.render(rendered_messages[:first], True, tools)
@@ -60,8 +75,70 @@ def conversation_episode(chat: ChatFormat, messages: list[dict], tools: list[dic
     return episode
 
 
-def check_roles(messages: list[dict], chat: ChatFormat, tools: list[dict] | None) -> None:
-    """Refuse an order of messages the turn loop never produces, or the template cannot show."""
+def loop_messages(chat: ChatFormat, messages: list[dict], tools: list[dict] | None
+                  ) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools for the template) as the turn loop holds a tool episode of this
+    template: calls as ``<tool_call>`` text and the tools in the system prompt where the
+    template has no tool format; tool results as one user message where it has no tool
+    role. Anything else is passed on as it is."""
+    native = chat.native_tools is not None
+    out, run, names = [], [], {}
+    for message in messages:
+        if message["role"] == "tool" and not chat.tool_role:
+            run.append(message)
+            continue
+        if run:
+            out.append(results_message(run, names))
+            run = []
+        for call in message.get("tool_calls") or ():
+            names[call.get("id")] = call["function"]["name"]
+        out.append(message if native or not message.get("tool_calls") else calls_as_text(message))
+    if run:
+        out.append(results_message(run, names))
+    if native or not tools:
+        return out, tools
+    return fallback_system(out, tools), None
+
+
+def fallback_system(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """``messages`` with the system prompt a ``ToolEnv`` writes for a template without tools:
+    the demonstration's own system text (its instructions) first, then the tools."""
+    own = messages[0]["role"] == "system" if messages else False
+    instructions = str(messages[0].get("content") or "") if own else ""
+    described = [schema_tool(schema) for schema in tools]
+    system = {"role": "system", "content": fallback_system_prompt(described, instructions)}
+    return [system, *messages[1 if own else 0:]]
+
+
+def schema_tool(schema: dict) -> Tool:
+    """A tool schema (OpenAI's function format) as the ``Tool`` whose ``schema()`` it is:
+    listed in the system prompt as an env's own tool is, never called."""
+    function = schema["function"]
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    return Tool(function["name"], function.get("description") or "", parameters, None)
+
+
+def calls_as_text(message: dict) -> dict:
+    """An assistant message with ``tool_calls`` as the reply a policy writes in the fallback
+    format: its content, then one ``<tool_call>`` block per call, a line apart."""
+    calls = [render_call(c["function"]["name"], _arguments(c), "hermes")
+             for c in message["tool_calls"]]
+    content = str(message.get("content") or "")
+    out = {k: v for k, v in message.items() if k != "tool_calls"}
+    out["content"] = "\n".join([content, *calls] if content else calls)
+    return out
+
+
+def results_message(run: list[dict], names: dict) -> dict:
+    """Tool messages answering one reply as the user message the loop sends back where the
+    template has no tool role: their ``<tool_response>`` blocks, in order."""
+    results = [ToolResult(m.get("name") or names.get(m.get("tool_call_id"), ""),
+                          str(m.get("content") or "")) for m in run]
+    return {"role": "user", "content": format_tool_results(results)}
+
+
+def check_roles(messages: list[dict]) -> None:
+    """Refuse an order of messages the turn loop never produces."""
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise DemoError("no assistant message: nothing to train on")
@@ -75,14 +152,6 @@ def check_roles(messages: list[dict], chat: ChatFormat, tools: list[dict] | None
         if roles[i] == roles[i - 1] == "assistant":
             raise DemoError(f"messages[{i - 1}] and [{i}] are both assistant messages: the turn "
                             "loop puts a user or tool message between replies")
-    calls = any(m.get("tool_calls") for m in messages)
-    if ("tool" in roles or calls) and not chat.tool_role:
-        raise DemoError("the chat template has no tool role (no native tool format, or tool "
-                        "messages not rendered): write tool calls as text in the assistant's "
-                        "content and results as user messages, or use a template with tools")
-    if tools and chat.native_tools is None:
-        raise DemoError("the chat template renders no tools: drop 'tools' and describe them "
-                        "in the system prompt, or use a template with tools")
 
 
 def template_message(message: dict) -> dict:

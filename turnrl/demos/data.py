@@ -9,14 +9,20 @@ Two token-level kinds of row are read too, as they were written: an episode reco
 ``turnrl serve`` (``serve.record_dir``'s ``episodes.jsonl``: ``episode_id``, ``segments``,
 ``reward``) and a turn-loop ``Episode`` (a run's ``episodes/*.jsonl``, ``eval_*.jsonl``:
 ``token_ids``, ``loss_mask``, ``reward``). Their ids are trained as recorded.
+
+The bytes are read by ``turnrl.datafile``: UTF-8, a leading UTF-8 byte-order mark accepted
+and dropped; a byte that is not UTF-8, a UTF-16 file, a line over ``MAX_LINE_BYTES``,
+JSON that is truncated, nested too deeply or holds ``NaN`` are each one ``DataError`` line
+naming ``FILE:LINE`` and the fix. No row is ever dropped: the first bad one stops the read.
 """
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from turnrl.datafile import DataFileError, parse_json, text_lines
 from turnrl.types import Episode, Turn
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -53,10 +59,14 @@ def read_demonstrations(path: str | Path) -> list[Demonstration]:
         raise DataError(f"sft.data '{path}' is not a file; pass a JSONL file of conversations "
                         f"({ROW_FORMAT}) or a local Hugging Face dataset")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    try:
+        for number, line in text_lines(path):
             if line.strip():
                 rows.append(parse_row(line, f"{path}:{number}"))
+    except DataFileError as err:
+        raise DataError(str(err)) from None
+    except OSError as err:  # unreadable (permissions, a device error): name the file
+        raise DataError(f"sft.data '{path}': cannot be read ({err.strerror or err})") from None
     if not rows:
         raise DataError(f"{path}: no conversations (the file is empty); {ROW_FORMAT}")
     return rows
@@ -95,10 +105,9 @@ def parse_row(line: str | dict, where: str) -> Demonstration:
     """One JSONL line (or a dataset's row) as a ``Demonstration``; ``where`` (FILE:LINE)
     starts every error."""
     try:
-        row = json.loads(line) if isinstance(line, str) else _drop_nulls(line)
-    except json.JSONDecodeError as err:
-        raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); "
-                        f"{ROW_FORMAT}") from None
+        row = parse_json(line, where) if isinstance(line, str) else _drop_nulls(line)
+    except DataFileError as err:
+        raise DataError(f"{err}; {ROW_FORMAT}") from None
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {_kind(row)}; {ROW_FORMAT}")
     if "messages" not in row:
@@ -152,7 +161,9 @@ def check_message(message, at: str, calls: dict[str, str]) -> dict:
                             "call it answers")
         if call_id not in calls:
             raise DataError(f"{at}.tool_call_id: {call_id!r} answers no earlier tool call")
-        out.setdefault("name", calls[call_id])
+        if not isinstance(message.get("name", ""), str):
+            raise DataError(f"{at}.name: must be the called tool's name (text)")
+        out["name"] = message.get("name") or calls[call_id]
     return out
 
 
@@ -188,9 +199,9 @@ def check_tool_calls(tool_calls, at: str, calls: dict[str, str]) -> None:
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{here}.function.arguments: not valid JSON ({err.msg})") from None
+                arguments = parse_json(arguments, f"{here}.function.arguments")
+            except DataFileError as err:
+                raise DataError(str(err)) from None
         if not isinstance(arguments, dict):
             raise DataError(f"{here}.function.arguments: must be a JSON object, got "
                             f"{_kind(arguments)}")
@@ -209,7 +220,8 @@ def recording_row(row: dict, where: str) -> Demonstration:
         if not isinstance(segment, dict):
             raise DataError(f"{at}: must be an object, got {_kind(segment)}")
         ids, mask = check_tokens(segment.get("token_ids"), segment.get("loss_mask"), f"{at}.")
-        turns = [Turn(int(a), int(b), "", "", 0.0) for a, b in segment.get("spans") or []]
+        turns = [Turn(a, b, "", "", 0.0) for a, b in check_spans(segment.get("spans"), len(ids),
+                                                                  f"{at}.spans")]
         episodes.append(Episode(env="served", seed=0, group=0, token_ids=ids, loss_mask=mask,
                                 logprobs=[0.0] * len(ids), versions=[0] * len(ids),
                                 turns=turns, reward=reward or 0.0, status="done",
@@ -240,21 +252,68 @@ def check_tokens(ids, mask, field: str) -> tuple[list[int], list[int]]:
     return ids, [int(m) for m in mask]
 
 
+def check_spans(spans, length: int, at: str) -> list[tuple[int, int]]:
+    """A recording's turn spans: ``[[start, end], ...]`` within its ``length`` tokens."""
+    if spans is None:
+        return []
+    pairs = spans if isinstance(spans, list) else None
+    if pairs is None or not all(
+            isinstance(p, list) and len(p) == 2 and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in p)
+            and 0 <= p[0] <= p[1] <= length for p in pairs):
+        raise DataError(f"{at}: must be a list of [start, end] token positions within the "
+                        f"segment's {length} tokens")
+    return [(a, b) for a, b in pairs]
+
+
 def _reward(row: dict, where: str) -> float | None:
     reward = row.get("reward")
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
-        raise DataError(f"{where}: reward: must be a number or null, got {_kind(reward)}")
-    return None if reward is None else float(reward)
+    if reward is None:
+        return None
+    value = float(reward) if isinstance(reward, float) else math.nan
+    if isinstance(reward, int) and not isinstance(reward, bool) and abs(reward) < 1e300:
+        value = float(reward)
+    if not math.isfinite(value):
+        raise DataError(f"{where}: reward: must be a finite number or null, got "
+                        f"{_kind(reward) if not isinstance(reward, float) else reward}")
+    return value
 
 
 def check_tools(tools, where: str) -> None:
+    """OpenAI tool schemas, ``{"type": "function", "function": {"name", "description",
+    "parameters"}}``, names distinct; ``parameters`` a JSON schema object whose
+    ``properties`` is an object and ``required`` a list of names (a template without tools
+    lists them in the system prompt)."""
     if not isinstance(tools, list):
         raise DataError(f"{where}: tools: must be a list of tool schemas, got {_kind(tools)}")
+    names = set()
     for k, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise DataError(f"{where}: tools[{k}].function.name: missing; a tool is "
                             '{"type": "function", "function": {"name", "parameters"}}')
+        if function["name"] in names:
+            raise DataError(f"{where}: tools[{k}].function.name: {function['name']!r} is "
+                            "listed twice; name each tool once")
+        names.add(function["name"])
+        if not isinstance(function.get("description", ""), str | None):
+            raise DataError(f"{where}: tools[{k}].function.description: must be text")
+        check_parameters(function.get("parameters"), f"{where}: tools[{k}].function")
+
+
+def check_parameters(parameters, at: str) -> None:
+    """A tool's ``parameters``: absent, or an object schema the fallback prompt can show."""
+    if parameters is None:
+        return
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    required = parameters.get("required") if isinstance(parameters, dict) else None
+    if (not isinstance(parameters, dict) or not isinstance(properties, dict | None)
+            or not all(isinstance(p, dict) for p in (properties or {}).values())):
+        raise DataError(f"{at}.parameters: must be a JSON schema object, "
+                        '{"type": "object", "properties": {NAME: {"type": ...}}}')
+    if not isinstance(required, list | None) or not all(isinstance(r, str)
+                                                        for r in required or ()):
+        raise DataError(f"{at}.parameters.required: must be a list of argument names")
 
 
 def _drop_nulls(value):

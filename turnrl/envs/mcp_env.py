@@ -20,9 +20,9 @@ docs/mcp.md has the details.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from turnrl.datafile import DataFileError, parse_json, text_lines
 from turnrl.envs.base import register_env
 from turnrl.envs.tool_env import Task, ToolEnv
 from turnrl.rewards import exact_match, integer_match, numeric_match
@@ -41,20 +41,27 @@ def read_tasks(path: str) -> list[Task]:
         raise ValueError(f"mcp env: tasks file '{path}' not found; pass env.options.tasks "
                          "FILE.jsonl with one {\"prompt\": ..., \"answer\": ...} per line")
     tasks = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            raise ValueError(f"mcp env: {path} line {number} is not JSON ({err})") from None
-        if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
-            raise ValueError(f"mcp env: {path} line {number} needs \"prompt\" and \"answer\"")
-        facts = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
-        tasks.append(Task(str(row["prompt"]), row["answer"], facts))
+    try:
+        for number, line in text_lines(file):
+            if line.strip():
+                tasks.append(task_row(parse_json(line, f"{path}:{number}"), f"{path}:{number}"))
+    except DataFileError as err:
+        raise ValueError(f"mcp env: {err}") from None
+    except OSError as err:
+        raise ValueError(f"mcp env: tasks file '{path}' cannot be read "
+                         f"({err.strerror or err})") from None
     if not tasks:
         raise ValueError(f"mcp env: {path} holds no tasks")
     return tasks
+
+
+def task_row(row, where: str) -> Task:
+    """One tasks-file row (``where``: FILE:LINE) as a ``Task``; other keys are facts."""
+    if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+        raise DataFileError(f"{where}: needs \"prompt\" and \"answer\"; write one "
+                            "{\"prompt\": ..., \"answer\": ...} object a line")
+    facts = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+    return Task(str(row["prompt"]), row["answer"], facts)
 
 
 @register_env("mcp")

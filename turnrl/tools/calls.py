@@ -196,8 +196,10 @@ def fallback_system_prompt(tools: Iterable[Tool] | dict[str, Tool], instructions
     named = as_tool_dict(tools)
     schemas = "\n".join(json.dumps(t.schema(), ensure_ascii=False) for t in named.values())
     example = next(iter(named.values()), None)
-    args = {k: _placeholder(example.parameters["properties"][k])
-            for k in example.parameters["required"]} if example else {}
+    # .get: a schema from outside (a demonstration's, an MCP server's) may omit either
+    properties = example.parameters.get("properties") or {} if example else {}
+    args = {k: _placeholder(properties.get(k) or {})
+            for k in example.parameters.get("required") or ()} if example else {}
     call = json.dumps({"name": example.name if example else "tool", "arguments": args})
     head = f"{instructions.strip()}\n\n" if instructions.strip() else ""
     return (f"{head}You can call these tools (JSON schemas):\n<tools>\n{schemas}\n</tools>\n"
