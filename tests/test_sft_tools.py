@@ -16,7 +16,8 @@ from turnrl.demos.data import parse_row, read_demonstrations
 from turnrl.envs.tool_env import Task, ToolEnv, calculator, multiplication_task
 from turnrl.models import tiny_tokenizer
 from turnrl.rewards import integer_match
-from turnrl.rollout import ChatFormat, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import SamplingParams
 from turnrl.tools import render_call
 
 # Qwen-2.5-like, written here: tools in the system turn, an assistant's ``tool_calls`` as one
