@@ -175,7 +175,7 @@ def machine(load_start: float) -> str:
         cpu = "unknown CPU"
     torch = sys.modules.get("torch")  # torch's thread count, without importing it
     threads = torch.get_num_threads() if torch is not None else None
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return machine_line(cpu, os.cpu_count() or 1, threads, load_start, load_average(), date)
 
 

@@ -19,10 +19,9 @@ Usage: ``python benchmarks/speed/cpu_matmul.py [--model smollm2-135m-instruct] [
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch.nn import functional
@@ -32,21 +31,15 @@ from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.samplers.lean import LeanDecoder
 from turnrl.samplers.onednn import _pack, _product, onednn_unusable, packed_decoder
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 
 def alternate(variants: dict[str, Callable[[], object]], rounds: int, repeat: int = 1
               ) -> dict[str, float]:
     """Median seconds per call of each variant: one warm-up call each, then ``rounds`` rounds
-    calling every variant ``repeat`` times in turn (load drift hits all alike)."""
-    for run in variants.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, run in variants.items():
-            start = time.perf_counter()
-            for _ in range(repeat):
-                run()
-            times[name].append((time.perf_counter() - start) / repeat)
-    return {name: statistics.median(values) for name, values in times.items()}
+    calling every variant ``repeat`` times in turn (``harness.alternate``)."""
+    return harness.alternate(variants, rounds, repeat=repeat).medians()
 
 
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
@@ -124,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     reason = onednn_unusable(model)
     if reason:
         raise SystemExit(f"cpu_matmul: {reason}")
-    load = os.getloadavg()[0]
+    load = harness.load_average()
     print(f"cpu_matmul: {args.model}, {args.threads} thread(s), {args.rounds} alternating "
           f"rounds, medians; load {load:.2f}")
     results = {"products": products(model, args.rows, args.rounds),
@@ -145,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(f"{r['group']:>5} {r['torch_s']:8.3f} {r['tree_s']:7.3f} {r['onednn_s']:9.3f} "
               f"{r['ratio']:12.2f}x {r['lean_gain']:11.2f}x  "
               f"{'same' if r['greedy_same'] else 'differ'}, {r['max_dlogp']:.2e}")
+    print(harness.machine(load))
+    last = results["generation"][-1]
+    print(harness.ratio_line(f"torch / onednn generate seconds at {last['group']} rows",
+                             last["ratio"]))
     return results
 
 

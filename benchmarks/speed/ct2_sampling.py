@@ -21,9 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from vllm_cpu_sampling import alternating_rounds  # benchmarks/, the script's own folder
+from vllm_cpu_sampling import alternating_rounds  # benchmarks/speed/, this folder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def load_line() -> str:
@@ -78,6 +83,7 @@ def main() -> None:
         every = torch.cat(diffs)
         return every.mean().item(), every.max().item()
 
+    load = harness.load_average()
     print(f"SmolLM2-135M, {args.tokens} new tokens a row, {args.threads} threads, median of "
           f"{args.repeats} alternating rounds; {load_line()}")
     print(f"{'batch':>5} {'engine':>16} {'wall s':>8} {'tok/s':>8} {'vs hf':>7} "
@@ -102,6 +108,10 @@ def main() -> None:
         print(f"weight refresh, {name}: median {statistics.median(times):.2f} s "
               f"(of {', '.join(f'{t:.2f}' for t in times)})")
     print(f"({load_line()})")
+    print(harness.machine(load))
+    fastest = min((n for n in walls if n != "hf fp32"), key=walls.get, default="hf fp32")
+    print(harness.ratio_line(f"hf fp32 / {fastest} wall at batch {batch}",
+                             base / walls[fastest]))
 
 
 if __name__ == "__main__":

@@ -27,11 +27,10 @@ import argparse
 import asyncio
 import importlib.util
 import random
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -43,24 +42,20 @@ from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.samplers.base import Completion, sample_tokens
 from turnrl.samplers.hf import _Batch, _sample
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 
 def measure(variants: dict[str, Callable[[], object]], repeats: int
             ) -> dict[str, tuple[float, float]]:
-    """Median (wall, cpu) seconds of each variant, run alternately after one warm-up each."""
-    for fn in variants.values():
-        fn()
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            fn()
-            runs[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-    medians = {}
-    for name, times in runs.items():
-        walls, cpus = [w for w, _ in times], [c for _, c in times]
-        medians[name] = (statistics.median(walls), statistics.median(cpus))
-        print(f"  {name:34s} wall {medians[name][0]:7.2f} s  cpu {medians[name][1]:7.2f} s"
-              f"   (wall runs: {', '.join(f'{w:.2f}' for w in walls)})")
+    """Median (wall, cpu) seconds of each variant, run alternately after one warm-up each
+    (``harness.alternate``)."""
+    rounds = harness.alternate(variants, repeats)
+    walls, cpus = rounds.medians(), rounds.medians("cpu")
+    medians = {name: (walls[name], cpus[name]) for name in variants}
+    for name, (wall, cpu) in medians.items():
+        print(f"  {name:34s} wall {wall:7.2f} s  cpu {cpu:7.2f} s"
+              f"   (wall runs: {', '.join(f'{w:.2f}' for w in rounds.wall[name])})")
     return medians
 
 
@@ -172,6 +167,7 @@ def main() -> None:
     end = (chat.end_of_turn,)
     short = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=end)
     seeds = [(g, g) for g in range(args.groups) for _ in range(args.group_size)]
+    load = harness.load_average()
     print(f"model {args.model}, {args.threads} threads, {args.groups} groups of "
           f"{args.group_size}, {args.repeats} repeats; medians")
     ratios = {}
@@ -233,7 +229,10 @@ def main() -> None:
                        "multinomial": lambda: [sample_tokens(logits, 1.0, 1.0, generator)
                                                for _ in range(20)]}, args.repeats)
     ratios["sampler"] = report(medians, "inverse CDF", "multinomial")
-    print("ratio: " + ", ".join(f"{name} {ratio:.2f}" for name, ratio in ratios.items()))
+    print("ratios: " + ", ".join(f"{name} {ratio:.2f}" for name, ratio in ratios.items()))
+    print(harness.machine(load))
+    print(harness.ratio_line("lockstep all on / no cache across turns wall",
+                             ratios["lockstep reuse"]))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ Usage: ``python benchmarks/speed/distill_cost.py [--model tiny|smollm2-135m-inst
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
@@ -26,6 +26,9 @@ from turnrl.trainer.distill import teacher_logprobs
 from turnrl.trainer.run import update_settings
 from turnrl.trainer.step import make_optimizer, policy_update
 from turnrl.types import Batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def step_batch(vocab: int, rows: int, prompt: int, policy: int) -> Batch:
@@ -38,12 +41,6 @@ def step_batch(vocab: int, rows: int, prompt: int, policy: int) -> Batch:
     mask[:, prompt:] = 1
     old = -5 * mask  # an update's ratios are all that old log-probs change, not its cost
     return Batch(ids, torch.ones_like(ids), mask, old, torch.randn(rows))
-
-
-def timed(work) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    work()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,21 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     settings = update_settings(cfg, student)
     optimizer = make_optimizer(student, cfg.optim)
     batch = step_batch(len(tokenizer), args.rows, args.prompt, args.policy)
-    teacher_logprobs(teacher, batch, settings)  # warm-up of both
-    policy_update(student, optimizer, batch, settings)
-    runs = {"teacher": [], "update": []}
-    for _ in range(args.repeats):
-        runs["teacher"].append(timed(lambda: teacher_logprobs(teacher, batch, settings)))
-        runs["update"].append(timed(lambda: policy_update(student, optimizer, batch, settings)))
-    medians = {name: [statistics.median(t[i] for t in times) for i in (0, 1)]
-               for name, times in runs.items()}
+    load = harness.load_average()
+    rounds = harness.alternate(  # one warm-up of each, then alternating rounds
+        {"teacher": lambda: teacher_logprobs(teacher, batch, settings),
+         "update": lambda: policy_update(student, optimizer, batch, settings)}, args.repeats)
+    walls, cpus = rounds.medians(), rounds.medians("cpu")
     print(f"{args.model}: {args.rows} rows x ({args.prompt} prompt + {args.policy} policy) tokens,"
           f" {torch.get_num_threads()} threads, medians of {args.repeats}")
-    for name, (wall, cpu) in medians.items():
-        print(f"  {name:8s} wall {wall:7.3f} s   cpu {cpu:7.3f} s")
-    for i, kind in enumerate(("wall", "cpu")):
-        print(f"ratio: teacher / update {kind} = "
-              f"{medians['teacher'][i] / medians['update'][i]:.2f}")
+    for name in walls:
+        print(f"  {name:8s} wall {walls[name]:7.3f} s   cpu {cpus[name]:7.3f} s")
+    for kind in ("wall", "cpu"):
+        print(harness.interval_line(f"teacher / update {kind}", getattr(rounds, kind)["teacher"],
+                                    getattr(rounds, kind)["update"]))
+    print(harness.machine(load))
+    print(harness.ratio_line("teacher / update cpu", cpus["teacher"] / cpus["update"]))
     return 0
 
 

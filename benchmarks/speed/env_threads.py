@@ -15,18 +15,34 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from collections.abc import Callable, Iterator
+from itertools import count
+from pathlib import Path
 
-from worker_loop import run_loop
+from worker_loop import run_loop  # benchmarks/speed/, this folder
 
 from turnrl.config import load_config
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 
 def pool_for(median_ms: float) -> int:
     """Live episodes: 64 keep a 0 ms worker busy; with slow tools most wait in them."""
     return 64 if median_ms == 0 else 240
+
+
+def one_run(policy, median_ms: float, seconds: float, own: bool, seeds: Iterator[int]
+            ) -> Callable[[], float]:
+    """One timed run of the worker loop (a new env seed each round): its rows a second."""
+    def run() -> float:
+        env = {"env": "guess-number", "median_ms": median_ms, "sigma": 1.0, "seed": next(seeds)}
+        loop = run_loop(policy, env, pool_for(median_ms), seconds, 0.75, True, own_threads=own)
+        return loop["rows_per_s"]
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,31 +53,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_torch(1)
     policy = load_policy(load_config(None, ["--model.name", "tiny"]))
-    ratio = float("nan")
+    load, ratio = harness.load_average(), float("nan")
     for median_ms in args.latencies:
-        pool = pool_for(median_ms)
-        runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-        for round_ in range(args.rounds):
-            # Alternate which way goes first: a drift of the machine hits both alike.
-            for own in (False, True) if round_ % 2 == 0 else (True, False):
-                env = {"env": "guess-number", "median_ms": median_ms, "sigma": 1.0,
-                       "seed": round_}
-                cpu = time.process_time()
-                r = run_loop(policy, env, pool, args.seconds, 0.75, True, own_threads=own)
-                rows = r["rows_per_s"] * args.seconds
-                # a busy machine may finish no row in a short window: no per-row figure then
-                per_row = 1e3 * (time.process_time() - cpu) / rows if rows else float("nan")
-                runs[own].append((r["rows_per_s"], per_row))
-        medians = {own: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v))
-                   for own, v in runs.items()}
-        for own, (rows_s, cpu_ms) in medians.items():
-            print(f"{median_ms:g} ms, pool {pool}, {'own threads' if own else 'shared':<11} "
-                  f"{rows_s:6.0f} rows/s  {cpu_ms:5.2f} ms CPU a row  (median of "
-                  f"{args.rounds}: {', '.join(f'{x:.0f}' for x, _ in runs[own])})", flush=True)
-        ratio = medians[False][0] / medians[True][0] if medians[True][0] else float("nan")
+        # Alternating, which way goes first flipping each round: drift hits both alike.
+        rounds = harness.alternate(
+            {"shared": one_run(policy, median_ms, args.seconds, False, count()),
+             "own threads": one_run(policy, median_ms, args.seconds, True, count())},
+            args.rounds, warmup=0, flip=True)
+        rates = rounds.results
+        for name, rows_s in rates.items():
+            # a busy machine may finish no row in a short window: no per-row figure then
+            per_row = [1e3 * cpu / (rate * args.seconds) if rate else float("nan")
+                       for cpu, rate in zip(rounds.cpu[name], rows_s, strict=True)]
+            print(f"{median_ms:g} ms, pool {pool_for(median_ms)}, {name:<11} "
+                  f"{statistics.median(rows_s):6.0f} rows/s  {statistics.median(per_row):5.2f} "
+                  f"ms CPU a row  (median of {args.rounds}: "
+                  f"{', '.join(f'{x:.0f}' for x in rows_s)})", flush=True)
+        ratio = harness.ratio_of_medians(rates["shared"], rates["own threads"])
         print(f"{median_ms:g} ms: shared / own threads rows per second = {ratio:.2f}")
-    print(f"ratio: shared / own threads rows per second at {args.latencies[-1]:g} ms = "
-          f"{ratio:.2f}")
+    print(harness.machine(load))
+    print(harness.ratio_line(f"shared / own threads rows per second at "
+                             f"{args.latencies[-1]:g} ms", ratio))
     return 0
 
 

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import argparse
 import resource
-import statistics
+import sys
+from pathlib import Path
 
 import torch
-from distill_cost import step_batch, timed
+from distill_cost import step_batch  # benchmarks/speed/, this folder
 
 from turnrl.config import load_config
 from turnrl.policy import load_policy
 from turnrl.trainer.run import build_learner
 from turnrl.trainer.step import policy_update
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,14 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     batch = step_batch(len(policy.tokenizer), args.rows, args.prompt, args.policy)
     update = lambda: policy_update(learner.model, learner.optimizer, batch,  # noqa: E731
                                    learner.settings, learner.ref_model)
-    update()  # warm-up: the optimiser's moments are allocated here
-    times = [timed(update) for _ in range(args.repeats)]
-    wall, cpu = (statistics.median(t[i] for t in times) for i in (0, 1))
+    load = harness.load_average()
+    # The warm-up allocates the optimiser's moments; one setting a process (peak memory).
+    rounds = harness.alternate({"update": update}, args.repeats)
+    wall, cpu = rounds.medians()["update"], rounds.medians("cpu")["update"]
     trainable = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{args.model} r={args.rank}: {trainable:,} trainable parameters; update of "
           f"{args.rows} rows x ({args.prompt} + {args.policy}) tokens, median of "
           f"{args.repeats}: wall {wall:.2f} s, cpu {cpu:.2f} s; peak RSS {peak_mib:.0f} MiB")
+    print(harness.machine(load))
     return 0
 
 

@@ -21,10 +21,14 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from turnrl.sandbox import Limits, Sandbox
 from turnrl.sandbox.backends import bwrap_problem
 from turnrl.tools import parse_tool_calls, python_tool, run_tool_calls
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 CALL = ('<tool_call>' + json.dumps({"name": "python", "arguments": {"code": "print(6 * 7)"}})
         + '</tool_call>')
@@ -58,11 +62,6 @@ async def _throughput(tool, calls: int, concurrency: int) -> float:
     return calls / (time.perf_counter() - started)
 
 
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-
-
 async def main(calls: int, concurrency: int, rounds: int) -> None:
     backends = ["fallback"] + ([] if bwrap_problem() else ["bwrap"])
     if bwrap_problem():
@@ -73,6 +72,7 @@ async def main(calls: int, concurrency: int, rounds: int) -> None:
     tools = {b: python_tool(s) for b, s in sandboxes.items()}
     pythons = {"bare subprocess, no sandbox": python}
     print(f"interpreter: {python}")
+    load = harness.load_average()
     for tool in tools.values():  # warm caches (interpreter probe, page cache)
         await _one(tool)
     latency = {name: [] for name in [*tools, *pythons]}
@@ -88,10 +88,11 @@ async def main(calls: int, concurrency: int, rounds: int) -> None:
     for name, values in latency.items():
         cps = f"{statistics.median(rate[name]):12.1f}" if name in rate else f"{'':12s}"
         print(f"{name:44s} {1e3 * statistics.median(values):10.1f} "
-              f"{1e3 * _p99(values):8.1f} {cps}")
+              f"{1e3 * harness.percentile(values, 99):8.1f} {cps}")
+    print(harness.machine(load))
     if "bwrap" in latency:
-        ratio = statistics.median(latency["bwrap"]) / statistics.median(latency["fallback"])
-        print(f"ratio: bwrap / fallback median latency = {ratio:.2f}")
+        ratio = harness.ratio_of_medians(latency["bwrap"], latency["fallback"])
+        print(harness.ratio_line("bwrap / fallback median latency", ratio))
 
 
 if __name__ == "__main__":

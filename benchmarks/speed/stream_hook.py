@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from decode import load_engine_class, measure
+from decode import load_engine_class, measure  # benchmarks/speed/, this folder
 
 from turnrl.models import load_model
 from turnrl.rollout import ChatFormat
 from turnrl.samplers import HFEngine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def main() -> None:
@@ -54,6 +59,7 @@ def main() -> None:
     if args.baseline:
         old = load_engine_class(args.baseline)
         variants["baseline"] = run(lambda: old(model, pad, seed=0))
+    load = harness.load_average()
     medians = measure(variants, args.repeats)
     print(f"model {args.model}, {args.rows} rows x {args.tokens} tokens, {args.threads} "
           f"thread(s), {args.repeats} repeats; cpu_count {os.cpu_count()}, "
@@ -62,6 +68,8 @@ def main() -> None:
     for name, (wall, cpu) in medians.items():
         print(f"  {name:10s} wall {wall:.3f} s (ratio {wall / wall0:.3f})   "
               f"cpu {cpu:.3f} s (ratio {cpu / cpu0:.3f})")
+    print(harness.machine(load))
+    print(harness.ratio_line("hook / no hook CPU seconds", medians["hook"][1] / cpu0))
 
 
 if __name__ == "__main__":

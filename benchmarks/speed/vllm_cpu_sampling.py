@@ -21,23 +21,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def alternating_rounds(engines: dict, prompts: list, params, repeats: int
                        ) -> tuple[dict[str, float], dict[str, list]]:
     """Each engine warmed up on ``prompts``, then ``repeats`` rounds calling every engine in
-    turn (load drift hits all alike); the median wall seconds and the last outputs of each."""
-    for engine in engines.values():
-        engine.generate(prompts, params)  # warm-up
-    walls: dict[str, list[float]] = {name: [] for name in engines}
-    outputs = {}
-    for _ in range(repeats):
-        for name, engine in engines.items():
-            start = time.perf_counter()
-            outputs[name] = engine.generate(prompts, params)
-            walls[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in walls.items()}, outputs
+    turn (``harness.alternate``); the median wall seconds and the last outputs of each."""
+    rounds = harness.alternate({name: (lambda e=engine: e.generate(prompts, params))
+                                for name, engine in engines.items()}, repeats)
+    return rounds.medians(), {name: results[-1] for name, results in rounds.results.items()}
 
 
 def main() -> None:
@@ -81,8 +79,9 @@ def main() -> None:
         print("this CPU has no native bf16 (avx512_bf16/amx_bf16): the bf16 row is left out")
     del chat
 
+    load = harness.load_average()
     print(f"SmolLM2-135M, {args.tokens} new tokens a row, {args.threads} threads, "
-          f"median of {args.repeats} alternating rounds; load {os.getloadavg()[0]:.1f}")
+          f"median of {args.repeats} alternating rounds; load {load:.1f}")
     print(f"{'batch':>5} {'engine':>10} {'wall s':>8} {'tok/s':>8} {'vs hf':>7} {'|dlogp|':>8}")
     for batch in args.batches:
         prompts = [prompt_of[i % len(prompt_of)] for i in range(batch)]
@@ -112,6 +111,9 @@ def main() -> None:
             engine.update_weights(model.state_dict(), version)
             times.append(time.perf_counter() - start)
         print(f"weight update, {name}: median {statistics.median(times):.2f} s")
+    print(harness.machine(load))
+    print(harness.ratio_line(f"hf fp32 / vllm fp32 wall at batch {batch}",
+                             base / walls["vllm fp32"]))
 
 
 if __name__ == "__main__":
