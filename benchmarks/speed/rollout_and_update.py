@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -26,11 +27,8 @@ from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.trainer.step import micro_batches, score_policy_tokens
 from turnrl.types import Batch
 
-
-def time_it(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def main() -> None:
@@ -68,12 +66,8 @@ def main() -> None:
     variants["update: shared prompt once"] = partial(update, "shared")
     variants["update: policy tokens only"] = partial(update, "policy")
     variants["update: full logits"] = partial(update, "full")
-    for fn in variants.values():  # warm-up
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
-            times[name].append(time_it(fn))
+    load = harness.load_average()
+    times = harness.alternate(variants, args.repeats).wall
 
     tokens = sum(len(ep.token_ids) for ep in episodes)
     policy = sum(ep.num_policy_tokens for ep in episodes)
@@ -86,10 +80,12 @@ def main() -> None:
               f"{', '.join(f'{t:.2f}' for t in times[name])})")
     rollout = medians["rollout: re-prefill each turn"] / medians["rollout: kv kept across turns"]
     update_ratio = medians["update: full logits"] / medians["update: policy tokens only"]
-    print(f"ratio: rollout re-prefill / kv kept = {rollout:.2f}")
-    print(f"ratio: update full logits / policy tokens only = {update_ratio:.2f}")
+    print(f"rollout re-prefill / kv kept = {rollout:.2f}")
+    print(f"update full logits / policy tokens only = {update_ratio:.2f}")
     shared = medians["update: policy tokens only"] / medians["update: shared prompt once"]
-    print(f"ratio: update policy tokens only / shared prompt once = {shared:.2f}")
+    print(f"update policy tokens only / shared prompt once = {shared:.2f}")
+    print(harness.machine(load))
+    print(harness.ratio_line("rollout re-prefill / kv kept", rollout))
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ benchmarks/speed/shared_prefix.py [--model tiny] [--groups 4 16] [--prompt 44] [
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -29,6 +29,9 @@ from turnrl.models import load_model
 from turnrl.trainer import prefix
 from turnrl.trainer.step import UpdateSettings, make_optimizer, micro_batches, policy_update
 from turnrl.types import Batch, Episode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 VARIANTS = ("packed", "cached", "per episode")
 
@@ -59,15 +62,14 @@ def rule_pick(model, batch: Batch) -> str:
     return "/".join(sorted(picks))
 
 
-def timed_update(model, optimizer, batch: Batch, variant: str, completion: int) -> float:
+def forced_update(model, optimizer, batch: Batch, variant: str, completion: int) -> None:
+    """One ``policy_update`` down ``variant``'s path, whatever the rule would pick."""
     settings = UpdateSettings(AlgoConfig(), OptimConfig(shared_prefix=variant != "per episode"),
                               temperature=1.0, agg_constant=completion)
     pays = prefix.packing_pays
     prefix.packing_pays = lambda *args: variant == "packed"  # force the path to time it
     try:
-        start = time.perf_counter()
         policy_update(model, optimizer, batch, settings)
-        return time.perf_counter() - start
     finally:
         prefix.packing_pays = pays
 
@@ -93,22 +95,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"model {args.model}, prompt {args.prompt} tokens, completions {args.completion} "
           f"tokens, micro-batch {OptimConfig().micro_batch_size} rows, {args.threads} threads, "
           f"{args.rounds} rounds; seconds per policy_update (median)")
-    results = []
+    results, load = [], harness.load_average()
     for group_size in args.groups:
         batch = group_batch(group_size, args.prompt, args.completion, vocab)
-        for variant in VARIANTS:  # warm-up
-            timed_update(model, optimizer, batch, variant, args.completion)
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for _ in range(args.rounds):
-            for variant in VARIANTS:
-                times[variant].append(timed_update(model, optimizer, batch, variant,
-                                                   args.completion))
-        medians = {v: statistics.median(t) for v, t in times.items()}
+        rounds = harness.alternate({v: partial(forced_update, model, optimizer, batch, v,
+                                               args.completion) for v in VARIANTS}, args.rounds)
+        medians = rounds.medians()
         cells = "  ".join(f"{v} {m:.3f}" for v, m in medians.items())
         print(f"G={group_size:<3d} {cells}  (the update picks {rule_pick(model, batch)})")
         print(f"ratio: G={group_size} cached/packed = {medians['cached'] / medians['packed']:.2f}"
               f", per episode/packed = {medians['per episode'] / medians['packed']:.2f}")
         results.append({"group": group_size, "pick": rule_pick(model, batch), **medians})
+    print(harness.machine(load))
+    print(harness.ratio_line(f"G={group_size} per episode/packed update seconds",
+                             medians["per episode"] / medians["packed"]))
     return results
 
 
