@@ -41,10 +41,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 # Fails (exit 1) when this checkout's lock-step generation is over 1.10x a base checkout's,
-# measured side by side in alternating rounds (benchmarks/generation_guard.py; the base is
-# benchmarks/generation_guard_base.txt unless ARGS='--base REF'; ARGS='--model tiny' is quick).
+# measured side by side in alternating rounds (benchmarks/guards/generation_guard.py; the base is
+# benchmarks/guards/generation_guard_base.txt unless ARGS='--base REF'; ARGS='--model tiny' is quick).
 bench-guard: setup
-	$(PY) benchmarks/generation_guard.py $(ARGS)
+	$(PY) benchmarks/guards/generation_guard.py $(ARGS)
 
 # GPU machines (run once, in part, on an H100 without network: docs/gpu.md). A venv of its own:
 # vLLM pins its own CUDA torch and a transformers range, which pip resolves together with

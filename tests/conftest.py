@@ -13,9 +13,11 @@ import torch
 from turnrl.envs import StepResult, register_env
 from turnrl.models import tiny_model
 
-# Benchmarks and their helpers (step_throughput, warmup) live outside the package; tests
-# import them as top-level modules, as `python benchmarks/NAME.py` does.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+# Benchmarks and their helpers (harness, step_throughput, warmup) live outside the package;
+# tests import them as top-level modules, as `python benchmarks/speed/NAME.py` does.
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / part) for part in ("speed", "learning", "guards")]
+sys.path.insert(0, str(BENCHMARKS))
 
 
 @register_env("say-digit")

@@ -1,4 +1,4 @@
-"""``benchmarks/step_throughput.py`` end to end on the tiny model: TurnRL always, TRL when it is installed.
+"""``benchmarks/speed/step_throughput.py`` end to end on the tiny model: TurnRL always, TRL when it is installed.
 
 One thread per worker: on a shared 2-core machine two spinning threads per process make the
 tiny model's many small ops very slow, and these tests check wiring, not speed.

@@ -1,4 +1,4 @@
-"""Benchmark scripts: `benchmarks/env_threads.py` end to end, briefly; `async_throughput.py`'s schedule."""
+"""Benchmark scripts: `benchmarks/speed/env_threads.py` end to end, briefly; `async_throughput.py`'s schedule."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_shared_and_own_env_threads_side_by_side(capsys):
 
 
 def test_async_throughput_repeats_alternate_the_latency_order():
-    """``benchmarks/async_throughput.py --repeats``: every other repeat runs the latencies
+    """``benchmarks/speed/async_throughput.py --repeats``: every other repeat runs the latencies
     backwards, so a drifting machine weighs on each alike."""
     import async_throughput
 

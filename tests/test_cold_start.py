@@ -1,4 +1,4 @@
-"""benchmarks/cold_start.py: its runs are real `turnrl train` commands (tiny model, --quick),
+"""benchmarks/learning/cold_start.py: its runs are real `turnrl train` commands (tiny model, --quick),
 its table reads their results, finished runs are reused, and bad options are one line."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``benchmarks/cpu_matmul.py`` on the tiny model: every shape and group timed, the engines
+"""``benchmarks/speed/cpu_matmul.py`` on the tiny model: every shape and group timed, the engines
 (torch's products, the PackedLinear tree, the lean pass) compared on the same greedy tokens."""
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "speed"))
 
 import cpu_matmul as bench  # noqa: E402
 

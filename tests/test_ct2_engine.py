@@ -83,7 +83,7 @@ def test_float32_logprobs_equal_a_forward_pass(model, temperature, top_p):
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_int8_logprobs_are_close_to_float32(model, compute_type, temperature):
     """int8 weights: a rounding mismatch, small (SmolLM2 measures ~0.2 nats a token in
-    benchmarks/ct2_sampling.py; here the peaked tiny model)."""
+    benchmarks/speed/ct2_sampling.py; here the peaked tiny model)."""
     engine = CT2Engine(model, compute_type=compute_type)
     completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8,
                                                           temperature=temperature))

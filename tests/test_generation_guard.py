@@ -1,4 +1,4 @@
-"""``benchmarks/generation_guard.py``: the verdict on hand-made round figures, its git and
+"""``benchmarks/guards/generation_guard.py``: the verdict on hand-made round figures, its git and
 process plumbing, and one real HEAD-vs-HEAD run on the tiny model."""
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def test_kill_cleans_up_as_ctrl_c_does():
     before = _worktrees()
     scratch = set(Path(tempfile.gettempdir()).glob("turnrl-guard-*"))
     guard_process = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / "generation_guard.py"), "--base", "HEAD",
+        [sys.executable, str(ROOT / "benchmarks" / "guards" / "generation_guard.py"), "--base", "HEAD",
          "--model", "tiny", "--rounds", "2", "--collections", "50", "--threads", "1"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []

@@ -1,4 +1,4 @@
-"""``benchmarks/hardware_limits.py``: the floors each stage of a step is held against."""
+"""``benchmarks/speed/hardware_limits.py``: the floors each stage of a step is held against."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks" / "speed"))
 import hardware_limits as hw  # noqa: E402
 
 RATES = hw.Rates(read_gb_s=1.0, fp32_gflops=10.0, bf16_gflops=20.0, threads=1)

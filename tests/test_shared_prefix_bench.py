@@ -1,10 +1,10 @@
-"""``benchmarks/shared_prefix.py`` on the tiny model: every variant timed, the rule's pick
+"""``benchmarks/speed/shared_prefix.py`` on the tiny model: every variant timed, the rule's pick
 named."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "speed"))
 
 import shared_prefix as bench  # noqa: E402
 

@@ -1,9 +1,9 @@
-"""``benchmarks/update_attention.py`` on the tiny model: it profiles and times each variant."""
+"""``benchmarks/speed/update_attention.py`` on the tiny model: it profiles and times each variant."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "speed"))
 
 import torch  # noqa: E402
 import update_attention as bench  # noqa: E402

@@ -126,7 +126,7 @@ def test_warm_up_lowers_the_imitation_loss_and_warm_start_round_trips(tmp_path):
 
 
 def test_the_tool_task_format_warm_up_demonstrates_correct_calls_and_lowers_the_loss(tiny):
-    """benchmarks/tool_task.py: its demonstrations are correct episodes of a task other than
+    """benchmarks/learning/tool_task.py: its demonstrations are correct episodes of a task other than
     the measured one, and imitating them lowers the loss of the call tokens."""
     import asyncio
 

@@ -25,7 +25,7 @@ from typing import Any
 WINDOW_S = 0.002
 """How long a batch's leader waits for another call after the last one arrived: a turn
 loop's env threads ask within about 1 ms of each other (32 TicTacToe games, tiny model,
-busy 2-core machine), and a lone call pays it (`benchmarks/opponent_batching.py`)."""
+busy 2-core machine), and a lone call pays it (`benchmarks/speed/opponent_batching.py`)."""
 MAX_BATCH = 64
 """Calls in one batch at most (the rest wait for the next)."""
 SIZES_KEPT = 1024

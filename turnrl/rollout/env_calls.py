@@ -69,7 +69,7 @@ class SharedLoop:
 
     Why: a thread per env is woken once per call (twice with a tool's latency) and takes the
     GIL from the generating thread each time; one shared thread takes many calls per wake.
-    Tiny model, worker loop alone, rows a second (``benchmarks/env_threads.py``, median of 6,
+    Tiny model, worker loop alone, rows a second (``benchmarks/speed/env_threads.py``, median of 6,
     idle 2-core AMD EPYC): 242 vs 228 at 0 ms, 210 vs 189 at 500 ms.
 
     The price: an env that blocks anyway (a ``time.sleep`` in ``async def step``) stalls the

@@ -340,7 +340,7 @@ class TurnLoop(SeatedGames):
         if self.lockstep:
             # Nothing runs beside a lock-step generate call (no env call is in flight), so it
             # runs on the loop's own thread: handing it to a worker thread cost ~0.3 s of a
-            # 1.1 s G=4 collection of SmolLM2 on 2 cores (benchmarks/step_throughput.py).
+            # 1.1 s G=4 collection of SmolLM2 on 2 cores (benchmarks/speed/step_throughput.py).
             completions, version = self._generate_batch(prompts, may_swap)
         else:
             completions, version = await asyncio.to_thread(self._generate_batch, prompts,

@@ -2,7 +2,7 @@
 
 Sampling on CPU is memory-bound: every decoded token reads all the weights once, so int8
 weights (a quarter of fp32's bytes) decode faster where the learner stays fp32. CTranslate2
-(the ``ct2`` extra) has CPU wheels and int8 GEMMs; ``benchmarks/ct2_sampling.py`` measures it
+(the ``ct2`` extra) has CPU wheels and int8 GEMMs; ``benchmarks/speed/ct2_sampling.py`` measures it
 against ``HFEngine`` and docs/samplers.md says when to use which.
 
 Choices:

@@ -17,7 +17,7 @@ and values outlive the call, *per sequence*: a later call prefills only what is 
   the new weights attending to keys and values the old ones computed (PipelineRL's in-flight
   weight update: Piché et al. 2025, arXiv:2509.19128, Fig. 7: negligible off-policyness). The
   log-probabilities reported are those each token was drawn from (decoupled PPO corrects the
-  difference); 7.7 -> 2.7 ms a generated row (``benchmarks/worker_loop.py``).
+  difference); 7.7 -> 2.7 ms a generated row (``benchmarks/speed/worker_loop.py``).
 - Identical prompts of one call (a GRPO group's first turn) are prefilled once and their keys,
   values and last logits copied to every row (``share_prompts``).
 

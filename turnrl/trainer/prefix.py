@@ -10,7 +10,7 @@ Two ways to the same hidden states, to float tolerance:
   out to the rows, then the suffixes run against it. Two passes, so the backward pass makes
   two gradient products per weight and adds them, and a tied embedding gets two dense
   gradients: on SmolLM2 a GRPO update took 1.24x as long as packed at G=4 and 1.33x at G=16
-  (``benchmarks/shared_prefix.py``).
+  (``benchmarks/speed/shared_prefix.py``).
 
 Packed needs a decoder checked to run it (``PACKABLE_MODELS``: attention-only, Llama-shaped)
 whose attention takes a custom 4D mask (``sdpa``, ``eager``), and pays only while the

@@ -95,7 +95,7 @@ def activation_bytes_per_token(config, dtype_bytes: int = 4) -> int:
     Per layer: the residual stream and norm outputs, attention inputs and outputs
     (about ten hidden-size vectors) and the MLP's gate, up, activation and product
     (four intermediate-size vectors). Calibrated against measured peak memory in
-    ``benchmarks/step_throughput.py``; it ignores the LM head, which only runs on policy
+    ``benchmarks/speed/step_throughput.py``; it ignores the LM head, which only runs on policy
     tokens.
     """
     hidden = config.hidden_size
