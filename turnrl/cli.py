@@ -223,16 +223,19 @@ LEFTOVERS_WATCHED = ("train", "eval")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``turnrl`` program (``argv`` None: the command line). As the program, ``train``
-    and ``eval`` end what their envs left behind (``turnrl.leftovers``); a Python caller
-    passing ``argv`` keeps its own process as it is."""
-    if argv is None and sys.argv[1:2] and sys.argv[1] in LEFTOVERS_WATCHED:
-        from turnrl import leftovers
+    """The ``turnrl`` program (``argv`` None: the command line). ``train`` and ``eval`` end
+    what their envs left behind (``turnrl.leftovers``): as the program, at its end; called
+    from a script (``main(["train", ...])``), at the end of the run, and the threads it left
+    at the script's exit."""
+    from turnrl import leftovers
 
-        before = leftovers.snapshot()
+    if argv is None and sys.argv[1:2] and sys.argv[1] in LEFTOVERS_WATCHED:
+        before, leftovers.WATCHING = leftovers.snapshot(), True
         code = _main_reporting_crashes(sys.argv[1:])
         leftovers.settle(before, code)
         return code
+    if argv is not None and argv[:1] and argv[0] in LEFTOVERS_WATCHED:
+        return leftovers.watched_run(lambda: _main(argv))
     return _main(argv)
 
 
