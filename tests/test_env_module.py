@@ -1,6 +1,6 @@
 """``env.module``: a user's own env module, loaded by name, ``module:ENV`` or a ``.py`` path,
 each mistake one line naming the module and the fix; stored with the run, so ``turnrl eval``
-of the run loads it again; shipped to Ray workers (``test_a_mix_of_module_envs_plays_...``).
+of the run loads it again; shipped to Ray workers, which import it too.
 The leftovers of such an env, run by the command or by a script, are in ``test_leftovers.py``.
 """
 
@@ -145,14 +145,22 @@ def test_turnrl_train_loads_a_module_file_and_eval_of_the_run_loads_it_again(tmp
 
 
 @pytest.mark.slow
-def test_a_mix_of_module_envs_plays_on_ray_workers_that_never_saw_the_file(tmp_path):
-    """With env.mix the env shipped to the workers is turnrl's mix: only env.module makes
-    the file reach them (``py_modules``); the learner runs elsewhere, so no path leads there."""
-    done = _command(["train", "--env.module", str(LEAKY), "--env.name", "mix",
-                     "--env.mix", "[{name: tidy}]", "--run.mode", "async",
-                     "--ray.num_workers", "1", "--rollout.group_size", "2",
+def test_ray_workers_import_the_module_that_registered_the_env(tmp_path):
+    """The module registers an env defined elsewhere (``leaky_envs``, shipped as the env's
+    own module): only env.module makes the registering file reach the workers
+    (``py_modules``), each of which imports it by name before building its env."""
+    (tmp_path / "mods").mkdir()  # not the learner's directory, which Ray puts on their path
+    _module(tmp_path / "mods", "my_registry", f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from leaky_envs import Tidy
+        from turnrl import register_env
+        register_env("tidy-again")(Tidy)
+        """)
+    done = _command(["train", "--env.module", "mods/my_registry.py:tidy-again", "--run.mode",
+                     "async", "--ray.num_workers", "1", "--rollout.group_size", "2",
                      "--rollout.groups_per_step", "1", "--run.steps", "1",
                      "--run.out_dir", "run"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Creating a file package for local module" in done.stderr
-    assert "tidy: 2 held-out episodes, before vs after" in done.stdout, done.stdout[-2000:]
+    assert f"file package for local module '{tmp_path / 'mods' / 'my_registry.py'}'" in done.stderr
+    assert "tidy-again: 2 held-out episodes, before vs after" in done.stdout, done.stdout[-2000:]

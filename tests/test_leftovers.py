@@ -136,6 +136,53 @@ def test_a_script_exits_with_its_code_and_names_what_its_env_left_behind(tmp_pat
     assert time.monotonic() - started < BOUND_S
 
 
+RUN_ONLY = """
+import concurrent.futures, sys, threading, time
+from turnrl import leftovers
+
+def run():  # what an env might leave: a stuck pool thread, a thread waiting forever
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stuck-pool")
+    pool.submit(threading.Event().wait)
+    threading.Thread(target=threading.Event().wait, name="stuck-waiter").start()
+
+leftovers.watched_run(run)
+
+def finish():
+    time.sleep({own_s})
+    print("script thread done", flush=True)
+
+threading.Thread(target=finish, name="script-own").start()
+sys.exit(5)
+"""
+
+
+def test_a_watched_run_lets_the_script_exit_with_its_code_past_stuck_threads():
+    """No model: the exit watch alone. Python's exit first joins thread pools (an atexit
+    hook of concurrent.futures, before the main thread ends), then the other threads."""
+    from turnrl.leftovers import EXIT_GRACE_S
+
+    try:
+        done = subprocess.run([sys.executable, "-c", RUN_ONLY.format(own_s=EXIT_GRACE_S + 1)],
+                              capture_output=True, text=True, timeout=BOUND_S,
+                              env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the script did not exit within {BOUND_S} s")
+    assert done.returncode == 5, done.stderr
+    assert done.stdout == "script thread done\n"
+    assert re.search(r"left 2 non-daemon thread\(s\) running after the run: (stuck-pool_0 "
+                     r"\(running _worker\)|stuck-waiter \(running Event.wait\)), "
+                     r"(stuck-pool_0|stuck-waiter)", done.stderr), done.stderr
+    assert "script-own" not in done.stderr
+
+
+def test_a_run_inside_a_watched_one_is_not_watched_again(monkeypatch):
+    from turnrl import leftovers
+
+    monkeypatch.setattr(leftovers, "WATCHING", True)  # as inside the command, or train(cfg)
+    monkeypatch.setattr(leftovers, "stop_and_name", lambda before: pytest.fail("watched"))
+    assert leftovers.watched_run(lambda: 3) == 3
+
+
 def test_a_python_caller_of_main_keeps_its_process():
     """A command that plays no env, called from Python, returns, watching nothing."""
     from turnrl.cli import main

@@ -282,6 +282,8 @@ WATCHING = False
 RUN_THREADS: weakref.WeakSet = weakref.WeakSet()
 """Non-daemon threads the script's runs started and left running (``watched_run``)."""
 _script_watch: threading.Thread | None = None
+_exiting = threading.Event()
+"""Set as Python's exit starts, before it joins threads (``concurrent.futures`` pools too)."""
 
 
 def watched_run(run: Callable[[], object]) -> object:
@@ -306,6 +308,14 @@ def _watch_script_exit() -> None:
     """Start (once) the daemon thread that watches the script's exit for ``RUN_THREADS``."""
     global _script_watch
     if _script_watch is None or not _script_watch.is_alive():
+        # Private, but the hook concurrent.futures itself uses (CPython 3.9+); registered
+        # after it, so it runs first: the watch starts even if a pool's join then blocks.
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:
+            threading.Thread(target=lambda: (threading.main_thread().join(), _exiting.set()),
+                             daemon=True, name="turnrl-exit-wait").start()
+        else:
+            register(_exiting.set)
         _script_watch = threading.Thread(target=_script_exit_watchdog, daemon=True,
                                          name="turnrl-exit-watchdog")
         _script_watch.start()
@@ -314,7 +324,7 @@ def _watch_script_exit() -> None:
 def _script_exit_watchdog(grace_s: float = EXIT_GRACE_S) -> None:
     """After the main thread ends: once only run-started threads have kept the process for
     ``grace_s``, name them and ``let_go`` of them."""
-    threading.main_thread().join()  # returns as Python's exit starts waiting for threads
+    _exiting.wait()
     since = None
     while stuck := blocking_threads():
         if not all(t in RUN_THREADS for t in stuck):
