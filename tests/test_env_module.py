@@ -164,3 +164,19 @@ def test_ray_workers_import_the_module_that_registered_the_env(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"file package for local module '{tmp_path / 'mods' / 'my_registry.py'}'" in done.stderr
     assert "tidy-again: 2 held-out episodes, before vs after" in done.stdout, done.stdout[-2000:]
+
+
+def test_turnrl_envs_lists_the_envs_of_a_module(tmp_path, forget, capsys):
+    from turnrl.cli import main
+
+    path = _module(tmp_path, "my_listed_envs", '''
+        from turnrl import register_env
+
+        @register_env("my-listed")
+        class Listed:
+            """Listed by turnrl envs --env.module."""
+        ''')
+    assert main(["envs", "--env.module", str(path)]) == 0
+    assert "my-listed" in capsys.readouterr().out
+    assert main(["envs", "--env.module", str(tmp_path / "missing.py")]) == 2
+    assert "env.module" in capsys.readouterr().err

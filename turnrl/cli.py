@@ -17,7 +17,7 @@ turnrl eval   RUN_DIR [RUN_DIR ...] [--samples N] [--out FILE.json] ...  (seeds 
 turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.port P]
               [--serve.api_key KEY] [--serve.checkpoint DIR] [--section.key VALUE ...]
 turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] [--html FILE.html]
-turnrl envs   [NAME]                                 (every env, or one in full)
+turnrl envs   [NAME] [--env.module M]                (every env, or one in full)
 turnrl export CHECKPOINT_DIR|RUN_DIR OUT_DIR [--adapter-only]   (a Hugging Face model dir)
 
 Every config field is an option: --section.key VALUE."""
@@ -149,11 +149,16 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 
 def cmd_envs(argv: Sequence[str]) -> int:
-    """``turnrl envs``: every registered env, a line each; ``turnrl envs NAME``: one in full."""
+    """``turnrl envs``: every registered env, a line each; ``turnrl envs NAME``: one in full;
+    ``--env.module M``: with the envs of a module of your own."""
     import importlib.util
 
     from turnrl.envs import ENVS, make_env
     from turnrl.envs.contract import describe
+    from turnrl.envs.user_module import load_env_module
+
+    own, argv = _split(argv, {"--env.module": True})
+    load_env_module(own.get("--env.module", ""))
 
     # adapters register even when their library is missing; say what to install
     needs = {"gymnasium": "gymnasium", "reasoning-gym": "reasoning_gym", "textarena": "textarena"}
