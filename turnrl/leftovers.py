@@ -333,24 +333,25 @@ def _script_exit_watchdog(grace_s: float = EXIT_GRACE_S) -> None:
             since = time.monotonic()
         elif time.monotonic() - since >= grace_s:
             _name(stuck)
-            let_go(stuck)
-            if any(t.is_alive() for t in stuck):  # a Python that let_go does not know
+            if not let_go(stuck):  # a Python whose exit let_go cannot reach
                 _exit(1)
             return
         time.sleep(0.1)
 
 
-def let_go(threads: list[threading.Thread]) -> None:
+def let_go(threads: list[threading.Thread]) -> bool:
     """Make Python's exit stop waiting for ``threads``, as for daemon threads (it waits on
     each one's state lock, CPython 3.11-3.12, or handle, 3.13+); they are then stopped with
-    the interpreter."""
+    the interpreter. False if this Python has neither."""
     for thread in threads:
-        lock = getattr(thread, "_tstate_lock", None)
-        handle = getattr(thread, "_handle", None)
         try:
-            if lock is not None and lock.locked():
-                lock.release()
-            elif handle is not None and hasattr(handle, "_set_done"):
-                handle._set_done()
-        except RuntimeError:  # ended meanwhile
+            if hasattr(thread, "_tstate_lock"):
+                if (lock := thread._tstate_lock) is not None:  # None: it has ended
+                    lock.release()
+            elif hasattr(getattr(thread, "_handle", None), "_set_done"):
+                thread._handle._set_done()
+            else:
+                return False
+        except RuntimeError:  # ended meanwhile (an unlocked lock)
             pass
+    return True
