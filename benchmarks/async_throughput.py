@@ -156,8 +156,8 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
     from turnrl.envs import make_env
     from turnrl.evaluation import evaluate
     from turnrl.metrics import MetricsLogger
-    from turnrl.rollout import SamplingParams
-    from turnrl.rollout.hf_engine import HFEngine
+    from turnrl.samplers import SamplingParams
+    from turnrl.samplers.hf import HFEngine
 
     cfg = load_config(None, spec.overrides())
     result: dict[str, Any] = {"spec": asdict(spec), "records": [], "error": None}

@@ -1,5 +1,5 @@
 """The HF sampler's matrix products on CPU: torch's ``linear`` vs oneDNN's packed products
-(``rollout.matmul``, turnrl/rollout/onednn.py), side by side in one process.
+(``rollout.matmul``, turnrl/samplers/onednn.py), side by side in one process.
 
 Three measurements, each in alternating rounds after a warm-up, medians:
 
@@ -28,9 +28,9 @@ import torch
 from torch.nn import functional
 
 from turnrl.models import load_model
-from turnrl.rollout import HFEngine, SamplingParams
-from turnrl.rollout.lean import LeanDecoder
-from turnrl.rollout.onednn import _pack, _product, onednn_unusable, packed_decoder
+from turnrl.samplers import HFEngine, SamplingParams
+from turnrl.samplers.lean import LeanDecoder
+from turnrl.samplers.onednn import _pack, _product, onednn_unusable, packed_decoder
 
 
 def alternate(variants: dict[str, Callable[[], object]], rounds: int, repeat: int = 1

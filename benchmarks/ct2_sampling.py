@@ -44,9 +44,9 @@ def main() -> None:
 
     from turnrl.algorithms.losses import token_logprobs
     from turnrl.models import SMOLLM2, load_model
-    from turnrl.rollout import HFEngine, SamplingParams
-    from turnrl.rollout.copy_engine import HFCopyEngine
-    from turnrl.rollout.ct2_engine import CT2Engine, cpu_has_bf16
+    from turnrl.samplers import HFEngine, SamplingParams
+    from turnrl.samplers.copy import HFCopyEngine
+    from turnrl.samplers.ct2 import CT2Engine, cpu_has_bf16
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(SMOLLM2)

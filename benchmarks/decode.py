@@ -38,9 +38,10 @@ from transformers import DynamicCache
 
 from turnrl.envs import make_env
 from turnrl.models import load_model
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes
-from turnrl.rollout.engine import Completion, sample_tokens
-from turnrl.rollout.hf_engine import _Batch, _sample
+from turnrl.rollout import ChatFormat, run_episodes
+from turnrl.samplers import HFEngine, SamplingParams
+from turnrl.samplers.base import Completion, sample_tokens
+from turnrl.samplers.hf import _Batch, _sample
 
 
 def measure(variants: dict[str, Callable[[], object]], repeats: int

@@ -99,7 +99,8 @@ def pass_at_k_per_game(cfg, model, tokenizer, games: int) -> list[list[int]]:
     from turnrl.envs import make_env
     from turnrl.evaluation import evaluate
     from turnrl.policy import sampling_params
-    from turnrl.rollout import ChatFormat, HFEngine
+    from turnrl.rollout import ChatFormat
+    from turnrl.samplers import HFEngine
 
     chat = ChatFormat(tokenizer)
     engine = HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed + 17)

@@ -15,7 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from turnrl.tools.mcp import MCPClient, MCPHttpServer, MCPServer
+from turnrl.tools.mcp.client import MCPClient
+from turnrl.tools.mcp.http import MCPHttpServer
+from turnrl.tools.mcp.stdio import MCPServer
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 

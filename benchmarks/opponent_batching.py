@@ -31,7 +31,8 @@ import torch
 from turnrl.envs import make_env
 from turnrl.envs.tictactoe import seat_view
 from turnrl.models import configure_torch, tiny_model
-from turnrl.rollout import ChatFormat, Completion, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import Completion, SamplingParams
 from turnrl.selfplay import OpponentPool, PoolPlayer
 
 

@@ -21,7 +21,8 @@ import torch
 from turnrl.algorithms.losses import token_logprobs
 from turnrl.envs import make_env
 from turnrl.models import load_model
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes
+from turnrl.rollout import ChatFormat, run_episodes
+from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.trainer.step import micro_batches, score_policy_tokens
 from turnrl.types import Batch
 

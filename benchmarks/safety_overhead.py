@@ -59,7 +59,8 @@ def env_calls(calls: int, trials: int) -> tuple[float, float]:
 def collection(trials: int) -> tuple[float, float]:
     """Median seconds of one 32-episode collection with the tiny model; mean env calls."""
     from turnrl.models import tiny_model
-    from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
+    from turnrl.rollout import ChatFormat, run_episodes, run_sync
+    from turnrl.samplers import HFEngine, SamplingParams
 
     model, tok = tiny_model()
     chat = ChatFormat(tok)

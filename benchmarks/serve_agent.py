@@ -45,7 +45,8 @@ from turnrl.config import ServeConfig, load_config
 from turnrl.evaluation import EvalResult
 from turnrl.metrics import print_table
 from turnrl.models import configure_torch, load_model
-from turnrl.rollout import ChatFormat, Completion
+from turnrl.rollout import ChatFormat
+from turnrl.samplers import Completion
 from turnrl.serve import Server, load_server
 from turnrl.serve.app import RunningServer
 from turnrl.serve.train import evaluate_agent, train_agent

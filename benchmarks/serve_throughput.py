@@ -30,7 +30,8 @@ from openai import AsyncOpenAI
 
 from turnrl.config import ServeConfig
 from turnrl.models import configure_torch, load_model
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+from turnrl.rollout import ChatFormat
+from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.serve import Server
 from turnrl.serve.app import RunningServer
 

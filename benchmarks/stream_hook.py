@@ -4,7 +4,7 @@ Variants, run alternately after a warm-up each, on a fresh engine per run with t
 (so each samples the same tokens and does the same work):
 
 - ``baseline``: the ``HFEngine`` of another hf_engine.py (``--baseline``, e.g. main's from
-  ``git show main:turnrl/rollout/hf_engine.py > /tmp/hf_engine_main.py``), if given;
+  ``git show main:turnrl/samplers/hf.py > /tmp/hf_engine_main.py``), if given;
 - ``no hook``: this engine as training rollouts call it (``on_step`` not given);
 - ``hook``: with a no-op ``on_step`` (the engine's side of streaming: one list a step).
 
@@ -23,7 +23,8 @@ import torch
 from decode import load_engine_class, measure
 
 from turnrl.models import load_model
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+from turnrl.rollout import ChatFormat
+from turnrl.samplers import HFEngine, SamplingParams
 
 
 def main() -> None:

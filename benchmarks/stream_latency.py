@@ -22,7 +22,8 @@ from openai import AsyncOpenAI
 
 from turnrl.config import ServeConfig
 from turnrl.models import load_model
-from turnrl.rollout import ChatFormat, HFEngine
+from turnrl.rollout import ChatFormat
+from turnrl.samplers import HFEngine
 from turnrl.serve import Server
 from turnrl.serve.app import RunningServer
 

@@ -55,8 +55,9 @@ def main() -> None:
 
     from turnrl.algorithms.losses import token_logprobs
     from turnrl.models import load_model, model_directory
-    from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
-    from turnrl.rollout.vllm_engine import VLLMEngine
+    from turnrl.rollout import ChatFormat
+    from turnrl.samplers import HFEngine, SamplingParams
+    from turnrl.samplers.vllm import VLLMEngine
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2-135m-instruct")

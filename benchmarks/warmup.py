@@ -44,7 +44,8 @@ from turnrl.envs import make_env
 from turnrl.envs.maze import MOVES
 from turnrl.envs.reference import REFERENCE_POLICIES
 from turnrl.evaluation import EvalResult, evaluate
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+from turnrl.rollout import ChatFormat
+from turnrl.samplers import HFEngine, SamplingParams
 
 Transcript = list[tuple[str, str]]
 """(observation, action) pairs of one episode, the first observation being the reset one."""

@@ -32,8 +32,9 @@ from turnrl.config import load_config
 from turnrl.envs import make_env
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy
-from turnrl.rollout import SamplingParams, hf_engine
 from turnrl.rollout.loop import TurnLoop
+from turnrl.samplers import SamplingParams
+from turnrl.samplers import hf as hf_engine
 
 
 def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,

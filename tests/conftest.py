@@ -126,7 +126,7 @@ class MovesEngine:
         self.tokenizer, self.moves, self.version, self.calls = tokenizer, moves, 0, 0
 
     def generate(self, prompts, params):
-        from turnrl.rollout import Completion
+        from turnrl.samplers import Completion
 
         text = self.moves[min(self.calls, len(self.moves) - 1)]
         self.calls += 1

@@ -8,7 +8,8 @@ import pytest
 
 from turnrl.envs import make_env
 from turnrl.envs.wrappers import attempt_reward
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import HFEngine, SamplingParams
 
 
 def play(env, seed, replies):

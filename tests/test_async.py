@@ -19,8 +19,9 @@ from turnrl.distributed.book import AssignmentBook, in_flight_groups
 from turnrl.distributed.source import RaySource
 from turnrl.envs import StepResult, make_env
 from turnrl.policy import group_seed, training_seeds
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_sync
+from turnrl.rollout import ChatFormat, run_sync
 from turnrl.rollout.loop import Group, TurnLoop
+from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.trainer.buffer import group_staleness, split_stale
 from turnrl.types import ENV_VERSION, Episode
 
@@ -826,7 +827,7 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
     stand-in records what it was given (the real one runs in tests/test_async_vllm_gpu.py)."""
     import torch
 
-    import turnrl.rollout.vllm_engine as vllm_module
+    import turnrl.samplers.vllm as vllm_module
     from turnrl.distributed.workers import load_player, sampling_seed, vllm_engine
     from turnrl.models import load_model
 

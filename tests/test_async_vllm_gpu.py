@@ -9,7 +9,7 @@ not all take tiny heads), saved as a local model directory in float32.
 import pytest
 import torch
 
-from turnrl.rollout.vllm_engine import vllm_platform  # noqa: E402
+from turnrl.samplers.vllm import vllm_platform  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and vllm_platform() != "cpu":

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import cpu_matmul as bench  # noqa: E402
 
 from turnrl.models import tiny_model  # noqa: E402
-from turnrl.rollout.onednn import onednn_unusable  # noqa: E402
+from turnrl.samplers.onednn import onednn_unusable  # noqa: E402
 
 
 @pytest.mark.skipif(onednn_unusable(tiny_model(seed=0)[0]) is not None,

@@ -30,7 +30,7 @@ ctranslate2 = pytest.importorskip("ctranslate2", reason="the ct2 extra is not in
 
 from turnrl.distributed.refresh_stats import refresh_metrics  # noqa: E402
 from turnrl.distributed.workers import RolloutWorker, without_tied_weights  # noqa: E402
-from turnrl.rollout.ct2_refresh import DELAY_ENV  # noqa: E402
+from turnrl.samplers.ct2_refresh import DELAY_ENV  # noqa: E402
 
 TINY_ASYNC = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_tokens",
               "3", "--run.progress", "false", "--run.tensorboard", "false", "--run.mode",
@@ -239,7 +239,7 @@ def test_ct2_worker_precisions_follow_the_machine():
 def test_an_architecture_ct2_cannot_convert_names_the_workers_option():
     from transformers import BertConfig
 
-    from turnrl.rollout.ct2_engine import check_architecture
+    from turnrl.samplers.ct2 import check_architecture
 
     with pytest.raises(ValueError, match="ray.engine ct2 cannot convert BertConfig.*"
                                          "use --ray.engine hf"):

@@ -20,9 +20,9 @@ import torch
 from turnrl.algorithms.losses import token_logprobs
 from turnrl.config import ConfigError, load_config
 from turnrl.models import tiny_model
-from turnrl.rollout import SamplingParams
-from turnrl.rollout.copy_engine import HFCopyEngine
-from turnrl.rollout.ct2_engine import (
+from turnrl.samplers import SamplingParams
+from turnrl.samplers.copy import HFCopyEngine
+from turnrl.samplers.ct2 import (
     MISSING_CT2,
     check_architecture,
     cpu_has_bf16,
@@ -31,7 +31,7 @@ from turnrl.rollout.ct2_engine import (
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="the ct2 extra is not installed")
 
-from turnrl.rollout.ct2_engine import CT2Engine  # noqa: E402 - after the extra's check
+from turnrl.samplers.ct2 import CT2Engine  # noqa: E402 - after the extra's check
 
 PROMPTS = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 50, 51], [1, 60, 61, 62, 63]]
 """Rows of different lengths, two identical (a GRPO group's first turn)."""
@@ -317,7 +317,7 @@ def test_auto_times_the_candidates_and_keeps_the_fastest(capsys):
     is the cheapest step by the margin rule on the printed figures, and the engine returned;
     its seed and version start fresh."""
     from turnrl.policy import load_policy
-    from turnrl.rollout.hf_engine import HFEngine
+    from turnrl.samplers.hf import HFEngine
 
     cfg = _cfg("--rollout.engine", "auto", "--rollout.group_size", "4",
                "--rollout.groups_per_step", "2", "--rollout.max_new_tokens", "4")
@@ -418,8 +418,8 @@ def test_the_scratch_folder_goes_with_the_engine(tmp_path):
     assert os.path.isdir(closed._root)
     closed.close()
     assert not os.path.exists(closed._root)
-    code = ("from turnrl.models import tiny_model; from turnrl.rollout import SamplingParams; "
-            "from turnrl.rollout.ct2_engine import CT2Engine; "
+    code = ("from turnrl.models import tiny_model; from turnrl.samplers import SamplingParams; "
+            "from turnrl.samplers.ct2 import CT2Engine; "
             "engine = CT2Engine(tiny_model()[0]); engine.generate([[1, 2]], SamplingParams()); "
             "print(engine._root)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""``rollout.engine auto``'s choice (turnrl/rollout/engine_choice.py): a lock-step step's
+"""``rollout.engine auto``'s choice (turnrl/samplers/choice.py): a lock-step step's
 estimated sampler cost is the probe's sampling scaled to the step's work plus one weight
 refresh, and another engine must beat the default's by the margin. Hand-computed figures;
 then the probe itself on real tiny HF engines."""
@@ -10,8 +10,7 @@ import torch
 
 from turnrl.models import tiny_model
 from turnrl.policy import refresh_sampler
-from turnrl.rollout.copy_engine import HFCopyEngine
-from turnrl.rollout.engine_choice import (
+from turnrl.samplers.choice import (
     MARGIN,
     Shape,
     Timings,
@@ -21,7 +20,8 @@ from turnrl.rollout.engine_choice import (
     step_seconds,
     time_engines,
 )
-from turnrl.rollout.hf_engine import HFEngine
+from turnrl.samplers.copy import HFCopyEngine
+from turnrl.samplers.hf import HFEngine
 
 PROBE = Shape(rows=32, turns=2, new_tokens=8)
 STEP = Shape(rows=32, turns=8, new_tokens=8)

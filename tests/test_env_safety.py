@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from turnrl.envs import StepResult
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
 from turnrl.rollout.loop import TurnLoop
+from turnrl.samplers import HFEngine, SamplingParams
 
 BAD_SEED = 1
 BLOCK_S = 30.0

@@ -10,8 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from turnrl.algorithms.losses import token_logprobs
-from turnrl.rollout import HFEngine, SamplingParams
-from turnrl.rollout.hf_engine import _Kept, _KeptRows, _sample
+from turnrl.samplers import HFEngine, SamplingParams
+from turnrl.samplers.hf import _Kept, _KeptRows, _sample
 
 TEMPERATURE = 0.7
 
@@ -234,7 +234,7 @@ def test_inverse_cdf_sampler_follows_the_tempered_distribution():
 def test_a_long_fresh_prompt_is_prefilled_apart_from_short_continuations(tiny):
     """Rows whose new parts differ a lot in length are prefilled in separate buckets (no row
     padded to a fresh prompt's length), then decoded together; samples stay exact."""
-    from turnrl.rollout.hf_engine import MIN_SPLIT_TOKENS, _prefill_buckets
+    from turnrl.samplers.hf import MIN_SPLIT_TOKENS, _prefill_buckets
 
     assert _prefill_buckets([10, 300, 40, 280, 100]) == [[1, 3], [4], [0, 2]]
     assert _prefill_buckets([60, 2, 15]) == [[0, 1, 2]]  # short: one pass beats the padding

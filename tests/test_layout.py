@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
     {"registry", "types", "config", "stats", "safe_json", "leftovers", "devices"},
     {"models", "gguf_weights", "hub", "lora", "envs", "rewards", "tools", "sandbox", "rollout", "metrics",
-     "checkpoint", "demos", "evaluation"},
+     "checkpoint", "demos", "evaluation", "samplers"},
     {"algorithms", "policy", "selfplay"},
     {"trainer", "sft"},
     {"distributed"},

@@ -1,4 +1,4 @@
-"""The lean sampling pass (turnrl/rollout/lean.py) samples what transformers' pass samples:
+"""The lean sampling pass (turnrl/samplers/lean.py) samples what transformers' pass samples:
 each Llama-shaped model type, grouped-query attention, biases, q/k norms and scaled rotary
 embeddings, multi-turn calls that continue kept keys and values, refreshed biases and
 unfrozen weights (fused AdamW's refresh, lean and tree alike: tests/test_onednn.py); models it
@@ -15,10 +15,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from turnrl.config.precision import cpu_has_bf16
 from turnrl.models import tiny_model
-from turnrl.rollout import HFEngine, SamplingParams, lean
-from turnrl.rollout.copy_engine import HFCopyEngine
-from turnrl.rollout.lean import LeanDecoder, lean_unusable, onednn_decoder, self_check
-from turnrl.rollout.onednn import PackedLinear, onednn_unusable
+from turnrl.samplers import HFEngine, SamplingParams, lean
+from turnrl.samplers.copy import HFCopyEngine
+from turnrl.samplers.lean import LeanDecoder, lean_unusable, onednn_decoder, self_check
+from turnrl.samplers.onednn import PackedLinear, onednn_unusable
 
 pytestmark = pytest.mark.skipif(onednn_unusable(torch.nn.Linear(2, 2)) is not None,
                                 reason="this torch build has no oneDNN linear")
@@ -128,16 +128,19 @@ def test_the_bf16_copy_engine_samples_through_the_lean_pass():
 def test_models_the_lean_pass_cannot_run_keep_the_packed_tree():
     gemma = _tiny_of("gemma", "sdpa")
     assert "gemma" in lean_unusable(gemma)
-    assert not isinstance(onednn_decoder(gemma), LeanDecoder)
+    decoder, named = onednn_decoder(gemma)
+    assert not isinstance(decoder, LeanDecoder)
+    assert named.startswith("PackedLinear tree; no lean pass: model type 'gemma'")
     model = _tiny_of("llama", "sdpa")
     model.model.layers[1].mlp.up_proj = PackedLinear(model.model.layers[1].mlp.up_proj)
     assert "nn.Linear" in lean_unusable(model)  # a wrapped projection (LoRA is one)
-    decoder = onednn_decoder(model)
+    decoder, named = onednn_decoder(model)
+    assert "nn.Linear" in named
     assert any(isinstance(m, PackedLinear) for m in decoder.modules())
     mixed = _variant("qwen2")  # q/k/v concatenate: a bias on some of them only cannot
     mixed.model.layers[0].self_attn.k_proj.bias = None
     assert "bias" in lean_unusable(mixed)
-    assert not isinstance(onednn_decoder(mixed), LeanDecoder)
+    assert not isinstance(onednn_decoder(mixed)[0], LeanDecoder)
 
 
 def test_a_model_that_breaks_the_lean_pass_falls_back_instead_of_failing():
@@ -151,7 +154,11 @@ def test_a_model_that_breaks_the_lean_pass_falls_back_instead_of_failing():
         == [c.token_ids for c in HFEngine(model, 0).generate(PROMPTS, greedy)]
     broken = _tiny_of("llama", "sdpa")
     broken.model.layers[0].self_attn.q_proj.weight = torch.nn.Parameter(torch.zeros(3, 3))
-    assert not isinstance(onednn_decoder(broken), LeanDecoder)
+    decoder, named = onednn_decoder(broken)  # the fallback says why, on one line
+    assert not isinstance(decoder, LeanDecoder)
+    assert "the lean pass raised" in named and "\n" not in named and len(named) < 200
+    engine = HFEngine(broken, 0, matmul="onednn")
+    assert engine.describe() == f"hf float32 on cpu ({named})"
 
 
 def test_the_self_check_turns_a_wrong_formula_away(monkeypatch):
@@ -159,4 +166,6 @@ def test_the_self_check_turns_a_wrong_formula_away(monkeypatch):
     assert self_check(model, LeanDecoder(model)) is None
     monkeypatch.setattr(lean, "_rotate_half", lambda x: x)  # a rotary embedding gone wrong
     assert "differ" in self_check(model, LeanDecoder(model))
-    assert not isinstance(onednn_decoder(model), LeanDecoder)
+    decoder, named = onednn_decoder(model)
+    assert not isinstance(decoder, LeanDecoder)
+    assert "differ" in named

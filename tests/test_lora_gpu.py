@@ -12,7 +12,7 @@ the first.
 import pytest
 import torch
 
-from turnrl.rollout.vllm_engine import vllm_platform
+from turnrl.samplers.vllm import vllm_platform
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and vllm_platform() != "cpu":
@@ -25,8 +25,8 @@ from turnrl.algorithms.losses import token_logprobs  # noqa: E402
 from turnrl.config import LoraSpec  # noqa: E402
 from turnrl.lora import adapter_state, add_adapter, vllm_lora_config  # noqa: E402
 from turnrl.models import tiny_model  # noqa: E402
-from turnrl.rollout.engine import SamplingParams  # noqa: E402
-from turnrl.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from turnrl.samplers.base import SamplingParams  # noqa: E402
+from turnrl.samplers.vllm import VLLMEngine  # noqa: E402
 
 TINY = {"hidden_size": 256, "num_heads": 4}
 SPEC = LoraSpec(r=8, alpha=16.0, dropout=0.0, target_modules="all-linear")

@@ -18,8 +18,11 @@ from turnrl.envs import make_env
 from turnrl.envs.tool_env import Task, ToolEnv
 from turnrl.models import tiny_tokenizer
 from turnrl.rewards import exact_match
-from turnrl.rollout import ChatFormat, SamplingParams, run_episodes, run_sync
-from turnrl.tools.mcp import MCPServer, MCPServerError, close_shared_servers, input_schema
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import SamplingParams
+from turnrl.tools.mcp.client import MCPServerError, input_schema
+from turnrl.tools.mcp.servers import close_shared_servers
+from turnrl.tools.mcp.stdio import MCPServer
 
 SERVER = [sys.executable, str(Path(__file__).parent / "mcp_server.py")]
 

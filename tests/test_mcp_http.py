@@ -25,8 +25,11 @@ from turnrl.envs import make_env
 from turnrl.envs.tool_env import Task, ToolEnv
 from turnrl.models import tiny_tokenizer
 from turnrl.rewards import exact_match
-from turnrl.rollout import ChatFormat, SamplingParams, run_episodes, run_sync
-from turnrl.tools.mcp import MCPHttpServer, MCPServerError, close_shared_servers, sse_data
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import SamplingParams
+from turnrl.tools.mcp.client import MCPServerError
+from turnrl.tools.mcp.http import MCPHttpServer, sse_data
+from turnrl.tools.mcp.servers import close_shared_servers
 
 HTTP_SERVER = [sys.executable, str(Path(__file__).parent / "mcp_http_server.py")]
 
@@ -229,7 +232,8 @@ def test_a_server_that_hangs_fails_its_start_in_bounded_time():
             client.start()
         assert time.monotonic() - started < 20  # loose: the bound is 1 s
         assert str(caught.value) == (f"MCP server '{url.split('/')[2]}' ({url}) did not start: "
-                                     "no answer to initialize within 1 s")
+                                     "no answer to initialize within 1 s; check that the server "
+                                     "answers MCP, or raise the env's start_timeout_s")
         deadline = time.monotonic() + 20
         while threading.active_count() > threads and time.monotonic() < deadline:
             time.sleep(0.1)

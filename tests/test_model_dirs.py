@@ -1,4 +1,4 @@
-"""Temporary model directories saved for vLLM (turnrl/rollout/model_dirs.py): removed with
+"""Temporary model directories saved for vLLM (turnrl/samplers/model_dirs.py): removed with
 their engine, at a normal exit, and, when their process died without either (a worker Ray
 killed or restarted), by the next one made on the machine. Real processes, real files."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from turnrl.rollout.model_dirs import (
+from turnrl.samplers.model_dirs import (
     PREFIX,
     orphaned_model_dirs,
     remove_with,
@@ -63,7 +63,7 @@ def test_a_save_that_fails_leaves_no_directory(tmp_path):
 
 def test_a_normal_exit_removes_the_directory_of_a_live_engine(tmp_path):
     code = ("import sys; from pathlib import Path;"
-            "from turnrl.rollout.model_dirs import remove_with, save_model_dir\n"
+            "from turnrl.samplers.model_dirs import remove_with, save_model_dir\n"
             "class Engine: pass\n"
             "engine = Engine()\n"
             f"path = save_model_dir('sync', lambda p: (p / 'w').write_text('x'), {str(tmp_path)!r})\n"
@@ -98,7 +98,7 @@ TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--run.progress", "fa
 
 
 def _standin(monkeypatch, fails: bool) -> dict:
-    import turnrl.rollout.vllm_engine as vllm_module
+    import turnrl.samplers.vllm as vllm_module
 
     given: dict = {}
 

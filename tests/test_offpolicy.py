@@ -158,8 +158,8 @@ def test_staleness_ignores_environment_tokens():
 
 def test_vllm_engine_imports_without_vllm_and_fails_clearly(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
-    monkeypatch.delitem(sys.modules, "turnrl.rollout.vllm_engine", raising=False)
-    from turnrl.rollout.vllm_engine import VLLMEngine
+    monkeypatch.delitem(sys.modules, "turnrl.samplers.vllm", raising=False)
+    from turnrl.samplers.vllm import VLLMEngine
 
     with pytest.raises(ImportError, match=r"pip install 'turnrl\[vllm\]'") as info:
         VLLMEngine("/nonexistent/model")

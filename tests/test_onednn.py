@@ -1,4 +1,4 @@
-"""oneDNN's packed products for CPU decoding (``rollout.matmul``, turnrl/rollout/onednn.py):
+"""oneDNN's packed products for CPU decoding (``rollout.matmul``, turnrl/samplers/onednn.py):
 the same products as torch's within float rounding, the learner's modules untouched and its
 tensors shared, repacked after every new version (fused AdamW included, which does not bump
 tensors' version counters), LoRA and the bf16 copy engine served, bad requests refused."""
@@ -14,10 +14,10 @@ from turnrl.config import ConfigError, load_config
 from turnrl.config.precision import cpu_has_bf16
 from turnrl.models import tiny_model
 from turnrl.policy import load_policy
-from turnrl.rollout import HFEngine, SamplingParams
-from turnrl.rollout.copy_engine import HFCopyEngine
-from turnrl.rollout.lean import LeanDecoder
-from turnrl.rollout.onednn import (
+from turnrl.samplers import HFEngine, SamplingParams
+from turnrl.samplers.copy import HFCopyEngine
+from turnrl.samplers.lean import LeanDecoder
+from turnrl.samplers.onednn import (
     PackedLinear,
     linear_weight_bytes,
     onednn_unusable,
@@ -47,7 +47,7 @@ def test_a_packed_product_is_torchs_within_rounding_and_keeps_autograd():
 
 
 def test_the_largest_cache_is_read_from_sysfs_files(tmp_path):
-    from turnrl.rollout.onednn import last_level_cache_bytes
+    from turnrl.samplers.onednn import last_level_cache_bytes
 
     for index, size in enumerate(["48K", "2048K", "32M\n", "garbage"]):
         (tmp_path / f"index{index}").mkdir()
@@ -160,7 +160,7 @@ def test_bf16_copy_engine_packs_its_copy_and_repacks_after_a_refresh():
 
 
 def test_requests_resolve_or_fail_in_one_line(monkeypatch):
-    from turnrl.rollout import onednn
+    from turnrl.samplers import onednn
 
     model, _ = tiny_model(seed=0)
     assert resolve_matmul("torch", model) == "torch"

@@ -11,7 +11,8 @@ from test_sft import _chat, _same
 from turnrl.demos.conversation import conversation_episode
 from turnrl.envs import make_env
 from turnrl.envs.reference import play, reference_player
-from turnrl.rollout import SamplingParams, run_episodes, run_sync
+from turnrl.rollout import run_episodes, run_sync
+from turnrl.samplers import SamplingParams
 from turnrl.tools import parse_tool_calls, render_call
 
 pytest.importorskip("gymnasium")

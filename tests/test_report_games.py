@@ -16,7 +16,8 @@ from turnrl.envs import make_env
 from turnrl.evaluation import episode_transcript, whole_games
 from turnrl.metrics import MetricsLogger
 from turnrl.report import write_html_report
-from turnrl.rollout import ChatFormat, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import SamplingParams
 from turnrl.types import read_episodes
 
 

@@ -7,16 +7,8 @@ import torch
 
 from turnrl.algorithms.losses import token_logprobs
 from turnrl.envs import StepResult, make_env
-from turnrl.rollout import (
-    ChatFormat,
-    Completion,
-    HFEngine,
-    SamplingParams,
-    TemplateError,
-    run_episodes,
-    run_sync,
-    sample_tokens,
-)
+from turnrl.rollout import ChatFormat, TemplateError, run_episodes, run_sync
+from turnrl.samplers import Completion, HFEngine, SamplingParams, sample_tokens
 from turnrl.types import ENV_VERSION, Episode, read_episodes, write_episodes
 
 

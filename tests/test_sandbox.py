@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from turnrl.sandbox import GUARANTEES, Limits, Sandbox
+from turnrl.sandbox import GUARANTEES, Limits, Sandbox, workdir
 from turnrl.sandbox.backends import bwrap_problem
 
 FAST = Limits(wall_s=2.0, cpu_s=1.0, memory_mb=512, processes=16, output_bytes=10_000,
@@ -651,3 +651,123 @@ def test_a_deep_closed_tree_in_tmp_is_swept_after_a_root_fallback_run():
     """)
     assert result.ok and result.stdout.strip() == "made", result.reason
     assert not os.path.lexists(name)
+
+
+# ---- whatever the code makes in world-writable directories goes, whoever owns it (issue 58) ---
+
+def world_writable_dirs() -> list[str]:
+    return [d for d in ("/tmp", "/var/tmp", "/dev/shm")
+            if os.path.isdir(d) and os.stat(d).st_mode & 0o002]
+
+
+def other_users_file(path: str, mode: int = 0o666) -> None:
+    """A file of another user (nobody, where the test may chown) that any user may write."""
+    Path(path).write_text("original")
+    os.chmod(path, mode)
+    if backends_is_root():
+        os.chown(path, 65534, 65534)
+
+
+def needs_world_writable_containment(sandbox: Sandbox) -> None:
+    needs(sandbox, "writes") if sandbox.backend == "bwrap" else needs(
+        sandbox, "writes_except_world_writable")
+
+
+LINK_ATTACK = """
+    import os
+    made = []
+    def attempt(what, op):
+        try:
+            op()
+            made.append(what)
+        except OSError as err:
+            print("refused", what, err.strerror)
+    for d, target in {targets!r}.items():
+        attempt(f"link {{d}}", lambda: os.link(target, f"{{d}}/link-{token}"))
+        attempt(f"symlink {{d}}", lambda: os.symlink(target, f"{{d}}/sym-{token}"))
+        attempt(f"file {{d}}", lambda: open(f"{{d}}/file-{token}", "w").write("x"))
+        attempt(f"fifo {{d}}", lambda: os.mkfifo(f"{{d}}/fifo-{token}"))
+        attempt(f"nested {{d}}", lambda: (os.makedirs(f"{{d}}/dir-{token}/a/b"),
+                                          os.link(target, f"{{d}}/dir-{token}/a/b/link")))
+    attempt("link in another user's dir", lambda: os.link(
+        {tmp_target!r}, f"{shared}/link-{token}"))
+    print(len(made), "made")
+"""
+
+
+def test_links_and_files_in_world_writable_dirs_are_removed_and_targets_kept(sandbox):
+    """Hard links to another user's world-writable file (which carry that user as owner),
+    symlinks, files, fifos and nested directories, at the top of /tmp, /var/tmp, /dev/shm
+    and inside another user's world-writable directory: all gone after the run; the
+    targets, their older links and the other user's directory stay as they were."""
+    needs_world_writable_containment(sandbox)
+    token = uuid.uuid4().hex
+    dirs = world_writable_dirs()
+    targets = {d: f"{d}/target-{token}" for d in dirs}
+    shared = f"/tmp/shared-{token}"  # another user's world-writable directory, kept
+    made_before = [*targets.values(), shared, f"/tmp/old-link-{token}"]
+    try:
+        os.mkdir(shared)
+        os.chmod(shared, 0o1777)
+        os.chown(shared, 65534, 65534) if backends_is_root() else None
+        for target in targets.values():
+            other_users_file(target)
+        os.link(targets["/tmp"], f"/tmp/old-link-{token}")  # a link older than the run
+        code = LINK_ATTACK.format(targets=targets, token=token, shared=shared,
+                                  tmp_target=targets["/tmp"])
+        result = run(sandbox, code)
+        assert result.ok, result.reason
+        if sandbox.backend == "fallback":  # the host's directories: every attack worked
+            assert result.stdout.split()[-2:] == [str(5 * len(dirs) + 1), "made"], result.stdout
+        left = sorted(f"{d}/{n}" for d in [*dirs, shared] for n in os.listdir(d) if token in n)
+        assert left == sorted(made_before), left
+        for target in targets.values():
+            assert Path(target).read_text() == "original"
+            assert os.stat(target).st_nlink == (2 if target.startswith("/tmp/") else 1)
+            assert os.stat(target).st_uid == (65534 if backends_is_root() else os.getuid())
+        assert os.listdir(shared) == []
+        if sandbox.backend == "fallback":
+            assert result.details["world_writable"] == {"removed": 5 * len(dirs) + 1,
+                                                        "left": ""}
+    finally:
+        for path in made_before:
+            if os.path.isdir(path) and not os.path.islink(path):
+                workdir.remove(path, mounted=False)
+            elif os.path.lexists(path):
+                os.unlink(path)
+
+
+def test_entries_other_users_make_during_a_run_stay():
+    """The sweep removes new names only where the run made them (its id's entries, new hard
+    links): a file another user creates in /tmp while the run is going stays."""
+    import threading
+    sandbox = Sandbox("fallback", Limits(wall_s=20.0, cpu_s=5.0))
+    needs_world_writable_containment(sandbox)
+    token = uuid.uuid4().hex
+    started, meanwhile = f"/tmp/started-{token}", f"/tmp/meanwhile-{token}"
+    code = f"""
+        import os, time
+        open({started!r}, "w").close()
+        deadline = time.monotonic() + 15
+        while not os.path.exists({meanwhile!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("saw" if os.path.exists({meanwhile!r}) else "never saw")
+    """
+    results = []
+    runner = threading.Thread(target=lambda: results.append(run(sandbox, code)))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(started) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.path.exists(started), "the run never started"
+        other_users_file(meanwhile, mode=0o644)
+        runner.join(30)
+        assert results and results[0].stdout.strip() == "saw", results
+        assert Path(meanwhile).read_text() == "original"  # another user's, made meanwhile
+        assert not os.path.lexists(started)  # the run's own
+    finally:
+        runner.join(30)
+        for path in (started, meanwhile):
+            if os.path.lexists(path):
+                os.unlink(path)

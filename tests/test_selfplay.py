@@ -9,7 +9,8 @@ import pytest
 from conftest import MovesEngine
 
 from turnrl.envs import StepResult, make_env, register_env
-from turnrl.rollout import ChatFormat, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import SamplingParams
 
 
 def _play(tokenizer, env_name, moves, games=1, max_turns=8, **options):

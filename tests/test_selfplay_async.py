@@ -12,7 +12,8 @@ from conftest import MovesEngine, RecordingHandle, local_ray
 
 from turnrl.config import ConfigError, load_config
 from turnrl.envs import make_env
-from turnrl.rollout import ChatFormat, SamplingParams, TurnLoop, run_sync
+from turnrl.rollout import ChatFormat, TurnLoop, run_sync
+from turnrl.samplers import SamplingParams
 from turnrl.types import ENV_VERSION, Episode
 
 BASE = ["--model.name", "tiny", "--rollout.max_new_tokens", "3", "--run.progress", "false",

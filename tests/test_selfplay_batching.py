@@ -15,8 +15,9 @@ import torch
 from conftest import MovesEngine
 
 from turnrl.envs import StepResult, make_env, register_env
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
 from turnrl.rollout.batched_calls import BatchedCalls, BatchError
+from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.selfplay import FrozenPolicy, ModelOpponent, OpponentPool, PoolPlayer
 
 

@@ -15,7 +15,8 @@ from turnrl.envs import StepResult, make_env, register_env
 from turnrl.envs.mix import MixEnv, mix_choice
 from turnrl.metrics import read_metrics
 from turnrl.policy import training_seeds
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.trainer import LocalSource, learn
 from turnrl.types import read_episodes
 

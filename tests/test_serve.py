@@ -16,7 +16,8 @@ from openai import OpenAI
 from turnrl import cli
 from turnrl.config import ServeConfig
 from turnrl.models import tiny_model
-from turnrl.rollout import ChatFormat, HFEngine
+from turnrl.rollout import ChatFormat
+from turnrl.samplers import HFEngine
 from turnrl.serve import Server
 from turnrl.serve.app import RunningServer
 

@@ -12,7 +12,8 @@ from openai import OpenAI
 
 from turnrl.config import ServeConfig
 from turnrl.models import tiny_tokenizer
-from turnrl.rollout import ChatFormat, Completion
+from turnrl.rollout import ChatFormat
+from turnrl.samplers import Completion
 from turnrl.serve import (
     Call,
     RecordedEpisode,

@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 
 from turnrl.config import ServeConfig
 from turnrl.models import SMOLLM2, model_directory, tiny_model, tiny_tokenizer
-from turnrl.rollout import ChatFormat, Completion, HFEngine, SamplingParams
+from turnrl.rollout import ChatFormat
+from turnrl.samplers import Completion, HFEngine, SamplingParams
 from turnrl.serve import Server
 from turnrl.serve.app import RunningServer
 from turnrl.serve.prompt import forced_call

@@ -22,7 +22,8 @@ from turnrl.demos.conversation import DemoError, conversation_episode, episode_c
 from turnrl.envs import StepResult, make_env, register_env
 from turnrl.envs.tool_env import calculator
 from turnrl.models import tiny_model, tiny_tokenizer
-from turnrl.rollout import ChatFormat, Completion, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import Completion, SamplingParams
 
 # NATIVE (a Qwen-like template) that also renders OpenAI-style ``tool_calls`` itself, as
 # Qwen's and Hermes' templates do: one <tool_call> block per call after the content.

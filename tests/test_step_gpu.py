@@ -17,8 +17,8 @@ from test_step import _batch, _grouped_episodes
 
 from turnrl.config import AlgoConfig, OptimConfig
 from turnrl.models import tiny_model
-from turnrl.rollout.engine import SamplingParams
-from turnrl.rollout.hf_engine import _sample
+from turnrl.samplers.base import SamplingParams
+from turnrl.samplers.hf import _sample
 from turnrl.trainer.step import UpdateSettings, make_optimizer, policy_update, score_policy_tokens
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -15,7 +15,8 @@ import pytest
 from conftest import MovesEngine
 
 from turnrl.envs import make_env
-from turnrl.rollout import ChatFormat, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import SamplingParams
 
 pytest.importorskip("textarena")
 
@@ -334,7 +335,7 @@ def test_turnrl_train_against_turnrl_serve_as_the_endpoint_opponent(tmp_path, ti
 
     from turnrl.config import ConfigError, ServeConfig
     from turnrl.metrics import read_metrics
-    from turnrl.rollout import HFEngine
+    from turnrl.samplers import HFEngine
     from turnrl.serve import Server
     from turnrl.serve.app import RunningServer
     from turnrl.trainer import train

@@ -12,7 +12,8 @@ from test_rollout import ScriptedEngine
 from turnrl.envs.tool_env import Task, ToolEnv, calculator
 from turnrl.models import tiny_tokenizer
 from turnrl.rewards import integer_match
-from turnrl.rollout import ChatFormat, SamplingParams, TemplateError, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, TemplateError, run_episodes, run_sync
+from turnrl.samplers import SamplingParams
 
 # A Qwen-like template written for these tests: tools in the system block, tool results
 # wrapped in <tool_response> inside a user turn.

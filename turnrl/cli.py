@@ -1,4 +1,4 @@
-"""``turnrl train | sft | eval | serve | report | envs``; the options are generated from the config."""
+"""``turnrl train | sft | eval | serve | report | envs | samplers``; the options are generated from the config."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.po
               [--serve.api_key KEY] [--serve.checkpoint DIR] [--section.key VALUE ...]
 turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] [--html FILE.html]
 turnrl envs   [NAME] [--env.module M]                (every env, or one in full)
+turnrl samplers                                      (every sampler; which this machine runs)
 turnrl export CHECKPOINT_DIR|RUN_DIR OUT_DIR [--adapter-only]   (a Hugging Face model dir)
 
 Every config field is an option: --section.key VALUE."""
@@ -191,6 +192,18 @@ def cmd_envs(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_samplers(argv: Sequence[str]) -> int:
+    """``turnrl samplers``: every sampler, whether this machine runs it and what picks it."""
+    from turnrl.samplers.catalog import catalog_lines
+
+    if argv:
+        print(f"turnrl samplers takes no arguments (got {' '.join(argv)})", file=sys.stderr)
+        return 2
+    print("\n".join(catalog_lines()))
+    print("\na run prints the one it uses at start-up: the line starting 'sampler:'")
+    return 0
+
+
 def cmd_export(argv: Sequence[str]) -> int:
     """``turnrl export CHECKPOINT_DIR|RUN_DIR OUT_DIR``: a plain Hugging Face model directory
     (docs/models.md)."""
@@ -221,6 +234,7 @@ def print_help(rest: list[str]) -> int:
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "serve": cmd_serve, "report": cmd_report, "envs": cmd_envs}
 COMMANDS["sft"] = cmd_sft
 COMMANDS["export"] = cmd_export
+COMMANDS["samplers"] = cmd_samplers
 
 
 LEFTOVERS_WATCHED = ("train", "eval")

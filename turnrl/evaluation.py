@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, replace
 
 from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.engine import Engine, SamplingParams
 from turnrl.rollout.loop import run_episodes, run_sync
+from turnrl.samplers.base import Engine, SamplingParams
 from turnrl.stats import (
     bootstrap_mean_interval,
     format_rate,

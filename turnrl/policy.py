@@ -23,9 +23,10 @@ from turnrl.envs.user_module import load_env_module
 from turnrl.evaluation import EvalResult, evaluate, evaluate_each, reply_scorer, with_env_metrics
 from turnrl.lora import add_adapter, base_copy, require_peft, vllm_lora_config
 from turnrl.models import load_model, resolve_device
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+from turnrl.rollout import ChatFormat
 from turnrl.rollout.chat import sampling_params  # noqa: F401 - also imported from here
-from turnrl.rollout.engine import Engine
+from turnrl.samplers import HFEngine, SamplingParams
+from turnrl.samplers.base import Engine, describe_sampler
 from turnrl.selfplay import evaluation_factories, uses_pool, with_outcome_metrics
 
 
@@ -49,9 +50,10 @@ class Policy:
     """Plays the held-out seeds ``eval.seed_offset ...`` once with the current weights."""
 
 
-def load_policy(cfg: Config) -> Policy:
+def load_policy(cfg: Config, announce: bool = True) -> Policy:
     """Load the model on its device (with a fresh LoRA adapter under ``model.lora``), check
-    its chat template and the env, wire evaluation."""
+    its chat template and the env, wire evaluation; print the ``sampler:`` line unless the
+    caller replaces the sampler (``announce`` False) and prints its own."""
     load_env_module(cfg.env.module)  # the user's envs, before any is built
     lora = cfg.model.lora_plan()
     if lora is not None:
@@ -68,6 +70,8 @@ def load_policy(cfg: Config) -> Policy:
     chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
     make, eval_makes = env_factories(cfg)  # bad names or options fail here, in one line
     engine = sampler(cfg, model, tokenizer)
+    if announce:
+        print(describe_sampler(engine), flush=True)
     eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
     max_context = getattr(model.config, "max_position_embeddings", None)
     eval_params = sampling_params(cfg, chat, cfg.eval.temperature)
@@ -114,12 +118,12 @@ def cpu_sampler(cfg: Config, model: torch.nn.Module, tokenizer, engine: str,
                 engine_dtype: str) -> Engine:
     """An HF engine (on ``model`` itself, or a copy in ``engine_dtype``) or a ct2 one."""
     if engine == "ct2":
-        from turnrl.rollout.ct2_engine import CT2Engine
+        from turnrl.samplers.ct2 import CT2Engine
 
         return CT2Engine(model, compute_type=engine_dtype, seed=cfg.run.seed)
     dtype = getattr(torch, engine_dtype, model.dtype)
     if dtype != model.dtype:
-        from turnrl.rollout.copy_engine import HFCopyEngine
+        from turnrl.samplers.copy import HFCopyEngine
 
         return HFCopyEngine(model, dtype, tokenizer.pad_token_id, seed=cfg.run.seed,
                             reuse_cache=cfg.rollout.reuse_cache, matmul=cfg.rollout.matmul)
@@ -132,7 +136,7 @@ def sampler_candidates(cfg: Config, model: torch.nn.Module) -> list[tuple[str, s
     HF engine in the model's dtype always; CTranslate2 int8 where the ct2 extra is installed
     and converts the model; the HF engine on a bf16 copy where the CPU has native bf16."""
     from turnrl.config.checks import samples_on_cpu
-    from turnrl.rollout.ct2_engine import check_architecture, cpu_has_bf16
+    from turnrl.samplers.ct2 import check_architecture, cpu_has_bf16
 
     candidates = [("hf", "auto")]
     if not samples_on_cpu(cfg.model.device):
@@ -151,8 +155,8 @@ def fastest_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
     """``rollout.engine auto``: every candidate timed on the run's batch shape, sampling and
     one weight refresh each, and the one whose estimated step (sampling scaled to the step's
     rows, turns and new tokens, plus the refresh every lock-step step pays) is cheapest kept
-    (``turnrl.rollout.engine_choice``); the choice and the figures printed in one line."""
-    from turnrl.rollout import engine_choice
+    (``turnrl.samplers.choice``); the choice and the figures printed in one line."""
+    from turnrl.samplers import choice as engine_choice
 
     candidates = sampler_candidates(cfg, model)
     label = {pair: f"{pair[0]} {model_dtype_name(model) if pair[1] == 'auto' else pair[1]}"
@@ -188,12 +192,12 @@ def model_dtype_name(model: torch.nn.Module) -> str:
 
 def vllm_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
     """A ``VLLMEngine`` on the model's directory (the tiny model, built in code, is saved to
-    a temporary one first, removed with the engine or at exit: turnrl/rollout/model_dirs.py),
+    a temporary one first, removed with the engine or at exit: turnrl/samplers/model_dirs.py),
     in ``rollout.engine_dtype``; new versions reach it through ``update_weights``
     (``LocalSource.publish``)."""
     from turnrl.models import model_directory
-    from turnrl.rollout.model_dirs import remove_with, save_model_dir
-    from turnrl.rollout.vllm_engine import VLLMEngine
+    from turnrl.samplers.model_dirs import remove_with, save_model_dir
+    from turnrl.samplers.vllm import VLLMEngine
 
     def save(path: Path) -> None:
         base_copy(model).save_pretrained(path)  # LoRA: the base; the adapter comes per version

@@ -48,8 +48,9 @@ from turnrl.envs.endpoint_opponent import (  # noqa: F401 - re-exported
     reply_content,
 )
 from turnrl.evaluation import EvalResult
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
+from turnrl.rollout import ChatFormat
 from turnrl.rollout.batched_calls import MAX_BATCH, BatchedCalls
+from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.stats import wilson_interval
 from turnrl.types import Episode
 

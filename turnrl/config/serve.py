@@ -33,6 +33,10 @@ class ServeConfig(Section):
     arriving (at most a quarter of its last call's time) before it generates"""
     record_dir: str = ""
     """write every recorded episode here as JSONL when it gets its reward ('' = keep in memory)"""
+    max_body_mb: float = 16.0
+    """largest request body accepted, in MiB (larger: HTTP 413)"""
+    body_timeout_s: float = 30.0
+    """a request body must arrive within this long (a stalled client: HTTP 408)"""
     groups_in_flight: int = 0
     """train_agent in run.mode async: task groups played at once (0 = 2 x
     rollout.groups_per_step)"""
@@ -41,6 +45,8 @@ class ServeConfig(Section):
         self._require("port", 0 <= self.port <= 65535, "in [0, 65535]")
         self._at_least(1, "max_tokens", "max_n", "max_batch_rows")
         self._at_least(0, "batch_window_s", "groups_in_flight")
+        self._require("max_body_mb", self.max_body_mb > 0, "> 0")
+        self._require("body_timeout_s", self.body_timeout_s > 0, "> 0")
         check_bind(self.host, self.api_key)
 
 

@@ -1,5 +1,5 @@
 """``async/refresh_*`` metrics: what ct2 rollout workers' background weight conversions cost
-(turnrl/rollout/ct2_refresh.py), per learner step, from the running totals each worker
+(turnrl/samplers/ct2_refresh.py), per learner step, from the running totals each worker
 reports (``refresh_*`` in its stats). Pure: no Ray, no torch.
 """
 

@@ -163,7 +163,7 @@ class RaySource(SourceDefaults):
         # a resumed run's opponent pool (pool_state.py), read before any worker starts
         saved_pool = saved_members(run) if self.pool_versions is not None else None
         if cfg.ray.engine == "ct2":  # before any worker starts: one line, not an actor error
-            from turnrl.rollout.ct2_engine import check_architecture
+            from turnrl.samplers.ct2 import check_architecture
 
             check_architecture(run.learner.model.config, "ray.engine")
         device = next(run.learner.model.parameters()).device

@@ -21,7 +21,7 @@ from turnrl.lora import base_copy, vllm_lora_config
 from turnrl.models import model_directory
 from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
-from turnrl.rollout.model_dirs import remove_with, save_model_dir
+from turnrl.samplers.model_dirs import remove_with, save_model_dir
 from turnrl.selfplay import (
     EndpointOpponent,
     ModelOpponent,
@@ -51,7 +51,7 @@ def load_player(cfg: Config) -> Player:
 
     path = model_directory(cfg.model.name, cfg.model.cache_dir or None, cfg.model.revision)
     if path is None:  # tiny: built in code, nothing to load it from
-        policy = load_policy(replace(cfg, model=replace(cfg.model, device="cpu")))
+        policy = load_policy(replace(cfg, model=replace(cfg.model, device="cpu")), announce=False)
         return Player(policy.tokenizer, policy.chat, policy.max_context, None, policy.model)
     trust = cfg.model.trust_remote_code
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
@@ -105,11 +105,11 @@ def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
     vLLM loads a model directory: a local one or the converted SmolLM2 cache as is; the tiny
     model, built in code, is first saved from ``policy`` to a temporary directory, removed
     with the engine (``model_dir_cleanup``: at its collection, the worker's ``stop`` or the
-    process's exit; turnrl/rollout/model_dirs.py). The learner's weights then arrive through
+    process's exit; turnrl/samplers/model_dirs.py). The learner's weights then arrive through
     ``update_weights`` (vLLM's own loader, in place). The sampling seed is the worker's, as
     for the HF engine; vLLM draws other random numbers than it does.
     """
-    from turnrl.rollout.vllm_engine import VLLMEngine
+    from turnrl.samplers.vllm import VLLMEngine
 
     path = policy.model_dir
     if path is None:  # the tiny model, built in code: saved for vLLM to load
@@ -137,8 +137,8 @@ def _save_tiny_model(policy: Player, path: Path) -> None:
 def ct2_engine(cfg: Config, model: torch.nn.Module, index: int) -> tuple[Any, Any]:
     """Worker ``index``'s ``CT2Engine`` (``ray.engine_dtype``, the worker's sampling seed and
     torch threads) and the ``BackgroundRefresh`` that converts each version sent to it."""
-    from turnrl.rollout.ct2_engine import CT2Engine
-    from turnrl.rollout.ct2_refresh import BackgroundRefresh
+    from turnrl.samplers.ct2 import CT2Engine
+    from turnrl.samplers.ct2_refresh import BackgroundRefresh
 
     engine = CT2Engine(model, compute_type=cfg.ray.engine_dtype,
                        seed=sampling_seed(cfg.run.seed, index))

@@ -40,7 +40,7 @@ skip without one).
 
 On CPUs, ``ray.engine: ct2`` samples with a ``CT2Engine`` (CTranslate2, int8 by default), and
 a version is converted by a thread of the worker's own while the engine keeps sampling with
-the previous one (``turnrl/rollout/ct2_refresh.py``): ``set_weights`` offers it, and the swap
+the previous one (``turnrl/samplers/ct2_refresh.py``): ``set_weights`` offers it, and the swap
 happens right before a generate call, so each call's tokens carry the version that sampled
 them. The conversion and the sampling's wait on it come back with every report.
 
@@ -93,8 +93,8 @@ from turnrl.envs.user_module import load_env_module, module_of
 from turnrl.lora import load_published, published_state
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy
-from turnrl.rollout.engine import SamplingParams
 from turnrl.rollout.loop import Group, TurnLoop, run_sync
+from turnrl.samplers.base import SamplingParams, describe_sampler
 from turnrl.selfplay import (
     FrozenPolicy,
     OpponentPool,
@@ -161,11 +161,11 @@ class RolloutWorker:
             policy = load_player(cfg)
             self.model, self.engine = None, vllm_engine(cfg, policy, index)
         elif cfg.ray.engine == "ct2":
-            policy = load_policy(cfg)  # the model gives the architecture; weights come later
+            policy = load_policy(cfg, announce=False)  # the architecture; weights come later
             self.model = None  # no HF model to play: no opponent pool (config checks refuse it)
             self.engine, self.refresh = ct2_engine(cfg, policy.model, index)
         else:
-            policy = load_policy(cfg)  # the same model, chat and env checks as the learner
+            policy = load_policy(cfg, announce=False)  # the learner's model, chat, env checks
             self.model, self.engine = policy.model, policy.engine
             self.engine.reuse_cache = cfg.rollout.reuse_cache
             if pool_size is not None:
@@ -175,6 +175,7 @@ class RolloutWorker:
             self.engine.generator.manual_seed(sampling_seed(cfg.run.seed, index))
         self.engine.keep_cache_across_versions = cfg.staleness.keep_kv_cache
         self.engine.version = -1  # nothing the learner sent yet
+        print(f"{describe_sampler(self.engine)} (rollout worker {index})", flush=True)
         self._weights_lock = threading.Lock()
         self._loading = threading.Lock()
         self._newest: tuple[int, Any] | None = None

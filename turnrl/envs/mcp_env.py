@@ -26,7 +26,8 @@ from pathlib import Path
 from turnrl.envs.base import register_env
 from turnrl.envs.tool_env import Task, ToolEnv
 from turnrl.rewards import exact_match, integer_match, numeric_match
-from turnrl.tools.mcp import MCPServerError, episode_tools, parse_spec, shared_server
+from turnrl.tools.mcp.client import MCPServerError
+from turnrl.tools.mcp.servers import episode_tools, parse_spec, shared_server
 
 REWARDS = {"exact": exact_match, "numeric": numeric_match,
            "integer": lambda reply, answer: integer_match(reply, answer, which="last")}

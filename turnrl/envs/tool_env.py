@@ -53,7 +53,7 @@ from turnrl.tools import (
     tool,
 )
 from turnrl.tools.calls import as_tool_dict, check_call
-from turnrl.tools.mcp import tool_servers
+from turnrl.tools.mcp.servers import tool_servers
 
 
 @dataclass(frozen=True)

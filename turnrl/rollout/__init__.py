@@ -1,9 +1,6 @@
-"""Rollouts: the engine protocol, the CPU engine, the chat format and the one turn loop."""
+"""Rollouts: the chat format and the one turn loop (the samplers it calls: turnrl.samplers)."""
 
 from turnrl.rollout.chat import ChatFormat, TemplateError
-from turnrl.rollout.engine import Completion, Engine, SamplingParams, sample_tokens
-from turnrl.rollout.hf_engine import HFEngine
 from turnrl.rollout.loop import Group, TurnLoop, run_episodes, run_sync
 
-__all__ = ["ChatFormat", "Completion", "Engine", "Group", "HFEngine", "SamplingParams",
-           "TemplateError", "TurnLoop", "run_episodes", "run_sync", "sample_tokens"]
+__all__ = ["ChatFormat", "Group", "TemplateError", "TurnLoop", "run_episodes", "run_sync"]

@@ -23,7 +23,7 @@ import threading
 from transformers import PreTrainedTokenizerBase
 
 from turnrl.envs.contract import prompt_and_tools
-from turnrl.rollout.engine import SamplingParams
+from turnrl.samplers.base import SamplingParams
 from turnrl.tools.native import native_tool_format
 
 

@@ -50,7 +50,6 @@ from turnrl import leftovers
 from turnrl.envs import contract
 from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.engine import Completion, Engine, SamplingParams
 from turnrl.rollout.env_calls import (
     EnvError,
     EnvThreads,
@@ -70,6 +69,7 @@ from turnrl.rollout.slots import Game as _Game
 from turnrl.rollout.slots import Group  # noqa: F401 - imported from here by the trainers
 from turnrl.rollout.slots import GroupState as _GroupState
 from turnrl.rollout.slots import Slot as _Slot
+from turnrl.samplers.base import Completion, Engine, SamplingParams
 from turnrl.types import Episode
 
 BATCH_WINDOW_S = 0.002

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from turnrl.sandbox import backends, workdir
+from turnrl.sandbox import backends, sweep, workdir
 
 STATUSES = ("ok", "error", "timeout", "memory", "processes", "output_limit", "files_limit",
             "sandbox_error")
@@ -132,6 +132,9 @@ class Sandbox:
         given = {"main.py": code, **(files or {})}
         given_entries = _entry_count(given)  # raises ValueError for a bad name, before any work
         run_id = backends.fresh_id() if backends.is_root() else None
+        # the root fallback's code can write to world-writable directories: list them first
+        before = (await asyncio.to_thread(sweep.snapshot)
+                  if run_id is not None and self.backend == "fallback" else None)
         path, mounted = workdir.make(limits.files + given_entries, limits.dir_mb)
         try:
             try:
@@ -143,19 +146,14 @@ class Sandbox:
             else:
                 result = await self._run_in(path, stdin, limits, run_id)
         except BaseException:  # cancelled: still leave nothing behind
-            self._clean_up(path, mounted, run_id)
+            _clean_up(path, mounted, run_id, before)
             raise
         # a thread: removing a large tree must not stall other runs on this event loop
-        removal = await asyncio.to_thread(self._clean_up, path, mounted, run_id)
-        return _with_workdir(result, removal, given_entries, mounted, limits)
-
-    def _clean_up(self, path: str, mounted: bool, run_id: int | None) -> workdir.Removal:
-        """Remove the run's directory (and, for the root fallback, what its id left in the
-        world-writable directories); never raises."""
-        removal = workdir.remove(path, mounted)
-        if run_id is not None and self.backend == "fallback":
-            _sweep_world_writable(run_id)
-        return removal
+        removal, swept = await asyncio.to_thread(_clean_up, path, mounted, run_id, before)
+        result = _with_workdir(result, removal, given_entries, mounted, limits)
+        if swept is None:
+            return result
+        return dataclasses.replace(result, details={**result.details, "world_writable": swept})
 
     async def _run_in(self, workdir: str, stdin: str, limits: Limits,
                       run_id: int | None) -> SandboxResult:
@@ -310,23 +308,18 @@ def _write_files(root: Path, files: dict[str, str], owner: int | None) -> None:
             os.chown(path, owner, owner)
 
 
-def _sweep_world_writable(uid: int) -> None:
-    """Delete what the fallback's run id left in the world-writable directories."""
-    for top in ("/tmp", "/var/tmp", "/dev/shm"):
-        try:
-            entries = list(os.scandir(top))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    workdir.remove(entry.path, mounted=False)
-                else:
-                    os.unlink(entry.path)
-            except OSError:
-                pass
+def _clean_up(path: str, mounted: bool, run_id: int | None,
+              before: sweep.Snapshot | None) -> tuple[workdir.Removal, dict | None]:
+    """Remove the run's directory and, for the root fallback (``before`` given), what its
+    code left in the world-writable directories (``sweep.py``); never raises."""
+    removal = workdir.remove(path, mounted)
+    if run_id is None or before is None:
+        return removal, None
+    try:
+        removed, left = sweep.sweep(run_id, before)
+    except Exception as err:  # noqa: BLE001 - the host must carry on, and say what is left
+        removed, left = 0, f"{type(err).__name__}: {err}"
+    return removal, {"removed": removed, "left": left}
 
 
 def _read_report(fd: int) -> dict:

@@ -11,6 +11,7 @@ recordings into trainable episodes (``ServedSource`` in serve/source.py collects
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -19,6 +20,7 @@ from turnrl.serve.judge import judge_group
 from turnrl.serve.protocol import EPISODE_HEADER
 from turnrl.serve.record import RecordedEpisode, training_episodes
 from turnrl.serve.server import Server
+from turnrl.tools.mcp.http import one_line
 from turnrl.types import Episode
 
 Rollout = Callable[..., Awaitable[float | None]]
@@ -78,15 +80,44 @@ async def _play(rollout: Rollout, base_url: str, api_key: str, task, episode_id:
     return (None, "") if reward is None else (float(reward), "")
 
 
-def self_judge(base_url: str, model: str, api_key: str = "") -> Judge:
-    """The served policy as the judge (``judge.judge_group``; its calls are not recorded)."""
-    async def judge(task, transcripts: list[str]) -> list[float] | None:
-        from openai import AsyncOpenAI
+class JudgeError(RuntimeError):
+    """The judge's endpoint failed (one line: where, why, what to check): its group gets no
+    reward and is left out, with this reason."""
 
-        async with AsyncOpenAI(base_url=base_url, api_key=api_key or "unused",
-                               max_retries=0) as client:
-            return await judge_group(client, model, str(task), transcripts)
+
+def self_judge(base_url: str, model: str, api_key: str = "", timeout_s: float = 120.0
+               ) -> Judge:
+    """The served policy as the judge (``judge.judge_group``; its calls are not recorded),
+    each call within ``timeout_s``; ``JudgeError`` when the endpoint fails."""
+    async def judge(task, transcripts: list[str]) -> list[float] | None:
+        from openai import AsyncOpenAI, OpenAIError
+
+        try:
+            async with AsyncOpenAI(base_url=base_url, api_key=api_key or "unused",
+                                   max_retries=0, timeout=timeout_s) as client:
+                return await judge_group(client, model, str(task), transcripts)
+        except (OpenAIError, ValueError) as err:  # a body that is not JSON: ValueError
+            raise JudgeError(f"the judge '{model}' at {base_url} failed ({type(err).__name__}: "
+                             f"{one_line(str(err), 200)}): check that it is running and "
+                             f"serves '{model}'") from None
     return judge
+
+
+async def judged(judge: Judge, task, transcripts: list[str]) -> tuple[list[float] | None, str]:
+    """The judge's scores for ``transcripts`` (finite numbers, one each), or None and why not:
+    a judge that raises or answers out of shape fails its own group, not the step."""
+    try:
+        scores = await judge(task, transcripts)
+    except Exception as err:  # noqa: BLE001 - the group is left out with the reason
+        return None, f"the judge raised {type(err).__name__}: {one_line(str(err), 300)}"
+    if scores is None:
+        return None, "the judge gave no scores"
+    if not (isinstance(scores, list) and len(scores) == len(transcripts) and all(
+            isinstance(s, int | float) and not isinstance(s, bool) and math.isfinite(s)
+            for s in scores)):
+        return None, (f"the judge returned {one_line(repr(scores), 100)}, not "
+                      f"{len(transcripts)} finite numbers")
+    return [float(s) for s in scores], ""
 
 
 async def play_groups(server: Server, base_url: str, rollout: Rollout, step_tasks: Sequence,
@@ -109,12 +140,12 @@ async def play_groups(server: Server, base_url: str, rollout: Rollout, step_task
         unscored = [e for e in group if rewards[e] is None and not errors[e]
                     and e in recorder.episodes]
         if judge is not None and unscored:
-            scores = await judge(task, [max((s.text for s in recorder.episodes[e].segments),
-                                            key=len) for e in unscored])
+            scores, why = await judged(judge, task, [
+                max((s.text for s in recorder.episodes[e].segments), key=len)
+                for e in unscored])
             for e, score in zip(unscored, scores or [], strict=False):
                 rewards[e] = score
-            if scores is None:
-                errors.update({e: "the judge gave no scores" for e in unscored})
+            errors.update({e: why for e in unscored if why})
         for e in group:
             if rewards[e] is not None and e in recorder.episodes:
                 recorder.set_reward(e, rewards[e])

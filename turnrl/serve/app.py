@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request  # the serve extra: pip install 'turnrl[serve]'
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from turnrl.serve.protocol import (
     EPISODE_HEADER,
@@ -83,10 +85,7 @@ def make_app(server: Server) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad("the request body is not valid JSON") from None
+        body = await read_json(request, server.cfg)
         chat = parse_chat_request(body, request.headers.get(EPISODE_HEADER), server.cfg.max_n)
         if chat.stream:
             prepared = server.prompt(chat)  # bad input fails here, as JSON, before the stream
@@ -100,11 +99,13 @@ def make_app(server: Server) -> FastAPI:
 
     @app.post("/v1/turnrl/episodes/{episode_id}/reward")
     async def reward(episode_id: str, request: Request):
+        body = await read_json(request, server.cfg)
         try:
-            value = (await request.json())["reward"]
-            value = float(value)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise bad("send {\"reward\": NUMBER}", "reward") from None
+            value = float(body["reward"])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            value = math.nan
+        if not math.isfinite(value):
+            raise bad("send {\"reward\": NUMBER}, a finite number", "reward")
         try:
             server.recorder.set_reward(episode_id, value)
         except KeyError as err:
@@ -126,6 +127,44 @@ def make_app(server: Server) -> FastAPI:
         return server.recorder.episodes[episode_id].to_dict()
 
     return app
+
+
+async def read_json(request: Request, cfg) -> object:
+    """The request's body parsed as JSON, read within ``cfg.body_timeout_s`` and at most
+    ``cfg.max_body_mb`` MiB; ``ApiError`` otherwise (413, 408, or 400: not JSON, not UTF-8,
+    nested past the parser's depth, or the client left before the body ended)."""
+    limit = int(cfg.max_body_mb * (1 << 20))
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(cfg)
+    try:
+        raw = await asyncio.wait_for(_body(request, limit, cfg), cfg.body_timeout_s)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s "
+                       "(serve.body_timeout_s): send it whole", code="request_timeout") from None
+    except ClientDisconnect:
+        raise bad("the client closed the connection before the request body ended") from None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise bad(f"the request body is not valid JSON ({type(err).__name__}: "
+                  f"{str(err)[:100]}): send a UTF-8 JSON object") from None
+
+
+async def _body(request: Request, limit: int, cfg) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(cfg)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(cfg) -> ApiError:
+    return ApiError(413, f"the request body is over {cfg.max_body_mb:g} MiB "
+                    "(serve.max_body_mb): send less, or raise serve.max_body_mb",
+                    code="request_too_large")
 
 
 def _choice_json(server: Server, index: int, choice: Choice, logprobs: bool) -> dict:

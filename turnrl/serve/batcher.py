@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from turnrl.rollout import Completion, SamplingParams
+from turnrl.samplers import Completion, SamplingParams
 
 
 @dataclass(eq=False)

@@ -52,7 +52,11 @@ async def judge_group(client, model: str, task: str, transcripts: list[str], *,
         reply = await client.chat.completions.create(  # greedy first, then sampled retries
             model=model, messages=judge_messages(task, transcripts),
             temperature=0 if attempt == 0 else 1.0, max_tokens=max_tokens)
-        scores = parse_scores(reply.choices[0].message.content or "", len(transcripts))
+        try:
+            content = reply.choices[0].message.content or ""
+        except (AttributeError, IndexError, TypeError):  # no choices: an answer out of shape
+            content = ""
+        scores = parse_scores(content if isinstance(content, str) else "", len(transcripts))
         if scores is not None:
             return scores
     return None

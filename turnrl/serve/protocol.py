@@ -97,6 +97,8 @@ def check_messages(messages) -> list[dict]:
             raise bad(f"{where} needs a 'role', one of {', '.join(ROLES)}", f"{where}.role")
         role = message["role"]
         calls = message.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise bad(f"{where}.tool_calls must be a list of tool calls", f"{where}.tool_calls")
         out = {"role": "system" if role == "developer" else role}
         if role == "assistant" and message.get("content") is None and calls:
             out["content"] = None
@@ -169,7 +171,8 @@ def parse_chat_request(body, episode_header: str | None, max_n: int) -> ChatRequ
     tools = check_tools(body.get("tools"))
     tool_choice = check_tool_choice(body.get("tool_choice") or "auto", tools)
     stop = body.get("stop")
-    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) \
+        else () if stop is None else (None,)  # (None,): refused just below
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise bad("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
     top_logprobs = int(_number(body, "top_logprobs", 0, 0, 20, True))
@@ -182,7 +185,12 @@ def parse_chat_request(body, episode_header: str | None, max_n: int) -> ChatRequ
     if max_tokens is not None:
         max_tokens = int(_number({"max_tokens": max_tokens}, "max_tokens", 1, 1, 1 << 20, True))
     episode = body.get(EPISODE_FIELD) or episode_header
+    if not isinstance(episode, str | None):
+        raise bad(f"'{EPISODE_FIELD}' must be a string (the episode id)", EPISODE_FIELD)
     options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("'stream_options' must be an object such as {\"include_usage\": true}",
+                  "stream_options")
     request = ChatRequest(
         model=body["model"], messages=check_messages(body.get("messages")),
         tools=tools, tool_choice=tool_choice,

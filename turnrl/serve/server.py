@@ -16,7 +16,8 @@ import torch
 
 from turnrl.config import Config, ServeConfig
 from turnrl.policy import Policy, load_policy, refresh_sampler
-from turnrl.rollout import ChatFormat, Completion, SamplingParams
+from turnrl.rollout import ChatFormat
+from turnrl.samplers import Completion, SamplingParams
 from turnrl.serve.batcher import Batcher
 from turnrl.serve.prompt import ReplyMemory, call_format, forced_call, render, split_reply
 from turnrl.serve.protocol import ApiError, ChatRequest, bad

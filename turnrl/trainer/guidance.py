@@ -64,7 +64,7 @@ from turnrl.envs.contract import prompt_and_tools
 from turnrl.envs.reference import REFERENCE_POLICIES, player_reply, reference_player
 from turnrl.rollout import run_episodes, run_sync
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.engine import Completion, SamplingParams
+from turnrl.samplers.base import Completion, SamplingParams
 from turnrl.trainer.rl_step import explore_settings
 from turnrl.trainer.step import batch_logprobs, update_autocast
 from turnrl.types import Batch, Episode

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from turnrl.rollout.ct2_engine import CT2Engine, converted_temperature
+from turnrl.samplers.ct2 import CT2Engine, converted_temperature
 
 DELAY_ENV = "TURNRL_CT2_CONVERT_DELAY_S"
 """Test hook: extra seconds added to every background conversion."""

@@ -1,16 +1,13 @@
 """A Hugging Face transformers engine for CPU: batched sampling with a KV cache kept per row.
 
-A call left-pads its prompts into one batch, prefills them, then decodes token by token. The
-keys and values of every row outlive the call, *per sequence*, so that a later call prefills
-only what is new (on SmolLM2 a multi-turn episode re-read from scratch each turn spends most
-of its time in prefill). The caching rules:
+A call left-pads its prompts into one batch, prefills them, then decodes token by token. Keys
+and values outlive the call, *per sequence*: a later call prefills only what is new. Rules:
 
 - After a call each row leaves its sequence (prompt + reply, less the last sampled token,
   which was never fed) with that sequence's keys and values, real positions only.
 - A prompt that extends a kept sequence continues from it: only the tokens past it are
-  prefilled. Prompts that extend none are prefilled from scratch in the same batch (their
-  past is masked zeros). Rows may come and go freely between calls, as in the continuous loop,
-  where each call continues whichever episodes are waiting for the policy.
+  prefilled; others from scratch in the same batch (their past is masked zeros). Rows may come
+  and go freely between calls, as in the continuous loop.
 - A kept sequence that a call extends is replaced by the longer one; sequences a call does
   not touch stay for later calls. At most ``max_kept_rows`` sequences are kept (or the last
   call's rows, if more: those are never evicted), least recently written evicted first, so
@@ -18,18 +15,16 @@ of its time in prefill). The caching rules:
 - A version bump (new weights) drops every kept sequence: their keys and values are stale.
   With ``keep_cache_across_versions`` they are kept instead, and later tokens are sampled by
   the new weights attending to keys and values the old ones computed (PipelineRL's in-flight
-  weight update: Piché et al. 2025, arXiv:2509.19128, whose Fig. 7 finds the extra
-  off-policyness negligible). The log-probabilities reported are those each token was drawn
-  from, so decoupled PPO's importance weights see, and correct, the difference. Not re-reading
-  live episodes after an update: 7.7 -> 2.7 ms a generated row (``benchmarks/worker_loop.py``).
+  weight update: Piché et al. 2025, arXiv:2509.19128, Fig. 7: negligible off-policyness). The
+  log-probabilities reported are those each token was drawn from (decoupled PPO corrects the
+  difference); 7.7 -> 2.7 ms a generated row (``benchmarks/worker_loop.py``).
 - Identical prompts of one call (a GRPO group's first turn) are prefilled once and their keys,
   values and last logits copied to every row (``share_prompts``).
 
-Positions count real tokens only, so rows of any lengths and histories share one batch.
-Decoding writes keys and values in place into a preallocated buffer; ``compact`` drops stopped
-rows once half the batch has stopped. Only the last position's logits are computed.
-``matmul="onednn"`` runs the passes through oneDNN's packed products: a lean pass for
-Llama-shaped models (lean.py), else a tree over the same tensors (onednn.py).
+Positions count real tokens only, so rows of any lengths and histories share one batch; keys
+and values are written in place into a preallocated buffer; ``compact`` drops stopped rows
+once half the batch has stopped. ``matmul="onednn"``: oneDNN's packed products, in a lean pass
+for Llama-shaped models (lean.py), else a tree over the same tensors (onednn.py).
 """
 
 from __future__ import annotations
@@ -45,9 +40,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from turnrl.devices import unapplied_window_warning
 from turnrl.models import cache_kwargs
-from turnrl.rollout.engine import Completion, SamplingParams, sample_tokens
-from turnrl.rollout.lean import LeanDecoder, onednn_decoder, unpack
-from turnrl.rollout.onednn import resolve_matmul
+from turnrl.samplers.base import Completion, SamplingParams, sample_tokens
+from turnrl.samplers.lean import LeanDecoder, onednn_decoder, unpack
+from turnrl.samplers.onednn import resolve_matmul
 
 StepHook = Callable[[list[tuple[int, int, float]]], bool | None]
 """Called after each decode step with ``(prompt index, token id, logprob)`` of each live row;
@@ -307,7 +302,8 @@ class HFEngine:
                  keep_cache_across_versions: bool = False, matmul: str = "torch"):
         self.model = model
         self.matmul = resolve_matmul(matmul, model)  # onednn: lean.py, else onednn.py
-        self.decoder = onednn_decoder(model) if self.matmul == "onednn" else model
+        self.decoder, self.forward_pass = (onednn_decoder(model) if self.matmul == "onednn"
+                                           else (model, "transformers' pass"))
         self.pad_token_id, self.reuse_cache = pad_token_id, reuse_cache
         self.max_kept_rows, self.share_prompts, self.compact = max_kept_rows, share_prompts, compact
         if warning := unapplied_window_warning(model.config):
@@ -315,6 +311,10 @@ class HFEngine:
         self.keep_cache_across_versions = keep_cache_across_versions
         self._version, self._kept = 0, _KeptRows(0)
         self.generator = torch.Generator(model.device).manual_seed(seed)
+
+    def describe(self) -> str:
+        """What samples, for the ``sampler:`` start-up line: engine, dtype, forward pass."""
+        return f"hf {str(self.model.dtype)[6:]} on {self.model.device.type} ({self.forward_pass})"
 
     @property
     def version(self) -> int:

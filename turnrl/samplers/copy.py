@@ -8,7 +8,7 @@ import copy
 import torch
 from transformers import PreTrainedModel
 
-from turnrl.rollout.hf_engine import HFEngine
+from turnrl.samplers.hf import HFEngine
 
 
 class HFCopyEngine(HFEngine):

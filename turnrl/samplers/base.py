@@ -39,6 +39,13 @@ class Engine(Protocol):
     # continued (ended episodes); the continuous turn loop calls it when an engine has it.
 
 
+def describe_sampler(engine: object) -> str:
+    """The ``sampler:`` line printed at start-up: which engine samples, in which dtype, on
+    which device and with which forward pass (an engine without ``describe``: its class)."""
+    describe = getattr(engine, "describe", None)
+    return f"sampler: {describe() if describe else type(engine).__name__}"
+
+
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from turnrl.rollout import onednn
-from turnrl.rollout.onednn import _pack, _product
+from turnrl.samplers import onednn
+from turnrl.samplers.onednn import _pack, _product
 
 LEAN_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -235,17 +235,26 @@ SELF_CHECK_BOUND = {torch.float32: 1e-3, torch.bfloat16: 0.05}
 is far below these (tests/test_lean.py), a wrong formula (rotary, norm) far above."""
 
 
-def onednn_decoder(model: nn.Module) -> LeanDecoder | nn.Module:
-    """The engine's decoder for ``rollout.matmul onednn``: the lean pass where it runs the model
-    and passes its self-check, else the ``PackedLinear`` tree (onednn.py)."""
-    if lean_unusable(model) is None:
+def onednn_decoder(model: nn.Module) -> tuple[LeanDecoder | nn.Module, str]:
+    """The engine's decoder for ``rollout.matmul onednn`` and its name for the start-up line:
+    the lean pass where it runs the model and passes its self-check, else the
+    ``PackedLinear`` tree (onednn.py), named with why the lean pass did not run."""
+    why = lean_unusable(model)
+    if why is None:
         try:
             lean = LeanDecoder(model)
-            if self_check(model, lean) is None:
-                return lean
-        except Exception:  # noqa: BLE001 (a model the checks above missed: the tree runs it)
-            pass
-    return onednn.packed_decoder(model)
+            why = self_check(model, lean)
+            if why is None:
+                return lean, "lean pass"
+        except Exception as err:  # noqa: BLE001 (a model the checks above missed: the tree runs it)
+            why = f"the lean pass raised {type(err).__name__}: {err}"
+    return onednn.packed_decoder(model), f"PackedLinear tree; no lean pass: {one_line(why)}"
+
+
+def one_line(text: str, limit: int = 160) -> str:
+    """``text`` on one line, cut to ``limit`` characters (a start-up line, not a traceback)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[:limit - 3] + "..."
 
 
 def unpack(decoder: LeanDecoder | nn.Module) -> None:

@@ -1,7 +1,7 @@
 """The transport-independent half of TurnRL's MCP client: the handshake, tool listing and
 calls over JSON-RPC 2.0 (``MCPClient``), the errors, and how MCP's tool entries and results
-become TurnRL's. The transports: stdio in ``tools/mcp.py`` (``MCPServer``), Streamable HTTP
-in ``tools/mcp_http.py`` (``MCPHttpServer``); the module docstring of ``tools/mcp.py`` says
+become TurnRL's. The transports: stdio in ``stdio.py`` (``MCPServer``), Streamable HTTP
+in ``http.py`` (``MCPHttpServer``); the package docstring (``__init__.py``) says
 how the whole client behaves."""
 
 from __future__ import annotations
@@ -78,6 +78,10 @@ class MCPClient:
         """More words for a failure (the stdio server's stderr tail)."""
         return ""
 
+    def _fix(self) -> str:
+        """What to do when the server does not start (said after the reason)."""
+        return ""
+
     def _abandoned(self, request_id: int) -> None:
         """A request nobody waits for any more (timed out): tell the server."""
         if self.alive:
@@ -109,8 +113,9 @@ class MCPClient:
         except (MCPServerError, MCPToolError) as err:
             self.close()
             reason = str(err).removeprefix(f"MCP server '{self.name}' ")
+            fix = "" if "; check " in reason else self._fix()
             raise MCPServerError(f"MCP server '{self.name}' ({self.where}) did "
-                                 f"not start: {reason}") from None
+                                 f"not start: {reason}{fix}") from None
 
     def _initialized(self, result: dict) -> None:
         self.server_info = result.get("serverInfo") or {}
@@ -129,6 +134,7 @@ class MCPClient:
 
     def _submit(self, method: str, params: dict) -> tuple[int, Future]:
         request_id, future = next(self._ids), Future()
+        future.method = method  # named when the answer is malformed
         self._pending[request_id] = future
         try:
             self._send({"jsonrpc": "2.0", "id": request_id, "method": method,
@@ -146,8 +152,9 @@ class MCPClient:
         except FutureTimeout:
             self._pending.pop(request_id, None)
             self._abandoned(request_id)
-            raise MCPServerError(f"no answer to {method} within {timeout_s:g} s"
-                                 f"{self._detail()}") from None
+            raise MCPServerError(self._death or (
+                f"no answer to {method} within {timeout_s:g} s{self._detail()}; check that "
+                "the server answers MCP, or raise the env's start_timeout_s")) from None
 
     async def arequest(self, method: str, params: dict) -> dict:
         """Send a request and await its result; the caller bounds the wait. A wait that is
@@ -170,15 +177,28 @@ class MCPClient:
                 except MCPServerError:
                     pass
             return
-        future = self._pending.pop(message.get("id"), None)
+        request_id = message.get("id")
+        if not isinstance(request_id, int | str):  # no request of ours has such an id
+            self._unanswerable(message)
+            return
+        future = self._pending.pop(request_id, None)
         if future is None or future.done():  # a late answer to a cancelled request
             return
+        result = message.get("result", {})
         if "error" in message:
             error = message["error"] if isinstance(message["error"], dict) else {}
             future.set_exception(MCPToolError(
                 f"{error.get('message', 'error')} (JSON-RPC error {error.get('code')})"))
+        elif not isinstance(result, dict):  # the call's error: an observation mid-episode
+            future.set_exception(MCPToolError(
+                f"answered {getattr(future, 'method', 'the request')} with a result that is "
+                f"not an object ({type(result).__name__}: {json.dumps(result)[:100]}); "
+                f"check that {self.where} is an MCP server"))
         else:
-            future.set_result(message.get("result") or {})
+            future.set_result(result or {})
+
+    def _unanswerable(self, message: dict) -> None:
+        """An answer whose id no request can have: named in the failure detail."""
 
     # --- tools -----------------------------------------------------------------------------
 
@@ -187,8 +207,9 @@ class MCPClient:
         for _ in range(1000):  # pages; a server that never stops paging is cut off
             result = self.request("tools/list", {"cursor": cursor} if cursor else {},
                                   self.start_timeout_s)
-            listed += [t for t in result.get("tools", []) if isinstance(t, dict)
-                       and isinstance(t.get("name"), str)]
+            tools = result.get("tools") or []
+            listed += [t for t in tools if isinstance(t, dict)
+                       and isinstance(t.get("name"), str)] if isinstance(tools, list) else []
             cursor = result.get("nextCursor")
             if not cursor:
                 break
@@ -222,9 +243,11 @@ def input_schema(entry: dict) -> dict:
     """A tool's ``inputSchema`` in the shape ``Tool`` checks arguments against: an object with
     ``properties`` and ``required``; a nullable type list (["string", "null"]) becomes the
     type and ``nullable``; other type lists are left unchecked."""
-    schema = dict(entry.get("inputSchema") or {})
+    schema = entry.get("inputSchema")
+    schema = dict(schema) if isinstance(schema, dict) else {}  # a server's garbage: unchecked
+    given = schema.get("properties")
     properties = {}
-    for key, prop in (schema.get("properties") or {}).items():
+    for key, prop in (given if isinstance(given, dict) else {}).items():
         prop = dict(prop) if isinstance(prop, dict) else {}
         kinds = prop.get("type")
         if isinstance(kinds, list):
@@ -235,7 +258,9 @@ def input_schema(entry: dict) -> dict:
             if "null" in kinds:
                 prop["nullable"] = True
         properties[key] = prop
-    required = [r for r in schema.get("required") or [] if r in properties]
+    required = schema.get("required")
+    required = [r for r in required if isinstance(r, str) and r in properties] \
+        if isinstance(required, list) else []
     return {**schema, "type": "object", "properties": properties, "required": required}
 
 
@@ -243,12 +268,14 @@ def result_text(result: dict) -> str:
     """The text of a ``tools/call`` result: its text parts joined; other parts described
     (an image by its MIME type, a resource by its text or URI); else the structured content."""
     parts = []
-    for item in result.get("content") or []:
+    content = result.get("content")
+    for item in content if isinstance(content, list) else []:
         kind = item.get("type") if isinstance(item, dict) else None
         if kind == "text":
             parts.append(str(item.get("text", "")))
         elif kind == "resource":
-            resource = item.get("resource") or {}
+            resource = item.get("resource")
+            resource = resource if isinstance(resource, dict) else {}
             parts.append(str(resource.get("text") or f"[resource {resource.get('uri')}]"))
         elif kind is not None:
             parts.append(f"[{kind} {item.get('mimeType') or item.get('uri') or ''}]".strip())

@@ -1,7 +1,7 @@
 """MCP over Streamable HTTP (``MCPHttpServer``): each JSON-RPC message is POSTed to the
 server's URL, a request's answer comes back as a JSON body or in a ``text/event-stream``, and
 the session id from the answer to ``initialize`` goes with every later message
-(``tools/mcp.py`` says how the client behaves; ``tools/mcp_client.py`` is the shared half)."""
+(the package docstring says how the client behaves; ``client.py`` is the shared half)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,22 @@ import threading
 import urllib.parse
 from typing import Any
 
-from turnrl.tools.mcp_client import (
+from turnrl.tools.mcp.client import (
     PROTOCOL_VERSION,
     MCPClient,
 )
+
+MAX_MESSAGE_BYTES = 32 << 20
+"""The most one answer (a JSON body, or one event of a stream) may take: 32 MiB, far above a
+tool's result, so a server sending without end cannot fill memory."""
+PROTOCOL_FIX = "check that the URL serves MCP over Streamable HTTP"
+
+
+class TooLarge(http.client.HTTPException):
+    """An answer over ``MAX_MESSAGE_BYTES``: the exchange fails as a broken connection does."""
+
+    def __str__(self) -> str:
+        return f"an answer over {MAX_MESSAGE_BYTES >> 20} MiB"
 
 
 class _Exchange:
@@ -98,7 +110,7 @@ class MCPHttpServer(MCPClient):
                 exchange = _Exchange(self._connection(2.0))
                 with self._http("DELETE", None, exchange):
                     exchange.connection.close()
-            except (OSError, http.client.HTTPException):
+            except (OSError, http.client.HTTPException, ValueError):
                 pass
         self._session = None
         self._fail_pending(f"MCP server '{self.name}' was closed")
@@ -163,7 +175,7 @@ class MCPHttpServer(MCPClient):
         try:
             with self._http("POST", body, exchange) as response:
                 text = response.read(2000)
-        except (OSError, http.client.HTTPException) as err:
+        except (OSError, http.client.HTTPException, ValueError) as err:
             if not best_effort:
                 self._broken(_lost(err, message.get("method") or "an answer", exchange))
                 self.check()
@@ -181,7 +193,7 @@ class MCPHttpServer(MCPClient):
         try:
             with self._http("POST", body, exchange, unbounded=True) as response:
                 failure = self._answer(request_id, method, response)
-        except (OSError, http.client.HTTPException) as err:
+        except (OSError, http.client.HTTPException, ValueError) as err:
             failure = "" if self._pending_answered(request_id) else _lost(err, method, exchange)
         finally:
             exchange.connection.close()
@@ -206,20 +218,21 @@ class MCPHttpServer(MCPClient):
                 return (f"no longer knows session {self._session} (HTTP 404 to {method}): it "
                         "restarted or ended the session")
             return (f"answered {method} with HTTP {response.status} {response.reason}"
-                    f"{_body_text(text)}")
+                    f"{_body_text(text)}; {_status_fix(response.status)}")
         if method == "initialize":
             self._session = response.getheader("Mcp-Session-Id") or None
         if kind == "text/event-stream":
-            for data in sse_data(response):
+            for data in sse_data(bounded_lines(response)):
                 if self._route(data.encode(), request_id):
                     return ""  # our answer came: stop reading (the server may keep it open)
-            return f"ended the event stream of {method} without its answer"
+            return f"ended the event stream of {method} without its answer; {PROTOCOL_FIX}"
         if kind == "application/json":
-            if self._route(response.read(), request_id):
+            if self._route(bounded_read(response), request_id):
                 return ""
-            return f"answered {method} without its JSON-RPC answer"
+            return f"answered {method} without its JSON-RPC answer; {PROTOCOL_FIX}"
         return (f"answered {method} with HTTP {response.status} and Content-Type "
-                f"'{kind or 'none'}' (expected application/json or text/event-stream)")
+                f"'{kind or 'none'}' (expected application/json or text/event-stream); "
+                f"{PROTOCOL_FIX}")
 
     def _route(self, raw: bytes, request_id: int) -> bool:
         """Dispatch the JSON-RPC message(s) in ``raw``; True once ``request_id`` is answered."""
@@ -285,12 +298,43 @@ def sse_data(lines) -> Any:
         yield "\n".join(data)
 
 
+def bounded_read(response: http.client.HTTPResponse) -> bytes:
+    """A JSON answer's body; ``TooLarge`` past ``MAX_MESSAGE_BYTES``, ``IncompleteRead`` when
+    it ends before its ``Content-Length``."""
+    if (response.length or 0) > MAX_MESSAGE_BYTES:
+        raise TooLarge
+    raw = response.read(MAX_MESSAGE_BYTES + 1)
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise TooLarge
+    if response.length:  # read(n) returns a short body without saying so
+        raise http.client.IncompleteRead(raw, response.length)
+    return raw
+
+
+def bounded_lines(response: http.client.HTTPResponse):
+    """The lines of an event stream; ``TooLarge`` once one event (the lines up to a blank
+    one) passes ``MAX_MESSAGE_BYTES``."""
+    size = 0
+    while line := response.readline(MAX_MESSAGE_BYTES + 1 - size):
+        size = 0 if line.strip() == b"" else size + len(line)
+        if size > MAX_MESSAGE_BYTES:
+            raise TooLarge
+        yield line
+
+
 def _lost(err: BaseException, method: str, exchange: _Exchange) -> str:
     """Why a POST got no answer: it could not connect, or the connection broke."""
     if not exchange.connected:
         return (f"cannot be reached ({_reason(err)}); check the URL and that the server "
                 "is running")
-    return f"gave no answer to {method} ({_reason(err)})"
+    return (f"gave no answer to {method} ({_reason(err)}); the server or the connection "
+            "broke: check the server's log")
+
+
+def _status_fix(status: int) -> str:
+    if status in (401, 403):
+        return "check the headers given with the URL (a token the server needs)"
+    return "check the server's log" if status >= 500 else PROTOCOL_FIX
 
 
 def _reason(err: BaseException) -> str:
@@ -299,9 +343,18 @@ def _reason(err: BaseException) -> str:
         return f"host not found: {err.strerror or err}"
     if isinstance(err, TimeoutError | socket.timeout):
         return "timed out"
-    return getattr(err, "strerror", None) or str(err) or type(err).__name__
+    if type(err) is http.client.BadStatusLine:  # its text is the server's raw bytes
+        return f"a status line that is not HTTP: {one_line(str(err), 60)}"
+    return getattr(err, "strerror", None) or one_line(str(err), 200) or type(err).__name__
+
+
+def one_line(text: str, limit: int) -> str:
+    """``text`` on one printable line of at most about ``limit`` characters (a server's bytes
+    may hold anything): quoted with escapes when it is not printable."""
+    text = " ".join(text.split())
+    return text[:limit] if text.isprintable() else ascii(text[:limit])
 
 
 def _body_text(raw: bytes) -> str:
-    text = " ".join(raw.decode("utf-8", errors="replace").split())[:200]
+    text = one_line(raw.decode("utf-8", errors="replace"), 200)
     return f": {text}" if text else ""

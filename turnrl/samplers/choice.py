@@ -28,7 +28,7 @@ from functools import partial
 
 import torch
 
-from turnrl.rollout.engine import Engine, SamplingParams
+from turnrl.samplers.base import Engine, SamplingParams
 
 MARGIN = 1.15
 """How much cheaper (estimated step seconds) a candidate must be than the default to be

@@ -57,8 +57,8 @@ from turnrl.config.precision import (  # noqa: F401 - re-exported: the engine's 
     load_ctranslate2,
     resolve_ct2_dtype,
 )
-from turnrl.rollout.engine import Completion, SamplingParams
-from turnrl.rollout.vllm_engine import WeightsLike, named_tensors, with_tied_output
+from turnrl.samplers.base import Completion, SamplingParams
+from turnrl.samplers.vllm import WeightsLike, named_tensors, with_tied_output
 
 
 def quantization_of(compute_type: str) -> str:
@@ -188,6 +188,10 @@ class CT2Engine:
         self._generators: dict[float, Any] = {}
         self._weights: WeightsLike = model.state_dict()  # converted on first use
         self.version = version
+
+    def describe(self) -> str:
+        """What samples, for the ``sampler:`` start-up line."""
+        return f"ct2 {self.compute_type} on cpu ({self.threads} threads)"
 
     def update_weights(self, weights: WeightsLike, version: int) -> None:
         """Adopt the learner's weights (a state dict or ``(name, tensor)`` pairs) as
