@@ -1,6 +1,7 @@
 """Envs that leave things behind when the run ends (``test_leftovers.py`` runs ``turnrl``
-with them): a non-daemon thread that loops, one blocked on an Event nobody sets, a child
-process that sleeps, a file left open. Each otherwise plays the say-digit task."""
+and scripts with them): a non-daemon thread that loops, one blocked on an Event nobody sets,
+a child process that sleeps, a file left open, all three at once. Each otherwise plays the
+say-digit task."""
 
 from __future__ import annotations
 
@@ -72,6 +73,15 @@ class OpenFile(_Leaky):
         import tempfile
 
         LEFT_OPEN.append(tempfile.NamedTemporaryFile("w", prefix="leaky-", suffix=".log"))
+
+
+@register_env("leaky-all")
+class LeavesAll(_Leaky):
+    """A polling non-daemon thread, a sleeping child process and an open file, at once."""
+
+    def leave(self) -> None:
+        for leaky in (LoopingThread, SleepingChild, OpenFile):
+            leaky.leave(self)
 
 
 @register_env("tidy")

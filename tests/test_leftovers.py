@@ -1,10 +1,12 @@
 """What an env leaves behind never keeps ``turnrl`` running, and the warning names the env.
 
-Each test runs the real program (``turnrl train`` or ``turnrl eval``, the tiny model) as a
-subprocess with an env from ``leaky_envs`` that leaves something behind. Before
+Each test runs the real program (``turnrl train`` or ``turnrl eval``, the tiny model), or a
+script calling ``main(["train", ...])`` or ``train(cfg)`` as examples/*.py and the README do,
+as a subprocess with an env from ``leaky_envs`` that leaves something behind. Before
 ``turnrl.leftovers``, the thread variants never exited (Python waits for non-daemon threads)
 and the child variant left its sleeping process running after ``turnrl`` ended (a caller
-reading the output through a pipe waited for it too).
+reading the output through a pipe waited for it too); before ``leftovers.watched_run`` a
+script's process never exited.
 """
 
 from __future__ import annotations
@@ -80,8 +82,109 @@ def test_an_env_that_leaves_nothing_gets_no_warning(tmp_path):
     assert "left" not in done.stderr and "warning" not in done.stderr, done.stderr
 
 
+SCRIPT = """
+import sys, threading, time
+sys.path.insert(0, {tests!r})
+import leaky_envs
+args = {args!r}
+if {entry!r} == "main":
+    from turnrl.cli import main
+    code = main(["train", *args])
+else:
+    from turnrl.config import load_config
+    from turnrl.trainer import train
+    train(load_config(None, args))
+    code = 0
+print("run returned", code, flush=True)
+
+def finish():  # the script's own thread, longer than the exit grace: it is waited for
+    time.sleep({own_s})
+    print("script thread done", flush=True)
+
+threading.Thread(target=finish, name="script-own").start()
+sys.exit(7)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["main", "train"])
+def test_a_script_exits_with_its_code_and_names_what_its_env_left_behind(tmp_path, entry):
+    """A script running an env that leaves a polling thread, a child process and an open
+    file: the child is stopped and it and the file named at the end of the run; at the
+    script's exit its own thread is waited for, the env's named and not, and the exit code
+    is the script's."""
+    from turnrl.leftovers import EXIT_GRACE_S
+
+    args = ["--env.name", "leaky-all", *TINY, "--run.steps", "1", "--run.out_dir",
+            str(tmp_path)]
+    program = SCRIPT.format(tests=str(TESTS), args=args, entry=entry, own_s=EXIT_GRACE_S + 2)
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                              timeout=BOUND_S, env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a script calling {entry} with env leaky-all did not exit within {BOUND_S} s")
+    assert done.returncode == 7, done.stderr[-2000:]
+    assert "run returned 0" in done.stdout and "script thread done" in done.stdout, done.stdout
+    for left in ("1 non-daemon thread(s) running after the run: leaky-poller",
+                 "1 child process(es) running after the run", "1 file(s) open after the run: /"):
+        assert f"turnrl: warning: env 'leaky-all' left {left}" in done.stderr, done.stderr[-2000:]
+    assert "script-own" not in done.stderr
+    pids = list(map(int, re.findall(r"\(pid (\d+)\)", done.stderr)))
+    assert pids and not any(map(_alive, pids)), f"the env's child {pids} still runs"
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    assert time.monotonic() - started < BOUND_S
+
+
+RUN_ONLY = """
+import concurrent.futures, sys, threading, time
+from turnrl import leftovers
+
+def run():  # what an env might leave: a stuck pool thread, a thread waiting forever
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stuck-pool")
+    pool.submit(threading.Event().wait)
+    threading.Thread(target=threading.Event().wait, name="stuck-waiter").start()
+
+leftovers.watched_run(run)
+
+def finish():
+    time.sleep({own_s})
+    print("script thread done", flush=True)
+
+threading.Thread(target=finish, name="script-own").start()
+sys.exit(5)
+"""
+
+
+def test_a_watched_run_lets_the_script_exit_with_its_code_past_stuck_threads():
+    """No model: the exit watch alone. Python's exit first joins thread pools (an atexit
+    hook of concurrent.futures, before the main thread ends), then the other threads."""
+    from turnrl.leftovers import EXIT_GRACE_S
+
+    try:
+        done = subprocess.run([sys.executable, "-c", RUN_ONLY.format(own_s=EXIT_GRACE_S + 1)],
+                              capture_output=True, text=True, timeout=BOUND_S,
+                              env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the script did not exit within {BOUND_S} s")
+    assert done.returncode == 5, done.stderr
+    assert done.stdout == "script thread done\n"
+    assert re.search(r"left 2 non-daemon thread\(s\) running after the run: (stuck-pool_0 "
+                     r"\(running _worker\)|stuck-waiter \(running Event.wait\)), "
+                     r"(stuck-pool_0|stuck-waiter)", done.stderr), done.stderr
+    assert "script-own" not in done.stderr
+
+
+def test_a_run_inside_a_watched_one_is_not_watched_again(monkeypatch):
+    from turnrl import leftovers
+
+    monkeypatch.setattr(leftovers, "WATCHING", True)  # as inside the command, or train(cfg)
+    monkeypatch.setattr(leftovers, "stop_and_name", lambda before: pytest.fail("watched"))
+    assert leftovers.watched_run(lambda: 3) == 3
+
+
 def test_a_python_caller_of_main_keeps_its_process():
-    """Only the program ends itself: ``main(argv)`` from Python returns, watching nothing."""
+    """A command that plays no env, called from Python, returns, watching nothing."""
     from turnrl.cli import main
 
     assert main(["envs"]) == 0

@@ -17,7 +17,7 @@ turnrl eval   RUN_DIR [RUN_DIR ...] [--samples N] [--out FILE.json] ...  (seeds 
 turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.port P]
               [--serve.api_key KEY] [--serve.checkpoint DIR] [--section.key VALUE ...]
 turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] [--html FILE.html]
-turnrl envs   [NAME]                                 (every env, or one in full)
+turnrl envs   [NAME] [--env.module M]                (every env, or one in full)
 turnrl samplers                                      (every sampler; which this machine runs)
 turnrl export CHECKPOINT_DIR|RUN_DIR OUT_DIR [--adapter-only]   (a Hugging Face model dir)
 
@@ -150,11 +150,16 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 
 def cmd_envs(argv: Sequence[str]) -> int:
-    """``turnrl envs``: every registered env, a line each; ``turnrl envs NAME``: one in full."""
+    """``turnrl envs``: every registered env, a line each; ``turnrl envs NAME``: one in full;
+    ``--env.module M``: with the envs of a module of your own."""
     import importlib.util
 
     from turnrl.envs import ENVS, make_env
     from turnrl.envs.contract import describe
+    from turnrl.envs.user_module import load_env_module
+
+    own, argv = _split(argv, {"--env.module": True})
+    load_env_module(own.get("--env.module", ""))
 
     # adapters register even when their library is missing; say what to install
     needs = {"gymnasium": "gymnasium", "reasoning-gym": "reasoning_gym", "textarena": "textarena"}
@@ -237,16 +242,19 @@ LEFTOVERS_WATCHED = ("train", "eval")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``turnrl`` program (``argv`` None: the command line). As the program, ``train``
-    and ``eval`` end what their envs left behind (``turnrl.leftovers``); a Python caller
-    passing ``argv`` keeps its own process as it is."""
-    if argv is None and sys.argv[1:2] and sys.argv[1] in LEFTOVERS_WATCHED:
-        from turnrl import leftovers
+    """The ``turnrl`` program (``argv`` None: the command line). ``train`` and ``eval`` end
+    what their envs left behind (``turnrl.leftovers``): as the program, at its end; called
+    from a script (``main(["train", ...])``), at the end of the run, and the threads it left
+    at the script's exit."""
+    from turnrl import leftovers
 
-        before = leftovers.snapshot()
+    if argv is None and sys.argv[1:2] and sys.argv[1] in LEFTOVERS_WATCHED:
+        before, leftovers.WATCHING = leftovers.snapshot(), True
         code = _main_reporting_crashes(sys.argv[1:])
         leftovers.settle(before, code)
         return code
+    if argv is not None and argv[:1] and argv[0] in LEFTOVERS_WATCHED:
+        return leftovers.watched_run(lambda: _main(argv))
     return _main(argv)
 
 

@@ -12,6 +12,8 @@ import importlib.util
 from turnrl.config import Config, ConfigError
 from turnrl.distributed.cluster import connect
 from turnrl.distributed.source import AsyncTrainResult, RaySource
+from turnrl.envs.user_module import load_env_module
+from turnrl.leftovers import watched_run
 from turnrl.sft.warmup import warm_up
 from turnrl.trainer.learn import learn
 from turnrl.trainer.local import LocalSource
@@ -34,7 +36,13 @@ def train_async(cfg: Config, *, resume: bool = False) -> AsyncTrainResult:
 
 def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     """``run.mode`` sync: lock-step on this process; async: ``train_async``; first the SFT
-    warm-up stage when ``sft.steps`` asks for one (sft/warmup.py)."""
+    warm-up stage when ``sft.steps`` asks for one (sft/warmup.py). What the envs leave
+    behind is dealt with at the end (``turnrl.leftovers.watched_run``), from a script too."""
+    return watched_run(lambda: _train(cfg, resume))
+
+
+def _train(cfg: Config, resume: bool) -> TrainResult:
+    load_env_module(cfg.env.module)  # the user's envs: the warm-up may play them already
     cfg, resume = warm_up(cfg, resume=resume)
     if cfg.run.mode == "async":
         return train_async(cfg, resume=resume)

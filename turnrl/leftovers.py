@@ -15,11 +15,18 @@ child too, since it holds the pipe), or open files and never close them. At the 
   that end by themselves, and the framework's idle worker threads, exit in time and are
   not reported.
 
+A script's run (``turnrl.launch.train(cfg)``, ``turnrl.cli.main(["train" | "eval", ...])``:
+``watched_run``) gets the same at the end of each run: child processes started during it are
+stopped and named, files it opened and left open named; and the non-daemon threads it
+started and left running are watched at the script's exit: once the main thread has ended
+and only such threads keep the process for ``EXIT_GRACE_S``, they are named and Python's
+exit stops waiting for them (``let_go``), so the script exits with its own exit code, its
+``atexit`` handlers run. Threads the script starts itself, outside a run, are waited for as
+Python always does.
+
 The env is named by the names the turn loops of this process played (``ENVS_PLAYED``): a
-leftover cannot be traced to the code that made it, only to the run. Only the command-line
-program does any of this; a Python caller of ``turnrl.cli.main(argv)`` keeps its process.
-Child processes and open files are found through ``/proc`` (Linux); elsewhere only the
-threads are watched.
+leftover cannot be traced to the code that made it, only to the run. Child processes and
+open files are found through ``/proc`` (Linux); elsewhere only the threads are watched.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import stat
 import sys
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,10 +68,12 @@ class Snapshot:
 
     children: set[int] = field(default_factory=set)
     files: set[str] = field(default_factory=set)
+    threads: set[threading.Thread] = field(default_factory=set)
 
 
 def snapshot() -> Snapshot:
-    return Snapshot(set(child_processes()), set(open_files().values()))
+    return Snapshot(set(child_processes()), set(open_files().values()),
+                    set(threading.enumerate()))
 
 
 def envs_text() -> str:
@@ -209,38 +220,138 @@ def watch_exit(code: int, grace_s: float = EXIT_GRACE_S) -> None:
         while True:
             stuck = blocking_threads()
             if stuck:
-                warn(f"{envs_text()} left {len(stuck)} non-daemon thread(s) running after the "
-                     f"run: {', '.join(describe(t) for t in stuck)}; exiting without waiting "
-                     "for them (start env threads with daemon=True, or stop them when the "
-                     "episode ends)")
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
-                        pass
-                os._exit(code)
+                _name_and_exit(stuck, code)
             time.sleep(0.5)  # in atexit handlers (threads all ended): let them finish
 
     threading.Thread(target=watchdog, name="turnrl-exit-watchdog", daemon=True).start()
+
+
+def _name(stuck: list[threading.Thread]) -> None:
+    warn(f"{envs_text()} left {len(stuck)} non-daemon thread(s) running after the run: "
+         f"{', '.join(describe(t) for t in stuck)}; exiting without waiting for them (start "
+         "env threads with daemon=True, or stop them when the episode ends)")
+
+
+def _name_and_exit(stuck: list[threading.Thread], code: int) -> None:
+    _name(stuck)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """Flush the output and end the process now."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
+            pass
+    os._exit(code)
 
 
 def settle(before: Snapshot, code: int) -> None:
     """At the end of a command: stop and name leftover child processes, name leftover open
     files, and watch the exit (``watch_exit``)."""
     try:
-        for close in CLOSE_AT_END:
-            try:
-                close()
-            except Exception as err:  # noqa: BLE001 - the check below still runs
-                warn(f"closing {getattr(close, '__name__', close)} failed: {err}")
-        if children := stop_children(before):
-            warn(f"{envs_text()} left {len(children)} child process(es) running after the "
-                 f"run: {'; '.join(children)}; stopped them (wait for or kill the processes "
-                 "an env starts before its episode ends)")
-        if files := new_files(before):
-            shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5
-                                            else "")
-            warn(f"{envs_text()} left {len(files)} file(s) open after the run: {shown} "
-                 "(close what an env opens, e.g. with a with-block)")
+        stop_and_name(before)
     finally:
         watch_exit(code)
+
+
+def stop_and_name(before: Snapshot) -> None:
+    """Close what the framework keeps for envs, stop and name the child processes started
+    since ``before``, name the files opened since and still open."""
+    for close in CLOSE_AT_END:
+        try:
+            close()
+        except Exception as err:  # noqa: BLE001 - the check below still runs
+            warn(f"closing {getattr(close, '__name__', close)} failed: {err}")
+    if children := stop_children(before):
+        warn(f"{envs_text()} left {len(children)} child process(es) running after the "
+             f"run: {'; '.join(children)}; stopped them (wait for or kill the processes "
+             "an env starts before its episode ends)")
+    if files := new_files(before):
+        shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5
+                                        else "")
+        warn(f"{envs_text()} left {len(files)} file(s) open after the run: {shown} "
+             "(close what an env opens, e.g. with a with-block)")
+
+
+# ---- a script's runs --------------------------------------------------------------------------
+
+WATCHING = False
+"""True while a run or the command is watched: a run inside it is not watched again."""
+RUN_THREADS: weakref.WeakSet = weakref.WeakSet()
+"""Non-daemon threads the script's runs started and left running (``watched_run``)."""
+_script_watch: threading.Thread | None = None
+_exiting = threading.Event()
+"""Set as Python's exit starts, before it joins threads (``concurrent.futures`` pools too)."""
+
+
+def watched_run(run: Callable[[], object]) -> object:
+    """``run()`` from a script, its leftovers dealt with at its end (module docstring); inside
+    the command or another watched run, just ``run()``."""
+    global WATCHING
+    if WATCHING:
+        return run()
+    WATCHING, before = True, snapshot()
+    try:
+        return run()
+    finally:
+        WATCHING = False
+        try:
+            stop_and_name(before)
+        finally:
+            RUN_THREADS.update(t for t in blocking_threads() if t not in before.threads)
+            _watch_script_exit()
+
+
+def _watch_script_exit() -> None:
+    """Start (once) the daemon thread that watches the script's exit for ``RUN_THREADS``."""
+    global _script_watch
+    if _script_watch is None or not _script_watch.is_alive():
+        # Private, but the hook concurrent.futures itself uses (CPython 3.9+); registered
+        # after it, so it runs first: the watch starts even if a pool's join then blocks.
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:
+            threading.Thread(target=lambda: (threading.main_thread().join(), _exiting.set()),
+                             daemon=True, name="turnrl-exit-wait").start()
+        else:
+            register(_exiting.set)
+        _script_watch = threading.Thread(target=_script_exit_watchdog, daemon=True,
+                                         name="turnrl-exit-watchdog")
+        _script_watch.start()
+
+
+def _script_exit_watchdog(grace_s: float = EXIT_GRACE_S) -> None:
+    """After the main thread ends: once only run-started threads have kept the process for
+    ``grace_s``, name them and ``let_go`` of them."""
+    _exiting.wait()
+    since = None
+    while stuck := blocking_threads():
+        if not all(t in RUN_THREADS for t in stuck):
+            since = None  # the script's own threads: Python waits for them, and so do we
+        elif since is None:
+            since = time.monotonic()
+        elif time.monotonic() - since >= grace_s:
+            _name(stuck)
+            if not let_go(stuck):  # a Python whose exit let_go cannot reach
+                _exit(1)
+            return
+        time.sleep(0.1)
+
+
+def let_go(threads: list[threading.Thread]) -> bool:
+    """Make Python's exit stop waiting for ``threads``, as for daemon threads (it waits on
+    each one's state lock, CPython 3.11-3.12, or handle, 3.13+); they are then stopped with
+    the interpreter. False if this Python has neither."""
+    for thread in threads:
+        try:
+            if hasattr(thread, "_tstate_lock"):
+                if (lock := thread._tstate_lock) is not None:  # None: it has ended
+                    lock.release()
+            elif hasattr(getattr(thread, "_handle", None), "_set_done"):
+                thread._handle._set_done()
+            else:
+                return False
+        except RuntimeError:  # ended meanwhile (an unlocked lock)
+            pass
+    return True

@@ -20,6 +20,7 @@ from turnrl.config import Config
 from turnrl.datafile import DataFileError, read_text
 from turnrl.envs import Env, make_env
 from turnrl.envs.mix import MixEnv
+from turnrl.envs.user_module import load_env_module
 from turnrl.evaluation import EvalResult, evaluate, evaluate_each, reply_scorer, with_env_metrics
 from turnrl.lora import add_adapter, base_copy, require_peft, vllm_lora_config
 from turnrl.models import load_model, resolve_device
@@ -54,6 +55,7 @@ def load_policy(cfg: Config, announce: bool = True) -> Policy:
     """Load the model on its device (with a fresh LoRA adapter under ``model.lora``), check
     its chat template and the env, wire evaluation; print the ``sampler:`` line unless the
     caller replaces the sampler (``announce`` False) and prints its own."""
+    load_env_module(cfg.env.module)  # the user's envs, before any is built
     lora = cfg.model.lora_plan()
     if lora is not None:
         require_peft()  # before the model loads: one line, not a traceback minutes later

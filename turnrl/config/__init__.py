@@ -40,7 +40,7 @@ from turnrl.config.core import (
 )
 from turnrl.config.critic import CriticConfig
 from turnrl.config.distill import DistillConfig
-from turnrl.config.env_plan import Curriculum, MixEntry
+from turnrl.config.env_plan import Curriculum, EnvModule, MixEntry, parse_env_module
 from turnrl.config.explore import ExploreConfig
 from turnrl.config.help import config_help, section_help, sections_help
 from turnrl.config.load import (
@@ -77,6 +77,7 @@ __all__ = [
     "DistillConfig",
     "Curriculum",
     "EnvConfig",
+    "EnvModule",
     "EvalConfig",
     "ExploreConfig",
     "LossAgg",
@@ -104,6 +105,7 @@ __all__ = [
     "field_docs",
     "load_config",
     "load_run_config",
+    "parse_env_module",
     "parse_yaml_value",
     "save_config",
     "section_help",

@@ -17,6 +17,7 @@ from turnrl.config.env_plan import (
     Curriculum,
     MixEntry,
     parse_curriculum,
+    parse_env_module,
     parse_mix,
 )
 from turnrl.config.lora_plan import LoraSpec, parse_lora
@@ -71,6 +72,11 @@ class ModelConfig(Section):
 class EnvConfig(Section):
     name: str = "guess-number"
     """registered environment name"""
+    module: str = ""
+    """a Python module of your own imported before the env is built, so the envs it registers
+    (@register_env) can be named: a module name on sys.path (my_envs, pkg.envs), or the path
+    of a .py file (stored absolute); ':NAME' after either also sets env.name, e.g. --env.module
+    my_envs:counter. Ray workers import it too (shipped unless installed); '' = none"""
     options: dict[str, Any] = field(default_factory=dict)
     """keyword arguments for the environment's constructor, e.g. --env.options.high 20"""
     curriculum: dict[str, Any] = field(default_factory=dict)
@@ -104,6 +110,7 @@ class EnvConfig(Section):
         self._require("opponent_pool_size", self.opponent_pool_size >= 1, ">= 1")
         self._require("opponent_pool_every", self.opponent_pool_every >= 1, ">= 1")
         self._require("opponent_endpoint_timeout_s", self.opponent_endpoint_timeout_s > 0, "> 0")
+        self._check_module()
         curriculum, mix = self.curriculum_plan(), self.mix_plan()
         if mix and self.name != MIX_NAME:
             raise ConfigError(f"env.mix is set but env.name is '{self.name}': set --env.name "
@@ -124,6 +131,24 @@ class EnvConfig(Section):
         if curriculum and curriculum.option in self.options:
             raise ConfigError(f"env.options.{curriculum.option} is set by env.curriculum (its "
                               "levels; evaluation uses the hardest); drop it from env.options")
+
+    def _check_module(self) -> None:
+        """A path is stored absolute (resume and eval run from anywhere); ``:NAME`` sets
+        ``name`` unless that names another env."""
+        module = parse_env_module(self.module)
+        if module is None:
+            return
+        if module.is_path:
+            path = Path(module.target).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"env.module '{self.module}': no file {path.resolve()}; give "
+                                  "the path of the .py file that registers your env")
+            suffix = f":{module.env}" if module.env else ""
+            object.__setattr__(self, "module", f"{path.resolve()}{suffix}")
+        if module.env and self.name not in (module.env, EnvConfig.name):
+            raise ConfigError(f"env.module '{self.module}' picks env '{module.env}' but env.name "
+                              f"is '{self.name}': drop one of them")
+        object.__setattr__(self, "name", module.env or self.name)
 
     def curriculum_plan(self) -> Curriculum | None:
         """``curriculum`` parsed (None: off)."""

@@ -129,3 +129,32 @@ def _mix_entry(index: int, item: Any) -> MixEntry:
     if not isinstance(label, str) or not label or "/" in label:
         raise ConfigError(f"{where}.label must be a non-empty name without '/', got {label!r}")
     return MixEntry(name, dict(options), float(weight), label)
+
+
+@dataclass(frozen=True)
+class EnvModule:
+    """``env.module`` parsed: what to import, and the env it names (``module:NAME``)."""
+
+    target: str
+    """A module name (``my_envs``, ``pkg.envs``) or the path of a ``.py`` file."""
+    env: str = ""
+    """The env ``module:NAME`` picks ('' = env.name picks it)."""
+
+    @property
+    def is_path(self) -> bool:
+        return self.target.endswith(".py") or "/" in self.target or "\\" in self.target
+
+
+def parse_env_module(spec: str) -> EnvModule | None:
+    """``env.module``: ``my_envs``, ``my_envs:NAME``, ``path/to/envs.py`` or
+    ``path/to/envs.py:NAME`` (None: no module)."""
+    if not spec.strip():
+        return None
+    target, colon, env = spec.strip().rpartition(":")
+    if not colon or not target or "/" in env or "\\" in env or env.endswith(".py"):
+        target, env = spec.strip(), ""  # no ':NAME' part (a Windows drive letter stays)
+    module = EnvModule(target, env)
+    if not module.is_path and not all(p.isidentifier() for p in target.split(".")):
+        raise ConfigError(f"env.module '{spec}' is neither a module name (my_envs, pkg.envs) "
+                          "nor a .py file path; give one, optionally followed by :ENV_NAME")
+    return module

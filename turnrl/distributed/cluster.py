@@ -25,6 +25,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from turnrl.config import Config, ConfigError
@@ -106,10 +107,11 @@ def installed(path: Path) -> bool:
 
 
 def module_to_ship(obj: Any) -> str | None:
-    """The file or package directory defining ``obj``, for ``py_modules``; None when the
-    workers have it anyway (turnrl, an installed package) or Ray pickles it by value
-    (``__main__``)."""
-    name = getattr(obj, "__module__", None) or ""
+    """The file or package directory defining ``obj`` (or that module ``obj`` is), for
+    ``py_modules``; None when the workers have it anyway (turnrl, an installed package) or
+    Ray pickles it by value (``__main__``)."""
+    name = (obj.__name__ if isinstance(obj, ModuleType) else getattr(obj, "__module__", None)
+            ) or ""
     top = name.split(".")[0]
     if not top or top in ("__main__", "turnrl", "builtins"):
         return None

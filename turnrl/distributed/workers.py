@@ -89,6 +89,7 @@ from turnrl.distributed.worker_engines import (  # noqa: F401 - re-exported (tes
     worker_env_factory,
 )
 from turnrl.envs.base import ENVS
+from turnrl.envs.user_module import load_env_module, module_of
 from turnrl.lora import load_published, published_state
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy
@@ -150,6 +151,7 @@ class RolloutWorker:
         # One thread per reserved CPU: torch's default (one per core of the machine) would
         # oversubscribe the cores the learner and the other workers run on.
         configure_torch(threads or max(1, int(cfg.ray.worker_cpus)))
+        load_env_module(cfg.env.module, shipped=True)  # by name: its file came in py_modules
         if env_factory is not None:
             ENVS[cfg.env.name] = env_factory
         self.refresh: Any = None
@@ -441,7 +443,8 @@ def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None
 
     actor = ray.remote(RolloutWorker)
     sent, setup = WorkerSetup.of(cfg)
-    runtime_env = uploaded(worker_runtime_env(cfg, [env_factory]))
+    shipped = [env_factory, module_of(cfg.env.module)]  # the env, and env.module's envs
+    runtime_env = uploaded(worker_runtime_env(cfg, shipped))
     handles = []
     for index in range(cfg.ray.num_workers) if indices is None else indices:
         options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0,

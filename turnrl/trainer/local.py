@@ -15,6 +15,7 @@ from turnrl.algorithms.exploration import dynamic_sampling
 from turnrl.checkpoint import load_frozen
 from turnrl.config import Config
 from turnrl.envs import Env
+from turnrl.leftovers import watched_run
 from turnrl.lora import published_state
 from turnrl.policy import training_seeds
 from turnrl.selfplay import EndpointOpponent, ModelOpponent, OpponentPool
@@ -144,5 +145,6 @@ def resample_seeds(cfg: Config, step: int, round_: int) -> list[tuple[int, int]]
 
 
 def train(cfg: Config, *, resume: bool = False) -> TrainResult:
-    """Lock-step training on this process's engine (``learn`` over a ``LocalSource``)."""
-    return learn(cfg, LocalSource(), resume=resume)
+    """Lock-step training on this process's engine (``learn`` over a ``LocalSource``); what
+    the envs leave behind is dealt with at the end (``turnrl.leftovers.watched_run``)."""
+    return watched_run(lambda: learn(cfg, LocalSource(), resume=resume))
