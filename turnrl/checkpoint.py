@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from turnrl import safe_json
 from turnrl.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -186,7 +187,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     torch.save(rng, tmp / "rng.pt")
     for name, state in (components or {}).items():
         torch.save(state, tmp / f"{name}.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **(extra or {})}))
+    (tmp / "state.json").write_text(safe_json.dumps({"step": step, **(extra or {})}))
     _fsync_tree(tmp)
     if final.exists():  # re-saving a step after a resume: move the old copy out of sight first
         stale = root / f".tmp-old-{PREFIX}{step:06d}-{os.getpid()}"

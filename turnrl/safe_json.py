@@ -20,10 +20,14 @@ the episode, under a size budget:
   ``repr`` raises becomes ``"<TypeName: repr raised ValueError>"``.
 
 Nothing here raises: ``json.dumps(json_safe(x))`` always succeeds and is bounded in size.
+
+``dumps`` is the ``json.dumps`` every file TurnRL writes goes through: non-finite floats
+become ``null`` there too, so each file parses with a strict JSON reader.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -174,3 +178,26 @@ def _as_array(value: Any) -> Any:
 
 def _array(array: Any, name: str, budget: _Budget, path: tuple[int, ...], depth: int) -> Any:
     return _safe(array.tolist(), budget, path, depth)
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every NaN and infinity (in dicts, lists and tuples, at any depth)
+    replaced by ``None``; other values are kept as they are (no copy when none is found)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(item) for item in value]
+    return value
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """``json.dumps`` that always writes valid JSON: JSON has no NaN or Infinity (Python's
+    ``json`` would write the non-standard ``NaN``/``-Infinity``, which strict readers refuse),
+    so non-finite floats are written as ``null``. Every file TurnRL writes goes through this
+    (or ``metrics.jsonl``'s logger, which does the same)."""
+    try:
+        return json.dumps(value, allow_nan=False, **kwargs)
+    except ValueError:  # a NaN or infinity somewhere: the slow path, only then
+        return json.dumps(finite_json(value), allow_nan=False, **kwargs)

@@ -428,7 +428,8 @@ def end_turn(episode: Episode, outcome: StepResult | BaseException, start: int, 
         episode.turns.append(Turn(start, end, text, "", 0.0, finish_reason, state))
         fail_episode(episode, outcome, "step")
         return None
-    record_turn(episode, outcome, start, end, text, finish_reason, state, observation)
+    if not record_turn(episode, outcome, start, end, text, finish_reason, state, observation):
+        return None  # its reward failed the episode (Episode.add_turn)
     if outcome.done:
         episode.end("done", "done")
         return None
@@ -439,16 +440,17 @@ def end_turn(episode: Episode, outcome: StepResult | BaseException, start: int, 
 
 
 def record_turn(episode: Episode, result: StepResult, start: int, end: int, text: str,
-                finish_reason: str, state: str, observation: str | None = None) -> None:
+                finish_reason: str, state: str, observation: str | None = None) -> bool:
     """Add the turn, its reward and the env's ``info`` (made JSON-safe and bounded here, where
     it enters the episode) to ``episode``. ``observation``: what to store as the turn's
-    observation instead of the env's (a preview of one too large to keep)."""
-    episode.turns.append(Turn(start, end, text,
-                              result.observation if observation is None else observation,
-                              float(result.reward), finish_reason, state))
-    episode.reward += float(result.reward)
+    observation instead of the env's (a preview of one too large to keep). False when the
+    reward failed the episode: it, or the return it makes, is not finite (``add_turn``)."""
+    added = episode.add_turn(Turn(start, end, text,
+                                  result.observation if observation is None else observation,
+                                  float(result.reward), finish_reason, state))
     info = dict(result.info or {})
     info.pop("state_key", None)
     if "success" in info:
         episode.success = bool(info.pop("success"))  # checked_step: bool() does not raise
     episode.info.update(json_safe(info))
+    return added

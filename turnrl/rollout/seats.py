@@ -192,14 +192,15 @@ class SeatedGames:
             final = StepResult(endings[seat], reward, True, info)
             if slot.turn is not None:
                 completion, text, start, end = slot.turn
-                record_turn(slot.episode, final, start, end, text, completion.finish_reason,
-                            slot.state)
+                rewarded = record_turn(slot.episode, final, start, end, text,
+                                       completion.finish_reason, slot.state)
             else:  # the game ended before this seat moved: its reward without a turn
-                slot.episode.reward += reward
+                rewarded = slot.episode.add_reward(reward)
                 slot.episode.success = bool(info.pop("success", False))
                 slot.episode.info.update(json_safe(info))
             slot.turn = None
-            slot.episode.end("done", "done")
+            if rewarded:  # else the reward failed this seat's episode (Episode.add_reward)
+                slot.episode.end("done", "done")
         record_play_order(game)
 
     def _end_game(self, game: _Game, *, error: BaseException | None = None, where: str = "",
@@ -212,9 +213,11 @@ class SeatedGames:
                 continue
             if slot.turn is not None:
                 completion, text, start, end = slot.turn
-                record_turn(episode, StepResult("", slot.pending_reward, False, {}), start,
-                            end, text, completion.finish_reason, slot.state)
+                rewarded = record_turn(episode, StepResult("", slot.pending_reward, False, {}),
+                                       start, end, text, completion.finish_reason, slot.state)
                 slot.turn = None
+                if not rewarded:  # its reason (the reward) stands
+                    continue
             if error is not None:
                 fail_episode(episode, error, where)
             else:
