@@ -53,7 +53,7 @@ def test_rewards_that_sum_past_finite_fail_the_episode_and_keep_the_return_finit
     episode = Episode("e", 0, 0, token_ids=[1])
     assert episode.add_turn(_turn(1e308)) is False  # finite, but past the update's range
     assert (episode.status, episode.end_reason) == ("error", "env_error")
-    assert "reward 1e+308 (turn 1) is not a finite number within" in episode.info["reason"]
+    assert "env 'e' gave reward 1e+308 (turn 1): it is not a finite number within" in episode.info["reason"]
     assert episode.reward == 0.0 and [t.reward for t in episode.turns] == [0.0]
 
     near = Episode("e", 0, 0, token_ids=[1])
@@ -88,7 +88,7 @@ def test_a_served_reward_that_is_not_finite_is_refused_in_one_line(tmp_path):
     recorder = Recorder(str(tmp_path))
     recorder.episodes["a"] = RecordedEpisode("a")
     for bad in (math.inf, math.nan, -1e308):
-        with pytest.raises(ValueError, match="episode 'a': reward .* not a finite number"):
+        with pytest.raises(ValueError, match="episode 'a': env 'served' gave reward .* not a finite number"):
             recorder.set_reward("a", bad)
     assert recorder.episodes["a"].reward is None and not (tmp_path / "episodes.jsonl").exists()
 
@@ -108,7 +108,7 @@ def test_a_training_run_fails_the_huge_reward_episodes_and_still_updates(tmp_pat
     assert bad and good
     for ep in bad:
         assert (ep.status, ep.end_reason) == ("error", "env_error"), ep.info
-        assert "reward -1e+308 (turn 1) is not a finite number" in ep.info["reason"]
+        assert "reward -1e+308 (turn 1): it is not a finite number" in ep.info["reason"]
         assert ep.reward == 0.0
     assert all(ep.status == "done" and len(ep.turns) == 3 for ep in good)
     assert len({ep.reward for ep in good}) > 1  # a signal to learn from

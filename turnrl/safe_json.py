@@ -31,6 +31,13 @@ import json
 import math
 from typing import Any
 
+USER_ERRORS = (Exception, GeneratorExit, SystemExit)
+"""What code of a user's (an env, its values' ``__str__``, ``__repr__``, ``__bool__``) may raise
+that is that code's own failure, to be caught and named: every exception but
+``KeyboardInterrupt`` (Ctrl-C must still stop the run) and asyncio's ``CancelledError`` (the
+loop's own). A ``SystemExit`` or ``GeneratorExit`` from an env is its bug, not a request to
+stop the run."""
+
 MAX_CHARS = 10_000
 """Longest string kept whole (an info value, an error message)."""
 MAX_ITEMS = 1_000
@@ -53,7 +60,7 @@ def safe_text(value: Any, max_chars: int = MAX_CHARS) -> str:
     """``str(value)``, bounded; never raises (an object whose ``__str__`` raises is named)."""
     try:
         text = value if isinstance(value, str) else str(value)
-    except Exception as err:  # noqa: BLE001 - user objects may raise anything here
+    except USER_ERRORS as err:  # user objects may raise anything here
         text = f"<{type(value).__name__}: str raised {type(err).__name__}>"
     return cut(text, max_chars)
 
@@ -62,7 +69,7 @@ def safe_repr(value: Any, max_chars: int = 200) -> str:
     """``repr(value)``, bounded; never raises."""
     try:
         text = repr(value)
-    except Exception as err:  # noqa: BLE001 - user objects may raise anything here
+    except USER_ERRORS as err:  # user objects may raise anything here
         return f"<{type(value).__name__}: repr raised {type(err).__name__}>"
     return cut(text, max_chars)
 
@@ -120,7 +127,7 @@ def _safe(value: Any, budget: _Budget, path: tuple[int, ...], depth: int) -> Any
 def _container(value: Any, budget: _Budget, path: tuple[int, ...], depth: int) -> Any:
     try:
         items = list(value.items()) if isinstance(value, dict) else list(value)
-    except Exception as err:  # noqa: BLE001 - a subclass may break iteration
+    except USER_ERRORS as err:  # a subclass may break iteration
         return f"<{type(value).__name__}: iteration raised {type(err).__name__}>"
     left_out = max(0, len(items) - MAX_ITEMS)
     items = items[:MAX_ITEMS]

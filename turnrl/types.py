@@ -48,6 +48,17 @@ float64 does: past this bound the advantages would come out NaN (the whole step'
 skipped) or silently 0. An episode whose reward passes it fails alone (``Episode.add_turn``)."""
 
 
+def finite_real(value: object) -> bool:
+    """``value`` is a real number (not a bool) finite as a float; never raises (an int past
+    float's range is not, where ``math.isfinite`` would raise ``OverflowError``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except (OverflowError, TypeError, ValueError):
+        return False
+
+
 @dataclass
 class Turn:
     """One policy action and what the environment answered.
@@ -99,20 +110,18 @@ class Episode:
         return it makes or the turns' summed magnitudes not finite within ``REWARD_LIMIT``),
         else None."""
         if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-            return f"reward {safe_repr(reward)} is not a number; return a finite number"
-        try:
-            value = float(reward)
-        except (OverflowError, ValueError):  # an int past float's range, say
-            value = math.inf
+            return (f"env '{self.env}' gave reward {safe_repr(reward)}, not a number; return "
+                    "a finite number")
+        value = float(reward) if finite_real(reward) else math.inf
         sizes = (("reward", value), ("return", self.reward + value),
                  ("turns' summed |reward|", sum(abs(t.reward) for t in self.turns) + abs(value)))
         for what, number in sizes:
             if not (math.isfinite(number) and abs(number) <= REWARD_LIMIT):
                 effect = "is" if what == "reward" else f"makes the episode's {what} {number:g},"
                 turn = f" (turn {len(self.turns) + 1})" if self.token_ids else ""
-                return (f"reward {safe_repr(reward)}{turn} {effect} not "
-                        f"a finite number within ±{REWARD_LIMIT:g} (the update's float32 maths "
-                        "would overflow); keep rewards and their sum within that")
+                return (f"env '{self.env}' gave reward {safe_repr(reward)}{turn}: it {effect} "
+                        f"not a finite number within ±{REWARD_LIMIT:g} (the update's float32 "
+                        "maths would overflow); keep rewards and their sum within that")
         return None
 
     def add_turn(self, turn: Turn) -> bool:

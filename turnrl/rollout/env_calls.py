@@ -36,8 +36,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
-import math
-import numbers
 import threading
 import time
 import warnings
@@ -49,8 +47,8 @@ import numpy as np
 
 from turnrl.envs.base import StepResult
 from turnrl.envs.contract import is_cooperative, start_state, step_state
-from turnrl.safe_json import json_safe, safe_repr, safe_text
-from turnrl.types import Episode, Turn
+from turnrl.safe_json import USER_ERRORS, json_safe, safe_repr, safe_text
+from turnrl.types import Episode, Turn, finite_real
 
 
 class EnvError(Exception):
@@ -253,7 +251,7 @@ class EnvRunner:
                 outcome = None, EnvError(f"env {self.name} {method} raised CancelledError "
                                          "from inside (not a timeout)")
             except BaseException as err:  # noqa: BLE001 - the caller gets it, as raised
-                outcome = None, err
+                outcome = None, _as_exception(err, f"env '{self.name}' {method}")
             try:
                 loop.call_soon_threadsafe(deliver, *outcome)
             except RuntimeError:  # the caller's loop has closed
@@ -286,6 +284,22 @@ class EnvRunner:
         left running there is cancelled when the turn loop stops the shared loop."""
         if self.shared is None:
             _stop(self.loop)
+
+
+def _as_exception(error: BaseException, where: str) -> BaseException:
+    """``error``, an env call raised on the env's own thread, as its caller may get it: an
+    ``Exception`` as raised; a ``KeyboardInterrupt``, ``SystemExit`` or ``GeneratorExit`` (env
+    code's own: Ctrl-C reaches the main thread, never this one) as an ``EnvError`` naming it,
+    since asyncio re-raises those out of the turn loop instead of failing one episode."""
+    if isinstance(error, Exception):
+        return error
+    return EnvError(f"{where} raised {raised(error)}")
+
+
+def raised(error: BaseException) -> str:
+    """``error`` as one bounded line: its type, then its message when it has one."""
+    message = safe_text(error).replace("\n", " ")
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def _stop(loop: asyncio.AbstractEventLoop) -> None:
@@ -343,8 +357,7 @@ def checked_step(value: Any, env: str) -> StepResult:
     if not isinstance(observation, str):
         raise EnvError(f"env '{env}' step returned observation of type "
                        f"{type(observation).__name__}; return a str")
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) \
-            or not math.isfinite(reward):
+    if not finite_real(reward):
         raise EnvError(f"env '{env}' step returned reward {safe_repr(reward)}; return a finite "
                        "number")
     if not isinstance(done, bool | np.bool_):
@@ -356,7 +369,7 @@ def checked_step(value: Any, env: str) -> StepResult:
     if info and "success" in info:
         try:
             bool(info["success"])
-        except Exception as err:  # noqa: BLE001 - e.g. a numpy array of several values
+        except USER_ERRORS as err:  # e.g. a numpy array of several values
             raise EnvError(f"env '{env}' step returned info['success'] that is not a bool "
                            f"({type(info['success']).__name__}: bool() raised "
                            f"{type(err).__name__}); return True or False") from None
@@ -378,8 +391,7 @@ def fail_episode(episode: Episode, error: BaseException, where: str) -> None:
     elif isinstance(error, EnvError):  # a malformed return: the message names the field
         episode.end("error", "env_error", safe_text(error))
     else:
-        episode.end("error", "env_error",
-                    f"env {where} raised {type(error).__name__}: {safe_text(error)}")
+        episode.end("error", "env_error", f"env {where} raised {raised(error)}")
 
 
 def env_prompt(chat: Any, env: Any, first: str, name: str
@@ -391,7 +403,7 @@ def env_prompt(chat: Any, env: Any, first: str, name: str
     try:
         system_prompt, tools = chat.env_prompt(env)
         state = state_text(start_state(env, first))
-    except Exception as err:  # noqa: BLE001 - user code: its failure fails the episode
+    except USER_ERRORS as err:  # user code: its failure fails the episode
         raise EnvError(f"env '{name}' system_prompt, tool_prompt or state_key raised "
                        f"{type(err).__name__}: {safe_text(err)}") from None
     if system_prompt is not None and not isinstance(system_prompt, str):
@@ -410,7 +422,7 @@ def state_text(value: Any) -> str:
     (``MAX_STATE_CHARS``)."""
     try:
         text = value if isinstance(value, str) else str(value)
-    except Exception:  # noqa: BLE001 - user objects may raise anything here
+    except USER_ERRORS:  # user objects may raise anything here
         return f"<{type(value).__name__}>"
     if len(text) <= MAX_STATE_CHARS:
         return text
