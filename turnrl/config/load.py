@@ -112,8 +112,9 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"config file '{path}' not found; check the path")
     try:
         return yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file '{path}' is not valid YAML ({exc}); fix it") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:  # YAML's text spans lines: one here
+        what = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ConfigError(f"config file '{path}' is not valid YAML ({what}); fix it") from None
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:

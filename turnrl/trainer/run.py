@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from turnrl import safe_json
 from turnrl.algorithms.estimators import AdvantageEstimator, EstimatorSettings, make_estimator
@@ -46,8 +45,8 @@ from turnrl.config import (
     DistillConfig,
     ExploreConfig,
     changed_keys,
-    config_from_dict,
     config_to_dict,
+    load_run_config,
     save_config,
 )
 from turnrl.evaluation import (
@@ -153,7 +152,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
         if not saved.exists():
             raise ConfigError(f"nothing to resume in '{run_dir}' (no config.yaml); "
                               "drop --resume to start a new run")
-        stored = config_from_dict(yaml.safe_load(saved.read_text()))
+        stored = load_run_config(str(saved))  # ConfigError (one line) if unreadable
         changed = [key for key in changed_keys(stored, cfg) if key not in RESUMABLE]
         if changed:
             raise ConfigError(f"cannot change {', '.join(changed)} when resuming '{run_dir}'; "
