@@ -23,7 +23,11 @@ from turnrl.evaluation import EvalResult, evaluate, evaluate_each, reply_scorer,
 from turnrl.lora import add_adapter, base_copy, require_peft, vllm_lora_config
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat, HFEngine, SamplingParams
-from turnrl.rollout.chat import sampling_params  # noqa: F401 - also imported from here
+from turnrl.rollout.chat import (  # noqa: F401 - sampling_params: also imported from here
+    checked_chat,
+    read_chat_template,
+    sampling_params,
+)
 from turnrl.rollout.engine import Engine
 from turnrl.selfplay import evaluation_factories, uses_pool, with_outcome_metrics
 
@@ -61,9 +65,8 @@ def load_policy(cfg: Config) -> Policy:
     model.to(resolve_device(cfg.model.device))
     if lora is not None:
         model = add_adapter(model, lora)
-    use_chat_template(tokenizer, cfg.model.chat_template)
-    chat = ChatFormat(tokenizer)
-    chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
+    # Fails at start-up, not mid-run, if the template breaks token-in-token-out.
+    chat = checked_chat(tokenizer, cfg.model.chat_template)
     make, eval_makes = env_factories(cfg)  # bad names or options fail here, in one line
     engine = sampler(cfg, model, tokenizer)
     eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
@@ -262,8 +265,8 @@ def _checked(where: str, make: Callable[[], Env]) -> Callable[[], Env]:
 
 def use_chat_template(tokenizer, path: str) -> None:
     """Replace the tokenizer's chat template with the file ``path`` ('' keeps it)."""
-    if path:
-        tokenizer.chat_template = Path(path).expanduser().read_text()
+    if path:  # a file that is unreadable, empty, binary or not Jinja: one line naming it
+        tokenizer.chat_template = read_chat_template(path)
 
 
 def training_seeds(cfg: Config, step: int) -> list[tuple[int, int]]:
