@@ -125,3 +125,24 @@ def test_a_training_run_fails_the_huge_reward_episodes_and_still_updates(tmp_pat
             else [path.read_text()]
         for line in filter(str.strip, lines):
             strict_loads(line)  # raises on NaN / Infinity
+
+
+def test_combined_rewards_name_the_part_that_is_not_a_finite_number():
+    from turnrl.rewards import combine
+
+    def judge(completion):
+        return {"nan": math.nan, "text": "1", "huge": 1e308, "yes": True}[completion]
+
+    def length(completion):
+        return 1.0
+
+    reward = combine([(judge, 1.0), (length, 1e308)])
+    assert reward("yes") == pytest.approx(1 + 1e308)
+    with pytest.raises(ValueError, match="reward function judge returned nan; return a finite"):
+        reward("nan")
+    with pytest.raises(ValueError, match="returned '1'"):
+        reward("text")
+    with pytest.raises(ValueError, match="the weighted sum of judge, length overflows"):
+        reward("huge")
+    with pytest.raises(ValueError, match="the weight of length is inf; give a finite number"):
+        combine([(judge, 1.0), (length, math.inf)])

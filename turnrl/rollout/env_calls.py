@@ -20,9 +20,15 @@ turn loop instead (``SharedLoop``): fewer wake-ups, at the price that one that b
 stalls the others until their timeouts; the turn loop then stops sharing.
 
 Validation: ``reset`` must return a ``str``; ``step`` a ``StepResult`` with a ``str``
-observation, a finite number as reward (a NaN or infinite reward fails the episode here and
-never reaches the advantages), a ``bool`` done and a ``dict`` (or ``None``) info. Anything
-else fails the episode with a one-line reason naming the environment and the field. An
+observation, a finite number as reward (a NaN or infinite reward fails the episode here;
+finite rewards whose sum is not finite within ``types.REWARD_LIMIT`` fail it where they enter
+it, ``Episode.add_turn``: neither reaches the advantages), a ``bool`` done and a ``dict`` (or ``None``) info. Anything
+else fails the episode with a one-line reason naming the environment and the field. So does
+any exception an env call raises on the env's thread, ``KeyboardInterrupt``, ``SystemExit``
+and ``GeneratorExit`` included (``_as_exception``: asyncio would re-raise those out of the
+turn loop); env code read on the turn loop's own thread (``seat_to_move``, ``observe``,
+``system_prompt``, ``state_key``) is caught for ``safe_json.USER_ERRORS``, every exception
+but a ``KeyboardInterrupt``, which there cannot be told from Ctrl-C and stops the run. An
 ``info["success"]`` that cannot be read as a bool, or ``tool_results`` that are not a list
 of dicts, fail it too. What ``info`` holds enters the episode JSON-safe and bounded
 (``safe_json.json_safe``: an env's sets, tensors or custom objects never crash the write of
