@@ -13,7 +13,7 @@ import math
 import numbers
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -135,8 +135,7 @@ class Episode:
         False, the episode failed with the reason, when ``reward_problem`` finds one."""
         problem = self.reward_problem(reward)
         if turn is not None:
-            self.turns.append(turn if problem is None else Turn(**{**asdict(turn),
-                                                                    "reward": 0.0}))
+            self.turns.append(turn if problem is None else replace(turn, reward=0.0))
         if problem is not None:
             self.end("error", "env_error", problem)
             return False
