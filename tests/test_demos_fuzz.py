@@ -18,6 +18,7 @@ from turnrl.config import ConfigError, load_config
 from turnrl.datafile import DataFileError, text_lines
 from turnrl.demos.data import DataError, read_demonstrations
 from turnrl.envs.mcp_env import read_tasks
+from turnrl.rollout.chat import TemplateError
 
 CALL = {"id": "c1", "type": "function",
         "function": {"name": "calculator", "arguments": '{"expression": "12 * 34"}'}}
@@ -251,9 +252,10 @@ def test_a_chat_template_file_is_utf8_with_its_bad_byte_named(tmp_path):
         path.write_bytes(bytes(data))
         try:
             use_chat_template(tok, str(path))
-        except DataFileError as err:
+        except TemplateError as err:
             message = str(err)
-            assert message.startswith(f"model.chat_template {path}:") and "\n" not in message
+            assert message.startswith(f"--model.chat_template '{path}' line ") \
+                and "\n" not in message
             assert "save the file as UTF-8" in message or "save it as UTF-8" in message
         else:  # the byte still made UTF-8 (0x80 after 0xc3): read as it is
             assert tok.chat_template == bytes(data).decode()

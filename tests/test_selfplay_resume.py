@@ -152,6 +152,7 @@ def test_a_checkpoint_without_a_pool_resumes_with_a_new_pool_and_one_warning(
     checkpoint = old / "checkpoints" / "step-000002"
     state = json.loads((checkpoint / "state.json").read_text())
     del state["opponent_pool"]
+    del state["files"]  # nor did it list its files' checksums (those came later still)
     (checkpoint / "state.json").write_text(json.dumps(state))
     shutil.rmtree(checkpoint / "opponent_pool")
     with pytest.warns(UserWarning) as caught:
@@ -178,8 +179,9 @@ def test_a_checkpoint_missing_a_pool_members_weights_is_refused_in_one_line(
     code = main(["train", "--resume", "--run.out_dir", str(torn), "--run.steps", "6"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
-    assert "opponent pool version 3 has no weights under opponent_pool/v000003/" in err
-    assert "step-000004" in err and "move that checkpoint aside" in err
+    # state.json lists the member's files: caught before anything is loaded
+    assert "opponent_pool/v000003/model.safetensors is missing" in err
+    assert "step-000004" in err and "move it aside" in err
 
 
 def _mix_cfg(model, out, steps=STEPS):

@@ -14,6 +14,13 @@ of weights for the life of a run (``opponent_pool/v000004``: the policy after 4 
 no bytes are written twice: weights equal to the model's own, or held under the same name by
 the previous checkpoint, are hard links to those files (a copy where the filesystem has no
 hard links).
+
+A checkpoint that cannot be used (a file truncated, deleted or overwritten with other bytes;
+``state.json`` from another version or missing its keys; weights of another model) is a
+``CheckpointError``: one line naming the checkpoint, what is wrong and the fix, never a
+traceback or weights loaded from bad bytes. ``state.json`` lists each file's size and CRC-32
+(``files``), checked before anything is loaded (checkpoints written before it are loaded
+unchecked, as they were).
 """
 
 from __future__ import annotations
@@ -21,15 +28,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from turnrl import safe_json
 from turnrl.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -39,6 +50,7 @@ from turnrl.lora import (
     save_adapter,
 )
 from turnrl.metrics import fsync_dir
+from turnrl.safe_json import safe_text
 
 PREFIX = "step-"
 MODEL_WEIGHTS = "model.safetensors"
@@ -47,6 +59,75 @@ WEIGHT_FILES = (MODEL_WEIGHTS, ADAPTER_WEIGHTS)
 Frozen = torch.nn.Module | Callable[[], torch.nn.Module]
 """Further weights to save: a model, or a function that builds it (async pools: the members'
 weights live in Ray's object store, and only a member not saved before is built)."""
+
+
+STEP_DIR = re.compile(rf"{PREFIX}\d{{6,}}")
+"""A checkpoint's directory name (``step-000004``); ``step-000004.bad`` is not one."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: one line naming it, what is wrong and the fix."""
+
+
+def unusable(path: Path, what: str) -> CheckpointError:
+    """The ``CheckpointError`` for ``path``: ``what`` is wrong; move it aside to resume from the
+    checkpoint before it."""
+    aside = path.parent.parent / f"bad-{path.name}"
+    return CheckpointError(f"checkpoint '{path}' cannot be used: {what}; move it aside "
+                           f"(mv '{path}' '{aside}') to resume from the checkpoint before it, "
+                           "or start a new run in another run.out_dir")
+
+
+def _crc(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_manifest(path: Path) -> dict[str, list[int]]:
+    """Every file under ``path`` (frozen weights' subdirectories too): relative name ->
+    ``[size, crc32]``."""
+    return {file.relative_to(path).as_posix(): [file.stat().st_size, _crc(file)]
+            for file in sorted(path.rglob("*")) if file.is_file()}
+
+
+def read_state(path: Path) -> dict:
+    """``path/state.json``, checked: a JSON object with a whole ``step`` >= 0, and every file
+    it lists there with the size and CRC-32 it was written with. ``CheckpointError`` else."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise unusable(path, f"state.json is unreadable ({type(err).__name__}: "
+                       f"{safe_text(err, 200)})") from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise unusable(path, f"state.json has no whole 'step' >= 0 (got "
+                       f"{safe_text(state, 200)}): it is not a TurnRL checkpoint of this version")
+    files = state.get("files", {})
+    if not isinstance(files, dict):
+        raise unusable(path, "state.json's 'files' is not a mapping of file -> [size, crc32]")
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            raise unusable(path, f"{name} is missing")
+        if [file.stat().st_size, _crc(file)] != expected:
+            raise unusable(path, f"{name} is not the file that was saved (its size or CRC-32 "
+                           "differs: truncated or overwritten)")
+    return state
+
+
+def _loading(path: Path, name: str, load: Callable[[], Any]) -> Any:
+    """``load()``, any failure as a ``CheckpointError`` naming ``name`` in ``path``."""
+    try:
+        return load()
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - torch, safetensors, pickle: each its own type
+        text = safe_text(err, 300).splitlines()
+        raise unusable(path, f"{name} could not be loaded ({type(err).__name__}: "
+                       f"{text[0] if text else ''})") from None
 
 
 def _fsync_tree(path: Path) -> None:
@@ -186,7 +267,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     torch.save(rng, tmp / "rng.pt")
     for name, state in (components or {}).items():
         torch.save(state, tmp / f"{name}.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **(extra or {})}))
+    state = {"step": step, **(extra or {}), "files": file_manifest(tmp)}
+    (tmp / "state.json").write_text(safe_json.dumps(state))
     _fsync_tree(tmp)
     if final.exists():  # re-saving a step after a resume: move the old copy out of sight first
         stale = root / f".tmp-old-{PREFIX}{step:06d}-{os.getpid()}"
@@ -206,24 +288,37 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return None
     for tmp in root.glob(f".tmp-{PREFIX}*"):
         shutil.rmtree(tmp, ignore_errors=True)
-    found = sorted(root.glob(f"{PREFIX}*"))
+    found = sorted(p for p in root.glob(f"{PREFIX}*") if STEP_DIR.fullmatch(p.name))
     return found[-1] if found else None
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Restore model and optimiser in place; return (state.json contents, rng state)."""
+    """Restore model and optimiser in place; return (state.json contents, rng state).
+    ``CheckpointError`` (one line, the fix) for a checkpoint that cannot be used; its files
+    are checked before the model or optimiser is touched."""
     path = Path(path)
+    state = read_state(path)
     load_weights(path, model)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    return json.loads((path / "state.json").read_text()), rng
+    _loading(path, "optimizer.pt", lambda: optimizer.load_state_dict(
+        torch.load(path / "optimizer.pt", weights_only=False)))
+    rng = _loading(path, "rng.pt", lambda: _rng_dict(torch.load(path / "rng.pt",
+                                                                weights_only=False)))
+    return state, rng
+
+
+def _rng_dict(state: Any) -> dict:
+    if not (isinstance(state, dict) and {"python", "numpy", "torch"} <= state.keys()):
+        raise ValueError("not the random-number state TurnRL saves")
+    return state
 
 
 def load_component(path: str | Path, name: str) -> dict | None:
     """A state dict saved with ``components={name: ...}``, or None if the checkpoint has none."""
     file = Path(path) / f"{name}.pt"
-    return torch.load(file, weights_only=False) if file.exists() else None
+    if not file.exists():
+        return None
+    return _loading(Path(path), file.name, lambda: torch.load(file, weights_only=False))
 
 
 def load_frozen(path: str | Path, name: str, model: torch.nn.Module) -> bool:
@@ -253,6 +348,8 @@ def load_weights(path: str | Path, model: torch.nn.Module) -> None:
         need = "model.lora set as in its run" if adapter else "no model.lora"
         raise ValueError(f"checkpoint '{path}' holds {have}: load it with {need}")
     if adapter:
-        load_adapter(model, path)
+        _loading(path, ADAPTER_WEIGHTS, lambda: load_adapter(model, path))
+    elif not (path / MODEL_WEIGHTS).is_file():
+        raise unusable(path, f"it has no weights ({MODEL_WEIGHTS} or {ADAPTER_WEIGHTS})")
     else:
-        load_model(model, str(path / MODEL_WEIGHTS))
+        _loading(path, MODEL_WEIGHTS, lambda: load_model(model, str(path / MODEL_WEIGHTS)))

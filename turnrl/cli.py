@@ -85,8 +85,7 @@ def _run_config(own: dict, overrides: list[str]):
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
-    import json
-
+    from turnrl import safe_json
     from turnrl.checkpoint_eval import eval_compare, eval_one, eval_seeds
 
     args = list(argv)
@@ -120,7 +119,7 @@ def cmd_eval(argv: Sequence[str]) -> int:
     if "--out" in own:
         out = Path(own["--out"])
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
+        out.write_text(safe_json.dumps(report, indent=1))
         print(f"wrote {out}")
     return 0
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from turnrl import safe_json
 from turnrl.checkpoint import is_checkpoint, latest_checkpoint
 from turnrl.config import ConfigError, load_run_config
 from turnrl.hub import is_hub_id
@@ -117,7 +118,7 @@ def export_model(source: str | Path, out_dir: str | Path, *, adapter_only: bool 
         reloaded = reload_plain(out, model.dtype, cfg.model.trust_remote_code)
     diff = logprob_difference(expected, tokenizer, reloaded, out)
     record["max_logprob_diff"] = diff
-    (out / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    (out / EXPORT_RECORD).write_text(safe_json.dumps(record, indent=2) + "\n")
     if diff > MAX_LOGPROB_DIFF[cfg.model.dtype]:
         raise ValueError(f"the exported model in '{out}' does not reproduce the checkpoint: "
                          f"log-probs differ by up to {diff:.3g}")
@@ -167,7 +168,7 @@ def _write_atomically(out: Path, save_weights, tokenizer, record: dict) -> None:
             config.name_or_path = ""  # the exported directory is its own source
         save_weights(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / EXPORT_RECORD).write_text(safe_json.dumps(record, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
         if out.exists():
             out.rmdir()  # empty, checked above

@@ -13,7 +13,6 @@ it, and a run with it fails at start-up with one line naming the extra (``requir
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import warnings
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from turnrl import safe_json
 from turnrl.config import ConfigError, LoraSpec
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -165,7 +165,7 @@ def save_adapter(model: nn.Module, directory: Path, base_model: str = "") -> Non
     state = {k: v.contiguous().cpu() for k, v in adapter_state(model).items()}
     save_file(state, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {**adapter_config_dict(model), "base_model_name_or_path": base_model}
-    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (directory / ADAPTER_CONFIG).write_text(safe_json.dumps(config, indent=2) + "\n")
 
 
 def load_adapter(model: nn.Module, directory: Path) -> None:

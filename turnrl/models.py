@@ -9,7 +9,6 @@ to float32 and caches a plain safetensors checkpoint; every later load reads tha
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import sys
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from turnrl import safe_json
 from turnrl.devices import (  # noqa: F401 - imported from here across the package
     cache_kwargs,
     configure_torch,
@@ -313,7 +313,7 @@ def _convert_into_cache(cache: Path, target: Path) -> None:
     try:
         details = _convert_smollm2(gguf_path, tmp)
         marker = {"format": _CONVERT_FORMAT, "source": gguf_path.name, **details}
-        (tmp / _DONE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        (tmp / _DONE_MARKER).write_text(safe_json.dumps(marker, indent=2) + "\n")
         _finalise_tree(tmp)
         _publish(tmp, target)
     finally:

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from turnrl.config import Config
-from turnrl.datafile import DataFileError, read_text
 from turnrl.envs import Env, make_env
 from turnrl.envs.mix import MixEnv
 from turnrl.envs.user_module import load_env_module
@@ -25,7 +24,11 @@ from turnrl.evaluation import EvalResult, evaluate, evaluate_each, reply_scorer,
 from turnrl.lora import add_adapter, base_copy, require_peft, vllm_lora_config
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat
-from turnrl.rollout.chat import sampling_params  # noqa: F401 - also imported from here
+from turnrl.rollout.chat import (  # noqa: F401 - sampling_params: also imported from here
+    checked_chat,
+    read_chat_template,
+    sampling_params,
+)
 from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.samplers.base import Engine, describe_sampler
 from turnrl.selfplay import evaluation_factories, uses_pool, with_outcome_metrics
@@ -66,9 +69,8 @@ def load_policy(cfg: Config, announce: bool = True) -> Policy:
     model.to(resolve_device(cfg.model.device))
     if lora is not None:
         model = add_adapter(model, lora)
-    use_chat_template(tokenizer, cfg.model.chat_template)
-    chat = ChatFormat(tokenizer)
-    chat.check()  # fail at start-up, not mid-run, if the template breaks token-in-token-out
+    # Fails at start-up, not mid-run, if the template breaks token-in-token-out.
+    chat = checked_chat(tokenizer, cfg.model.chat_template)
     make, eval_makes = env_factories(cfg)  # bad names or options fail here, in one line
     engine = sampler(cfg, model, tokenizer)
     if announce:
@@ -269,11 +271,8 @@ def _checked(where: str, make: Callable[[], Env]) -> Callable[[], Env]:
 
 def use_chat_template(tokenizer, path: str) -> None:
     """Replace the tokenizer's chat template with the file ``path`` ('' keeps it)."""
-    if path:
-        try:  # UTF-8 (a byte-order mark dropped); a bad byte is named by its line
-            tokenizer.chat_template = read_text(Path(path).expanduser())
-        except DataFileError as err:
-            raise DataFileError(f"model.chat_template {err}") from None
+    if path:  # a file that is unreadable, empty, binary or not Jinja: one line naming it
+        tokenizer.chat_template = read_chat_template(path)
 
 
 def training_seeds(cfg: Config, step: int) -> list[tuple[int, int]]:

@@ -20,12 +20,23 @@ the episode, under a size budget:
   ``repr`` raises becomes ``"<TypeName: repr raised ValueError>"``.
 
 Nothing here raises: ``json.dumps(json_safe(x))`` always succeeds and is bounded in size.
+
+``dumps`` is the ``json.dumps`` every file TurnRL writes goes through: non-finite floats
+become ``null`` there too, so each file parses with a strict JSON reader.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
+
+USER_ERRORS = (Exception, GeneratorExit, SystemExit)
+"""What code of a user's (an env, its values' ``__str__``, ``__repr__``, ``__bool__``) may raise
+that is that code's own failure, to be caught and named: every exception but
+``KeyboardInterrupt`` (Ctrl-C must still stop the run) and asyncio's ``CancelledError`` (the
+loop's own). A ``SystemExit`` or ``GeneratorExit`` from an env is its bug, not a request to
+stop the run."""
 
 MAX_CHARS = 10_000
 """Longest string kept whole (an info value, an error message)."""
@@ -49,7 +60,7 @@ def safe_text(value: Any, max_chars: int = MAX_CHARS) -> str:
     """``str(value)``, bounded; never raises (an object whose ``__str__`` raises is named)."""
     try:
         text = value if isinstance(value, str) else str(value)
-    except Exception as err:  # noqa: BLE001 - user objects may raise anything here
+    except USER_ERRORS as err:  # user objects may raise anything here
         text = f"<{type(value).__name__}: str raised {type(err).__name__}>"
     return cut(text, max_chars)
 
@@ -58,7 +69,7 @@ def safe_repr(value: Any, max_chars: int = 200) -> str:
     """``repr(value)``, bounded; never raises."""
     try:
         text = repr(value)
-    except Exception as err:  # noqa: BLE001 - user objects may raise anything here
+    except USER_ERRORS as err:  # user objects may raise anything here
         return f"<{type(value).__name__}: repr raised {type(err).__name__}>"
     return cut(text, max_chars)
 
@@ -116,7 +127,7 @@ def _safe(value: Any, budget: _Budget, path: tuple[int, ...], depth: int) -> Any
 def _container(value: Any, budget: _Budget, path: tuple[int, ...], depth: int) -> Any:
     try:
         items = list(value.items()) if isinstance(value, dict) else list(value)
-    except Exception as err:  # noqa: BLE001 - a subclass may break iteration
+    except USER_ERRORS as err:  # a subclass may break iteration
         return f"<{type(value).__name__}: iteration raised {type(err).__name__}>"
     left_out = max(0, len(items) - MAX_ITEMS)
     items = items[:MAX_ITEMS]
@@ -174,3 +185,26 @@ def _as_array(value: Any) -> Any:
 
 def _array(array: Any, name: str, budget: _Budget, path: tuple[int, ...], depth: int) -> Any:
     return _safe(array.tolist(), budget, path, depth)
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every NaN and infinity (in dicts, lists and tuples, at any depth)
+    replaced by ``None``; other values are kept as they are (no copy when none is found)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(item) for item in value]
+    return value
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """``json.dumps`` that always writes valid JSON: JSON has no NaN or Infinity (Python's
+    ``json`` would write the non-standard ``NaN``/``-Infinity``, which strict readers refuse),
+    so non-finite floats are written as ``null``. Every file TurnRL writes goes through this
+    (or ``metrics.jsonl``'s logger, which does the same)."""
+    try:
+        return json.dumps(value, allow_nan=False, **kwargs)
+    except ValueError:  # a NaN or infinity somewhere: the slow path, only then
+        return json.dumps(finite_json(value), allow_nan=False, **kwargs)

@@ -9,14 +9,17 @@ tokens have mask 0, log-probability 0.0 and version -1.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from turnrl.safe_json import json_safe
+from turnrl import safe_json
+from turnrl.safe_json import json_safe, safe_repr
 
 ENV_VERSION = -1
 """Version tag of tokens the policy did not sample (prompt, template, environment)."""
@@ -29,9 +32,31 @@ END_REASONS = {
                        "longer than the context could hold, so it was refused before "
                        "rendering or tokenising",
     "env_timeout": "an env reset or step ran past rollout.env_timeout_s",
-    "env_error": "an env reset or step raised, or returned a malformed value",
+    "env_error": "an env reset or step raised, or returned a malformed value (a reward "
+                 "that is not a finite number, or that makes the return not finite: "
+                 "REWARD_LIMIT)",
 }
 """``Episode.end_reason`` values: why an episode ended (details in ``info["reason"]``)."""
+
+
+REWARD_LIMIT = 1e15
+"""Largest magnitude a turn's reward, an episode's return and the sum of its turns' reward
+magnitudes (which bounds every discounted return the credit code computes) may have. Each
+reward can be finite while their sum is not (three rewards of -1e308), and the update
+computes advantages in float32, where a group's squared deviations overflow long before
+float64 does: past this bound the advantages would come out NaN (the whole step's update
+skipped) or silently 0. An episode whose reward passes it fails alone (``Episode.add_turn``)."""
+
+
+def finite_real(value: object) -> bool:
+    """``value`` is a real number (not a bool) finite as a float; never raises (an int past
+    float's range is not, where ``math.isfinite`` would raise ``OverflowError``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except (OverflowError, TypeError, ValueError):
+        return False
 
 
 @dataclass
@@ -80,6 +105,43 @@ class Episode:
         if detail is not None:
             self.info["reason"] = detail
 
+    def reward_problem(self, reward: object) -> str | None:
+        """Why ``reward`` cannot be added to this episode (not a real number, or it, the
+        return it makes or the turns' summed magnitudes not finite within ``REWARD_LIMIT``),
+        else None."""
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+            return (f"env '{self.env}' gave reward {safe_repr(reward)}, not a number; return "
+                    "a finite number")
+        value = float(reward) if finite_real(reward) else math.inf
+        sizes = (("reward", value), ("return", self.reward + value),
+                 ("turns' summed |reward|", sum(abs(t.reward) for t in self.turns) + abs(value)))
+        for what, number in sizes:
+            if not (math.isfinite(number) and abs(number) <= REWARD_LIMIT):
+                effect = "is" if what == "reward" else f"makes the episode's {what} {number:g},"
+                turn = f" (turn {len(self.turns) + 1})" if self.token_ids else ""
+                return (f"env '{self.env}' gave reward {safe_repr(reward)}{turn}: it {effect} "
+                        f"not a finite number within ±{REWARD_LIMIT:g} (the update's float32 "
+                        "maths would overflow); keep rewards and their sum within that")
+        return None
+
+    def add_turn(self, turn: Turn) -> bool:
+        """Append ``turn`` and add its reward to the return: the one check on the way in
+        (``reward_problem``). A reward that fails it fails this episode alone ("error",
+        ``env_error``, the reason in ``info``), the turn kept unrewarded; returns False."""
+        return self.add_reward(turn.reward, turn)
+
+    def add_reward(self, reward: object, turn: Turn | None = None) -> bool:
+        """Add ``reward`` (with ``turn``, the turn that earned it, appended) to the return;
+        False, the episode failed with the reason, when ``reward_problem`` finds one."""
+        problem = self.reward_problem(reward)
+        if turn is not None:
+            self.turns.append(turn if problem is None else replace(turn, reward=0.0))
+        if problem is not None:
+            self.end("error", "env_error", problem)
+            return False
+        self.reward += float(reward)
+        return True
+
     def append(self, ids: Sequence[int], *, policy: bool, logprobs: Sequence[float] = (),
                version: int = ENV_VERSION) -> tuple[int, int]:
         """Append tokens and their facts; return their span in ``token_ids``."""
@@ -98,15 +160,16 @@ class Episode:
         return sum(self.loss_mask)
 
     def to_json(self) -> str:
-        """One JSON line. ``info`` is made JSON-safe where an env's values enter it
-        (``safe_json``); should code after that have put something else there, it
-        is made safe here too rather than failing the write."""
+        """One line of valid JSON (``safe_json.dumps``: a NaN or infinity is written as
+        ``null``). ``info`` is made JSON-safe where an env's values enter it (``safe_json``);
+        should code after that have put something else there, it is made safe here too
+        rather than failing the write."""
         data = asdict(self)
         try:
-            return json.dumps(data)
+            return safe_json.dumps(data)
         except (TypeError, ValueError, RecursionError):
             data["info"] = json_safe(self.info)
-            return json.dumps(data)
+            return safe_json.dumps(data)
 
     @classmethod
     def from_json(cls, line: str) -> Episode:

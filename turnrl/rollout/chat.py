@@ -19,9 +19,11 @@ import functools
 import json
 import random
 import threading
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from turnrl.datafile import DataFileError, read_text
 from turnrl.envs.contract import prompt_and_tools
 from turnrl.samplers.base import SamplingParams
 from turnrl.tools.native import native_tool_format
@@ -142,6 +144,20 @@ class ChatFormat:
         return full, rest
 
     def check(self) -> None:
+        """``_check``, with an error the template itself raises while rendering a probe
+        (``raise_exception``, an undefined name, a division by zero) as a one-line
+        ``TemplateError`` too: every rollout renders such conversations."""
+        try:
+            self._check()
+        except TemplateError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the template's own error, at start-up
+            raise TemplateError(f"the chat template fails to render a plain conversation "
+                                f"(system, user and assistant turns): {_one_line(err)}; fix "
+                                "the template, or pass one that renders it as "
+                                "--model.chat_template FILE.jinja") from None
+
+    def _check(self) -> None:
         """Verify at start-up that the template renders the same conversation the same way
         whatever the clock and random state (``_check_deterministic``), and that every turn
         extends the previous render: for the content real policies write (``PROBES``), for
@@ -244,6 +260,64 @@ class ChatFormat:
                 "same clock and random state, so the prompt would change between turns and "
                 "break token-in-token-out; pass a deterministic template as "
                 "--model.chat_template FILE.jinja")
+
+
+def _one_line(err: BaseException) -> str:
+    """``err`` as one bounded line: its type and message."""
+    message = " ".join(str(err).split())[:300]
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
+
+
+def read_chat_template(path: str) -> str:
+    """The chat template in the file ``path`` (``--model.chat_template``), checked: readable
+    UTF-8 text (a byte-order mark dropped), not empty, valid Jinja (compiled as transformers
+    compiles it). ``TemplateError``, one line naming the file, the problem and the fix, else."""
+    def bad(what: str) -> TemplateError:
+        return TemplateError(f"--model.chat_template '{path}' {what}; pass a Jinja chat "
+                             "template file (e.g. the model's own, from its "
+                             "tokenizer_config.json 'chat_template', edited)")
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as err:
+        raise bad(f"cannot be read ({err.strerror or type(err).__name__})") from None
+    if b"\0" in data:
+        raise bad("is binary (it holds NUL bytes), not a text file")
+    try:  # UTF-8, a byte-order mark dropped; a bad byte named by its line (turnrl.datafile)
+        text = read_text(Path(path).expanduser())
+    except DataFileError as err:  # "FILE:LINE: what; fix"
+        line, _, what = str(err).removeprefix(f"{Path(path).expanduser()}:").partition(": ")
+        raise TemplateError(f"--model.chat_template '{path}' line {line}: {what}") from None
+    if not text.strip():
+        raise bad("is empty")
+    try:
+        _compile(text)
+    except Exception as err:  # noqa: BLE001 - Jinja's syntax errors, and its other refusals
+        line = getattr(err, "lineno", None)
+        raise bad(f"is not valid Jinja ({f'line {line}: ' if line else ''}{_one_line(err)})"
+                  ) from None
+    return text
+
+
+def checked_chat(tokenizer: PreTrainedTokenizerBase, template_file: str = "") -> ChatFormat:
+    """``tokenizer``'s ``ChatFormat`` with the template in ``template_file`` ('' keeps its
+    own; ``read_chat_template``), probed as at start-up (``ChatFormat.check``). A refusal is
+    a one-line ``TemplateError``, naming the file when the template came from one."""
+    if template_file:
+        tokenizer.chat_template = read_chat_template(template_file)
+    chat = ChatFormat(tokenizer)
+    try:
+        chat.check()
+    except TemplateError as err:  # name the user's file: the fix is in it
+        if not template_file:
+            raise
+        raise TemplateError(f"--model.chat_template '{template_file}': {err}") from None
+    return chat
+
+
+def _compile(text: str) -> None:
+    """Compile ``text`` as transformers compiles chat templates (its tags and filters)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    _compile_jinja_template(text)
 
 
 _FIX = ("pass a template that keeps them as --model.chat_template FILE.jinja (e.g. the "

@@ -20,9 +20,15 @@ turn loop instead (``SharedLoop``): fewer wake-ups, at the price that one that b
 stalls the others until their timeouts; the turn loop then stops sharing.
 
 Validation: ``reset`` must return a ``str``; ``step`` a ``StepResult`` with a ``str``
-observation, a finite number as reward (a NaN or infinite reward fails the episode here and
-never reaches the advantages), a ``bool`` done and a ``dict`` (or ``None``) info. Anything
-else fails the episode with a one-line reason naming the environment and the field. An
+observation, a finite number as reward (a NaN or infinite reward fails the episode here;
+finite rewards whose sum is not finite within ``types.REWARD_LIMIT`` fail it where they enter
+it, ``Episode.add_turn``: neither reaches the advantages), a ``bool`` done and a ``dict`` (or ``None``) info. Anything
+else fails the episode with a one-line reason naming the environment and the field. So does
+any exception an env call raises on the env's thread, ``KeyboardInterrupt``, ``SystemExit``
+and ``GeneratorExit`` included (``_as_exception``: asyncio would re-raise those out of the
+turn loop); env code read on the turn loop's own thread (``seat_to_move``, ``observe``,
+``system_prompt``, ``state_key``) is caught for ``safe_json.USER_ERRORS``, every exception
+but a ``KeyboardInterrupt``, which there cannot be told from Ctrl-C and stops the run. An
 ``info["success"]`` that cannot be read as a bool, or ``tool_results`` that are not a list
 of dicts, fail it too. What ``info`` holds enters the episode JSON-safe and bounded
 (``safe_json.json_safe``: an env's sets, tensors or custom objects never crash the write of
@@ -36,8 +42,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
-import math
-import numbers
 import threading
 import time
 import warnings
@@ -49,8 +53,8 @@ import numpy as np
 
 from turnrl.envs.base import StepResult
 from turnrl.envs.contract import is_cooperative, start_state, step_state
-from turnrl.safe_json import json_safe, safe_repr, safe_text
-from turnrl.types import Episode, Turn
+from turnrl.safe_json import USER_ERRORS, json_safe, safe_repr, safe_text
+from turnrl.types import Episode, Turn, finite_real
 
 
 class EnvError(Exception):
@@ -253,7 +257,7 @@ class EnvRunner:
                 outcome = None, EnvError(f"env {self.name} {method} raised CancelledError "
                                          "from inside (not a timeout)")
             except BaseException as err:  # noqa: BLE001 - the caller gets it, as raised
-                outcome = None, err
+                outcome = None, _as_exception(err, f"env '{self.name}' {method}")
             try:
                 loop.call_soon_threadsafe(deliver, *outcome)
             except RuntimeError:  # the caller's loop has closed
@@ -286,6 +290,22 @@ class EnvRunner:
         left running there is cancelled when the turn loop stops the shared loop."""
         if self.shared is None:
             _stop(self.loop)
+
+
+def _as_exception(error: BaseException, where: str) -> BaseException:
+    """``error``, an env call raised on the env's own thread, as its caller may get it: an
+    ``Exception`` as raised; a ``KeyboardInterrupt``, ``SystemExit`` or ``GeneratorExit`` (env
+    code's own: Ctrl-C reaches the main thread, never this one) as an ``EnvError`` naming it,
+    since asyncio re-raises those out of the turn loop instead of failing one episode."""
+    if isinstance(error, Exception):
+        return error
+    return EnvError(f"{where} raised {raised(error)}")
+
+
+def raised(error: BaseException) -> str:
+    """``error`` as one bounded line: its type, then its message when it has one."""
+    message = safe_text(error).replace("\n", " ")
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def _stop(loop: asyncio.AbstractEventLoop) -> None:
@@ -343,8 +363,7 @@ def checked_step(value: Any, env: str) -> StepResult:
     if not isinstance(observation, str):
         raise EnvError(f"env '{env}' step returned observation of type "
                        f"{type(observation).__name__}; return a str")
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) \
-            or not math.isfinite(reward):
+    if not finite_real(reward):
         raise EnvError(f"env '{env}' step returned reward {safe_repr(reward)}; return a finite "
                        "number")
     if not isinstance(done, bool | np.bool_):
@@ -356,7 +375,7 @@ def checked_step(value: Any, env: str) -> StepResult:
     if info and "success" in info:
         try:
             bool(info["success"])
-        except Exception as err:  # noqa: BLE001 - e.g. a numpy array of several values
+        except USER_ERRORS as err:  # e.g. a numpy array of several values
             raise EnvError(f"env '{env}' step returned info['success'] that is not a bool "
                            f"({type(info['success']).__name__}: bool() raised "
                            f"{type(err).__name__}); return True or False") from None
@@ -378,8 +397,7 @@ def fail_episode(episode: Episode, error: BaseException, where: str) -> None:
     elif isinstance(error, EnvError):  # a malformed return: the message names the field
         episode.end("error", "env_error", safe_text(error))
     else:
-        episode.end("error", "env_error",
-                    f"env {where} raised {type(error).__name__}: {safe_text(error)}")
+        episode.end("error", "env_error", f"env {where} raised {raised(error)}")
 
 
 def env_prompt(chat: Any, env: Any, first: str, name: str
@@ -391,7 +409,7 @@ def env_prompt(chat: Any, env: Any, first: str, name: str
     try:
         system_prompt, tools = chat.env_prompt(env)
         state = state_text(start_state(env, first))
-    except Exception as err:  # noqa: BLE001 - user code: its failure fails the episode
+    except USER_ERRORS as err:  # user code: its failure fails the episode
         raise EnvError(f"env '{name}' system_prompt, tool_prompt or state_key raised "
                        f"{type(err).__name__}: {safe_text(err)}") from None
     if system_prompt is not None and not isinstance(system_prompt, str):
@@ -410,7 +428,7 @@ def state_text(value: Any) -> str:
     (``MAX_STATE_CHARS``)."""
     try:
         text = value if isinstance(value, str) else str(value)
-    except Exception:  # noqa: BLE001 - user objects may raise anything here
+    except USER_ERRORS:  # user objects may raise anything here
         return f"<{type(value).__name__}>"
     if len(text) <= MAX_STATE_CHARS:
         return text
@@ -428,7 +446,8 @@ def end_turn(episode: Episode, outcome: StepResult | BaseException, start: int, 
         episode.turns.append(Turn(start, end, text, "", 0.0, finish_reason, state))
         fail_episode(episode, outcome, "step")
         return None
-    record_turn(episode, outcome, start, end, text, finish_reason, state, observation)
+    if not record_turn(episode, outcome, start, end, text, finish_reason, state, observation):
+        return None  # its reward failed the episode (Episode.add_turn)
     if outcome.done:
         episode.end("done", "done")
         return None
@@ -439,16 +458,17 @@ def end_turn(episode: Episode, outcome: StepResult | BaseException, start: int, 
 
 
 def record_turn(episode: Episode, result: StepResult, start: int, end: int, text: str,
-                finish_reason: str, state: str, observation: str | None = None) -> None:
+                finish_reason: str, state: str, observation: str | None = None) -> bool:
     """Add the turn, its reward and the env's ``info`` (made JSON-safe and bounded here, where
     it enters the episode) to ``episode``. ``observation``: what to store as the turn's
-    observation instead of the env's (a preview of one too large to keep)."""
-    episode.turns.append(Turn(start, end, text,
-                              result.observation if observation is None else observation,
-                              float(result.reward), finish_reason, state))
-    episode.reward += float(result.reward)
+    observation instead of the env's (a preview of one too large to keep). False when the
+    reward failed the episode: it, or the return it makes, is not finite (``add_turn``)."""
+    added = episode.add_turn(Turn(start, end, text,
+                                  result.observation if observation is None else observation,
+                                  float(result.reward), finish_reason, state))
     info = dict(result.info or {})
     info.pop("state_key", None)
     if "success" in info:
         episode.success = bool(info.pop("success"))  # checked_step: bool() does not raise
     episode.info.update(json_safe(info))
+    return added

@@ -15,19 +15,18 @@ context ends the whole game, each seat with that reason.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from turnrl.envs import contract
 from turnrl.envs.base import StepResult
-from turnrl.rollout.env_calls import EnvError, end_turn, fail_episode, record_turn
+from turnrl.rollout.env_calls import EnvError, end_turn, fail_episode, raised, record_turn
 from turnrl.rollout.slots import POLICY as _POLICY
 from turnrl.rollout.slots import RESET as _RESET
 from turnrl.rollout.slots import WAIT as _WAIT
 from turnrl.rollout.slots import Game as _Game
 from turnrl.rollout.slots import Slot as _Slot
-from turnrl.safe_json import json_safe
-from turnrl.types import ENV_VERSION, Episode
+from turnrl.safe_json import USER_ERRORS, json_safe, safe_repr
+from turnrl.types import ENV_VERSION, Episode, finite_real
 
 ZERO_SUM_TOLERANCE = 1e-6
 
@@ -44,8 +43,7 @@ def seat_results(info: dict, seats: tuple[str, ...]) -> dict[str, dict]:
     for seat in seats:
         entry = given.get(seat)
         reward = entry.get("reward") if isinstance(entry, dict) else None
-        if (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                or not math.isfinite(reward)):
+        if not finite_real(reward):
             raise EnvError(f"info['seats'][{seat!r}] must be a dict with a finite 'reward', "
                            f"got {_preview(entry)}")
         results[seat] = dict(entry)
@@ -126,18 +124,18 @@ class SeatedGames:
     def _seat_to_move(self, game: _Game) -> str:
         try:
             mover = game.env.seat_to_move
-        except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
-            raise EnvError(f"env seat_to_move raised {type(err).__name__}: {err}") from None
-        if mover not in game.seats:
-            raise EnvError(f"env seat_to_move is {mover!r}, not one of its seats "
+        except USER_ERRORS as err:  # env code: its failure ends the game
+            raise EnvError(f"env seat_to_move raised {raised(err)}") from None
+        if not (isinstance(mover, str) and mover in game.seats):  # a dict is not hashable
+            raise EnvError(f"env seat_to_move is {safe_repr(mover)}, not one of its seats "
                            f"{tuple(game.seats)}")
         return mover
 
     def _observe(self, game: _Game, seat: str) -> str:
         try:
             text = game.env.observe(seat)
-        except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
-            raise EnvError(f"env observe({seat!r}) raised {type(err).__name__}: {err}") from None
+        except USER_ERRORS as err:  # env code: its failure ends the game
+            raise EnvError(f"env observe({seat!r}) raised {raised(err)}") from None
         if not isinstance(text, str):
             raise EnvError(f"env observe({seat!r}) returned {type(text).__name__}, not str")
         return text
@@ -152,8 +150,8 @@ class SeatedGames:
         else:
             try:  # the state this seat now moves in: the env's state_key when it names one
                 state = contract.start_state(slot.env, observation)
-            except Exception as err:  # noqa: BLE001 - env code: its failure ends the game
-                error = EnvError(f"env state_key raised {type(err).__name__}: {err}")
+            except USER_ERRORS as err:  # env code: its failure ends the game
+                error = EnvError(f"env state_key raised {raised(err)}")
                 return self._end_game(slot.game, error=error, where="step")
             completion, text, start, end = slot.turn
             slot.turn = None
@@ -192,14 +190,15 @@ class SeatedGames:
             final = StepResult(endings[seat], reward, True, info)
             if slot.turn is not None:
                 completion, text, start, end = slot.turn
-                record_turn(slot.episode, final, start, end, text, completion.finish_reason,
-                            slot.state)
+                rewarded = record_turn(slot.episode, final, start, end, text,
+                                       completion.finish_reason, slot.state)
             else:  # the game ended before this seat moved: its reward without a turn
-                slot.episode.reward += reward
+                rewarded = slot.episode.add_reward(reward)
                 slot.episode.success = bool(info.pop("success", False))
                 slot.episode.info.update(json_safe(info))
             slot.turn = None
-            slot.episode.end("done", "done")
+            if rewarded:  # else the reward failed this seat's episode (Episode.add_reward)
+                slot.episode.end("done", "done")
         record_play_order(game)
 
     def _end_game(self, game: _Game, *, error: BaseException | None = None, where: str = "",
@@ -212,9 +211,11 @@ class SeatedGames:
                 continue
             if slot.turn is not None:
                 completion, text, start, end = slot.turn
-                record_turn(episode, StepResult("", slot.pending_reward, False, {}), start,
-                            end, text, completion.finish_reason, slot.state)
+                rewarded = record_turn(episode, StepResult("", slot.pending_reward, False, {}),
+                                       start, end, text, completion.finish_reason, slot.state)
                 slot.turn = None
+                if not rewarded:  # its reason (the reward) stands
+                    continue
             if error is not None:
                 fail_episode(episode, error, where)
             else:

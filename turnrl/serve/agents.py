@@ -30,6 +30,9 @@ def usable(recorded: RecordedEpisode, temperature: float) -> str:
     """"" when the episode can be trained on, else why not."""
     if recorded.reward is None:
         return "no reward"
+    problem = Episode("served", 0, 0).reward_problem(recorded.reward)
+    if problem is not None:  # Recorder.set_reward refuses these; a reward set directly too
+        return problem
     if not recorded.segments:
         return "no calls to the model"
     used = {t for s in recorded.segments for t in s.temperatures}
@@ -77,7 +80,12 @@ async def _play(rollout: Rollout, base_url: str, api_key: str, task, episode_id:
         return None, f"rollout raised {type(err).__name__}: {err}"
     finally:
         await client.close()
-    return (None, "") if reward is None else (float(reward), "")
+    if reward is None:
+        return None, ""
+    problem = Episode("served", 0, 0).reward_problem(reward)
+    if problem is not None:  # not a number, or not finite: this episode fails alone
+        return None, f"rollout returned {problem}"
+    return float(reward), ""
 
 
 class JudgeError(RuntimeError):

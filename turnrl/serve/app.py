@@ -110,6 +110,8 @@ def make_app(server: Server) -> FastAPI:
             server.recorder.set_reward(episode_id, value)
         except KeyError as err:
             raise ApiError(404, err.args[0], code="episode_not_found") from None
+        except ValueError as err:  # not finite (Episode.reward_problem)
+            raise bad(str(err), "reward") from None
         recorded = server.recorder.episodes[episode_id]
         return {"episode_id": episode_id, "reward": value, "segments": len(recorded.segments)}
 

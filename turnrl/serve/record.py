@@ -17,12 +17,12 @@ sampled.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from turnrl import safe_json
 from turnrl.types import ENV_VERSION, Episode, Turn
 
 
@@ -152,14 +152,19 @@ class Recorder:
         return merge_call(recorded.segments, call)
 
     def set_reward(self, episode_id: str, reward: float) -> None:
+        """Score a recorded episode: ``KeyError`` for an id never recorded, ``ValueError``
+        (one line) for a reward that is not a finite number within ``REWARD_LIMIT``."""
         if episode_id not in self.episodes:
             raise KeyError(f"no episode '{episode_id}' was recorded (its calls must carry the "
                            "X-TurnRL-Episode header or the turnrl_episode body field)")
+        problem = Episode("served", 0, 0).reward_problem(reward)
+        if problem is not None:
+            raise ValueError(f"episode '{episode_id}': {problem}")
         self.episodes[episode_id].reward = float(reward)
         if self.record_dir is not None:
             self.record_dir.mkdir(parents=True, exist_ok=True)
             with open(self.record_dir / "episodes.jsonl", "a") as f:
-                f.write(json.dumps(self.episodes[episode_id].to_dict()) + "\n")
+                f.write(safe_json.dumps(self.episodes[episode_id].to_dict()) + "\n")
 
     def take(self, episode_ids: list[str]) -> list[RecordedEpisode]:
         """Remove and return these episodes (those never recorded are skipped)."""

@@ -28,6 +28,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from turnrl import safe_json
 from turnrl.checkpoint import rng_state, save_checkpoint
 from turnrl.demos.data import DataError, Demonstration
 from turnrl.rollout.loop import run_episodes, run_sync
@@ -184,7 +185,7 @@ class SelfImitation:
             save_checkpoint(run.run_dir, step, run.learner.model, run.learner.optimizer,
                             rng=rng_state(run.policy.engine.generator),
                             keep=run.cfg.run.keep_checkpoints)
-        (run.run_dir / STOPPED).write_text(json.dumps({"step": step}))
+        (run.run_dir / STOPPED).write_text(safe_json.dumps({"step": step}))
 
 
 def stopped_at(run_dir: str | Path) -> int | None:

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
+from turnrl import safe_json
 from turnrl.algorithms.estimators import AdvantageEstimator, EstimatorSettings, make_estimator
 from turnrl.algorithms.exploration import Exploration
 from turnrl.checkpoint import (
@@ -45,8 +45,8 @@ from turnrl.config import (
     DistillConfig,
     ExploreConfig,
     changed_keys,
-    config_from_dict,
     config_to_dict,
+    load_run_config,
     save_config,
 )
 from turnrl.evaluation import (
@@ -152,7 +152,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Config, Path | None]:
         if not saved.exists():
             raise ConfigError(f"nothing to resume in '{run_dir}' (no config.yaml); "
                               "drop --resume to start a new run")
-        stored = config_from_dict(yaml.safe_load(saved.read_text()))
+        stored = load_run_config(str(saved))  # ConfigError (one line) if unreadable
         changed = [key for key in changed_keys(stored, cfg) if key not in RESUMABLE]
         if changed:
             raise ConfigError(f"cannot change {', '.join(changed)} when resuming '{run_dir}'; "
@@ -268,7 +268,7 @@ def evaluate_before(run: Run) -> EvalResult:
     result, episodes = run.policy.run_eval()
     write_episodes(path.with_suffix(".jsonl"), episodes)
     _atomic_write(rng_file, lambda f: torch.save(rng_state(run.policy.engine.generator), f))
-    _atomic_write(result_file, lambda f: f.write(json.dumps(result.to_dict()).encode()))
+    _atomic_write(result_file, lambda f: f.write(safe_json.dumps(result.to_dict()).encode()))
     return result
 
 
@@ -279,7 +279,7 @@ def evaluate_after(run: Run) -> EvalResult:
     after, episodes = run.policy.run_eval()
     write_episodes(path.with_suffix(".jsonl"), episodes)
     _atomic_write(path.with_suffix(".json"),
-                  lambda f: f.write(json.dumps(after.to_dict()).encode()))
+                  lambda f: f.write(safe_json.dumps(after.to_dict()).encode()))
     write_transcripts(run, "eval_after", [ep for ep in episodes if ep.success][:1]
                       + [ep for ep in episodes if not ep.success][:1])
     return after
@@ -380,7 +380,7 @@ def write_transcripts(run: Run, name: str, episodes: list[Episode]) -> None:
     decode = lambda ids: run.policy.tokenizer.decode(ids)  # noqa: E731 - keeps special tokens
     (run.run_dir / "samples").mkdir(exist_ok=True)
     (run.run_dir / "samples" / f"{name}.json").write_text(
-        json.dumps([episode_transcript(ep, decode) for ep in episodes]))
+        safe_json.dumps([episode_transcript(ep, decode) for ep in episodes]))
 
 
 def finish_run(run: Run, before: EvalResult | None, after: EvalResult | None,

@@ -229,8 +229,10 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     """
     if not bool(torch.isfinite(batch.advantages).all()):
         bad = int((~torch.isfinite(batch.advantages)).sum())
-        warnings.warn(f"update skipped: {bad} advantage values are not finite (a reward or a "
-                      "critic produced NaN/inf); the weights are unchanged", stacklevel=2)
+        # Rewards cannot cause this (Episode.add_turn fails an episode whose reward or
+        # return is not finite within REWARD_LIMIT): a critic or custom estimator did.
+        warnings.warn(f"update skipped: {bad} advantage values are not finite (a critic or an "
+                      "estimator produced NaN/inf); the weights are unchanged", stacklevel=2)
         return {"update/skipped": float(settings.algo.epochs)}
     if not len(policy_rows(batch)):  # rl_step says why; here for other callers
         warnings.warn("update skipped: no row of the batch has a policy token; the weights "
