@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from turnrl.envs import StepResult
-from turnrl.rollout import ChatFormat, HFEngine, SamplingParams, run_episodes, run_sync
+from turnrl.rollout import ChatFormat, run_episodes, run_sync
+from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.types import read_episodes, write_episodes
 
 CASES = 48
