@@ -100,6 +100,8 @@ def test_eager_attention_gets_an_additive_mask():
     assert engine.masks.additive == torch.float32 and engine.masks.window is None
     for prompts, completions in two_turns(engine, SamplingParams(6, 1.0)):
         assert_logprobs_match(model, prompts, completions, 1.0)
+    engine.masks = dataclasses.replace(engine.masks, additive=None)  # booleans, as before
+    assert largest_drift(model, two_turns(engine, SamplingParams(6, 1.0))) > 1e-2
 
 
 def test_a_window_of_an_unchecked_model_type_is_still_named_at_start_up():
