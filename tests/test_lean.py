@@ -1,6 +1,6 @@
 """The lean sampling pass (turnrl/samplers/lean.py) samples what transformers' pass samples:
 each Llama-shaped model type, grouped-query attention, biases, q/k norms and scaled rotary
-embeddings, multi-turn calls that continue kept keys and values, refreshed biases and
+embeddings, sliding windows, multi-turn calls that continue kept keys and values, refreshed biases and
 unfrozen weights (fused AdamW's refresh, lean and tree alike: tests/test_onednn.py); models it
 cannot run and a wrong formula fall back to the PackedLinear tree."""
 
@@ -45,6 +45,9 @@ MODELS = {
     "mistral": lambda: _tiny_of("mistral", "sdpa"),
     "qwen2 (q/k/v biases)": lambda: _variant("qwen2"),
     "qwen3 (q/k norms)": lambda: _variant("qwen3"),
+    "mistral (sliding window 4)": lambda: _variant("mistral", sliding_window=4),
+    "qwen2 (layer 1 slides, window 4)": lambda: _variant(
+        "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "llama (all biases, llama3 rotary scaling)": lambda: _variant(
         "llama", attention_bias=True, mlp_bias=True,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -61,7 +64,6 @@ def _two_turns(engine, params):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.filterwarnings("ignore:this model's attention has a")  # mistral: short prompts
 def test_the_lean_pass_samples_what_transformers_pass_samples(name):
     model = MODELS[name]()
     assert lean_unusable(model) is None

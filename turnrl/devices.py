@@ -48,21 +48,6 @@ def _cache_keyword(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
-def unapplied_window_warning(config: object) -> str | None:
-    """What a user must know when ``config``'s attention has a sliding window, which the HF
-    engine does not apply: it hands attention an explicit 4D mask, and transformers uses such
-    a mask as given (docs/samplers.md); None when every layer attends to the whole context."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(config, "sliding_window", None)
-    kinds = getattr(config, "layer_types", None)
-    if not window or (kinds is not None and "sliding_attention" not in kinds):
-        return None
-    return (f"this model's attention has a {window}-token sliding window, which the HF sampler "
-            f"does not apply: past {window} tokens of context it samples with full attention, "
-            "and its log-probs drift from the learner's (mismatch/* reports it): keep "
-            f"episodes under {window} tokens")
-
-
 def available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux), else free pages; 0 when unknown."""
     try:

@@ -30,7 +30,6 @@ for Llama-shaped models (lean.py), else a tree over the same tensors (onednn.py)
 from __future__ import annotations
 
 import bisect
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,10 +37,10 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from turnrl.devices import unapplied_window_warning
 from turnrl.models import cache_kwargs
 from turnrl.samplers.base import Completion, SamplingParams, sample_tokens
 from turnrl.samplers.lean import LeanDecoder, onednn_decoder, unpack
+from turnrl.samplers.masks import AS_GIVEN, MaskPlan, mask_plan, prefill_mask
 from turnrl.samplers.onednn import resolve_matmul
 
 StepHook = Callable[[list[tuple[int, int, float]]], bool | None]
@@ -162,11 +161,13 @@ class _Batch:
     """
 
     def __init__(self, kv: torch.Tensor, mask: torch.Tensor, length: int,
-                 positions: torch.Tensor):
+                 positions: torch.Tensor, masks: MaskPlan = AS_GIVEN):
         self.kv, self.mask, self.length, self.positions = kv, mask, length, positions
+        self.masks = masks  # what the model's attention needs of the boolean masks
 
     def _forward(self, model: PreTrainedModel, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+                 attention_mask: torch.Tensor | dict[str, torch.Tensor],
+                 position_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the last input column; the inputs' keys/values land in the buffer."""
         if isinstance(model, LeanDecoder):
             logits = model.last_logits(input_ids, attention_mask, position_ids, self.kv,
@@ -185,24 +186,18 @@ class _Batch:
         start, width = self.length, input_ids.shape[1]
         self.mask[:, start:start + width] = new_mask
         position_ids = self.positions[:, None] + (new_mask.cumsum(dim=1) - 1).clamp(min=0)
-        # A 4-D mask goes to the attention as is: real keys, causally. A padding query also sees
-        # itself, so no row is fully masked (which can give NaN keys/values for later steps).
-        device = self.mask.device  # the model's: CPU-made positions would not mix on CUDA
-        columns = torch.arange(start + width, device=device)
-        rows = start + torch.arange(width, device=device)
-        causal = columns[None, :] <= rows[:, None]
-        own = columns[None, :] == rows[:, None]
-        attention = (self.mask[:, None, :start + width] & causal) | own
+        real = self.mask[:, :start + width]
         self.positions = self.positions + new_mask.sum(dim=1)
-        return self._forward(model, input_ids, attention[:, None], position_ids)
+        return self._forward(model, input_ids, self.masks(prefill_mask(real, start), position_ids,
+                                                          real), position_ids)
 
     def step(self, model: PreTrainedModel, tokens: torch.Tensor, real: torch.Tensor
              ) -> torch.Tensor:
         """Feed one token per row; rows where ``real`` is False are fed masked-out padding."""
         self.mask[:, self.length] = real
-        logits = self._forward(model, tokens[:, None],
-                               self.mask[:, None, None, :self.length + 1],
-                               self.positions[:, None])
+        seen, positions = self.mask[:, :self.length + 1], self.positions[:, None]
+        logits = self._forward(model, tokens[:, None], self.masks(seen[:, None, None], positions,
+                                                                  seen), positions)
         self.positions = self.positions + real
         return logits
 
@@ -301,13 +296,12 @@ class HFEngine:
                  share_prompts: bool = True, compact: bool = True,
                  keep_cache_across_versions: bool = False, matmul: str = "torch"):
         self.model = model
+        self.masks = mask_plan(model)  # a window, eager attention; refuses what is not exact
         self.matmul = resolve_matmul(matmul, model)  # onednn: lean.py, else onednn.py
         self.decoder, self.forward_pass = (onednn_decoder(model) if self.matmul == "onednn"
                                            else (model, "transformers' pass"))
         self.pad_token_id, self.reuse_cache = pad_token_id, reuse_cache
         self.max_kept_rows, self.share_prompts, self.compact = max_kept_rows, share_prompts, compact
-        if warning := unapplied_window_warning(model.config):
-            warnings.warn(warning, stacklevel=2)
         self.keep_cache_across_versions = keep_cache_across_versions
         self._version, self._kept = 0, _KeptRows(0)
         self.generator = torch.Generator(model.device).manual_seed(seed)
@@ -359,6 +353,7 @@ class HFEngine:
         own (frozen opponents batch the moves of games with a stream each: selfplay.py)."""
         if not prompts:
             return []
+        self.masks.check_lengths(prompts, params.max_new_tokens)
         if generators is not None and len(generators) != len(prompts):
             raise ValueError(f"generate: {len(generators)} generators for {len(prompts)} "
                              "prompts (one per prompt, or none)")
@@ -450,9 +445,10 @@ class HFEngine:
             rows_of_bucket = slice(at, at + len(bucket))
             lengths = torch.tensor([past_lengths[u] for u in bucket], device=kv.device)
             views.append((rows_of_bucket, _Batch(kv[:, :, rows_of_bucket, :, left:],
-                                                 mask[rows_of_bucket, left:], past_width, lengths)))
+                                                 mask[rows_of_bucket, left:], past_width, lengths,
+                                                 self.masks)))
             at += len(bucket)
-        return _Batch(kv, mask, width, positions), views
+        return _Batch(kv, mask, width, positions, self.masks), views
 
     def _decode(self, batch: _Batch, logits: torch.Tensor, rows: int, params: SamplingParams,
                 on_step: StepHook | None = None, streams: list[torch.Generator] | None = None

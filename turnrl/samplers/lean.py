@@ -10,9 +10,9 @@ straight into the engine's buffer, the learner's modules never called or changed
 Which models: ``config.model_type`` in ``LEAN_MODELS`` (llama, mistral, qwen2, qwen3:
 attention-only, Llama-shaped), plain ``nn.Linear`` projections, RMS norms, and a start-up
 self-check: the lean pass's logits must match transformers' on a short batch. Any other model
-(a LoRA wrapper among them) samples through the ``PackedLinear`` tree (onednn.py). Like the
-engine's transformers pass, which hands attention an explicit 4D mask, it applies no sliding
-window.
+(a LoRA wrapper among them) samples through the ``PackedLinear`` tree (onednn.py). It takes
+the engine's masks as transformers' pass does (masks.py): one for every layer, or one per
+layer type (a Qwen2 with sliding layers), so sliding windows apply here too.
 
 Arithmetic: oneDNN's products on the concatenated weights sum in another order than the
 learner's ``nn.Linear``, so sampled log-probabilities differ from the learner's by about 1e-5
@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional
 
 from turnrl.samplers import onednn
+from turnrl.samplers.masks import mask_plan, prefill_mask
 from turnrl.samplers.onednn import _pack, _product
 
 LEAN_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -154,6 +155,8 @@ class LeanDecoder:
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm
         self.layers = [_Layer(layer) for layer in _decoder_layers(model)]
+        kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        self.kinds = list(kinds[:len(self.layers)])  # picks a layer's mask from a mapping
         self.head = _FusedWeight([model.lm_head])
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -165,7 +168,8 @@ class LeanDecoder:
         for fused in [w for layer in self.layers for w in layer.weights()] + [self.head]:
             fused.drop_trainable()
 
-    def last_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def last_logits(self, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor | dict[str, torch.Tensor],
                     position_ids: torch.Tensor, kv: torch.Tensor, length: int) -> torch.Tensor:
         rows, new = input_ids.shape
         end = length + new
@@ -174,7 +178,8 @@ class LeanDecoder:
         cos, sin = self.rotary(hidden, position_ids)  # [rows, new, dim]
         cos, sin = cos[:, :, None], sin[:, :, None]
         hidden = hidden.reshape(rows * new, -1)
-        for index, layer in enumerate(self.layers):
+        for index, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True)):
+            mask = attention_mask[kind] if isinstance(attention_mask, dict) else attention_mask
             x = _rms_norm(layer.input_norm, hidden)
             qkv = layer.qkv(x).view(rows, new, heads + 2 * kv_heads, dim)
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=2)
@@ -187,7 +192,7 @@ class LeanDecoder:
             cache[1, :, :, length:end] = v.transpose(1, 2)
             attended = functional.scaled_dot_product_attention(
                 q.transpose(1, 2), cache[0, :, :, :end], cache[1, :, :, :end],
-                attn_mask=attention_mask, scale=layer.scaling, enable_gqa=kv_heads != heads)
+                attn_mask=mask, scale=layer.scaling, enable_gqa=kv_heads != heads)
             hidden = hidden + layer.out(attended.transpose(1, 2).reshape(rows * new, heads * dim))
             x = _rms_norm(layer.post_norm, hidden)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
@@ -205,22 +210,23 @@ def self_check(model: nn.Module, lean: LeanDecoder) -> str | None:
     """Why ``lean`` disagrees with ``model``'s own forward pass (None: it agrees): the logits
     of the next token after a 5-token prefill into an empty buffer and after one more token
     fed from that buffer, 2 rows, against transformers' pass on the same tokens, the largest
-    gap in standard deviations of transformers' logits."""
+    gap in standard deviations of transformers' logits. The masks are the engine's (masks.py),
+    so a window under 6 tokens is checked too."""
     config = model.config
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (2, 6), generator=generator)
     kv = torch.zeros((config.num_hidden_layers, 2, 2, lean.kv_heads, 6, lean.head_dim),
                      dtype=model.dtype)
-    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    plan, real = mask_plan(model), torch.ones(2, 6, dtype=torch.bool)
     positions = torch.arange(6).expand(2, 6)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             expected = model(input_ids=ids).logits[:, -2:].float()
-            got = [lean.last_logits(ids[:, :5], causal[None, None, :5, :5].expand(2, 1, 5, 5),
-                                    positions[:, :5], kv, 0),
-                   lean.last_logits(ids[:, 5:], causal[None, None, 5:].expand(2, 1, 1, 6),
+            got = [lean.last_logits(ids[:, :5], plan(prefill_mask(real[:, :5], 0), positions[:, :5],
+                                                     real[:, :5]), positions[:, :5], kv, 0),
+                   lean.last_logits(ids[:, 5:], plan(real[:, None, None], positions[:, 5:], real),
                                     positions[:, 5:], kv, 5)]
     finally:
         model.train(was_training)
