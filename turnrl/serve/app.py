@@ -37,6 +37,7 @@ from turnrl.serve.server import Choice, Server
 
 
 def make_app(server: Server) -> FastAPI:
+    """The FastAPI app serving ``server``: its batcher runs for the app's lifetime."""
     @asynccontextmanager
     async def lifespan(app):
         task = asyncio.create_task(server.batcher.run())
@@ -44,8 +45,14 @@ def make_app(server: Server) -> FastAPI:
         task.cancel()
 
     app = FastAPI(title="TurnRL", lifespan=lifespan)
-    key = server.cfg.api_key
+    _add_guards(app, server.cfg.api_key)
+    _add_model_routes(app, server)
+    _add_episode_routes(app, server)
+    return app
 
+
+def _add_guards(app: FastAPI, key: str) -> None:
+    """The API key check and the handlers that turn every error into OpenAI's JSON shape."""
     @app.middleware("http")
     async def check_key(request: Request, call_next):
         if key and request.url.path.startswith("/v1"):
@@ -69,6 +76,9 @@ def make_app(server: Server) -> FastAPI:
         return JSONResponse(ApiError(500, f"{type(err).__name__}: {err}",
                                      kind="server_error").body(), 500)
 
+
+def _add_model_routes(app: FastAPI, server: Server) -> None:
+    """The OpenAI-compatible routes: the model list and chat completions."""
     def model_card() -> dict:
         return {"id": server.name, "object": "model", "created": 0, "owned_by": "turnrl",
                 "policy_version": server.engine.version}
@@ -97,6 +107,9 @@ def make_app(server: Server) -> FastAPI:
                                 for i, c in enumerate(choices)],
                                prompt_tokens, sum(len(c.token_ids) for c in choices))
 
+
+def _add_episode_routes(app: FastAPI, server: Server) -> None:
+    """TurnRL's own routes: an episode's reward, the recorded episodes."""
     @app.post("/v1/turnrl/episodes/{episode_id}/reward")
     async def reward(episode_id: str, request: Request):
         body = await read_json(request, server.cfg)
@@ -127,8 +140,6 @@ def make_app(server: Server) -> FastAPI:
             raise ApiError(404, f"no episode '{episode_id}' was recorded",
                            code="episode_not_found")
         return server.recorder.episodes[episode_id].to_dict()
-
-    return app
 
 
 async def read_json(request: Request, cfg) -> object:

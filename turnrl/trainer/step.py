@@ -227,17 +227,8 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     moments stay as they were); ``update/skipped`` counts the skipped steps and a warning
     says why.
     """
-    if not bool(torch.isfinite(batch.advantages).all()):
-        bad = int((~torch.isfinite(batch.advantages)).sum())
-        # Rewards cannot cause this (Episode.add_turn fails an episode whose reward or
-        # return is not finite within REWARD_LIMIT): a critic or custom estimator did.
-        warnings.warn(f"update skipped: {bad} advantage values are not finite (a critic or an "
-                      "estimator produced NaN/inf); the weights are unchanged", stacklevel=2)
-        return {"update/skipped": float(settings.algo.epochs)}
-    if not len(policy_rows(batch)):  # rl_step says why; here for other callers
-        warnings.warn("update skipped: no row of the batch has a policy token; the weights "
-                      "are unchanged", stacklevel=2)
-        return {"update/skipped": float(settings.algo.epochs), "warn/no_policy_tokens": 1.0}
+    if (skip := _skipped_update(batch, settings)) is not None:
+        return skip
     if uses_proximal(settings.algo) and batch.prox_logprobs is None and settings.algo.epochs > 1:
         # Later epochs need the weights from before the first step; with one epoch the
         # update's own forward pass gives them and the extra scoring pass is skipped.
@@ -250,11 +241,10 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         # One threshold for the whole batch, from the weights before the update.
         totals["entropy_threshold"] = batch_entropy_threshold(model, batch, settings)
         model.train()
-    sums: dict[str, float] = {"loss": 0.0, "clipped": 0.0, "entropy": 0.0, "kl": 0.0,
-                              "weight_sum": 0.0, "weight_sq_sum": 0.0, "kept": 0.0,
-                              "mismatch_abs": 0.0, "mismatch_max": 0.0, "mismatch_kl": 0.0,
-                              "mismatch_changed": 0.0}
-    grad_norms, skipped = [], 0
+    sums: dict[str, float] = dict.fromkeys(
+        ("loss", "clipped", "entropy", "kl", "weight_sum", "weight_sq_sum", "kept",
+         "mismatch_abs", "mismatch_max", "mismatch_kl", "mismatch_changed"), 0.0)
+    grad_norms = []
     for epoch in range(settings.algo.epochs):
         optimizer.zero_grad(set_to_none=True)
         for mb in micro_batches(batch, settings.optim.micro_batch_size, settings.token_budget):
@@ -266,24 +256,54 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
             sums["loss"] += float(loss.detach())
             for key, value in stats.items():
                 sums[key] = max(sums[key], value) if key == "mismatch_max" else sums[key] + value
-        # max_grad_norm 0 disables clipping (an infinite bound still reports the norm).
-        bound = settings.optim.max_grad_norm or float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(model), bound))
-        if not math.isfinite(norm):  # a NaN/inf loss or gradient: never step on it
-            skipped += 1
-            optimizer.zero_grad(set_to_none=True)
-            warnings.warn(f"optimiser step skipped: the gradient norm is {norm} (loss "
-                          f"{sums['loss']:.4g}); the weights are unchanged", stacklevel=2)
-            continue
-        grad_norms.append(norm)
-        optimizer.step()
+        grad_norms.append(_optimiser_step(model, optimizer, settings, sums["loss"]))
+    return _update_metrics(sums, totals, grad_norms, settings)
+
+
+def _skipped_update(batch: Batch, settings: UpdateSettings) -> dict[str, float] | None:
+    """The metrics of an update that must not run (non-finite advantages, no policy token),
+    with a warning saying why; None when it can run."""
+    if not bool(torch.isfinite(batch.advantages).all()):
+        bad = int((~torch.isfinite(batch.advantages)).sum())
+        # Rewards cannot cause this (Episode.add_turn fails an episode whose reward or
+        # return is not finite within REWARD_LIMIT): a critic or custom estimator did.
+        warnings.warn(f"update skipped: {bad} advantage values are not finite (a critic or an "
+                      "estimator produced NaN/inf); the weights are unchanged", stacklevel=3)
+        return {"update/skipped": float(settings.algo.epochs)}
+    if not len(policy_rows(batch)):  # rl_step says why; here for other callers
+        warnings.warn("update skipped: no row of the batch has a policy token; the weights "
+                      "are unchanged", stacklevel=3)
+        return {"update/skipped": float(settings.algo.epochs), "warn/no_policy_tokens": 1.0}
+    return None
+
+
+def _optimiser_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    settings: UpdateSettings, loss: float) -> float | None:
+    """Clip the accumulated gradient and step; the gradient norm, or None when it is not
+    finite (a NaN/inf loss or gradient: never step on it; the gradient is dropped)."""
+    # max_grad_norm 0 disables clipping (an infinite bound still reports the norm).
+    bound = settings.optim.max_grad_norm or float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(model), bound))
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        warnings.warn(f"optimiser step skipped: the gradient norm is {norm} (loss "
+                      f"{loss:.4g}); the weights are unchanged", stacklevel=3)
+        return None
+    optimizer.step()
+    return norm
+
+
+def _update_metrics(sums: dict[str, float], totals: dict[str, float],
+                    grad_norms: list[float | None], settings: UpdateSettings) -> dict[str, float]:
+    """The update's metrics from the epochs' sums (``None`` norms: skipped steps)."""
     passes = settings.algo.epochs
+    stepped = [norm for norm in grad_norms if norm is not None]
     metrics = {
         "loss/policy": sums["loss"] / passes,
         "clip_fraction": sums["clipped"] / totals["tokens"] / passes,
         "entropy": sums["entropy"] / totals["tokens"] / passes,
-        "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-        "update/skipped": float(skipped),
+        "grad_norm": sum(stepped) / max(len(stepped), 1),
+        "update/skipped": float(len(grad_norms) - len(stepped)),
     }
     if settings.algo.kl_coef > 0:
         metrics["kl"] = sums["kl"] / totals["tokens"] / passes
