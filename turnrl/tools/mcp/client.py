@@ -109,7 +109,7 @@ class MCPClient:
                 self.start_timeout_s)
             self._initialized(init)
             self.notify("notifications/initialized")
-            self._listed = self._list_tools()
+            self._listed = listed_tools(self)
         except (MCPServerError, MCPToolError) as err:
             self.close()
             reason = str(err).removeprefix(f"MCP server '{self.name}' ")
@@ -200,34 +200,10 @@ class MCPClient:
     def _unanswerable(self, message: dict) -> None:
         """An answer whose id no request can have: named in the failure detail."""
 
-    # --- tools -----------------------------------------------------------------------------
-
-    def _list_tools(self) -> list[dict]:
-        listed, cursor = [], None
-        for _ in range(1000):  # pages; a server that never stops paging is cut off
-            result = self.request("tools/list", {"cursor": cursor} if cursor else {},
-                                  self.start_timeout_s)
-            tools = result.get("tools") or []
-            listed += [t for t in tools if isinstance(t, dict)
-                       and isinstance(t.get("name"), str)] if isinstance(tools, list) else []
-            cursor = result.get("nextCursor")
-            if not cursor:
-                break
-        return listed
-
     def tools(self) -> list[Tool]:
         """The server's tools (starting it if needed), each a ``Tool`` calling it."""
         self.start()
-        return [self._as_tool(entry) for entry in self._listed]
-
-    def _as_tool(self, entry: dict) -> Tool:
-        name = entry["name"]
-
-        async def call(**arguments: Any) -> str:
-            return await self.call(name, arguments)
-
-        call.mcp_server = self  # ToolEnv finds the servers its tools need through this
-        return Tool(name, entry.get("description") or "", input_schema(entry), call)
+        return [mcp_tool(self, entry) for entry in self._listed]
 
     async def call(self, name: str, arguments: dict) -> str:
         """``tools/call``: the result's text; ``MCPToolError`` when the server says the call
@@ -237,6 +213,33 @@ class MCPClient:
         if result.get("isError"):
             raise MCPToolError(text or "the tool reported an error")
         return text
+
+
+def listed_tools(client: MCPClient) -> list[dict]:
+    """Every tool entry ``tools/list`` gives, page by page (a server that never stops paging is
+    cut off at 1000 pages); entries without a string name are left out."""
+    listed, cursor = [], None
+    for _ in range(1000):
+        result = client.request("tools/list", {"cursor": cursor} if cursor else {},
+                                client.start_timeout_s)
+        tools = result.get("tools") or []
+        listed += [t for t in tools if isinstance(t, dict)
+                   and isinstance(t.get("name"), str)] if isinstance(tools, list) else []
+        cursor = result.get("nextCursor")
+        if not cursor:
+            break
+    return listed
+
+
+def mcp_tool(client: MCPClient, entry: dict) -> Tool:
+    """The ``Tool`` that calls ``entry``'s tool on ``client``'s server."""
+    name = entry["name"]
+
+    async def call(**arguments: Any) -> str:
+        return await client.call(name, arguments)
+
+    call.mcp_server = client  # ToolEnv finds the servers its tools need through this
+    return Tool(name, entry.get("description") or "", input_schema(entry), call)
 
 
 def input_schema(entry: dict) -> dict:

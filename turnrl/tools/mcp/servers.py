@@ -11,7 +11,7 @@ import weakref
 from typing import Any
 
 from turnrl import leftovers
-from turnrl.tools.mcp.client import MCPClient
+from turnrl.tools.mcp.client import MCPClient, mcp_tool
 from turnrl.tools.mcp.http import MCPHttpServer
 from turnrl.tools.mcp.stdio import MCPServer
 from turnrl.tools.schema import Tool
@@ -98,7 +98,7 @@ def episode_tools(spec: ServerSpec, start_timeout_s: float = 30.0,
     template = shared_server(spec, start_timeout_s, cwd).start()
     server = new_server(spec, start_timeout_s, cwd)
     _EPISODE_SERVERS.add(server)
-    return [server._as_tool(entry) for entry in template._listed]
+    return [mcp_tool(server, entry) for entry in template._listed]
 
 
 def close_shared_servers() -> None:
