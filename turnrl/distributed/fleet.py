@@ -19,7 +19,7 @@ from turnrl.distributed.book import (  # noqa: F401 - shared_out re-exported (te
     AssignmentBook,
     shared_out,
 )
-from turnrl.distributed.node_loss import node_loss_wait, wait_reason
+from turnrl.distributed.node_loss import StartupClock
 from turnrl.distributed.placement import learner_threads  # noqa: F401 - re-exported
 from turnrl.distributed.workers import without_tied_weights
 from turnrl.lora import published_state, state_bytes
@@ -67,9 +67,8 @@ class Fleet:
         self.stats: dict[int, dict] = {}
         self.pool_size: int | None = None
         """Live episodes per worker set by ``resize`` (None: as spawned)."""
-        self.wait_given = down_after_s  # ray.node_loss_wait_s as set (None: auto)
-        self.startups: list[float] = []  # seconds of each start-up timed (_time_startup)
-        self.startup_s: float | None = None  # the slowest of them
+        self.clock = StartupClock(down_after_s)
+        """The workers' start-ups, and the wait they give (``ray.node_loss_wait_s``)."""
         self.needs = needs or {}
         """Resources one worker reserves, named when none is left to restart it on."""
         self.node: dict[int, tuple[str, str]] = {}
@@ -103,29 +102,16 @@ class Fleet:
         """Versions that went through the weight group (the rest: the object store)."""
         self.state: dict | None = None
         self.learner_device = torch.device("cpu")
-        self.starting = {w: self._time_startup(w) for w in range(len(handles))}  # first pings
+        self.starting: dict[int, object] = {}  # worker -> its first ping (time_startups)
 
     @property
     def down_after_s(self) -> float:
         """How long a worker may fail every call before it is given up."""
-        return node_loss_wait(self.startup_s, self.wait_given)
+        return self.clock.wait_s
 
-    def _time_startup(self, w: int):
-        """Ping worker ``w``, just created: its answer (once its model is built) times its
-        start-up on the learner's clock, even while the learner evaluates meanwhile."""
-        ref = self.handles[w].ping.remote()
-        future = getattr(ref, "future", None)
-        if callable(future):  # a Ray call (not a test's stand-in handle)
-            created = time.monotonic()
-            future().add_done_callback(lambda done: self._started(created, done))
-        return ref
-
-    def _started(self, created: float, done) -> None:
-        """A worker answered its first ping (on Ray's thread): its start-up, if it started."""
-        if done.cancelled() or done.exception() is not None:
-            return  # a constructor error: ``wait_started`` raises it
-        self.startups.append(time.monotonic() - created)
-        self.startup_s = max(self.startups)
+    def time_startups(self) -> None:
+        """Time every worker's start-up (``StartupClock``): called as they are created."""
+        self.starting = {w: self.clock.watch(h.ping.remote()) for w, h in enumerate(self.handles)}
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -306,7 +292,7 @@ class Fleet:
                 return
             self.revivals[w] = self.revivals.get(w, 0) + 1
             self.handles[w] = self.respawn(w, self.revivals[w])
-            self.starting[w] = self._time_startup(w)
+            self.starting[w] = self.clock.watch(self.handles[w].ping.remote())
             self.dead.discard(w)
             self.revived.add(w)
             for books in (self.down_since, self.failures, self.retry_at, self.incarnation):
@@ -396,7 +382,7 @@ class Fleet:
                 if not n["Alive"]]
         missing = {k: v for k, v in self.needs.items() if v > 0 and free.get(k, 0.0) < v}
         need = ", ".join(f"{k} {v:g} (free {free.get(k, 0.0):g})" for k, v in missing.items())
-        wait = f"{round(self.down_after_s, 1):g} s ({wait_reason(self.startup_s, self.wait_given)})"
+        wait = f"{round(self.down_after_s, 1):g} s ({self.clock.reason()})"
         return (f"{'; '.join(parts)} failed every call for {wait}; dead nodes: "
                 f"{', '.join(dead) or 'none'}; a restart needs {need or 'nothing missing now'}: add a node with those "
                 f"resources (`ray status`); the last error: {_first_line(err)}")

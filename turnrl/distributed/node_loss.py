@@ -1,8 +1,10 @@
 """How long the learner waits for a rollout worker that fails every call (its node lost)
 before giving it up: ``ray.node_loss_wait_s`` as set, or (-1, the default) a multiple of the
-workers' start-up measured in this run (``Fleet`` times each worker's first answer). Pure."""
+workers' start-up measured in this run (``StartupClock``: each worker's first answer)."""
 
 from __future__ import annotations
+
+import time
 
 STARTUP_MULTIPLE = 3.0
 """``ray.node_loss_wait_s`` auto: this many times the slowest worker start-up measured. A
@@ -34,3 +36,41 @@ def wait_reason(startup_s: float | None, given_s: float | None) -> str:
                 if startup_s is not None else "no worker start-up measured yet")
     low, high = NODE_LOSS_WAIT_S
     return f"ray.node_loss_wait_s auto: {measured}, within {low:.0f}-{high:.0f} s"
+
+
+class StartupClock:
+    """The workers' start-ups measured in this run, and the node-loss wait they give.
+
+    Each worker is pinged as it is created (at spawn, at a revival): Ray runs the call once
+    the constructor has built the model, so the answer times the start-up (process, imports,
+    model) on the learner's clock, recorded by Ray's thread the moment it comes, even while
+    the learner is busy elsewhere (the evaluation before step 1)."""
+
+    def __init__(self, given_s: float | None = None):
+        self.given_s = given_s
+        """``ray.node_loss_wait_s`` as the user set it (None: auto)."""
+        self.startups: list[float] = []
+        """Seconds of each start-up measured."""
+
+    @property
+    def slowest(self) -> float | None:
+        return max(self.startups, default=None)
+
+    @property
+    def wait_s(self) -> float:
+        return node_loss_wait(self.slowest, self.given_s)
+
+    def reason(self) -> str:
+        return wait_reason(self.slowest, self.given_s)
+
+    def watch(self, ping):
+        """Time the worker whose first ``ping`` (an ObjectRef) was just sent; ``ping``."""
+        future = getattr(ping, "future", None)
+        if callable(future):  # a Ray call (not a test's stand-in handle)
+            created = time.monotonic()
+            future().add_done_callback(lambda done: self._answered(created, done))
+        return ping
+
+    def _answered(self, created: float, done) -> None:
+        if not done.cancelled() and done.exception() is None:  # a constructor error: not a start
+            self.startups.append(time.monotonic() - created)

@@ -190,6 +190,7 @@ class RaySource(SourceDefaults):
         self.fleet = Fleet(spawn(), book, None if wait == -1 else wait, worker_needs(cfg),
                            respawn=respawn, has_room=bundle_placed(self.group),
                            broadcaster=broadcaster)
+        self.fleet.time_startups()  # ray.node_loss_wait_s auto follows them
         if saved_pool is not None:
             self.pool_versions = seed_fleet(self.fleet, *saved_pool)
 
