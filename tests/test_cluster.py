@@ -412,5 +412,15 @@ def test_a_given_up_worker_is_killed_then_revived_when_a_node_returns(joined, he
     trained = [seed for line in ledger for _, seed, worker in line["trained"]
                if worker == lost and seed in played]
     assert trained, f"the revived worker trained no group (it played {len(played)})"
+    # ... and its share: from the first step that trained one of its groups on, a fair part of
+    # what was trained is its own (half expected, the share it takes at its first report, and
+    # new work by load; the bug left it none), not a straggler or two.
+    mine = [[worker == lost and seed in played for _, seed, worker in line["trained"]]
+            for line in ledger]
+    first = min(i for i, step in enumerate(mine) if any(step))
+    after = [own for step in mine[first:] for own in step]
+    assert sum(after) >= len(after) / 6, (
+        f"the revived worker trained {sum(after)} of the {len(after)} groups trained after its "
+        "first")
     # Issued work stays within what the run can train (the bug left hundreds unplayed).
     assert len(result.abandoned) < steps, f"{len(result.abandoned)} groups abandoned"

@@ -114,3 +114,41 @@ def test_compare_follows_a_run_back_to_the_checkpoint_it_started_from(runs, tmp_
     capsys.readouterr()
     assert main(["eval", "--compare", str(loose), str(later), "--samples", "1"]) == 2
     assert "need the same model and env" in capsys.readouterr().err
+
+
+def _eval_lines(run, episodes: int) -> int:
+    """Lines of TurnRL's own code that one ``turnrl eval --compare base RUN`` of ``episodes``
+    tasks executes on this thread (a pure-Python loop counts for every pass; torch's and
+    the other libraries' frames are not traced)."""
+    import sys
+    from pathlib import Path
+
+    import turnrl
+
+    root, lines = str(Path(turnrl.__file__).parent), 0
+
+    def count(frame, event, arg):
+        nonlocal lines
+        lines += event == "line"
+        return count
+
+    sys.settrace(lambda frame, event, arg: count if frame.f_code.co_filename.startswith(root)
+                 else None)
+    try:
+        code = main(["eval", "--compare", "base", str(run), "--eval.episodes", str(episodes)])
+    finally:
+        sys.settrace(None)
+    assert code == 0
+    return lines
+
+
+def test_eval_work_grows_linearly_with_the_episodes(runs, capsys):
+    """Issue 58: ``--eval.episodes 1024`` ran 44 min where 512 took 3.7. Counted, not timed:
+    the lines that 2n tasks add over n, then 4n over 2n. Fixed costs (the model load) cancel;
+    a linear cost doubles the increment (measured 1.98-2.04), a quadratic one heads for 4x
+    (one comparison per pair of episodes, a rescan at each new one: 2.58 at these sizes)."""
+    _eval_lines(runs[0], 4)  # imports and first-call costs
+    lines = {n: _eval_lines(runs[0], n) for n in (64, 128, 256)}  # 2, 4, 8 chunks of 32
+    capsys.readouterr()
+    first, second = lines[128] - lines[64], lines[256] - lines[128]
+    assert first > 0 and second / first < 2.3, lines

@@ -178,3 +178,17 @@ def test_transcript_splits_policy_and_env_tokens():
     assert t["segments"] == [{"role": "env", "text": "1,2"}, {"role": "policy", "text": "3"},
                              {"role": "env", "text": "4,5"}]
     assert t["seed"] == 7
+
+
+def test_mcnemar_exact_equals_the_binomial_tail_summed_afresh():
+    """The tail is built term by term (each coefficient from the last): exactly the sum of
+    ``math.comb`` terms, on seeded random counts, large ones included."""
+    import math
+    import random
+
+    rng = random.Random(58)
+    for only_a, only_b in [(rng.randint(0, 400), rng.randint(0, 400)) for _ in range(40)] + [
+            (700, 640), (1, 2000), (1024, 1024)]:
+        m = only_a + only_b
+        tail = sum(math.comb(m, i) for i in range(min(only_a, only_b) + 1))
+        assert mcnemar_exact(only_a, only_b) == min(1.0, 2 * tail / 2**m)

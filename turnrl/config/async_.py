@@ -64,10 +64,12 @@ class RayConfig(Section):
     learner_gpus: float = -1.0
     """GPUs reserved in Ray on the learner's node so no vLLM worker lands on its GPU; -1 = auto:
     the share of one GPU the workers leave when the learner trains on CUDA, else 0"""
-    node_loss_wait_s: float = 120.0
+    node_loss_wait_s: float = -1.0
     """a worker failing every call this long (its node lost, no room to restart it) is given
     up: killed, its work moved to the others, revived once the cluster has room again; with
-    none left the run stops naming the node"""
+    none left the run stops naming the node. -1 = auto: 3x the slowest worker start-up this
+    run measured (actor created to model built, at spawn and at each revival), at least 120
+    and at most 1800 s (120 until one is measured); a value of 0 or more is used as given"""
     weight_sync: Literal["object_store", "broadcast"] = "object_store"
     """how a new policy version reaches the workers: object_store = one ray.put per version,
     fetched by each node; broadcast = a torch.distributed group (NCCL GPU to GPU when the
@@ -80,7 +82,9 @@ class RayConfig(Section):
 
     def _check(self) -> None:
         self._at_least(1, "num_workers")
-        self._at_least(0, "worker_cpus", "worker_gpus", "node_loss_wait_s", "learner_cpus")
+        self._at_least(0, "worker_cpus", "worker_gpus", "learner_cpus")
+        self._require("node_loss_wait_s", self.node_loss_wait_s == -1 or self.node_loss_wait_s >= 0,
+                      "-1 (auto: follows the workers' measured start-up) or at least 0")
         self._require("weight_sync_timeout_s", self.weight_sync_timeout_s > 0, "above 0")
         self._require("learner_gpus", self.learner_gpus == -1 or self.learner_gpus >= 0,
                       "-1 (auto) or at least 0")

@@ -94,3 +94,19 @@ class AssignmentBook:
     def move(self, assignment: Assignment, worker: int, seq: int) -> None:
         assignment.worker, assignment.seq = worker, seq
         assignment.reissues += 1
+
+
+def shared_out(book: AssignmentBook, w: int, others: list[int]) -> dict[int, list[Assignment]]:
+    """Donor -> assignments (its newest first) that give worker ``w`` an even share of what
+    ``w`` and ``others`` hold; no donor is left under that share."""
+    held = {o: sorted(book.at(o), key=lambda a: a.seq) for o in [*others, w]}
+    share = sum(map(len, held.values())) // len(held)
+    moved: dict[int, list[Assignment]] = {}
+    need = share - len(held[w])
+    while need > 0 and others:
+        donor = max(others, key=lambda o: len(held[o]))
+        if len(held[donor]) <= share:
+            break
+        moved.setdefault(donor, []).append(held[donor].pop())
+        need -= 1
+    return moved

@@ -3,8 +3,8 @@
 ``Fleet`` owns every call to the Ray actors (turnrl/distributed/workers.py) and reconciles
 what each worker reports with the ``AssignmentBook``: a restarted worker (new incarnation)
 gets the newest weights again and the assignments it lost, with the same ids and seeds; a
-worker failing every call for ``WORKER_DOWN_AFTER_S`` is given up (killed) and its work
-moved; once the cluster has room for it again, a fresh actor takes its place (``revive``).
+worker failing every call for ``down_after_s`` (node_loss.py) is given up (killed) and its
+work moved; once the cluster has room for it again, a fresh actor takes its place (``revive``).
 """
 
 from __future__ import annotations
@@ -14,15 +14,18 @@ import time
 
 import torch
 
-from turnrl.distributed.book import Assignment, AssignmentBook
+from turnrl.distributed.book import (  # noqa: F401 - shared_out re-exported (tests)
+    Assignment,
+    AssignmentBook,
+    shared_out,
+)
+from turnrl.distributed.node_loss import StartupClock
 from turnrl.distributed.placement import learner_threads  # noqa: F401 - re-exported
 from turnrl.distributed.workers import without_tied_weights
 from turnrl.lora import published_state, state_bytes
 
 POLL_WAIT_S = 0.1
 """How long a worker's ``take_groups`` waits for a group before answering empty."""
-WORKER_DOWN_AFTER_S = 120.0
-"""Default of ``ray.node_loss_wait_s``: a worker failing every call this long is given up."""
 REVIVE_EVERY_S = 5.0
 """How often the learner looks for room to revive a given-up worker."""
 FORM_TRIES = 3
@@ -35,7 +38,7 @@ class Fleet:
     """The worker handles, their in-flight polls, and what the learner knows of each."""
 
     def __init__(self, handles: list, book: AssignmentBook,
-                 down_after_s: float = WORKER_DOWN_AFTER_S, needs: dict | None = None,
+                 down_after_s: float | None = None, needs: dict | None = None,
                  respawn=None, has_room=None, broadcaster=None):
         import ray
 
@@ -64,7 +67,8 @@ class Fleet:
         self.stats: dict[int, dict] = {}
         self.pool_size: int | None = None
         """Live episodes per worker set by ``resize`` (None: as spawned)."""
-        self.down_after_s = down_after_s
+        self.clock = StartupClock(down_after_s)
+        """The workers' start-ups, and the wait they give (``ray.node_loss_wait_s``)."""
         self.needs = needs or {}
         """Resources one worker reserves, named when none is left to restart it on."""
         self.node: dict[int, tuple[str, str]] = {}
@@ -98,6 +102,16 @@ class Fleet:
         """Versions that went through the weight group (the rest: the object store)."""
         self.state: dict | None = None
         self.learner_device = torch.device("cpu")
+        self.starting: dict[int, object] = {}  # worker -> its first ping (time_startups)
+
+    @property
+    def down_after_s(self) -> float:
+        """How long a worker may fail every call before it is given up."""
+        return self.clock.wait_s
+
+    def time_startups(self) -> None:
+        """Time every worker's start-up (``StartupClock``): called as they are created."""
+        self.starting = {w: self.clock.watch(h.ping.remote()) for w, h in enumerate(self.handles)}
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -152,7 +166,7 @@ class Fleet:
 
     def wait_started(self, timeout_s: float) -> None:
         """Block until every worker has built its model (a constructor error raises here)."""
-        refs = [h.ping.remote() for h in self.handles]
+        refs = [self.starting.get(w) or h.ping.remote() for w, h in enumerate(self.handles)]
         try:
             incarnations = self.ray.get(refs, timeout=timeout_s)
         except self.ray.exceptions.GetTimeoutError:
@@ -278,6 +292,7 @@ class Fleet:
                 return
             self.revivals[w] = self.revivals.get(w, 0) + 1
             self.handles[w] = self.respawn(w, self.revivals[w])
+            self.starting[w] = self.clock.watch(self.handles[w].ping.remote())
             self.dead.discard(w)
             self.revived.add(w)
             for books in (self.down_since, self.failures, self.retry_at, self.incarnation):
@@ -367,9 +382,9 @@ class Fleet:
                 if not n["Alive"]]
         missing = {k: v for k, v in self.needs.items() if v > 0 and free.get(k, 0.0) < v}
         need = ", ".join(f"{k} {v:g} (free {free.get(k, 0.0):g})" for k, v in missing.items())
-        return (f"{'; '.join(parts)} failed every call for {self.down_after_s:g} s "
-                f"(ray.node_loss_wait_s); dead nodes: {', '.join(dead) or 'none'}; "
-                f"a restart needs {need or 'nothing missing now'}: add a node with those "
+        wait = f"{round(self.down_after_s, 1):g} s ({self.clock.reason()})"
+        return (f"{'; '.join(parts)} failed every call for {wait}; dead nodes: "
+                f"{', '.join(dead) or 'none'}; a restart needs {need or 'nothing missing now'}: add a node with those "
                 f"resources (`ray status`); the last error: {_first_line(err)}")
 
     def reconcile(self, w: int, seq: int, report) -> None:
@@ -453,22 +468,6 @@ class Fleet:
                 self.ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-
-
-def shared_out(book: AssignmentBook, w: int, others: list[int]) -> dict[int, list[Assignment]]:
-    """Donor -> assignments (its newest first) that give worker ``w`` an even share of what
-    ``w`` and ``others`` hold; no donor is left under that share."""
-    held = {o: sorted(book.at(o), key=lambda a: a.seq) for o in [*others, w]}
-    share = sum(map(len, held.values())) // len(held)
-    moved: dict[int, list[Assignment]] = {}
-    need = share - len(held[w])
-    while need > 0 and others:
-        donor = max(others, key=lambda o: len(held[o]))
-        if len(held[donor]) <= share:
-            break
-        moved.setdefault(donor, []).append(held[donor].pop())
-        need -= 1
-    return moved
 
 
 def fired_failure(worker: int | None, method: str, err: Exception) -> str:

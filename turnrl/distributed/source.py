@@ -186,9 +186,11 @@ class RaySource(SourceDefaults):
         if cfg.ray.weight_sync == "broadcast":
             broadcaster = WeightBroadcaster(cfg.ray.weight_sync_timeout_s,
                                             cfg.ray.weight_sync_address)
-        self.fleet = Fleet(spawn(), book, cfg.ray.node_loss_wait_s, worker_needs(cfg),
+        wait = cfg.ray.node_loss_wait_s
+        self.fleet = Fleet(spawn(), book, None if wait == -1 else wait, worker_needs(cfg),
                            respawn=respawn, has_room=bundle_placed(self.group),
                            broadcaster=broadcaster)
+        self.fleet.time_startups()  # ray.node_loss_wait_s auto follows them
         if saved_pool is not None:
             self.pool_versions = seed_fleet(self.fleet, *saved_pool)
 
