@@ -7,7 +7,7 @@ RUN --eval.episodes N`` for each N, in this process (the model load and the stat
 included; each N plays 2N episodes, one per policy). Also counts the Python calls of each
 evaluation: a cost quadratic in pure Python shows there even on a noisy machine.
 
-    PYTHONPATH=. python benchmarks/eval_scaling.py --episodes 64 256 1024 2048
+    PYTHONPATH=. python benchmarks/speed/eval_scaling.py --episodes 64 256 1024 2048
 """
 
 from __future__ import annotations
