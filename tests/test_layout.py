@@ -8,6 +8,7 @@ still a cycle. A new top-level module or package must be given a layer here.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
@@ -21,7 +22,16 @@ LAYERS = [
     {"launch", "cli", "report", "serve", "checkpoint_eval", "export"},
 ]
 LAYER = {name: depth for depth, names in enumerate(LAYERS) for name in names}
-MAX_LINES = 500
+MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 300
+MAX_METHODS = 20
+STILL_OVER = {
+    "distributed/fleet.py:Fleet", "distributed/fleet.py:__init__",
+    "distributed/source.py:RaySource",
+    "distributed/workers.py:RolloutWorker", "distributed/workers.py:__init__",
+    "rollout/loop.py:TurnLoop", "sft/train.py:sft", "tools/mcp/client.py:MCPClient",
+}
+"""Functions and classes over the limits that are yet to be split (issue 51): none may join."""
 
 
 def _module_name(path: Path) -> str:
@@ -104,10 +114,43 @@ def test_no_import_cycles_between_top_level_modules_and_packages():
     assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
 
 
-def test_no_library_file_is_over_the_size_limit():
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"split these files (over {MAX_LINES} lines): {long}"
+def _oversized() -> dict[str, str]:
+    """Every library function over ``MAX_FUNCTION_LINES`` lines and class over
+    ``MAX_CLASS_LINES`` lines or ``MAX_METHODS`` methods: ``{"file.py:Name": "what"}``."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        where = str(path.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(path.read_text())):
+            lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if lines > MAX_FUNCTION_LINES:
+                    found[f"{where}:{node.name}"] = f"{lines} lines"
+            elif isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                              for n in node.body)
+                if lines > MAX_CLASS_LINES or methods > MAX_METHODS:
+                    found[f"{where}:{node.name}"] = f"{lines} lines, {methods} methods"
+    return found
+
+
+def test_functions_and_classes_stay_small():
+    """A function over 60 lines or a class over 300 lines or 20 methods is a sign to split it
+    by responsibility (DESIGN.md); files are as long as their one idea needs. ``STILL_OVER``
+    names the ones not split yet: it may only shrink (an entry that fits fails too)."""
+    found = _oversized()
+    new = {name: what for name, what in found.items() if name not in STILL_OVER}
+    assert not new, f"split these by responsibility: {new}"
+    fitted = sorted(set(STILL_OVER) - set(found))
+    assert not fitted, f"these fit now: remove them from STILL_OVER: {fitted}"
+
+
+def test_the_size_rule_catches_a_long_function_and_a_wide_class(tmp_path, monkeypatch):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    methods = "\n".join(f"    def m{i}(self):\n        pass" for i in range(MAX_METHODS + 1))
+    (tmp_path / "big.py").write_text(f"def long():\n{body}\n\n\nclass Wide:\n{methods}\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    assert _oversized() == {"big.py:long": f"{MAX_FUNCTION_LINES + 1} lines",
+                            "big.py:Wide": f"{2 * MAX_METHODS + 3} lines, {MAX_METHODS + 1} methods"}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
