@@ -16,9 +16,10 @@ from conftest import MovesEngine
 
 from turnrl.envs import StepResult, make_env, register_env
 from turnrl.rollout import ChatFormat, run_episodes, run_sync
-from turnrl.rollout.batched_calls import BatchedCalls, BatchError
 from turnrl.samplers import HFEngine, SamplingParams
-from turnrl.selfplay import FrozenPolicy, ModelOpponent, OpponentPool, PoolPlayer
+from turnrl.selfplay.batched_calls import BatchedCalls, BatchError
+from turnrl.selfplay.opponents import FrozenPolicy, ModelOpponent, PoolPlayer
+from turnrl.selfplay.pool import OpponentPool
 
 
 def _streams(seeds):

@@ -61,7 +61,7 @@ from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_m
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy
 from turnrl.rollout import run_episodes, run_sync
-from turnrl.selfplay import game_step_metrics
+from turnrl.selfplay.outcomes import game_step_metrics
 from turnrl.trainer.distill import load_teacher
 from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
 from turnrl.types import Episode, write_episodes
