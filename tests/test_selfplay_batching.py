@@ -1,5 +1,5 @@
-"""Frozen opponents batch the moves that games ask for at the same time (turnrl/selfplay.py
-``FrozenPolicy``, turnrl/rollout/batched_calls.py), each game on its own random stream
+"""Frozen opponents batch the moves that games ask for at the same time (turnrl/selfplay/
+opponents.py ``FrozenPolicy``, turnrl/selfplay/batched_calls.py), each game on its own random stream
 (``HFEngine.generate``'s ``generators``): what a game's opponent plays does not depend on
 which games shared its batch, nor (``opponent: model``) on which games ran beside it
 (docs/selfplay.md)."""

@@ -1,5 +1,5 @@
 """TextArena two-player games through the adapter (textarena-2p, textarena-selfplay) and the
-opponent behind an OpenAI-compatible endpoint (turnrl/selfplay.py EndpointOpponent), with
+opponent behind an OpenAI-compatible endpoint (turnrl/selfplay/endpoint.py EndpointOpponent), with
 TextArena's own rules and rewards, offline (docs/selfplay.md)."""
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ GAMES_SHOWN_PER_ROLE = 2
 
 def game_report(episodes: list[Episode], decode) -> dict | None:
     """For a game (episodes that record a ``role``): per role win/draw/loss rates with 95%
-    Wilson intervals (``selfplay.role_outcomes``) and a few games as transcripts, a won and a
+    Wilson intervals (``selfplay.outcomes.role_outcomes``) and a few games as transcripts, a won and a
     not-won one per role (what report.html's Games section shows); None otherwise."""
     roles = role_outcomes(episodes)
     if not roles:

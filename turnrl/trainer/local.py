@@ -90,7 +90,7 @@ class LocalSource(SourceDefaults):
 
 
 POOL_STATE = "opponent_pool"
-"""The pool's key in a checkpoint's ``state.json`` (its weights: ``selfplay.member_name``)."""
+"""The pool's key in a checkpoint's ``state.json`` (its weights: ``selfplay.pool.member_name``)."""
 
 
 def saved_pool(run: Run) -> dict | None:

@@ -398,7 +398,7 @@ def finish_run(run: Run, before: EvalResult | None, after: EvalResult | None,
             if key.endswith(("_lo", "_hi", "/episodes")):  # shown with their rate, or in the file
                 continue
             line = f"{key}: {(before.env_metrics or {}).get(key, float('nan')):.4f} -> {value:.4f}"
-            if f"{key}_lo" in measured:  # a per-role rate (selfplay.role_outcomes)
+            if f"{key}_lo" in measured:  # a per-role rate (selfplay/outcomes.py)
                 line += f" [95% CI {measured[f'{key}_lo']:.4f}, {measured[f'{key}_hi']:.4f}]"
             print(line)
             table += line + "\n"
