@@ -150,10 +150,10 @@ def test_the_loop_reports_its_waits_for_env_steps_as_idle_time(tiny):
         can outlast any fixed delay)."""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            since, ended = rollout._idle_since, rollout.stats.idle_s  # waits ended so far
+            since, ended = rollout.stats._idle_since, rollout.stats.idle_s  # waits ended so far
             if since is not None and time.perf_counter() - since >= 0.1:
                 reading = rollout.stats.report()
-                if rollout._idle_since == since:  # that same wait, still in progress
+                if rollout.stats._idle_since == since:  # that same wait, still in progress
                     readings.append((ended, reading))
                     return
             time.sleep(0.005)
