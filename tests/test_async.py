@@ -150,10 +150,10 @@ def test_the_loop_reports_its_waits_for_env_steps_as_idle_time(tiny):
         can outlast any fixed delay)."""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            since, ended = rollout._idle_since, rollout.stats.idle_s  # waits ended so far
+            since, ended = rollout.stats._idle_since, rollout.stats.idle_s  # waits ended so far
             if since is not None and time.perf_counter() - since >= 0.1:
-                reading = rollout.report()
-                if rollout._idle_since == since:  # that same wait, still in progress
+                reading = rollout.stats.report()
+                if rollout.stats._idle_since == since:  # that same wait, still in progress
                     readings.append((ended, reading))
                     return
             time.sleep(0.005)
@@ -164,7 +164,7 @@ def test_the_loop_reports_its_waits_for_env_steps_as_idle_time(tiny):
     run_sync(rollout.run(until_drained=True))
     wall = time.perf_counter() - started
     reader.join(5)
-    final = rollout.report()
+    final = rollout.stats.report()
     assert [len(ep.turns) for ep in rollout.take_groups()[0].episodes] == [3, 3]
     # Three 0.3 s steps one after the other: most of the run is waiting, none of it twice.
     assert 0.85 <= final["idle_s"] / 0.9 and final["idle_s"] <= wall

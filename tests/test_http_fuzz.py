@@ -26,7 +26,7 @@ from turnrl.envs import make_env
 from turnrl.models import tiny_tokenizer
 from turnrl.rollout import ChatFormat, run_episodes, run_sync
 from turnrl.samplers import SamplingParams
-from turnrl.selfplay import EndpointError, EndpointOpponent
+from turnrl.selfplay.endpoint import EndpointError, EndpointOpponent
 from turnrl.tools.mcp.client import MCPServerError, MCPToolError
 from turnrl.tools.mcp.http import MCPHttpServer
 

@@ -148,7 +148,7 @@ def test_a_seat_that_moves_twice_in_a_row_is_shown_so(tiny, tmp_path):
 
 
 def test_a_game_against_the_pool_names_the_opponent_and_the_policys_seat(tiny, tmp_path):
-    from turnrl.selfplay import OpponentPool
+    from turnrl.selfplay.pool import OpponentPool
 
     model, tok = tiny
     chat = ChatFormat(tok)

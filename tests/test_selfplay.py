@@ -243,7 +243,7 @@ def test_dynamic_sampling_judges_a_self_play_group_per_role():
 
 
 def test_per_role_outcomes_by_hand():
-    from turnrl.selfplay import outcome_metrics, role_outcomes
+    from turnrl.selfplay.outcomes import outcome_metrics, role_outcomes
     from turnrl.stats import wilson_interval
 
     episodes = [_episode("X", "win", 1.0), _episode("X", "win", 1.0),
@@ -272,7 +272,7 @@ def test_per_role_outcomes_by_hand():
 def test_the_pool_keeps_frozen_copies_by_its_rule_and_games_record_the_version(tiny):
     import torch
 
-    from turnrl.selfplay import OpponentPool
+    from turnrl.selfplay.pool import OpponentPool
 
     model, tok = tiny
     chat = ChatFormat(tok)
@@ -315,7 +315,7 @@ class FailingPlayer:
 
 
 def test_a_failing_opponent_fails_its_game_with_the_reason_and_the_others_play_on(tiny):
-    from turnrl.selfplay import OpponentPool
+    from turnrl.selfplay.pool import OpponentPool
 
     model, tok = tiny
     chat = ChatFormat(tok)

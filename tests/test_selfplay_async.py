@@ -108,7 +108,7 @@ def _swapping_loop(tok, moves, *, group_size=1, pool_size=None, make=None):
                     SamplingParams(8, 1.0, stop_token_ids=(chat.end_of_turn,)),
                     group_size=group_size, pool_size=pool_size, env_name="tictactoe",
                     before_generate=new_version, worker=0)
-    loop.record_seat_versions = True
+    loop.seats.record_versions = True
     return loop
 
 
@@ -283,7 +283,7 @@ def test_an_async_run_against_a_fixed_or_a_model_opponent(ray_games, tmp_path, o
 # ---- the opponent pool in async mode: the learner's versions, held by every worker -------------
 
 def test_the_pool_rule_by_hand():
-    from turnrl.selfplay import pool_after_offer
+    from turnrl.selfplay.pool import pool_after_offer
 
     assert pool_after_offer([], 5, every=2, size=3) == [5]  # the first offered always joins
     assert pool_after_offer([5], 6, every=2, size=3) == [5, 6]
@@ -297,7 +297,7 @@ def test_a_pool_mirror_holds_the_versions_it_is_told_and_games_wait_for_its_firs
 
     import torch
 
-    from turnrl.selfplay import OpponentPool
+    from turnrl.selfplay.pool import OpponentPool
 
     _, tok = tiny
     chat = ChatFormat(tok)
@@ -411,7 +411,7 @@ def test_the_learner_sends_the_pool_with_the_weights_and_again_after_a_restart()
 
 def test_a_game_whose_pool_never_comes_fails_alone_with_the_reason(tiny):
     from turnrl.rollout import run_episodes
-    from turnrl.selfplay import OpponentPool, PoolDraw
+    from turnrl.selfplay.pool import OpponentPool, PoolDraw
 
     _, tok = tiny
     chat = ChatFormat(tok)

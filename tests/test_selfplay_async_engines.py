@@ -9,7 +9,7 @@ import pytest
 from conftest import groups_within
 
 from turnrl.config import ConfigError, load_config
-from turnrl.selfplay import pool_wait_s
+from turnrl.selfplay.pool import pool_wait_s
 
 BASE = ["--model.name", "tiny", "--rollout.max_new_tokens", "3", "--run.progress", "false",
         "--run.tensorboard", "false", "--rollout.group_size", "2",
@@ -113,7 +113,7 @@ def test_a_worker_game_whose_pool_never_comes_fails_with_the_pools_reason(tmp_pa
         worker_env_factory,
     )
     from turnrl.models import tiny_model
-    from turnrl.selfplay import PoolDraw
+    from turnrl.selfplay.pool import PoolDraw
 
     cfg = _cfg(tmp_path, *env_args, "--env.options.opponent", "pool",
                "--rollout.env_timeout_s", "10", "--rollout.group_size", "4")

@@ -1,5 +1,5 @@
-"""Frozen opponents batch the moves that games ask for at the same time (turnrl/selfplay.py
-``FrozenPolicy``, turnrl/rollout/batched_calls.py), each game on its own random stream
+"""Frozen opponents batch the moves that games ask for at the same time (turnrl/selfplay/
+opponents.py ``FrozenPolicy``, turnrl/selfplay/batched_calls.py), each game on its own random stream
 (``HFEngine.generate``'s ``generators``): what a game's opponent plays does not depend on
 which games shared its batch, nor (``opponent: model``) on which games ran beside it
 (docs/selfplay.md)."""
@@ -16,9 +16,10 @@ from conftest import MovesEngine
 
 from turnrl.envs import StepResult, make_env, register_env
 from turnrl.rollout import ChatFormat, run_episodes, run_sync
-from turnrl.rollout.batched_calls import BatchedCalls, BatchError
 from turnrl.samplers import HFEngine, SamplingParams
-from turnrl.selfplay import FrozenPolicy, ModelOpponent, OpponentPool, PoolPlayer
+from turnrl.selfplay.batched_calls import BatchedCalls, BatchError
+from turnrl.selfplay.opponents import FrozenPolicy, ModelOpponent, PoolPlayer
+from turnrl.selfplay.pool import OpponentPool
 
 
 def _streams(seeds):

@@ -1,4 +1,4 @@
-"""The opponent pool in checkpoints (turnrl/selfplay.py, turnrl/checkpoint.py ``frozen``): an
+"""The opponent pool in checkpoints (turnrl/selfplay/pool.py, turnrl/checkpoint.py ``frozen``): an
 interrupted pool run resumes with the same frozen opponents and the same draws, bit for bit;
 the members' weights are stored once; a checkpoint without a pool still resumes."""
 

@@ -1,5 +1,5 @@
 """TextArena two-player games through the adapter (textarena-2p, textarena-selfplay) and the
-opponent behind an OpenAI-compatible endpoint (turnrl/selfplay.py EndpointOpponent), with
+opponent behind an OpenAI-compatible endpoint (turnrl/selfplay/endpoint.py EndpointOpponent), with
 TextArena's own rules and rewards, offline (docs/selfplay.md)."""
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def _with_opponent(player, **options):
 
 
 def test_an_endpoint_opponent_plays_the_other_seat_and_is_recorded(tiny):
-    from turnrl.selfplay import EndpointOpponent
+    from turnrl.selfplay.endpoint import EndpointOpponent
 
     _, tok = tiny
     with chat_server(moves=["[0]", "[1]"]) as (server, url):
@@ -223,7 +223,7 @@ def test_an_endpoint_opponent_plays_the_other_seat_and_is_recorded(tiny):
 
 
 def test_a_dead_or_hanging_endpoint_fails_its_game_with_the_reason_and_the_rest_play_on(tiny):
-    from turnrl.selfplay import EndpointOpponent
+    from turnrl.selfplay.endpoint import EndpointOpponent
 
     _, tok = tiny
     with socket.socket() as probe:  # a port nothing listens on
@@ -251,14 +251,14 @@ def test_a_dead_or_hanging_endpoint_fails_its_game_with_the_reason_and_the_rest_
     assert stuck.requests  # the hanging server was asked
     assert fine.status == "done" and fine.info["opponent"] == "endpoint:ok"
     # a reply that is not a chat completion: the game fails, naming what is missing
-    from turnrl.selfplay import EndpointError, reply_content
+    from turnrl.selfplay.endpoint import EndpointError, reply_content
     with pytest.raises(EndpointError, match=r"no choices\[0\].message.content"):
         reply_content({"error": "overloaded"})
 
 
 def test_the_built_in_games_take_the_endpoint_opponent_too(tiny, tmp_path):
     from turnrl.config import ConfigError, load_config
-    from turnrl.selfplay import EndpointOpponent
+    from turnrl.selfplay.endpoint import EndpointOpponent
 
     _, tok = tiny
     with chat_server(moves=["1", "2", "4"]) as (server, url):

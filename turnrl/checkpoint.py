@@ -8,7 +8,7 @@ A full fine-tune's weights are ``model.safetensors``; a LoRA run's are its adapt
 PEFT lays it out (``adapter_model.safetensors``, ``adapter_config.json``; ``turnrl.lora``),
 with the optimiser state of the adapter's tensors only.
 
-Further weights a resume needs (an opponent pool's frozen past policies, turnrl/selfplay.py)
+Further weights a resume needs (an opponent pool's frozen past policies, turnrl/selfplay/pool.py)
 are ``frozen``: each in its own subdirectory, laid out as the model's own. A name is one set
 of weights for the life of a run (``opponent_pool/v000004``: the policy after 4 updates), so
 no bytes are written twice: weights equal to the model's own, or held under the same name by

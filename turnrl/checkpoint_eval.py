@@ -17,7 +17,7 @@ from rich.console import Console
 from turnrl.checkpoint import is_checkpoint, latest_checkpoint, load_weights
 from turnrl.config import Config, ConfigError, MixEntry, load_config, load_run_config
 from turnrl.envs import make_env
-from turnrl.envs.contract import seats
+from turnrl.envs.contract import seats, uses_pool
 from turnrl.evaluation import (
     SampledEval,
     aggregate_seeds,
@@ -32,7 +32,7 @@ from turnrl.evaluation import (
 from turnrl.metrics import print_table as _print_table
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy, refresh_sampler, sampling_params
-from turnrl.selfplay import OUTCOMES, role_outcomes, uses_pool
+from turnrl.selfplay.outcomes import OUTCOMES, role_outcomes
 from turnrl.types import Episode
 
 BASE = "base"
@@ -91,7 +91,7 @@ GAMES_SHOWN_PER_ROLE = 2
 
 def game_report(episodes: list[Episode], decode) -> dict | None:
     """For a game (episodes that record a ``role``): per role win/draw/loss rates with 95%
-    Wilson intervals (``selfplay.role_outcomes``) and a few games as transcripts, a won and a
+    Wilson intervals (``selfplay.outcomes.role_outcomes``) and a few games as transcripts, a won and a
     not-won one per role (what report.html's Games section shows); None otherwise."""
     roles = role_outcomes(episodes)
     if not roles:

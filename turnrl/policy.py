@@ -18,6 +18,7 @@ import torch
 
 from turnrl.config import Config
 from turnrl.envs import Env, make_env
+from turnrl.envs.contract import uses_pool
 from turnrl.envs.mix import MixEnv
 from turnrl.envs.user_module import load_env_module
 from turnrl.evaluation import EvalResult, evaluate, evaluate_each, reply_scorer, with_env_metrics
@@ -31,7 +32,7 @@ from turnrl.rollout.chat import (  # noqa: F401 - sampling_params: also imported
 )
 from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.samplers.base import Engine, describe_sampler
-from turnrl.selfplay import evaluation_factories, uses_pool, with_outcome_metrics
+from turnrl.selfplay.evaluation import evaluation_factories, with_outcome_metrics
 
 
 @dataclass

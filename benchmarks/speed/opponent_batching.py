@@ -33,7 +33,8 @@ from turnrl.envs.tictactoe import seat_view
 from turnrl.models import configure_torch, tiny_model
 from turnrl.rollout import ChatFormat, run_episodes, run_sync
 from turnrl.samplers import Completion, SamplingParams
-from turnrl.selfplay import OpponentPool, PoolPlayer
+from turnrl.selfplay.opponents import PoolPlayer
+from turnrl.selfplay.pool import OpponentPool
 
 
 def boards(count: int, seed: int = 0) -> list[str]:

@@ -21,7 +21,7 @@ DEFAULT_WINDOW = 2
 MIX_NAME = "mix"
 """``env.name`` of a run that mixes the envs of ``env.mix``."""
 OUTSIDE_OPPONENTS = ("pool", "model", "endpoint")
-"""``opponent`` values whose player the trainer builds and hands over (turnrl/selfplay.py)."""
+"""``opponent`` values whose player the trainer builds and hands over (turnrl/selfplay/)."""
 
 
 @dataclass(frozen=True)

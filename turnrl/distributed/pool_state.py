@@ -27,7 +27,7 @@ import torch
 from turnrl.checkpoint import load_frozen
 from turnrl.distributed.worker_engines import with_tied_weights, without_tied_weights
 from turnrl.lora import load_published, published_state
-from turnrl.selfplay import member_name
+from turnrl.selfplay.pool import member_name
 from turnrl.trainer.local import saved_pool
 
 

@@ -58,7 +58,7 @@ from turnrl.envs import ENVS
 from turnrl.metrics import truncate_metrics
 from turnrl.policy import group_seed
 from turnrl.rollout.loop import Group
-from turnrl.selfplay import pool_after_offer
+from turnrl.selfplay.pool import pool_after_offer
 from turnrl.trainer.buffer import StalenessBuffer, group_staleness
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults

@@ -22,14 +22,9 @@ from turnrl.models import model_directory
 from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
 from turnrl.samplers.model_dirs import remove_with, save_model_dir
-from turnrl.selfplay import (
-    EndpointOpponent,
-    ModelOpponent,
-    OpponentPool,
-    PoolDraw,
-    attach_player,
-    pool_wait_s,
-)
+from turnrl.selfplay.endpoint import EndpointOpponent
+from turnrl.selfplay.opponents import ModelOpponent, attach_player
+from turnrl.selfplay.pool import OpponentPool, PoolDraw, pool_wait_s
 
 
 @dataclass

@@ -95,10 +95,8 @@ from turnrl.models import configure_torch
 from turnrl.policy import load_policy
 from turnrl.rollout.loop import Group, TurnLoop, run_sync
 from turnrl.samplers.base import SamplingParams, describe_sampler
-from turnrl.selfplay import (
-    FrozenPolicy,
-    OpponentPool,
-)
+from turnrl.selfplay.opponents import FrozenPolicy
+from turnrl.selfplay.pool import OpponentPool
 
 
 @dataclass
@@ -196,7 +194,7 @@ class RolloutWorker:
             max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s,
             before_generate=self._load_newest_weights,
             partial_rollouts=cfg.staleness.partial_rollouts, worker=index)
-        self.rollout.record_seat_versions = True  # which weights played each seat of a game
+        self.rollout.seats.record_versions = True  # which weights played each seat of a game
         self._thread = threading.Thread(target=self._serve, name=f"rollout-{index}",
                                         daemon=True)
         self._thread.start()
@@ -290,7 +288,7 @@ class RolloutWorker:
             sent = self._newest[0] if self._newest is not None else -1
         return WorkerReport(self.index, self.incarnation, groups,
                             self.rollout.known_assignments(), self.engine.version, sent,
-                            {**self.rollout.report(),
+                            {**self.rollout.stats.report(),
                              **(self.refresh.stats() if self.refresh is not None else {})},
                             _drained(self.rollout.env_latencies),
                             call_costs=_drained(self.rollout.call_costs),

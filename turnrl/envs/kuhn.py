@@ -17,7 +17,7 @@ the reason in ``info["reason"]``. The reward is the chips won over 2, in [-1, 1]
 ``info["chips"]`` keeps the chips and ``success`` is a won hand.
 
 More opponents: ``pool`` and ``model`` (an outside player handed over with ``set_opponent``:
-the trainer's frozen past policies, or another local model, turnrl/selfplay.py; its illegal
+the trainer's frozen past policies, or another local model, turnrl/selfplay/; its illegal
 reply loses it 2 chips) and
 ``self``: the policy plays both seats of one hand (``seats`` first and second,
 envs/contract.py), one episode per seat, zero-sum (docs/selfplay.md).

@@ -15,7 +15,7 @@ result is a draw, so evaluate against ``skill`` below 1 (or count draws) to see 
 ``opponent`` picks who plays the other side: ``scripted`` (the ``skill`` player above, the
 default), ``minimax`` (skill 1), ``random`` (skill 0), ``pool`` or ``model`` (an outside player
 handed over with ``set_opponent``: the trainer's frozen past policies, or another local
-model, turnrl/selfplay.py; its illegal reply forfeits the game to the policy) or ``self``: the policy plays both seats of one game
+model, turnrl/selfplay/; its illegal reply forfeits the game to the policy) or ``self``: the policy plays both seats of one game
 (``seats`` X and O, envs/contract.py), one episode per seat, zero-sum (docs/selfplay.md).
 """
 

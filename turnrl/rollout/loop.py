@@ -32,7 +32,9 @@ environment fails its own episode (status "timeout" or "error", the reason in ``
 never stalls the loop; env text that cannot fit the context ends its episode before it is
 rendered or tokenised (``input_bounds``). Envs that declare ``cooperative = True`` share one thread instead
 (one that blocks anyway also holds up its loop-mates until their timeouts: ``EnvThreads``).
-Multi-seat games (self-play): one env, one episode per seat (rollout/seats.py).
+The turn rule (what a reset or step does to its episode) is ``TurnRule`` (turns.py);
+multi-seat games (self-play: one env, one episode per seat) are played by the loop's
+``Seats`` collaborator (seats.py).
 Plain asyncio: a Ray ``RolloutWorker`` runs it in a thread; ``submit``,
 ``take_groups``, ``known_assignments`` and ``stop`` may be called from any thread.
 """
@@ -40,7 +42,6 @@ Plain asyncio: a Ray ``RolloutWorker`` runs it in a thread; ``submit``,
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 from collections import deque
@@ -50,25 +51,19 @@ from turnrl import leftovers
 from turnrl.envs import contract
 from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.env_calls import (
-    EnvError,
-    EnvThreads,
-    checked_observation,
-    checked_step,
-    end_turn,
-    env_prompt,
-    fail_episode,
-)
-from turnrl.rollout.input_bounds import InputBound
+from turnrl.rollout.env_calls import EnvThreads, checked_observation, checked_step
 from turnrl.rollout.loop_stats import LoopStats
-from turnrl.rollout.seats import SeatedGames
+from turnrl.rollout.seats import Seats
 from turnrl.rollout.slots import ENV as _ENV
 from turnrl.rollout.slots import POLICY as _POLICY
 from turnrl.rollout.slots import RESET as _RESET
-from turnrl.rollout.slots import Game as _Game
-from turnrl.rollout.slots import Group  # noqa: F401 - imported from here by the trainers
+from turnrl.rollout.slots import (
+    Feed,
+    Group,  # noqa: F401 - imported from here by the trainers
+)
 from turnrl.rollout.slots import GroupState as _GroupState
 from turnrl.rollout.slots import Slot as _Slot
+from turnrl.rollout.turns import TurnRule
 from turnrl.samplers.base import Completion, Engine, SamplingParams
 from turnrl.types import Episode
 
@@ -78,7 +73,7 @@ generate call (a decode step costs about the same for 1 row as for 16), so a gro
 alone samples what the lock-step loop samples from its seed (common random numbers)."""
 
 
-class TurnLoop(SeatedGames):
+class TurnLoop:
     """A pool of episodes over one engine; see the module docstring.
 
     ``pool_size`` is the target number of live episodes (None: start everything submitted);
@@ -114,27 +109,24 @@ class TurnLoop(SeatedGames):
         self.pool_size = pool_size
         self.env_name = env_name
         leftovers.ENVS_PLAYED.add(env_name)  # named if it leaves threads or processes behind
-        self.max_turns = max_turns
-        self.max_context = max_context
-        self.bound = InputBound(chat, max_context, getattr(params, "max_new_tokens", 0))
+        self.turns = TurnRule(chat, params, env_name=env_name, max_turns=max_turns,
+                              max_context=max_context)
+        """What a reset or step does to its episode (turns.py)."""
+        self.seats = Seats(self.turns)
+        """The seats of multi-seat games (seats.py)."""
         self.env_timeout_s = env_timeout_s
         self.before_generate = before_generate
         self.partial_rollouts = partial_rollouts
         self.worker = worker
         self.lockstep = lockstep
         self.stats = LoopStats()
-        self._game_numbers = itertools.count()  # a multi-seat game's ``game_id``
         self.env_latencies: deque[float] = deque(maxlen=1024)  # step seconds, newest last
         self.reset_latencies: deque[float] = deque(maxlen=256)  # reset seconds
         self.call_costs: deque[tuple[int, float]] = deque(maxlen=256)  # (rows, s) a call
         self.lock = threading.RLock()
         """Guards the feed, the groups and the finished queue (shared with other threads)."""
         self._ready = threading.Condition(self.lock)
-        self._feed: deque[tuple[int, int, int, int]] = deque()
-        """(assignment, seed, group label, episodes) waiting to start."""
-        self._queued: set[int] = set()
-        """The feed's assignments: a scan of the feed on each submit made a long feed (an
-        evaluation's episodes, submitted at once) quadratic."""
+        self._feed = Feed()
         self._groups: dict[int, _GroupState] = {}
         self._finished: deque[Group] = deque()
         self._slots: list[_Slot] = []
@@ -142,7 +134,6 @@ class TurnLoop(SeatedGames):
         """Token ids of episodes ended since the last generate call: their cache is released
         in the generation thread (the engine is not safe to touch from this one mid-call)."""
         self._stopping = False
-        self._idle_since: float | None = None
         self._threads = EnvThreads(env_name)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -156,22 +147,17 @@ class TurnLoop(SeatedGames):
         """Queue one group: ``episodes`` (default ``group_size``) episodes of ``seed``,
         delivered as ``assignment``; ``Episode.group`` is ``group`` (default the assignment)."""
         with self.lock:
-            if assignment in self._groups or assignment in self._queued:
+            if assignment in self._groups or assignment in self._feed:
                 return  # already here: a re-sent assignment must not be played twice
-            self._feed.append((assignment, seed, assignment if group is None else group,
-                               episodes or self.group_size))
-            self._queued.add(assignment)
+            self._feed.push(assignment, seed, assignment if group is None else group,
+                            episodes or self.group_size)
         self._poke()
 
     def withdraw(self, assignments: Sequence[int]) -> list[int]:
         """Drop those of ``assignments`` still queued (moved to another worker); a group in
         play stays (its first delivery counts). Returns the ones dropped."""
         with self.lock:
-            dropped = self._queued.intersection(assignments)
-            if dropped:
-                self._feed = deque(item for item in self._feed if item[0] not in dropped)
-                self._queued -= dropped
-        return sorted(dropped)
+            return sorted(self._feed.drop(assignments))
 
     def take_groups(self, max_groups: int | None = None, wait_s: float = 0.0) -> list[Group]:
         """Finished groups, oldest first; waits up to ``wait_s`` for one if none is ready.
@@ -189,7 +175,7 @@ class TurnLoop(SeatedGames):
     def known_assignments(self) -> set[int]:
         """Every assignment this loop holds: queued, in play, or finished and not yet taken."""
         with self.lock:
-            return (set(self._queued) | set(self._groups)
+            return (self._feed.assignments() | set(self._groups)
                     | {g.assignment for g in self._finished})
 
     def stop(self) -> None:
@@ -232,16 +218,16 @@ class TurnLoop(SeatedGames):
                     if idle and until_drained:
                         return
                     if idle:
-                        await self._idle(self._wake.wait())
+                        await self.stats.idle(self._wake.wait())
                     continue
                 # Nobody waits for the policy: sleep until an env step ends (or new work),
                 # then give the steps still running a moment to join the same generate call.
                 waker = asyncio.ensure_future(self._wake.wait())
-                done, _ = await self._idle(asyncio.wait([*pending, waker],
+                done, _ = await self.stats.idle(asyncio.wait([*pending, waker],
                                                         return_when=asyncio.FIRST_COMPLETED))
                 waker.cancel()
                 if not self.lockstep and waker not in done:
-                    await self._idle(asyncio.wait(pending, timeout=BATCH_WINDOW_S))
+                    await self.stats.idle(asyncio.wait(pending, timeout=BATCH_WINDOW_S))
         except BaseException as err:
             self.error = err
             raise
@@ -255,36 +241,15 @@ class TurnLoop(SeatedGames):
                 self._ready.notify_all()
             self._loop = None
 
-    async def _idle(self, wait):
-        """Await ``wait``, counting the time as idle (``LoopStats.idle_s``)."""
-        self._idle_since = time.perf_counter()
-        try:
-            return await wait
-        finally:
-            since, self._idle_since = self._idle_since, None  # a reader never counts it twice
-            self.stats.idle_s += time.perf_counter() - since
-
-    def report(self) -> dict[str, float]:
-        """The counters now (any thread): ``idle_s`` includes a wait in progress, and
-        ``clock_s`` is when they were read, on this process's clock, so that busy = 1 -
-        idle / wall between two reports needs no other clock."""
-        stats = self.stats.to_dict()
-        since = self._idle_since  # read second: a wait that just ended is never counted twice
-        if since is not None:
-            stats["idle_s"] += max(0.0, time.perf_counter() - since)
-        stats["clock_s"] = time.perf_counter()
-        return stats
-
     def _admit(self) -> None:
         """Start whole groups from the feed while the pool has room for them."""
         if not self.partial_rollouts and self._slots:
             return  # waves: the next one starts when this one has ended
         with self.lock:
             while self._feed and (not self._slots or self.pool_size is None
-                                  or len(self._slots) + self.group_size * self.seats_per_game
+                                  or len(self._slots) + self.group_size * self.seats.per_game
                                   <= self.pool_size):
-                assignment, seed, group, count = self._feed.popleft()
-                self._queued.discard(assignment)
+                assignment, seed, group, count = self._feed.pop()
                 episodes = []
                 for _ in range(count):
                     slots = self._start(assignment, seed, group)
@@ -301,20 +266,14 @@ class TurnLoop(SeatedGames):
         env = contract.chosen_for_seed(self.make(), seed)  # a mix: seats after its draw
         runner = self._threads.runner(env)
         seats = contract.seats(env)
-        if not seats:
-            slot = _Slot(Episode(env=self.env_name, seed=seed, group=group), assignment, env,
-                         runner)
-            slot.task = self._env_call(slot, "reset", seed)
-            return [slot]
-        game = _Game(env, number=next(self._game_numbers))
-        for seat in seats:
-            episode = Episode(env=self.env_name, seed=seed, group=group,
-                              info={"role": seat, "opponent": "self", "game_id": game.number})
-            game.seats[seat] = _Slot(episode, assignment, env, runner, game=game, seat=seat)
-        first = game.seats[seats[0]]
-        first.task = self._env_call(first, "reset", seed)
-        self.seats_per_game = len(seats)  # a group's slots, for the pool's room (_admit)
-        return list(game.seats.values())
+        if seats:
+            slots = self.seats.start(env, seats, runner, assignment=assignment, seed=seed,
+                                     group=group)
+        else:
+            slots = [_Slot(Episode(env=self.env_name, seed=seed, group=group), assignment, env,
+                           runner)]
+        slots[0].task = self._env_call(slots[0], "reset", seed)
+        return slots
 
     def _env_call(self, slot: _Slot, method: str, arg) -> asyncio.Future:
         """``env.reset(seed)`` or ``env.step(text)`` on the env's own thread, under the
@@ -347,21 +306,12 @@ class TurnLoop(SeatedGames):
                                                            may_swap)
         if self._stopping:
             return  # stopped while generating (maybe before any weights came): drop it
-        self.stats.generate_s += (seconds := time.perf_counter() - started)
+        seconds = time.perf_counter() - started
         self.call_costs.append((len(waiting), seconds))  # drained by another thread
-        self.stats.generate_calls += 1
-        self.stats.generated_rows += len(waiting)
-        self.stats.live_at_calls += len(self._slots)
-        self.stats.open_groups_at_calls += len(self._groups)
-        self.stats.overlapped_calls += env_running
+        self.stats.count_call(len(waiting), seconds, len(self._slots), len(self._groups),
+                              env_running)
         for slot, completion in zip(waiting, completions, strict=True):
-            text = self.chat.tokenizer.decode(completion.token_ids[:-1]
-                                              if completion.finish_reason == "stop"
-                                              else completion.token_ids)
-            start, end = slot.episode.append(completion.token_ids, policy=True,
-                                             logprobs=completion.logprobs, version=version)
-            slot.turn = (completion, text, start, end)
-            slot.phase = _ENV
+            text = self.turns.reply(slot, completion, version)
             slot.task = self._env_call(slot, "step", text)
 
     def _generate_batch(self, prompts: list[list[int]], may_swap: bool
@@ -386,11 +336,11 @@ class TurnLoop(SeatedGames):
                 error = task.exception() if not task.cancelled() else TimeoutError()
                 result = None if error else task.result()
                 if slot.game is not None:
-                    self._after_game_call(slot, error, result)
+                    self.seats.after_call(slot, error, result)
                 elif slot.phase == _RESET:
-                    self._after_reset(slot, error, result)
+                    self.turns.after_reset(slot, error, result)
                 else:
-                    self._after_step(slot, error, result)
+                    self.turns.after_step(slot, error, result)
         still = []
         for slot in self._slots:
             if slot.episode.status == "running":
@@ -399,56 +349,9 @@ class TurnLoop(SeatedGames):
                 self._episode_ended(slot)
         self._slots = still
 
-    def _after_reset(self, slot: _Slot, error: BaseException | None, first: str | None) -> None:
-        if error is not None:
-            fail_episode(slot.episode, error, "reset")
-            return
-        try:
-            system_prompt, slot.tools, state = env_prompt(self.chat, slot.env, first, self.env_name)
-        except EnvError as err:
-            return fail_episode(slot.episode, err, "reset")
-        if reason := self.bound.start_refused(first, system_prompt):
-            return slot.episode.end("truncated", "input_too_large", reason)
-        slot.messages, slot.rendered, ids = self.chat.start(first, system_prompt, slot.tools)
-        if self._overflows(slot.episode, ids):
-            return
-        slot.episode.append(ids, policy=False)
-        slot.state, slot.phase = state, _POLICY
-
-    def _after_step(self, slot: _Slot, error: BaseException | None, result) -> None:
-        """Record the turn; end the episode, or render the env's reply for the next turn."""
-        completion, text, start, end = slot.turn
-        slot.turn = None
-        episode = slot.episode
-        reason, kept = self.bound.step_refused(episode, error, result, slot.tools)
-        next_state = end_turn(episode, error if error is not None else result, start, end,
-                              text, completion.finish_reason, slot.state, self.max_turns,
-                              observation=kept)
-        if next_state is not None and reason is not None:  # going on, but the reply can't fit
-            episode.end("truncated", "input_too_large", reason)
-        if episode.status != "running":
-            return
-        slot.state = next_state
-        slot.rendered, ids = self.chat.continue_after(
-            slot.messages, slot.rendered, text, completion.finish_reason == "stop",
-            result.observation, (result.info or {}).get("tool_results"), slot.tools)
-        if self._overflows(episode, ids):
-            return
-        episode.append(ids, policy=False)
-        slot.phase = _POLICY
-
-    def _overflows(self, episode: Episode, ids: list[int]) -> bool:
-        """End ``episode`` as truncated if ``ids`` and a whole next reply would not fit the
-        model's context; the ids are then left out, so an episode never outgrows it."""
-        if not self.max_context or (len(episode.token_ids) + len(ids)
-                                    + self.params.max_new_tokens <= self.max_context):
-            return False
-        episode.end("truncated", "context_length", "context length")
-        return True
-
     def _episode_ended(self, slot: _Slot) -> None:
-        if slot.game is not None and self.record_seat_versions:
-            self._record_seat_versions(slot)
+        if slot.game is not None:
+            self.seats.ended(slot)
         slot.runner.close()
         self.stats.episodes_finished += 1
         with self._ready:

@@ -1,30 +1,34 @@
-"""The seats of a multi-seat game (self-play): what the turn loop needs beyond one episode.
-
-Pure helpers, so the turn loop's seat bookkeeping (rollout/loop.py) stays short: reading a
-finished game's per-seat results and checking them, e.g. that a zero-sum game's rewards sum
-to zero (a broken game that pays both seats the same would otherwise train silently).
+"""The seats of a multi-seat game (self-play): ``Seats``, the collaborator the turn loop
+(loop.py) holds and calls for every game, and the checks of a finished game's results.
 
 In the loop (an env with ``seats``, envs/contract.py; docs/selfplay.md) one game is one env
 with one episode per seat, each seat a slot of its own sharing the game's env and thread.
 Only the seat to move waits for the policy; the others wait for their turn (``WAIT``: no env
 call in flight, so a lock-step batch never waits on them). A seat's turn stays open until it
-is that seat's turn again (its reply, then the other seats' moves as its observation) or the
-game ends (its own reward from ``info["seats"]``); a seat that fails, runs out of turns or of
-context ends the whole game, each seat with that reason.
+is that seat's turn again (its reply, then the other seats' moves as its observation: closed
+by the loop's own turn rule, turns.py) or the game ends (its own reward from
+``info["seats"]``, checked: e.g. a zero-sum game's rewards must sum to zero, since a broken
+game that pays both seats the same would otherwise train silently); a seat that fails, runs
+out of turns or of context ends the whole game, each seat with that reason.
+
+The loop calls ``start`` for a new game's slots, ``after_call`` when a game's reset or step
+has finished and ``ended`` when a seat's episode leaves the pool; ``per_game`` sizes its
+groups and ``record_versions`` is set by async workers.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from turnrl.envs import contract
-from turnrl.envs.base import StepResult
-from turnrl.rollout.env_calls import EnvError, end_turn, fail_episode, raised, record_turn
-from turnrl.rollout.slots import POLICY as _POLICY
+from turnrl.envs.base import Env, StepResult
+from turnrl.rollout.env_calls import EnvError, EnvRunner, fail_episode, raised, record_turn
 from turnrl.rollout.slots import RESET as _RESET
 from turnrl.rollout.slots import WAIT as _WAIT
 from turnrl.rollout.slots import Game as _Game
 from turnrl.rollout.slots import Slot as _Slot
+from turnrl.rollout.turns import TurnRule
 from turnrl.safe_json import USER_ERRORS, json_safe, safe_repr
 from turnrl.types import ENV_VERSION, Episode, finite_real
 
@@ -81,23 +85,42 @@ def oldest_policy_version(episode: Episode) -> int:
     return min((v for v in episode.versions if v != ENV_VERSION), default=ENV_VERSION)
 
 
-class SeatedGames:
-    """The turn loop's multi-seat part (a mixin of ``TurnLoop``): a game's seats take turns
-    over one env; each seat's episode sees the others' moves as environment text."""
+class Seats:
+    """The turn loop's multi-seat games (self-play), a collaborator it holds and calls: a
+    game's seats take turns over one env, each seat's episode seeing the others' moves as
+    environment text; each turn is opened and closed by the loop's own ``TurnRule``."""
 
-    seats_per_game = 1
-    """Episodes one game gives (its seats; 1 until a multi-seat game is built)."""
-    record_seat_versions = False
-    """Record in each seat's episode which weights played every seat of its game
-    (``info["seat_versions"]``: async workers, whose weights change mid-game)."""
+    def __init__(self, turns: TurnRule) -> None:
+        self.turns = turns
+        self.per_game = 1
+        """Episodes one game gives (its seats; 1 until a multi-seat game is started): a
+        group's slots, for the pool's room."""
+        self.record_versions = False
+        """Record in each seat's episode which weights played every seat of its game
+        (``info["seat_versions"]``: async workers, whose weights change mid-game)."""
+        self._numbers = itertools.count()  # a game's ``game_id``
 
-    def _record_seat_versions(self, slot: _Slot) -> None:
-        """``slot``'s game has ended for it: its episode records every seat's oldest policy
-        version (each seat's own and the seats it played against)."""
-        slot.episode.info["seat_versions"] = {
-            seat: oldest_policy_version(other.episode) for seat, other in slot.game.seats.items()}
+    def start(self, env: Env, seats: tuple[str, ...], runner: EnvRunner, *, assignment: int,
+              seed: int, group: int) -> list[_Slot]:
+        """The slots of one new game of ``env``, one per seat, sharing the env and its
+        ``runner``; the caller launches the game's reset on the first."""
+        game = _Game(env, number=next(self._numbers))
+        for seat in seats:
+            episode = Episode(env=self.turns.env_name, seed=seed, group=group,
+                              info={"role": seat, "opponent": "self", "game_id": game.number})
+            game.seats[seat] = _Slot(episode, assignment, env, runner, game=game, seat=seat)
+        self.per_game = len(seats)
+        return list(game.seats.values())
 
-    def _after_game_call(self, slot: _Slot, error: BaseException | None, result) -> None:
+    def ended(self, slot: _Slot) -> None:
+        """``slot``'s game has ended for it: with ``record_versions``, its episode records
+        every seat's oldest policy version (its own and the seats it played against)."""
+        if self.record_versions:
+            slot.episode.info["seat_versions"] = {
+                seat: oldest_policy_version(other.episode)
+                for seat, other in slot.game.seats.items()}
+
+    def after_call(self, slot: _Slot, error: BaseException | None, result) -> None:
         """A game's reset, or its mover's step, has finished: on to the next seat's turn, or
         the end of the game for every seat."""
         game = slot.game
@@ -146,30 +169,17 @@ class SeatedGames:
         limit, context) ends the game."""
         episode = slot.episode
         if slot.turn is None and not episode.token_ids:
-            self._after_reset(slot, None, observation)
+            self.turns.after_reset(slot, None, observation)
         else:
             try:  # the state this seat now moves in: the env's state_key when it names one
                 state = contract.start_state(slot.env, observation)
             except USER_ERRORS as err:  # env code: its failure ends the game
                 error = EnvError(f"env state_key raised {raised(err)}")
                 return self._end_game(slot.game, error=error, where="step")
-            completion, text, start, end = slot.turn
-            slot.turn = None
+            # its turn closes as a step's would, the others' moves its observation
             result = StepResult(observation, slot.pending_reward, False, {"state_key": state})
             slot.pending_reward = 0.0
-            reason, kept = self.bound.step_refused(episode, None, result, slot.tools)
-            next_state = end_turn(episode, result, start, end, text, completion.finish_reason,
-                                  slot.state, self.max_turns, observation=kept)
-            if next_state is not None and reason is not None:
-                episode.end("truncated", "input_too_large", reason)
-            if episode.status == "running":
-                slot.state = next_state
-                slot.rendered, ids = self.chat.continue_after(
-                    slot.messages, slot.rendered, text, completion.finish_reason == "stop",
-                    observation, None, slot.tools)
-                if not self._overflows(episode, ids):
-                    episode.append(ids, policy=False)
-                    slot.phase = _POLICY
+            self.turns.after_step(slot, None, result)
         if episode.status != "running":
             self._end_game(slot.game, ended=episode)
 

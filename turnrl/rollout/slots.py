@@ -1,10 +1,12 @@
-"""The turn loop's records of what is in play (rollout/loop.py): one live episode (``Slot``),
-one multi-seat game (``Game``, rollout/seats.py), one group's progress (``GroupState``) and
-a finished group as the loop hands it out (``Group``)."""
+"""The turn loop's records of what is in play (rollout/loop.py): the groups waiting to start
+(``Feed``), one live episode (``Slot``), one multi-seat game (``Game``, rollout/seats.py), one
+group's progress (``GroupState``) and a finished group as the loop hands it out (``Group``)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from turnrl.envs.base import Env
@@ -13,6 +15,43 @@ from turnrl.types import ENV_VERSION, Episode
 
 # Where a live episode stands (_WAIT: a seat of a game waiting for the other seats' moves).
 RESET, POLICY, ENV, WAIT = "reset", "policy", "env", "wait"
+
+
+class Feed:
+    """Groups waiting to start, oldest first: (assignment, seed, group label, episodes). The
+    assignments are kept in a set too: a scan of the feed on each submit made a long feed (an
+    evaluation's episodes, submitted at once) quadratic. The loop's lock guards it."""
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[int, int, int, int]] = deque()
+        self._queued: set[int] = set()
+
+    def __contains__(self, assignment: int) -> bool:
+        return assignment in self._queued
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def push(self, assignment: int, seed: int, group: int, episodes: int) -> None:
+        self._items.append((assignment, seed, group, episodes))
+        self._queued.add(assignment)
+
+    def pop(self) -> tuple[int, int, int, int]:
+        """The oldest group waiting."""
+        item = self._items.popleft()
+        self._queued.discard(item[0])
+        return item
+
+    def drop(self, assignments: Iterable[int]) -> set[int]:
+        """Take ``assignments`` out where they are waiting; returns those that were."""
+        dropped = self._queued.intersection(assignments)
+        if dropped:
+            self._items = deque(item for item in self._items if item[0] not in dropped)
+            self._queued -= dropped
+        return dropped
+
+    def assignments(self) -> set[int]:
+        return set(self._queued)
 
 
 @dataclass

@@ -350,7 +350,7 @@ class HFEngine:
 
         ``generators`` (optional, one per prompt; None: the engine's own): each row draws its
         random numbers from its own stream only, so it samples what it would in a call of its
-        own (frozen opponents batch the moves of games with a stream each: selfplay.py)."""
+        own (frozen opponents batch the moves of games with a stream each: selfplay/opponents.py)."""
         if not prompts:
             return []
         self.masks.check_lengths(prompts, params.max_new_tokens)

@@ -18,7 +18,7 @@ from turnrl.config import Config, Curriculum
 from turnrl.envs import Env
 from turnrl.envs.mix import mix_choice
 from turnrl.policy import level_factory
-from turnrl.selfplay import role_outcomes
+from turnrl.selfplay.outcomes import role_outcomes
 from turnrl.trainer.run import Run
 from turnrl.types import Episode
 

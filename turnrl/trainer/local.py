@@ -18,7 +18,9 @@ from turnrl.envs import Env
 from turnrl.leftovers import watched_run
 from turnrl.lora import published_state
 from turnrl.policy import training_seeds
-from turnrl.selfplay import EndpointOpponent, ModelOpponent, OpponentPool
+from turnrl.selfplay.endpoint import EndpointOpponent
+from turnrl.selfplay.opponents import ModelOpponent
+from turnrl.selfplay.pool import OpponentPool
 from turnrl.trainer.curriculum import TrainingEnvs
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults, learn
@@ -88,7 +90,7 @@ class LocalSource(SourceDefaults):
 
 
 POOL_STATE = "opponent_pool"
-"""The pool's key in a checkpoint's ``state.json`` (its weights: ``selfplay.member_name``)."""
+"""The pool's key in a checkpoint's ``state.json`` (its weights: ``selfplay.pool.member_name``)."""
 
 
 def saved_pool(run: Run) -> dict | None:

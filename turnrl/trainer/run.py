@@ -61,7 +61,7 @@ from turnrl.metrics import MetricsLogger, TrainProgress, print_table, truncate_m
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy
 from turnrl.rollout import run_episodes, run_sync
-from turnrl.selfplay import game_step_metrics
+from turnrl.selfplay.outcomes import game_step_metrics
 from turnrl.trainer.distill import load_teacher
 from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
 from turnrl.types import Episode, write_episodes
@@ -398,7 +398,7 @@ def finish_run(run: Run, before: EvalResult | None, after: EvalResult | None,
             if key.endswith(("_lo", "_hi", "/episodes")):  # shown with their rate, or in the file
                 continue
             line = f"{key}: {(before.env_metrics or {}).get(key, float('nan')):.4f} -> {value:.4f}"
-            if f"{key}_lo" in measured:  # a per-role rate (selfplay.role_outcomes)
+            if f"{key}_lo" in measured:  # a per-role rate (selfplay/outcomes.py)
                 line += f" [95% CI {measured[f'{key}_lo']:.4f}, {measured[f'{key}_hi']:.4f}]"
             print(line)
             table += line + "\n"

@@ -66,7 +66,7 @@ class TextArena:
 GAME_SENDER = "GAME"
 TWO_PLAYER_OPPONENTS = ("random", "self", "pool", "model", "endpoint")
 OUTSIDE_PLAYERS = ("pool", "model", "endpoint")
-"""Opponents that are an outside player handed over with ``set_opponent`` (turnrl/selfplay.py)."""
+"""Opponents that are an outside player handed over with ``set_opponent`` (turnrl/selfplay/)."""
 QUOTED_MOVE = re.compile(r"'(\[[^\]\n]{1,40}\])'")
 MAX_OPPONENT_MOVES = 64
 """Opponent moves in a row before the adapter gives up on a game that never hands back."""

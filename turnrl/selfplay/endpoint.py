@@ -1,6 +1,6 @@
 """An agent behind an OpenAI-compatible endpoint in the other seat of a two-seat game
-(``opponent: endpoint``, docs/selfplay.md), and how a trainer hands a player to each new env
-(``attach_player``; the env's ``set_opponent``)."""
+(``opponent: endpoint``, docs/selfplay.md): one chat-completions call a move, on the standard
+library, every failure one line naming the opponent, the URL and what to check."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from turnrl.envs.base import Env
+from turnrl.selfplay.opponents import attach_player
 from turnrl.tools.mcp.http import one_line
 
 MAX_REPLY_BYTES = 8 << 20
@@ -138,15 +139,6 @@ class EndpointOpponent:
 
     def attach(self, make: Callable[[], Env]) -> Callable[[], Env]:
         return attach_player(make, self.sample)
-
-
-def attach_player(make: Callable[[], Env], choose: Callable[[], Any]) -> Callable[[], Env]:
-    """``make`` with each new env's opponent ``choose()`` (handed over by ``set_opponent``)."""
-    def make_with_opponent() -> Env:
-        env = make()
-        env.set_opponent(choose())
-        return env
-    return make_with_opponent
 
 
 def post(url: str, body: bytes, headers: dict, timeout_s: float

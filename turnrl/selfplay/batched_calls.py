@@ -1,11 +1,11 @@
 """Calls from many threads answered in batches: one ``run(items)`` for the calls that wait
 together, each caller getting its own answer.
 
-Frozen opponents use it (turnrl/selfplay.py): a step plays its games on env threads of their
-own, and each game's opponent move used to be generated alone, one after another under a lock.
-Now the moves asked for while a batch is being generated wait and go together in the next one,
-and a first move waits briefly (``window_s`` after the last arrival) for the others of its
-burst.
+Frozen opponents use it (opponents.py ``FrozenPolicy``): a step plays its games on env
+threads of their own, and each game's opponent move used to be generated alone, one after
+another under a lock. Now the moves asked for while a batch is being generated wait and go
+together in the next one, and a first move waits briefly (``window_s`` after the last
+arrival) for the others of its burst.
 
 No thread of its own: the first caller to find no batch running leads the next one, running
 it on its own thread, and returns with its answer; the callers still waiting then elect the
