@@ -384,7 +384,7 @@ def game_step_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     for role, row in role_outcomes(episodes).items():
         metrics[f"game/{role}/win"] = row["win"]
         metrics[f"game/{role}/reward"] = row["reward"]
-    # warn/: shown on the progress bar while it is nonzero (trainer/run.py end_step)
+    # warn/: shown on the progress bar while it is nonzero (trainer/bookkeeping.py end_step)
     metrics["warn/zero_sum"] = float(sum("zero_sum_violation" in ep.info for ep in episodes))
     for ep in episodes:
         key = f"game/opponent/{ep.info.get('opponent', 'none')}"
