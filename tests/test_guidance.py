@@ -313,7 +313,8 @@ def _async_source(tmp_path, *more):
     from turnrl.distributed.source import RaySource
     from turnrl.policy import training_seeds
     from turnrl.rollout.loop import Group
-    from turnrl.trainer.run import play_seeds, start_run
+    from turnrl.trainer.local import play_seeds
+    from turnrl.trainer.run import start_run
 
     cfg = _cfg(tmp_path, "say-seven", "--run.mode", "async", "--eval.episodes", "0", *more)
     run = start_run(cfg, False, decoupled=True)

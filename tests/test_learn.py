@@ -87,7 +87,8 @@ def test_a_source_written_outside_the_library_trains_through_the_one_loop(tmp_pa
     # behaviour log-probs, whose ESS the update reports.
     assert all(0 < x["offpolicy/ess"] <= 1 + 1e-6 for x in lines)
     state = json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())
-    assert state == {"step": 2, "replayed": 8}
+    assert {k: state[k] for k in ("step", "replayed")} == {"step": 2, "replayed": 8}
+    assert "model.safetensors" in state["files"]  # each file's size and CRC-32 (checkpoint.py)
     assert result.before is not None and result.after is not None and "after 2 steps" in result.table
     first = load_file(out / "checkpoints" / "step-000001" / "model.safetensors")
     last = load_file(out / "checkpoints" / "step-000002" / "model.safetensors")

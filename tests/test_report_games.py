@@ -82,7 +82,7 @@ def _play(tokenizer, make, moves, seeds=(0,), max_turns=12):
 
 def _recorded_run(run_dir, tokenizer, episodes):
     """A run directory holding ``episodes`` as a step's sample transcripts, as the trainer
-    writes them (run.py ``write_transcripts``)."""
+    writes them (trainer/evaluation.py ``write_transcripts``)."""
     run_dir.mkdir()
     with MetricsLogger(run_dir) as logger:
         logger.log(1, {"reward/mean": 0.0})

@@ -1,8 +1,9 @@
 """``turnrl eval``: play checkpoints (or the base model) on held-out tasks, several samples
 each; one policy, a paired comparison of two, or several training seeds of one config.
 
-The maths (pass@k, intervals, tests) is in ``turnrl.evaluation`` and ``turnrl.stats``; this
-module finds checkpoints and their run's config, loads weights and plays the episodes.
+The maths (pass@k, intervals, tests) is in ``turnrl.evaluation`` and ``turnrl.stats``; the
+held-out tasks and how they are played are a training run's (``turnrl.trainer.evaluation``);
+this module finds checkpoints and their run's config, loads weights and plays the episodes.
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ from turnrl.evaluation import (
     compare,
     end_reasons_line,
     episode_transcript,
-    evaluate,
     sampled_columns,
     sampled_row,
     summarize_samples,
 )
 from turnrl.metrics import print_table as _print_table
 from turnrl.models import configure_torch
-from turnrl.policy import Policy, load_policy, refresh_sampler, sampling_params
+from turnrl.policy import Policy, load_policy, refresh_sampler
 from turnrl.selfplay.outcomes import OUTCOMES, role_outcomes
+from turnrl.trainer.evaluation import held_out_seeds, play_tasks
 from turnrl.types import Episode
 
 BASE = "base"
@@ -75,13 +76,8 @@ def play(policy: Policy, cfg: Config, samples: int, label: str
     refuse_self_play(policy.make_env(), cfg.env.name, cfg.env.options)
     refuse_mixed_self_play(cfg.env.mix_plan())
     policy.engine.generator.manual_seed(cfg.run.seed)
-    tasks = range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes)
-    seeds = [seed for seed in tasks for _ in range(samples)]
-    _, episodes = evaluate(policy.make_env, seeds, policy.engine, policy.chat,
-                           sampling_params(cfg, policy.chat, cfg.eval.temperature),
-                           env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
-                           env_timeout_s=cfg.rollout.env_timeout_s,
-                           max_context=policy.max_context)
+    seeds = [seed for seed in held_out_seeds(cfg) for _ in range(samples)]
+    _, episodes = play_tasks(cfg, policy, policy.make_env, seeds, cfg.env.name)
     return summarize_samples(label, episodes, samples), episodes
 
 

@@ -15,9 +15,9 @@ from turnrl.distributed.source import AsyncTrainResult, RaySource
 from turnrl.envs.user_module import load_env_module
 from turnrl.leftovers import watched_run
 from turnrl.sft.warmup import warm_up
+from turnrl.trainer.bookkeeping import TrainResult
 from turnrl.trainer.learn import learn
 from turnrl.trainer.local import LocalSource
-from turnrl.trainer.run import TrainResult
 
 
 def train_async(cfg: Config, *, resume: bool = False) -> AsyncTrainResult:

@@ -21,7 +21,6 @@ from turnrl.envs import Env, make_env
 from turnrl.envs.contract import uses_pool
 from turnrl.envs.mix import MixEnv
 from turnrl.envs.user_module import load_env_module
-from turnrl.evaluation import EvalResult, evaluate, evaluate_each, reply_scorer, with_env_metrics
 from turnrl.lora import add_adapter, base_copy, require_peft, vllm_lora_config
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat
@@ -32,7 +31,7 @@ from turnrl.rollout.chat import (  # noqa: F401 - sampling_params: also imported
 )
 from turnrl.samplers import HFEngine, SamplingParams
 from turnrl.samplers.base import Engine, describe_sampler
-from turnrl.selfplay.evaluation import evaluation_factories, with_outcome_metrics
+from turnrl.selfplay.evaluation import evaluation_factories
 
 
 @dataclass
@@ -51,14 +50,15 @@ class Policy:
     trainer's ``TrainingEnvs`` replaces by the current one)."""
     params: SamplingParams
     """Training-time sampling (``rollout.*``)."""
-    run_eval: Callable[[], tuple[EvalResult, list]]
-    """Plays the held-out seeds ``eval.seed_offset ...`` once with the current weights."""
+    eval_envs: dict[str, Callable[[], Env]]
+    """label -> the env held-out evaluation plays (``env_factories``; played by
+    ``trainer/evaluation.py``)."""
 
 
 def load_policy(cfg: Config, announce: bool = True) -> Policy:
     """Load the model on its device (with a fresh LoRA adapter under ``model.lora``), check
-    its chat template and the env, wire evaluation; print the ``sampler:`` line unless the
-    caller replaces the sampler (``announce`` False) and prints its own."""
+    its chat template, the env and the envs evaluation plays; print the ``sampler:`` line
+    unless the caller replaces the sampler (``announce`` False) and prints its own."""
     load_env_module(cfg.env.module)  # the user's envs, before any is built
     lora = cfg.model.lora_plan()
     if lora is not None:
@@ -76,26 +76,9 @@ def load_policy(cfg: Config, announce: bool = True) -> Policy:
     engine = sampler(cfg, model, tokenizer)
     if announce:
         print(describe_sampler(engine), flush=True)
-    eval_seeds = list(range(cfg.eval.seed_offset, cfg.eval.seed_offset + cfg.eval.episodes))
     max_context = getattr(model.config, "max_position_embeddings", None)
-    eval_params = sampling_params(cfg, chat, cfg.eval.temperature)
-    options = dict(max_turns=cfg.rollout.max_turns, env_timeout_s=cfg.rollout.env_timeout_s,
-                   max_context=max_context)
-    if len(eval_makes) > 1:  # a mix: each env on the held-out seeds, a row each
-        play_eval = partial(evaluate_each, eval_makes, eval_seeds, engine, chat, eval_params,
-                            **options)
-    else:
-        play_eval = partial(evaluate, next(iter(eval_makes.values())), eval_seeds, engine, chat,
-                            eval_params, env_name=cfg.env.name, **options)
-    score = reply_scorer(model, chat, cfg.rollout.temperature)  # the policy as it samples
-
-    def run_eval() -> tuple[EvalResult, list]:
-        result, episodes = play_eval()
-        result = with_env_metrics(result, next(iter(eval_makes.values()))(), score)
-        return with_outcome_metrics(result, episodes), episodes
-
     return Policy(model, tokenizer, chat, engine, max_context, make, sampling_params(cfg, chat),
-                  run_eval)
+                  eval_makes)
 
 
 def refresh_sampler(engine: Engine, model: torch.nn.Module, version: int) -> None:

@@ -35,8 +35,9 @@ from turnrl.models import configure_torch
 from turnrl.policy import load_policy, training_seeds
 from turnrl.rollout import run_sync
 from turnrl.rollout.loop import TurnLoop, run_episodes
-from turnrl.trainer.rl_step import rl_step
-from turnrl.trainer.run import StageTimer, build_learner
+from turnrl.trainer.evaluation import held_out_eval
+from turnrl.trainer.rl_step import StageTimer, rl_step
+from turnrl.trainer.run import build_learner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             "entropy": round(metrics["entropy"], 3),
             "ess": round(metrics.get("offpolicy/ess", 1.0), 4),
             "seconds": round(time.perf_counter() - started, 1)}), flush=True)
-    after, _ = learner.run_eval()
+    after, _ = held_out_eval(cfg, learner)
     print(json.dumps({"source": args.source, "sampler_seed": args.sampler_seed,
                       "held_out_success": after.success_rate,
                       "episodes": after.episodes}), flush=True)

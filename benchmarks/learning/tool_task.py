@@ -47,6 +47,7 @@ from turnrl.policy import load_policy
 from turnrl.rewards import integer_match
 from turnrl.rollout import ChatFormat
 from turnrl.stats import format_rate
+from turnrl.trainer.evaluation import held_out_eval
 from turnrl.types import Episode, read_episodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -130,7 +131,7 @@ def main() -> None:
     print(f"# machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
           f"{args.threads} torch threads", flush=True)
     base = load_policy(base_cfg)
-    base_result, base_episodes = base.run_eval()
+    base_result, base_episodes = held_out_eval(base_cfg, base)
     base_called, _ = called_share(base_episodes)
     print(f"base: {format_rate(base_result.successes, base_result.episodes)}, called the "
           f"tool correctly {base_called}/{len(base_episodes)}", flush=True)

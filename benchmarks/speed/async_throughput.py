@@ -150,6 +150,7 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
     import torch
 
     import turnrl.distributed.source as source_mod
+    import turnrl.trainer.bookkeeping as bookkeeping_mod
     import turnrl.trainer.local as sync_mod
     import turnrl.trainer.run as run_mod
     from turnrl.config import load_config
@@ -216,7 +217,7 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
                 result["loadavg_at_end"] = os.getloadavg()[0]
                 raise BudgetReached
 
-    run_mod.MetricsLogger = BudgetLogger
+    bookkeeping_mod.MetricsLogger = BudgetLogger
 
     ray = None
     if spec.mode.startswith("async"):

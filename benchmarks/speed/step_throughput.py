@@ -218,8 +218,7 @@ def turnrl_step(session: TurnRLSession) -> dict[str, Any]:
 
     from turnrl.policy import refresh_sampler, training_seeds
     from turnrl.rollout import run_episodes, run_sync
-    from turnrl.trainer.rl_step import rl_step
-    from turnrl.trainer.run import StageTimer
+    from turnrl.trainer.rl_step import StageTimer, rl_step
 
     cfg, policy = session.cfg, session.policy
     timer = StageTimer()

@@ -59,11 +59,13 @@ from turnrl.metrics import truncate_metrics
 from turnrl.policy import group_seed
 from turnrl.rollout.loop import Group
 from turnrl.selfplay.pool import pool_after_offer
+from turnrl.trainer.bookkeeping import TrainResult
 from turnrl.trainer.buffer import StalenessBuffer, group_staleness
+from turnrl.trainer.evaluation import evaluate_env
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults
-from turnrl.trainer.local import POOL_STATE
-from turnrl.trainer.run import Run, TrainResult, evaluate_env, play_seeds
+from turnrl.trainer.local import POOL_STATE, play_seeds
+from turnrl.trainer.run import Run
 from turnrl.types import Episode
 
 LEDGER_FILE = "assignments.jsonl"

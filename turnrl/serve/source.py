@@ -41,9 +41,10 @@ from turnrl.rollout.loop import Group
 from turnrl.serve.agents import Judge, Rollout, evaluate_agent, play_groups, self_judge
 from turnrl.serve.app import RunningServer
 from turnrl.serve.server import Server
+from turnrl.trainer.bookkeeping import TrainResult
 from turnrl.trainer.buffer import StalenessBuffer, group_staleness
 from turnrl.trainer.learn import SourceDefaults
-from turnrl.trainer.run import Run, TrainResult
+from turnrl.trainer.run import Run
 from turnrl.types import Episode
 
 

@@ -4,9 +4,9 @@
     for each step: a seeded batch of conversations -> mean NLL of the assistant's tokens ->
     AdamW step -> held-out loss when due -> end_step (metrics, progress bar, checkpoint)
 
-The run directory, config checks, seeding, checkpoints and ``--resume`` are
-``trainer/run.py``'s (``start_run``, ``end_step``), so a checkpoint of an SFT run is laid out
-as an RL run's and a killed SFT run resumes bit for bit: each step's conversations are a
+The run directory, config checks, seeding, checkpoints and ``--resume`` are the RL run's
+(``trainer/run.py``'s ``start_run``, ``trainer/bookkeeping.py``'s ``end_step``), so a
+checkpoint of an SFT run is laid out as an RL run's and a killed SFT run resumes bit for bit: each step's conversations are a
 pure function of (``run.seed``, step) and the update draws no random numbers.
 
 With ``sft.self_rounds`` the conversations are the model's own successes, played afresh
@@ -33,14 +33,10 @@ from turnrl.evaluation import EvalResult
 from turnrl.metrics import print_table
 from turnrl.rollout.chat import ChatFormat
 from turnrl.sft.self_imitation import STOPPED, SelfImitation, check_rounds
-from turnrl.trainer.run import (
-    StageTimer,
-    end_step,
-    evaluate_env,
-    finish_run,
-    start_run,
-    step_logging,
-)
+from turnrl.trainer.bookkeeping import end_step, finish_run, step_logging
+from turnrl.trainer.evaluation import evaluate_env
+from turnrl.trainer.rl_step import StageTimer
+from turnrl.trainer.run import start_run
 from turnrl.trainer.step import micro_batches, score_policy_tokens, update_autocast
 from turnrl.types import Batch, Episode
 

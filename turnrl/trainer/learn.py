@@ -26,18 +26,11 @@ import torch
 
 from turnrl.config import Config
 from turnrl.evaluation import EvalResult
+from turnrl.trainer.bookkeeping import TrainResult, end_step, finish_run, step_logging
 from turnrl.trainer.curriculum import held_out_title
-from turnrl.trainer.rl_step import rl_step
-from turnrl.trainer.run import (
-    Run,
-    StageTimer,
-    TrainResult,
-    end_step,
-    evaluate_env,
-    finish_run,
-    start_run,
-    step_logging,
-)
+from turnrl.trainer.evaluation import evaluate_env
+from turnrl.trainer.rl_step import StageTimer, rl_step
+from turnrl.trainer.run import Run, start_run
 from turnrl.types import Episode
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 
 from turnrl.algorithms.exploration import dynamic_sampling
 from turnrl.checkpoint import load_frozen
@@ -18,14 +19,27 @@ from turnrl.envs import Env
 from turnrl.leftovers import watched_run
 from turnrl.lora import published_state
 from turnrl.policy import training_seeds
+from turnrl.rollout import run_episodes, run_sync
 from turnrl.selfplay.endpoint import EndpointOpponent
 from turnrl.selfplay.opponents import ModelOpponent
 from turnrl.selfplay.pool import OpponentPool
+from turnrl.trainer.bookkeeping import TrainResult
 from turnrl.trainer.curriculum import TrainingEnvs
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults, learn
-from turnrl.trainer.run import Run, TrainResult, play_seeds
+from turnrl.trainer.run import Run
 from turnrl.types import Episode
+
+
+def play_seeds(run: Run, seeds: list[tuple[int, int]], make) -> list[Episode]:
+    """Play ``(seed, group)`` pairs to the end on the learner's own engine (its current
+    weights) at the step's (scheduled) temperature, on envs from ``make``."""
+    cfg, policy = run.cfg, run.policy
+    params = replace(policy.params, temperature=run.learner.explore.temperature())
+    return run_sync(run_episodes(
+        make, seeds, policy.engine, policy.chat, params, env_name=cfg.env.name,
+        max_turns=cfg.rollout.max_turns, max_context=policy.max_context,
+        env_timeout_s=cfg.rollout.env_timeout_s))
 
 
 class LocalSource(SourceDefaults):

@@ -2,21 +2,70 @@
 
 Every mode calls this one function: the sync trainer on the episodes it just collected, the
 async learner on the groups its rollout source delivered, the step-throughput benchmark on
-its fixed workload. Collecting episodes (the turn loop) and what follows a step (logging,
-evaluation, checkpoints: ``run.end_step``) stay outside, so the RL maths reads in one place:
-here, ``algorithms/estimators.py`` (advantages) and ``trainer/step.py`` (the update).
+its fixed workload. The step's own types live here too: the ``Learner`` it updates, the
+``StageTimer`` it times its stages with, ``episode_metrics`` (what its episodes say).
+Collecting episodes (the turn loop) and what follows a step (logging, evaluation,
+checkpoints: ``trainer/bookkeeping.py``'s ``end_step``) stay outside, so the RL maths reads
+in one place: here, ``algorithms/estimators.py`` (advantages) and ``trainer/step.py`` (the
+update).
 """
 
 from __future__ import annotations
 
+import time
 import warnings
-from dataclasses import replace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
-from turnrl.evaluation import EvalResult, count_end_reasons
+import numpy as np
+import torch
+
+from turnrl.algorithms.estimators import AdvantageEstimator
+from turnrl.algorithms.exploration import Exploration
+from turnrl.config import DistillConfig, ExploreConfig
+from turnrl.evaluation import EvalResult, count_end_reasons, summarize
+from turnrl.selfplay.outcomes import game_step_metrics
 from turnrl.trainer.distill import distill_batch
-from turnrl.trainer.run import Learner, StageTimer, episode_metrics
 from turnrl.trainer.step import UpdateSettings, policy_update
 from turnrl.types import Batch, Episode
+
+
+@dataclass
+class Learner:
+    """What one RL step needs: the model it updates and how (see ``rl_step``)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    settings: UpdateSettings
+    estimator: AdvantageEstimator
+    pad_id: int
+    ref_model: torch.nn.Module | None = None
+    explore: Exploration = field(default_factory=lambda: Exploration(
+        ExploreConfig(), steps=1, temperature=1.0, entropy_coef=0.0, max_policy_tokens=1))
+    """The ``explore`` options' stage (off by default)."""
+    teacher: torch.nn.Module | None = None
+    """The frozen teacher of on-policy distillation (``distill``; None = off)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+
+class StageTimer:
+    """``with timer("collect"): ...`` accumulates wall seconds per named stage."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """``time/<stage>_s`` per stage and ``time/step_s`` since the timer was made."""
+        return {**{f"time/{k}_s": v for k, v in self.seconds.items()},
+                "time/step_s": time.perf_counter() - self.started}
 
 
 def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
@@ -73,6 +122,22 @@ def skipped_step(learner: Learner, episodes: list[Episode], timer: StageTimer
                         "warn/no_policy_tokens": 1.0})
         metrics.update(learner.explore.end_step({}))
     return summary, metrics
+
+
+def episode_metrics(episodes: list[Episode]) -> tuple[EvalResult, dict[str, float]]:
+    """What a step's episodes say: reward, success, length."""
+    summary = summarize(episodes)
+    rewards = [ep.reward for ep in episodes]
+    return summary, {
+        "reward/mean": summary.mean_reward,
+        "reward/std": float(np.std(rewards, ddof=1)) if len(rewards) > 1 else 0.0,
+        "success/rate": summary.success_rate,
+        "episode/turns": summary.mean_turns,
+        "episode/tokens": float(np.mean([len(ep.token_ids) for ep in episodes])),
+        "episode/policy_tokens": float(np.mean([ep.num_policy_tokens for ep in episodes])),
+        "episode/failed": summary.failed,
+        **game_step_metrics(episodes),
+    }
 
 
 def policy_episodes(episodes: list[Episode]) -> list[Episode]:
