@@ -50,7 +50,7 @@ from turnrl.envs.endpoint_opponent import (  # noqa: F401 - re-exported
 from turnrl.evaluation import EvalResult
 from turnrl.rollout import ChatFormat
 from turnrl.rollout.batched_calls import MAX_BATCH, BatchedCalls
-from turnrl.samplers import HFEngine, SamplingParams
+from turnrl.samplers import SamplingParams, chooser
 from turnrl.stats import wilson_interval
 from turnrl.types import Episode
 
@@ -71,9 +71,12 @@ class FrozenPolicy:
                  max_batch: int = MAX_BATCH) -> None:
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         self.chat, self.params, self.version = chat, params, version
-        self.engine = HFEngine(self.model, chat.tokenizer.pad_token_id, seed=seed + version,
-                               reuse_cache=False)
         self.label = label
+        # the HF engine on its own frozen copy (a pool member must not convert per version);
+        # no cache across calls: the seats' moves interleave
+        self.engine = chooser.build("hf", "auto", self.model, chat.tokenizer.pad_token_id,
+                                    seed=seed + version, reuse_cache=False, announce=True,
+                                    who=f"opponent {self.name}")
         self.moves = BatchedCalls(self._generate, name=f"opponent {self.name}",
                                   max_batch=max_batch)
 

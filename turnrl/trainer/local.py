@@ -16,8 +16,7 @@ from turnrl.checkpoint import load_frozen
 from turnrl.config import Config
 from turnrl.envs import Env
 from turnrl.leftovers import watched_run
-from turnrl.lora import published_state
-from turnrl.policy import training_seeds
+from turnrl.policy import publish, training_seeds
 from turnrl.selfplay import EndpointOpponent, ModelOpponent, OpponentPool
 from turnrl.trainer.curriculum import TrainingEnvs
 from turnrl.trainer.guidance import Guidance
@@ -39,11 +38,9 @@ class LocalSource(SourceDefaults):
             restore_pool(self.pool, run)
 
     def publish(self, version: int, model) -> None:
-        """The HF engine samples from the learner's own tensors; another engine (vLLM)
-        reloads them as ``version``."""
-        engine = self.run.policy.engine
-        if hasattr(engine, "update_weights"):
-            engine.update_weights(published_state(model), version)  # LoRA: the adapter
+        """Tokens from now on are ``version``'s: the learner's engine reloads (``publish``:
+        the HF engine where its tensors are, another the published state, LoRA-aware)."""
+        publish(self.run.policy.engine, model, version)
         if isinstance(self.pool, OpponentPool):  # a frozen copy every opponent_pool_every
             self.pool.offer(version, model)
 
