@@ -117,11 +117,11 @@ def sampler_choice(cfg: Config, who: str = "learner") -> tuple[str, str]:
 
 
 def sampler_for(cfg: Config, who: str) -> str:
-    """Who the ``sampler:`` line names: ``who``, and where the async learner's sampler is not
-    its workers', theirs."""
+    """Who the ``sampler:`` line names: nobody for the learner (the line of a plain run),
+    where the async learner's sampler is not its workers' theirs too, else ``who``."""
     if sampler_choice(cfg, who)[0] != cfg.rollout.sampler:
         return f"{who}'s evaluation; rollout workers: {cfg.rollout.sampler}"
-    return who
+    return "" if who == "learner" else who
 
 
 def sampler(cfg: Config, model: torch.nn.Module, tokenizer, who: str = "learner") -> Engine:
