@@ -216,11 +216,11 @@ def test_refresh_metrics_sum_the_steps_growth_and_count_a_restart_from_zero():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--rollout.sampler", "ct2"], "--rollout.sampler ct2"),
+    (["--rollout.sampler", "auto"], "need one named: --rollout.sampler hf, ct2 or vllm"),
     (["--rollout.sampler", "hf", "--rollout.sampler_dtype", "int8"], "use it with --rollout.sampler ct2"),
-    (["--rollout.sampler_dtype", "float16"], "rollout.sampler_dtype 'float16' is not a ct2"),
+    (["--rollout.sampler_dtype", "float16"], "float16 is for vllm"),
     (["--ray.worker_gpus", "1"], "rollout.sampler ct2 samples on CPU"),
-    (["--model.lora.r", "4"], "rollout.sampler ct2 samples from a converted copy"),
+    (["--model.lora.r", "4"], "rollout.sampler ct2 with sampler_dtype auto samples from a converted copy"),
 ])
 def test_what_ct2_workers_cannot_do_is_refused_at_start_up(args, needle):
     with pytest.raises(ConfigError, match=needle):

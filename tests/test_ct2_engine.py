@@ -231,11 +231,12 @@ def _cfg(*args):
 @pytest.mark.parametrize("args,needle", [
     (["--rollout.sampler_dtype", "int8"], "is CTranslate2's"),
     (["--rollout.sampler_dtype", "int8_float32", "--rollout.sampler", "vllm"], "CTranslate2's"),
-    (["--rollout.sampler", "ct2", "--run.mode", "async"], "sync sampler"),
+    (["--rollout.sampler", "ct2", "--run.mode", "async", "--ray.worker_gpus", "1"],
+     "samples on CPU: drop ray.worker_gpus"),
     (["--rollout.sampler", "ct2", "--rollout.sampler_dtype", "bfloat16"]
      if not cpu_has_bf16() or "bfloat16" not in ctranslate2.get_supported_compute_types("cpu")
-     else ["--rollout.sampler", "ct2", "--rollout.sampler_dtype", "int8", "--run.mode", "async"],
-     "bf16|cannot compute it on CPU|sync sampler"),
+     else ["--rollout.sampler", "ct2", "--rollout.sampler_dtype", "float16"],
+     "bf16|cannot compute it on CPU|float16 is for vllm"),
 ])
 def test_config_refuses_what_cannot_run(args, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -352,7 +353,7 @@ def test_auto_times_the_candidates_and_keeps_the_fastest(capsys):
 
 @pytest.mark.parametrize("args,needle", [
     (["--rollout.sampler", "auto", "--rollout.sampler_dtype", "int8"], "picks the precision"),
-    (["--rollout.sampler", "auto", "--run.mode", "async"], "sync sampler"),
+    (["--rollout.sampler", "auto", "--run.mode", "async"], "need one named"),
 ])
 def test_auto_config_errors(args, needle):
     with pytest.raises(ConfigError, match=needle):
