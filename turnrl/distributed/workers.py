@@ -79,10 +79,10 @@ from turnrl.distributed.weight_sync import (
 from turnrl.distributed.worker_engines import (  # noqa: F401 - re-exported (tests, fleet)
     Player,
     ct2_engine,
-    vllm_dtype,
     fetched_state,
     load_player,
     sampling_seed,
+    vllm_dtype,
     vllm_engine,
     with_tied_weights,
     without_tied_weights,

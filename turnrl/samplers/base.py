@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Union
+from typing import Protocol
 
 import torch
 
@@ -27,7 +27,7 @@ class Completion:
     finish_reason: str = "length"  # "stop" or "length"
 
 
-Weights = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """A state dict or ``(name, tensor)`` pairs (Hugging Face names)."""
 
 
