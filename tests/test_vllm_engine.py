@@ -88,7 +88,7 @@ def test_a_tied_output_layer_is_sent_under_its_own_name():
 def test_vllm_workers_may_sample_on_cpu_only_with_the_cpu_build():
     from turnrl.config.async_ import vllm_platform
 
-    cpu = ["--rollout.sampler", "vllm", "--ray.worker_gpus", "0"]
+    cpu = ["--run.mode", "async", "--rollout.sampler", "vllm", "--ray.worker_gpus", "0"]
     if vllm_platform() == "cpu":
         assert load_config(None, cpu)
     else:
