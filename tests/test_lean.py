@@ -100,7 +100,7 @@ def test_biases_and_weights_unfrozen_after_start_up_are_refreshed_too():
     optimizer.step()
     with pytest.raises(AssertionError):
         assert_logprobs_match(model, PROMPTS, engine.generate(PROMPTS, params), 1.0)
-    engine.version = 1
+    engine.load(None, 1)
     assert_logprobs_match(model, PROMPTS, engine.generate(PROMPTS, params), 1.0)
 
 

@@ -254,9 +254,9 @@ def test_eval_serve_and_report_take_a_lora_run(lora_run, tmp_path, capsys):
     (["--model.lora.r", "4", "--model.lora.target_modules", "[]"],
      "model.lora.target_modules must be"),
     # samplers that convert or copy the whole model would never see the adapter
-    (["--model.lora.r", "4", "--rollout.engine", "ct2"], "model.lora trains an adapter"),
-    (["--model.lora.r", "4", "--rollout.engine", "auto"], "model.lora trains an adapter"),
-    (["--model.lora.r", "4", "--rollout.engine_dtype", "bfloat16"],
+    (["--model.lora.r", "4", "--rollout.sampler", "ct2"], "model.lora trains an adapter"),
+    (["--model.lora.r", "4", "--rollout.sampler", "auto"], "model.lora trains an adapter"),
+    (["--model.lora.r", "4", "--rollout.sampler_dtype", "bfloat16"],
      "model.lora trains an adapter"),
 ])
 def test_bad_lora_settings_fail_in_one_line(args, message):

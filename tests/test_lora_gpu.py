@@ -69,7 +69,7 @@ def test_vllm_samples_with_each_new_adapter_version(engine):
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     for version, seed in ((1, 1), (2, 2)):
         model, _ = adapted(seed)
-        engine.update_weights(adapter_state(model), version)
+        engine.load(adapter_state(model), version)
         assert engine.version == version and engine.lora_request.lora_int_id == version + 1
         completion = engine.generate([prompt], params)[0]
         expected = recomputed(model, prompt, completion)

@@ -117,7 +117,7 @@ def _worker_engine(tmp_path):
     from turnrl.config import load_config
     from turnrl.distributed.workers import load_player, vllm_engine
 
-    cfg = load_config(None, TINY + ["--run.mode", "async", "--ray.engine", "vllm",
+    cfg = load_config(None, TINY + ["--run.mode", "async", "--rollout.sampler", "vllm",
                                     "--ray.worker_gpus", "1", "--run.out_dir", str(tmp_path)])
     return vllm_engine(cfg, load_player(cfg), 0)
 
@@ -127,7 +127,7 @@ def _sync_engine(tmp_path):
     from turnrl.models import tiny_model
     from turnrl.policy import vllm_sampler
 
-    cfg = load_config(None, TINY + ["--rollout.engine", "vllm", "--run.out_dir", str(tmp_path)])
+    cfg = load_config(None, TINY + ["--rollout.sampler", "vllm", "--run.out_dir", str(tmp_path)])
     model, tokenizer = tiny_model(seed=0)
     return vllm_sampler(cfg, model, tokenizer)
 

@@ -1,4 +1,4 @@
-"""oneDNN's packed products for CPU decoding (``rollout.matmul``, turnrl/samplers/onednn.py):
+"""oneDNN's packed products for CPU decoding (``sampler.matmul``, turnrl/samplers/onednn.py):
 the same products as torch's within float rounding, the learner's modules untouched and its
 tensors shared, repacked after every new version (fused AdamW included, which does not bump
 tensors' version counters), LoRA and the bf16 copy engine served, bad requests refused."""
@@ -96,7 +96,7 @@ def test_onednn_engine_reports_the_models_logprobs_and_samples_as_torch_does(dec
 @pytest.mark.parametrize("decoder", ["lean", "tree"])
 def test_a_new_version_repacks_after_a_fused_adamw_step(decoder):
     """Fused AdamW writes the weights without bumping their version counters, so the packed
-    copies are stale until ``version`` is set (what ``refresh_sampler`` does)."""
+    copies are stale until ``version`` is set (what ``publish`` does)."""
     model, tok = tiny_model(seed=0)
     engine = _onednn_engine(model, tok.pad_token_id, decoder)
     params = SamplingParams(max_new_tokens=4, temperature=1.0)
@@ -110,14 +110,14 @@ def test_a_new_version_repacks_after_a_fused_adamw_step(decoder):
         optimizer.zero_grad()
     with pytest.raises(AssertionError):  # stale until the version is set: the test can fail
         assert_logprobs_match(model, PROMPTS, engine.generate(PROMPTS, params), 1.0)
-    engine.version = 1  # what refresh_sampler does after every update
+    engine.load(None, 1)  # what publish does after every update
     completions = engine.generate(PROMPTS, params)
     assert_logprobs_match(model, PROMPTS, completions, 1.0)  # the new weights, not the old
 
 
 def test_lora_policy_samples_through_packed_products_with_its_adapter():
     pytest.importorskip("peft")
-    cfg = load_config(None, TINY + ["--model.lora.r", "4", "--rollout.matmul", "onednn"])
+    cfg = load_config(None, TINY + ["--model.lora.r", "4", "--sampler.matmul", "onednn"])
     policy = load_policy(cfg)
     assert policy.engine.matmul == "onednn"
     with torch.no_grad():  # a non-zero adapter, so a sampler without it would disagree
@@ -132,7 +132,7 @@ def test_lora_policy_samples_through_packed_products_with_its_adapter():
         for name, tensor in policy.model.named_parameters():
             if "lora_B" in name:
                 tensor.mul_(2)
-    policy.engine.version = 2
+    policy.engine.load(None, 2)
     completions = policy.engine.generate(PROMPTS, params)
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         expected = recomputed(policy.model, prompt, completion, 1.0)
@@ -152,7 +152,7 @@ def test_bf16_copy_engine_packs_its_copy_and_repacks_after_a_refresh():
     with torch.no_grad():
         for tensor in model.parameters():
             tensor.mul_(1.5)
-    engine.update_weights(model.state_dict(), 1)
+    engine.load(model.state_dict(), 1)
     completions = engine.generate(PROMPTS, params)
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         expected = recomputed(engine.model, prompt, completion, 1.0).float()
@@ -172,9 +172,9 @@ def test_requests_resolve_or_fail_in_one_line(monkeypatch):
     monkeypatch.setattr(onednn, "available_memory_bytes", lambda: weights)
     assert resolve_matmul("auto", model) == "torch"  # no room for the packed copy
     assert resolve_matmul("auto", model.half()) == "torch"
-    with pytest.raises(ConfigError, match="float16.*--rollout.matmul torch"):
+    with pytest.raises(ConfigError, match="float16.*--sampler.matmul torch"):
         resolve_matmul("onednn", model)
-    with pytest.raises(ConfigError, match="rollout.matmul"):
-        load_config(None, TINY + ["--rollout.matmul", "mkl"])
-    engine = load_policy(load_config(None, TINY + ["--rollout.matmul", "torch"])).engine
+    with pytest.raises(ConfigError, match="sampler.matmul"):
+        load_config(None, TINY + ["--sampler.matmul", "mkl"])
+    engine = load_policy(load_config(None, TINY + ["--sampler.matmul", "torch"])).engine
     assert engine.matmul == "torch" and engine.decoder is engine.model

@@ -19,14 +19,14 @@ TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_to
     ("onednn", "lean pass"),
 ])
 def test_the_sampler_line_names_engine_dtype_device_and_pass(capsys, matmul, forward_pass):
-    load_policy(load_config(None, TINY + ["--rollout.matmul", matmul]))
+    load_policy(load_config(None, TINY + ["--sampler.matmul", matmul]))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sampler:")]
     assert lines == [f"sampler: hf float32 on cpu ({forward_pass})"]
 
 
 def test_a_lora_model_says_it_samples_on_the_packed_tree_and_why(capsys):
     pytest.importorskip("peft")
-    load_policy(load_config(None, TINY + ["--rollout.matmul", "onednn", "--model.lora.r", "2"]))
+    load_policy(load_config(None, TINY + ["--sampler.matmul", "onednn", "--model.lora.r", "2"]))
     line = next(line for line in capsys.readouterr().out.splitlines()
                 if line.startswith("sampler:"))
     assert line.startswith("sampler: hf float32 on cpu (PackedLinear tree; no lean pass: ")

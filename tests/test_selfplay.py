@@ -429,9 +429,9 @@ def test_another_local_model_plays_the_other_seat_and_is_recorded(tmp_path):
 def test_async_mode_refuses_the_pool_on_vllm_workers_in_one_line(tmp_path):
     from turnrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="opponent pool with ray.engine vllm"):
+    with pytest.raises(ConfigError, match="opponent pool with rollout.sampler vllm"):
         _train_cfg(tmp_path, "--env.options.opponent", "pool", "--run.mode", "async",
-                   "--ray.engine", "vllm", "--ray.worker_gpus", "1")
+                   "--rollout.sampler", "vllm", "--ray.worker_gpus", "1")
     for opponent in ("self", "model", "pool"):  # the workers build them (test_selfplay_async)
         _train_cfg(tmp_path, "--env.options.opponent", opponent, "--run.mode", "async",
                    "--env.opponent_model", "tiny")

@@ -48,12 +48,12 @@ def test_async_mode_takes_self_play_and_the_opponents_a_worker_can_build(tmp_pat
 def test_async_mode_refuses_the_pool_on_vllm_workers_in_one_line(tmp_path, env):
     _cfg(tmp_path, "--env.name", env, "--env.options.opponent", "pool")  # hf workers: fine
     with pytest.raises(ConfigError) as err:
-        _cfg(tmp_path, "--env.name", env, "--env.options.opponent", "pool", "--ray.engine",
+        _cfg(tmp_path, "--env.name", env, "--env.options.opponent", "pool", "--rollout.sampler",
              "vllm", "--ray.worker_gpus", "1")
     message = str(err.value)
     assert "\n" not in message
-    assert "opponent pool with ray.engine vllm" in message
-    assert "--ray.engine hf" in message and "--run.mode sync" in message
+    assert "opponent pool with rollout.sampler vllm" in message
+    assert "--rollout.sampler hf" in message and "--run.mode sync" in message
 
 
 @pytest.mark.parametrize("opponent", ["self", "pool"])

@@ -14,8 +14,8 @@ from turnrl.selfplay.pool import pool_wait_s
 BASE = ["--model.name", "tiny", "--rollout.max_new_tokens", "3", "--run.progress", "false",
         "--run.tensorboard", "false", "--rollout.group_size", "2",
         "--rollout.groups_per_step", "2", "--run.mode", "async"]
-ENGINES = {"hf": [], "ct2": ["--ray.engine", "ct2"],
-           "vllm": ["--ray.engine", "vllm", "--ray.worker_gpus", "1"]}
+ENGINES = {"hf": [], "ct2": ["--rollout.sampler", "ct2"],
+           "vllm": ["--rollout.sampler", "vllm", "--ray.worker_gpus", "1"]}
 OPPONENTS = {
     "self": ["--env.options.opponent", "self"],
     "selfplay-env": [],
@@ -43,15 +43,15 @@ def test_the_pool_is_refused_on_workers_without_an_hf_model_in_one_line(tmp_path
         _cfg(tmp_path, "--env.name", env, "--env.options.opponent", "pool", *ENGINES[engine])
     message = str(err.value)
     assert "\n" not in message
-    assert f"opponent pool with ray.engine {engine}" in message
-    assert "--ray.engine hf" in message and "--run.mode sync" in message
+    assert f"opponent pool with rollout.sampler {engine}" in message
+    assert "--rollout.sampler hf" in message and "--run.mode sync" in message
 
 
 def test_the_pool_is_taken_on_hf_workers_and_in_sync_mode_on_any_engine(tmp_path):
     _cfg(tmp_path, "--env.name", "tictactoe", "--env.options.opponent", "pool")
     cfg = load_config(None, ["--model.name", "tiny", "--run.out_dir", str(tmp_path),
                              "--env.name", "tictactoe", "--env.options.opponent", "pool",
-                             "--ray.engine", "ct2"])  # sync mode: the learner holds the pool
+                             "--rollout.sampler", "ct2"])  # sync mode: the learner holds the pool
     assert cfg.run.mode == "sync"
 
 
@@ -59,7 +59,7 @@ def test_the_pool_is_taken_on_hf_workers_and_in_sync_mode_on_any_engine(tmp_path
 @pytest.mark.parametrize("opponent", list(OPPONENTS))
 def test_every_other_opponent_is_taken_on_every_engine(tmp_path, engine, opponent):
     cfg = _cfg(tmp_path, *_env(opponent), *OPPONENTS[opponent], *ENGINES[engine])
-    assert cfg.ray.engine == engine
+    assert cfg.rollout.sampler == engine
 
 
 @pytest.mark.parametrize("opponent", ["self", "selfplay-env", "model"])
@@ -71,7 +71,7 @@ def test_a_ct2_worker_plays_the_opponents_it_builds(tmp_path, opponent):
     from turnrl.models import tiny_model
 
     cfg = _cfg(tmp_path, *_env(opponent), *OPPONENTS[opponent], *ENGINES["ct2"],
-               "--ray.engine_dtype", "float32")
+               "--rollout.sampler_dtype", "float32")
     worker = RolloutWorker(cfg, pool_size=4)
     try:
         state = tiny_model(seed=1)[0].state_dict()

@@ -305,7 +305,7 @@ def test_auto_sizing_is_the_default_and_its_memory_share_is_checked():
     from turnrl.config import ConfigError, load_config
 
     cfg = load_config(None, [])
-    assert cfg.pool.auto and cfg.staleness.keep_kv_cache
+    assert cfg.pool.auto and cfg.sampler.keep_kv_cache
     with pytest.raises(ConfigError, match="pool.memory_fraction"):
         load_config(None, ["--pool.memory_fraction", "0"])
     assert not load_config(None, ["--pool.auto", "false"]).pool.auto

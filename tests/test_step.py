@@ -156,7 +156,7 @@ def test_one_training_step_is_the_same_with_speedups_on_and_off(tmp_path):
             "--rollout.groups_per_step", "2", "--optim.lr", "1e-2", "--run.steps", "1",
             "--eval.episodes", "0", "--run.progress", "false", "--run.tensorboard", "false"]
     weights = []
-    for name, flags in (("on", []), ("off", ["--rollout.reuse_cache", "false",
+    for name, flags in (("on", []), ("off", ["--sampler.reuse_cache", "false",
                                               "--optim.shared_prefix", "false"])):
         train(load_config(None, base + flags + ["--run.out_dir", str(tmp_path / name)]))
         weights.append(load_file(latest_checkpoint(tmp_path / name) / "model.safetensors"))

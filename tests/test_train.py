@@ -115,10 +115,10 @@ def _train_cmd(out_dir, *extra):
 
 @pytest.mark.parametrize("matmul", ["torch", "onednn"])
 def test_resume_after_sigkill_continues_from_the_checkpoint(tmp_path, matmul):
-    """Also with the sampler on oneDNN's packed products (``rollout.matmul onednn``): the
+    """Also with the sampler on oneDNN's packed products (``sampler.matmul onednn``): the
     resumed run repacks the loaded weights and samples what the uninterrupted one did."""
     def train_cmd(out_dir, *extra):
-        return _train_cmd(out_dir, "--rollout.matmul", matmul, *extra)
+        return _train_cmd(out_dir, "--sampler.matmul", matmul, *extra)
 
     proc = subprocess.Popen(train_cmd(tmp_path, "--run.steps", "200"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

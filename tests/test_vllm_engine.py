@@ -13,7 +13,7 @@ import torch
 
 from turnrl.config import ConfigError, load_config
 
-VLLM = ["--ray.engine", "vllm", "--ray.worker_gpus", "1"]
+VLLM = ["--rollout.sampler", "vllm", "--ray.worker_gpus", "1"]
 
 
 @pytest.mark.parametrize("temperature", ["0.005", "2.5"])
@@ -29,14 +29,14 @@ def test_temperatures_vllm_samples_as_asked_are_accepted(temperature):
 
 
 def test_the_rollout_engine_defaults_to_bfloat16_whatever_the_learner_trains_in():
-    from turnrl.distributed.workers import engine_dtype
+    from turnrl.distributed.workers import vllm_dtype
 
-    assert engine_dtype(load_config(None, VLLM)) == "bfloat16"
-    assert engine_dtype(load_config(None, VLLM + ["--ray.engine_dtype", "float32"])) == "float32"
+    assert vllm_dtype(load_config(None, VLLM)) == "bfloat16"
+    assert vllm_dtype(load_config(None, VLLM + ["--rollout.sampler_dtype", "float32"])) == "float32"
 
 
 def test_weights_reach_the_worker_as_a_file_and_load_in_place(tiny):
-    """``update_weights`` sends vLLM's workers only a path (``collective_rpc``), which crosses
+    """``load`` sends vLLM's workers only a path (``collective_rpc``), which crosses
     a process boundary without insecure serialisation; the worker-side method loads the file
     with the model's own ``load_weights``. Here the model is the tiny HF model with a
     ``load_weights`` that copies by name (vLLM's maps names onto fused layers)."""
@@ -64,7 +64,7 @@ def test_weights_reach_the_worker_as_a_file_and_load_in_place(tiny):
     engine.keep_cache_across_versions = False
     engine.tied_embeddings = False
     engine.lora_config = None  # full weights (a LoRA engine loads adapters: test_lora_gpu.py)
-    engine.update_weights(model.state_dict(), version=7)
+    engine.load(model.state_dict(), version=7)
     assert engine.version == 7 and [m for m, _ in calls] == ["turnrl_load_weights"]
     assert isinstance(calls[0][1][0], str) and not os.path.exists(calls[0][1][0])  # cleaned up
     for name, tensor in model.state_dict().items():
@@ -88,7 +88,7 @@ def test_a_tied_output_layer_is_sent_under_its_own_name():
 def test_vllm_workers_may_sample_on_cpu_only_with_the_cpu_build():
     from turnrl.config.async_ import vllm_platform
 
-    cpu = ["--ray.engine", "vllm", "--ray.worker_gpus", "0"]
+    cpu = ["--run.mode", "async", "--rollout.sampler", "vllm", "--ray.worker_gpus", "0"]
     if vllm_platform() == "cpu":
         assert load_config(None, cpu)
     else:

@@ -110,7 +110,7 @@ def test_update_weights_changes_outputs_and_version(engine, prompts, hf_and_toke
     before = engine.generate(prompts, greedy)
     version = engine.version
 
-    engine.update_weights(new_model.state_dict(), version=version + 1)  # a state dict
+    engine.load(new_model.state_dict(), version=version + 1)  # a state dict
     assert engine.version == version + 1
     after = engine.generate(prompts, greedy)
     for prompt, old, new in zip(prompts, before, after, strict=True):
@@ -118,7 +118,7 @@ def test_update_weights_changes_outputs_and_version(engine, prompts, hf_and_toke
         assert torch.allclose(torch.tensor(new.logprobs), expected, atol=ATOL)
         assert (old.token_ids, old.logprobs) != (new.token_ids, new.logprobs)
 
-    engine.update_weights(old_model.named_parameters(), version=version + 2)  # (name, tensor)s
+    engine.load(old_model.named_parameters(), version=version + 2)  # (name, tensor)s
     assert engine.version == version + 2
     restored = engine.generate(prompts, greedy)
     for prompt, completion in zip(prompts, restored, strict=True):

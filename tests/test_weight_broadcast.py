@@ -101,7 +101,7 @@ def test_nccl_only_when_every_member_holds_cuda_weights_on_a_gpu_of_its_own():
 
 @pytest.mark.parametrize("args, named", [
     (["--run.mode", "sync"], "--run.mode async"),
-    (["--ray.engine", "vllm", "--ray.worker_gpus", "1", "--model.lora.r", "4"],
+    (["--rollout.sampler", "vllm", "--ray.worker_gpus", "1", "--model.lora.r", "4"],
      "--ray.weight_sync object_store"),
     (["--ray.weight_sync_timeout_s", "0"], "weight_sync_timeout_s"),
     (["--ray.weight_sync", "nccl"], "weight_sync"),

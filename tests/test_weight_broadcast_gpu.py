@@ -64,7 +64,7 @@ def _config(*more):
         "--rollout.max_new_tokens", "4", "--rollout.group_size", "4",
         "--rollout.groups_per_step", "2", "--run.mode", "async", "--ray.num_workers", "1",
         "--ray.worker_gpus", "1" if DEVICE == "cuda" else "0", "--ray.weight_sync", "broadcast",
-        "--staleness.keep_kv_cache", "false", "--run.progress", "false",
+        "--sampler.keep_kv_cache", "false", "--run.progress", "false",
         "--run.tensorboard", "false", *more])
 
 
@@ -138,8 +138,8 @@ def test_a_vllm_worker_samples_with_the_weights_broadcast_to_its_gpu(ray_gpus, m
     from turnrl.trainer.step import UpdateSettings, with_proximal_logprobs
     from turnrl.types import Batch
 
-    cfg = _config("--model.name", str(model_dir), "--ray.engine", "vllm",
-                  "--ray.gpu_memory_utilization", "0.3", "--ray.engine_dtype", "float32")
+    cfg = _config("--model.name", str(model_dir), "--rollout.sampler", "vllm",
+                  "--sampler.gpu_memory_utilization", "0.3", "--rollout.sampler_dtype", "float32")
     fleet, device = _fleet_on_another_gpu(cfg)
     settings = UpdateSettings(cfg.algo, cfg.optim, cfg.rollout.temperature, 8)
     models = [tiny_model(seed=seed, **WIDE)[0] for seed in (1, 2)]  # scored on the CPU

@@ -31,7 +31,7 @@ from turnrl.evaluation import (
 )
 from turnrl.metrics import print_table as _print_table
 from turnrl.models import configure_torch
-from turnrl.policy import Policy, load_policy, refresh_sampler
+from turnrl.policy import Policy, load_policy, publish
 from turnrl.selfplay.outcomes import OUTCOMES, role_outcomes
 from turnrl.trainer.evaluation import held_out_seeds, play_tasks
 from turnrl.types import Episode
@@ -152,7 +152,7 @@ class Evaluator:
         else:
             load_weights(checkpoint, self.policy.model)  # LoRA: the adapter
         # ct2, a bf16 copy or vLLM sample from weights of their own: give them these
-        refresh_sampler(self.policy.engine, self.policy.model, self.policy.engine.version)
+        publish(self.policy.engine, self.policy.model, self.policy.engine.version)
         name = label or (BASE if checkpoint is None else _label(checkpoint))
         result, episodes = play(self.policy, self.cfg, samples, name)
         games = game_report(episodes, self.policy.tokenizer.decode)

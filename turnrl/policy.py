@@ -21,7 +21,7 @@ from turnrl.envs import Env, make_env
 from turnrl.envs.contract import uses_pool
 from turnrl.envs.mix import MixEnv
 from turnrl.envs.user_module import load_env_module
-from turnrl.lora import add_adapter, base_copy, require_peft, vllm_lora_config
+from turnrl.lora import add_adapter, base_copy, published_state, require_peft, vllm_lora_config
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat
 from turnrl.rollout.chat import (  # noqa: F401 - sampling_params: also imported from here
@@ -29,8 +29,8 @@ from turnrl.rollout.chat import (  # noqa: F401 - sampling_params: also imported
     read_chat_template,
     sampling_params,
 )
-from turnrl.samplers import HFEngine, SamplingParams
-from turnrl.samplers.base import Engine, describe_sampler
+from turnrl.samplers import SamplingParams, chooser
+from turnrl.samplers.base import Engine
 from turnrl.selfplay.evaluation import evaluation_factories
 
 
@@ -43,7 +43,8 @@ class Policy:
     chat: ChatFormat
     engine: Engine
     """``HFEngine`` (samples from ``model`` itself, or ``HFCopyEngine`` from a copy in
-    ``rollout.engine_dtype``), ``VLLMEngine`` or ``CT2Engine`` (``rollout.engine``)"""
+    ``rollout.sampler_dtype``), ``VLLMEngine`` or ``CT2Engine`` (``rollout.sampler``; in
+    async mode the learner's own is hf: ``sampler_choice``)"""
     max_context: int | None
     make_env: Callable[[], Env]
     """The env training plays (a mix: ``MixEnv``; a curriculum: its hardest level, which the
@@ -55,10 +56,11 @@ class Policy:
     ``trainer/evaluation.py``)."""
 
 
-def load_policy(cfg: Config, announce: bool = True) -> Policy:
+def load_policy(cfg: Config, announce: bool = True, who: str = "learner") -> Policy:
     """Load the model on its device (with a fresh LoRA adapter under ``model.lora``), check
     its chat template, the env and the envs evaluation plays; print the ``sampler:`` line
-    unless the caller replaces the sampler (``announce`` False) and prints its own."""
+    (naming ``who``) unless the caller replaces the sampler (``announce`` False) and prints
+    its own."""
     load_env_module(cfg.env.module)  # the user's envs, before any is built
     lora = cfg.model.lora_plan()
     if lora is not None:
@@ -73,53 +75,64 @@ def load_policy(cfg: Config, announce: bool = True) -> Policy:
     # Fails at start-up, not mid-run, if the template breaks token-in-token-out.
     chat = checked_chat(tokenizer, cfg.model.chat_template)
     make, eval_makes = env_factories(cfg)  # bad names or options fail here, in one line
-    engine = sampler(cfg, model, tokenizer)
+    engine = sampler(cfg, model, tokenizer, who)
     if announce:
-        print(describe_sampler(engine), flush=True)
+        print(chooser.sampler_line(engine, sampler_for(cfg, who)), flush=True)
     max_context = getattr(model.config, "max_position_embeddings", None)
     return Policy(model, tokenizer, chat, engine, max_context, make, sampling_params(cfg, chat),
                   eval_makes)
 
 
-def refresh_sampler(engine: Engine, model: torch.nn.Module, version: int) -> None:
-    """After ``model``'s weights changed (an update, a checkpoint loaded): an engine with
-    weights of its own (ct2, a bf16 copy, vLLM) reloads them as ``version``; the HF engine
-    samples from ``model`` itself, so only its version moves."""
-    if hasattr(engine, "update_weights"):
-        engine.update_weights(model.state_dict(), version)
-    else:
-        engine.version = version
+def publish(engine: Engine, model: torch.nn.Module, version: int) -> None:
+    """The one path new weights take to a sampler (every source, serve, checkpoint
+    evaluation, the ``auto`` probe): an HF engine on ``model``'s own tensors reloads them where
+    they are; any other engine (a copy, ct2, vLLM) gets ``published_state``: LoRA-aware, the
+    adapter alone for a LoRA model (vLLM loads it as an adapter), every weight otherwise."""
+    own = getattr(engine, "model", None) is model
+    engine.load(None if own else published_state(model), version)
 
 
-def sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
-    """The engine ``rollout.engine`` and ``rollout.engine_dtype`` name: the HF engine on the
-    learner's own tensors (or on a copy in another dtype), vLLM, or CTranslate2."""
-    if cfg.rollout.engine == "vllm":
+def sampler_choice(cfg: Config, who: str = "learner") -> tuple[str, str]:
+    """(sampler, dtype) for ``who``: ``rollout.sampler`` and its dtype, in every mode; the
+    async learner only evaluates (its rollout workers sample), with the HF engine on its own
+    tensors when the workers' sampler is another."""
+    if cfg.run.mode == "async" and who == "learner" and cfg.rollout.sampler != "hf":
+        return "hf", "auto"
+    return cfg.rollout.sampler, cfg.rollout.sampler_dtype
+
+
+def sampler_for(cfg: Config, who: str) -> str:
+    """Who the ``sampler:`` line names: nobody for the learner (the line of a plain run),
+    where the async learner's sampler is not its workers' theirs too, else ``who``."""
+    if sampler_choice(cfg, who)[0] != cfg.rollout.sampler:
+        return f"{who}'s evaluation; rollout workers: {cfg.rollout.sampler}"
+    return "" if who == "learner" else who
+
+
+def sampler(cfg: Config, model: torch.nn.Module, tokenizer, who: str = "learner") -> Engine:
+    """The one chooser of every mode: the engine ``rollout.sampler`` and its dtype name for
+    ``who`` (``sampler_choice``): the HF engine on the learner's own tensors (or on a copy in
+    another dtype), vLLM, CTranslate2, or the fastest of those this machine has (auto)."""
+    name, dtype = sampler_choice(cfg, who)
+    if name == "vllm":
         return vllm_sampler(cfg, model, tokenizer)
-    if cfg.rollout.engine == "auto":
+    if name == "auto":
         return fastest_sampler(cfg, model, tokenizer)
-    return cpu_sampler(cfg, model, tokenizer, cfg.rollout.engine, cfg.rollout.engine_dtype)
+    return cpu_sampler(cfg, model, tokenizer, name, dtype)
 
 
 def cpu_sampler(cfg: Config, model: torch.nn.Module, tokenizer, engine: str,
                 engine_dtype: str) -> Engine:
-    """An HF engine (on ``model`` itself, or a copy in ``engine_dtype``) or a ct2 one."""
-    if engine == "ct2":
-        from turnrl.samplers.ct2 import CT2Engine
-
-        return CT2Engine(model, compute_type=engine_dtype, seed=cfg.run.seed)
-    dtype = getattr(torch, engine_dtype, model.dtype)
-    if dtype != model.dtype:
-        from turnrl.samplers.copy import HFCopyEngine
-
-        return HFCopyEngine(model, dtype, tokenizer.pad_token_id, seed=cfg.run.seed,
-                            reuse_cache=cfg.rollout.reuse_cache, matmul=cfg.rollout.matmul)
-    return HFEngine(model, tokenizer.pad_token_id, seed=cfg.run.seed,
-                    reuse_cache=cfg.rollout.reuse_cache, matmul=cfg.rollout.matmul)
+    """An HF engine (on ``model`` itself, or a copy in ``engine_dtype``) or a ct2 one, with
+    the ``sampler`` section's options (``turnrl.samplers.chooser.build``)."""
+    options = {} if engine == "ct2" else dict(reuse_cache=cfg.sampler.reuse_cache,
+                                              matmul=cfg.sampler.matmul)
+    return chooser.build(engine, engine_dtype, model, tokenizer.pad_token_id, seed=cfg.run.seed,
+                         **options)
 
 
 def sampler_candidates(cfg: Config, model: torch.nn.Module) -> list[tuple[str, str]]:
-    """``(engine, engine_dtype)`` pairs this machine can run for ``rollout.engine auto``: the
+    """``(sampler, sampler_dtype)`` pairs this machine can run for ``rollout.sampler auto``: the
     HF engine in the model's dtype always; CTranslate2 int8 where the ct2 extra is installed
     and converts the model; the HF engine on a bf16 copy where the CPU has native bf16."""
     from turnrl.config.checks import samples_on_cpu
@@ -139,7 +152,7 @@ def sampler_candidates(cfg: Config, model: torch.nn.Module) -> list[tuple[str, s
 
 
 def fastest_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
-    """``rollout.engine auto``: every candidate timed on the run's batch shape, sampling and
+    """``rollout.sampler auto``: every candidate timed on the run's batch shape, sampling and
     one weight refresh each, and the one whose estimated step (sampling scaled to the step's
     rows, turns and new tokens, plus the refresh every lock-step step pays) is cheapest kept
     (``turnrl.samplers.choice``); the choice and the figures printed in one line."""
@@ -149,7 +162,7 @@ def fastest_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
     label = {pair: f"{pair[0]} {model_dtype_name(model) if pair[1] == 'auto' else pair[1]}"
              for pair in candidates}
     if len(candidates) == 1:
-        print(f"rollout.engine auto: {label[candidates[0]]} (the only sampler this machine has)")
+        print(f"rollout.sampler auto: {label[candidates[0]]} (the only sampler this machine has)")
         return cpu_sampler(cfg, model, tokenizer, *candidates[0])
     rollout = cfg.rollout
     step = engine_choice.Shape(rollout.group_size * rollout.groups_per_step,
@@ -159,7 +172,7 @@ def fastest_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
                 for pair in candidates}
     was_training = model.training
     engines, timings = engine_choice.time_engines(
-        builders, lambda engine, version: refresh_sampler(engine, model, version), probe,
+        builders, lambda engine, version: publish(engine, model, version), probe,
         int(model.config.vocab_size))
     model.train(was_training)
     chosen = engine_choice.pick_fastest(timings.step_s(probe, step),
@@ -169,7 +182,7 @@ def fastest_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
     for other in engines.values():
         getattr(other, "close", lambda: None)()
     engine.generator.manual_seed(cfg.run.seed)  # the run's draws start where they would have
-    engine.version = 0  # forgets the probe's kept keys and values
+    publish(engine, model, 0)  # forgets the probe's kept keys and values
     return engine
 
 
@@ -180,8 +193,7 @@ def model_dtype_name(model: torch.nn.Module) -> str:
 def vllm_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
     """A ``VLLMEngine`` on the model's directory (the tiny model, built in code, is saved to
     a temporary one first, removed with the engine or at exit: turnrl/samplers/model_dirs.py),
-    in ``rollout.engine_dtype``; new versions reach it through ``update_weights``
-    (``LocalSource.publish``)."""
+    in ``rollout.sampler_dtype``; new versions reach it through ``publish``."""
     from turnrl.models import model_directory
     from turnrl.samplers.model_dirs import remove_with, save_model_dir
     from turnrl.samplers.vllm import VLLMEngine
@@ -192,9 +204,10 @@ def vllm_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
 
     local = model_directory(cfg.model.name, cfg.model.cache_dir or None)
     path = local or save_model_dir("sync", save)
-    dtype = cfg.model.dtype if cfg.rollout.engine_dtype == "auto" else cfg.rollout.engine_dtype
+    dtype = cfg.model.dtype if cfg.rollout.sampler_dtype == "auto" else cfg.rollout.sampler_dtype
     try:
         engine = VLLMEngine(path, seed=cfg.run.seed, dtype=dtype,
+                            gpu_memory_utilization=cfg.sampler.gpu_memory_utilization,
                             max_model_len=getattr(model.config, "max_position_embeddings", None),
                             lora_config=vllm_lora_config(cfg.model.lora_plan()))
     except BaseException:

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             state = without_tied_weights({k: v.detach().clone()
                                           for k, v in model.state_dict().items()})
             worker.model.load_state_dict(with_tied_weights(state))
-            worker.engine.version = step
+            worker.engine.load(None, step)
             loop = TurnLoop(make, worker.engine, chat, params, group_size=size,
                                      env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
                                      max_context=learner.max_context, partial_rollouts=False)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             groups = sorted(loop.take_groups(), key=lambda g: g.assignment)
             episodes = [ep for group in groups for ep in group.episodes]
         _, metrics = rl_step(update, episodes, StageTimer())
-        learner.engine.version += 1
+        learner.engine.load(None, learner.engine.version + 1)
         print(json.dumps({
             "source": args.source, "sampler_seed": args.sampler_seed, "step": step + 1,
             "success": sum(ep.success for ep in episodes) / len(episodes),

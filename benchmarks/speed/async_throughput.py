@@ -40,7 +40,7 @@ capped by the importance weights' ESS; nothing is tuned per model or machine her
 (``pool.auto false``). Groups too stale on arrival are dropped and counted (their
 generation was wasted), and "reward @same eps" checks that the extra staleness does not
 cost reward per trained episode. ``--compare-kv-cache`` adds an async run with the other
-``staleness.keep_kv_cache`` policy at every latency (mode ``async-keepkv`` or
+``sampler.keep_kv_cache`` policy at every latency (mode ``async-keepkv`` or
 ``async-dropkv``), side by side with the default one. Runs are
 interleaved (sync, async per latency) so drifting machine load hits both; each run is its
 own process. ``--repeats N`` plays everything N times, every other time with the latencies
@@ -127,7 +127,7 @@ class RunSpec:
         if any(v is not None for v in pinned.values()):
             args["pool.auto"] = "false"  # a number given by hand is used as is
         if self.keep_kv_cache is not None:
-            args["staleness.keep_kv_cache"] = str(self.keep_kv_cache).lower()
+            args["sampler.keep_kv_cache"] = str(self.keep_kv_cache).lower()
         return [f"--{k}={v}" for k, v in args.items()]
 
 
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-kv-cache", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="async workers keep (or, --no-keep-kv-cache, drop) their keys/"
-                             "values across weight updates (staleness.keep_kv_cache, "
+                             "values across weight updates (sampler.keep_kv_cache, "
                              "PipelineRL's in-flight update); default: the config's")
     parser.add_argument("--compare-kv-cache", action="store_true",
                         help="also run async with the other keep_kv_cache policy at every "
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.compare_kv_cache and "async" in modes:
                 from turnrl.config import load_config
 
-                default_keep = (load_config(None, []).staleness.keep_kv_cache
+                default_keep = (load_config(None, []).sampler.keep_kv_cache
                                 if args.keep_kv_cache is None else args.keep_kv_cache)
                 modes.append("async-dropkv" if default_keep else "async-keepkv")
             for mode in modes:

@@ -1,5 +1,5 @@
 """The HF sampler's matrix products on CPU: torch's ``linear`` vs oneDNN's packed products
-(``rollout.matmul``, turnrl/samplers/onednn.py), side by side in one process.
+(``sampler.matmul``, turnrl/samplers/onednn.py), side by side in one process.
 
 Three measurements, each in alternating rounds after a warm-up, medians:
 
@@ -83,7 +83,7 @@ def generation(model, tokenizer, groups: Sequence[int], tokens: int, rounds: int
     sample = SamplingParams(max_new_tokens=tokens, temperature=1.0)
     out = []
     def call(engine, rows):
-        engine.version += 1  # a new version each call: onednn repacks, as after an update
+        engine.load(None, engine.version + 1)  # a new version each call: onednn repacks, as after an update
         engine.generate([ids] * rows, sample)
 
     for g in groups:

@@ -1,4 +1,4 @@
-"""Async training with HF vs CTranslate2 rollout workers (``--ray.engine hf`` / ``ct2``).
+"""Async training with HF vs CTranslate2 rollout workers (``--rollout.sampler hf`` / ``ct2``).
 
 Each round runs the same async job twice, one run per engine, alternating (hf, ct2, hf,
 ct2, ...) so that a drifting machine load hits both: ``turnrl train --run.mode async`` in its
@@ -44,14 +44,14 @@ def run_once(engine: str, args: argparse.Namespace, out: Path) -> dict:
     """One async run with ``engine`` workers; its steady-state figures."""
     command = [sys.executable, "-m", "turnrl.cli", "train", "--model.name", args.model,
                "--env.name", args.env, "--run.mode", "async", "--run.steps", str(args.steps),
-               "--ray.engine", engine, "--eval.episodes", "0", "--run.checkpoint_every", "0",
+               "--rollout.sampler", engine, "--eval.episodes", "0", "--run.checkpoint_every", "0",
                "--run.progress", "false", "--run.tensorboard", "false",
                "--rollout.group_size", str(args.group_size),
                "--rollout.groups_per_step", str(args.groups_per_step),
                "--rollout.max_new_tokens", str(args.max_new_tokens),
                "--run.seed", str(args.seed), "--run.out_dir", str(out)]
     if engine == "ct2":
-        command += ["--ray.engine_dtype", args.dtype]
+        command += ["--rollout.sampler_dtype", args.dtype]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     if done.returncode != 0:
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--env", default="guess-number")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dtype", default="int8", help="ray.engine_dtype of the ct2 runs")
+    parser.add_argument("--dtype", default="int8", help="rollout.sampler_dtype of the ct2 runs")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=8)

@@ -1,6 +1,6 @@
 """Sampling on CPU, side by side: TurnRL's HFEngine (fp32, the learner's own tensors) vs the
-CTranslate2 engine (``rollout.engine ct2``: int8, and fp32 to separate engine from precision)
-and, where the CPU has native bf16, the HF engine on a bf16 copy (``rollout.engine_dtype
+CTranslate2 engine (``rollout.sampler ct2``: int8, and fp32 to separate engine from precision)
+and, where the CPU has native bf16, the HF engine on a bf16 copy (``rollout.sampler_dtype
 bfloat16``), on the offline SmolLM2-135M.
 
 Each engine generates the same batches (``--batches`` sizes of chat prompts, ``--tokens`` new
@@ -9,7 +9,7 @@ tokens each, no stop token so every row decodes the full length), run alternatel
 and the ratio to HFEngine fp32, and the mean and largest |log-prob difference| of each
 engine's sampled tokens against a float32 forward pass of the same model (the mismatch a
 sampler adds, docs/mismatch.md). Then what a new policy version costs each engine
-(``update_weights``: CTranslate2 converts and reloads, the bf16 copy copies in place; the HF
+(``load``: CTranslate2 converts and reloads, the bf16 copy copies in place; the HF
 engine samples from the learner's tensors, so nothing). The machine's load average is printed
 with the figures (a busy machine slows every engine, not always alike)::
 
@@ -98,12 +98,12 @@ def main() -> None:
                   f"{base / wall:6.2f}x {mean:12.4f} {largest:7.3f}")
         print(f"      ({load_line()})")
     for name, engine in engines.items():
-        if not hasattr(engine, "update_weights"):
+        if not hasattr(engine, "load"):
             continue
         times = []
         for version in range(1, args.repeats + 1):
             start = time.perf_counter()
-            engine.update_weights(model.state_dict(), version)
+            engine.load(model.state_dict(), version)
             times.append(time.perf_counter() - start)
         print(f"weight refresh, {name}: median {statistics.median(times):.2f} s "
               f"(of {', '.join(f'{t:.2f}' for t in times)})")

@@ -119,7 +119,7 @@ def model_size(model_dir: str) -> ModelSize:
 
 SAMPLER_BYTES = {"auto": 4.0, "float32": 4.0, "bfloat16": 2.0, "int8": 1.0,
                  "int8_float32": 1.0}
-"""Bytes per weight the sampler reads, by ``rollout.engine_dtype`` (auto: the float32
+"""Bytes per weight the sampler reads, by ``rollout.sampler_dtype`` (auto: the float32
 learner's own weights)."""
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 SYSTEMS = ("turnrl", "turnrl-torch", "trl")
-"""turnrl-torch: TurnRL with ``rollout.matmul torch`` (its sampler on torch's products), in the
+"""turnrl-torch: TurnRL with ``sampler.matmul torch`` (its sampler on torch's products), in the
 same alternating blocks as ``turnrl`` (``--matmul`` picks turnrl's own)."""
 TRL_MISSING = ("step_throughput: TRL is not installed; run `pip install -e '.[bench]'` "
                "(or pass --systems turnrl)")
@@ -74,9 +74,9 @@ class Workload:
     """Measured steps the worker will be asked for in all (TRL needs ``max_steps`` upfront)."""
     engine: str = "hf"
     engine_dtype: str = "auto"
-    """TurnRL's sampler (``rollout.engine``/``engine_dtype``: ct2 int8, a bf16 copy)."""
+    """TurnRL's sampler (``rollout.sampler``/``engine_dtype``: ct2 int8, a bf16 copy)."""
     matmul: str = "auto"
-    """TurnRL's sampler's matrix products on CPU (``rollout.matmul``: onednn, torch)."""
+    """TurnRL's sampler's matrix products on CPU (``sampler.matmul``: onednn, torch)."""
     compute_dtype: str = "float32"
     """TurnRL's update (``optim.compute_dtype``: bfloat16 = autocast, float32 weights)."""
     trl_bf16: bool = False
@@ -165,8 +165,9 @@ def turnrl_config(wl: Workload):
         "env": {"name": wl.env, "options": dict(wl.env_options)},
         "rollout": {"group_size": wl.group_size, "groups_per_step": wl.prompts,
                     "max_new_tokens": wl.completion_length, "max_turns": wl.turns,
-                    "temperature": 1.0, "top_p": 1.0, "engine": wl.engine,
-                    "engine_dtype": wl.engine_dtype, "matmul": wl.matmul},
+                    "temperature": 1.0, "top_p": 1.0, "sampler": wl.engine,
+                    "sampler_dtype": wl.engine_dtype},
+        "sampler": {"matmul": wl.matmul},
         "algo": {"advantage": "grpo", "kl_coef": 0.0, "entropy_coef": 0.0, "epochs": 1},
         "optim": {"lr": wl.lr, "compute_dtype": wl.compute_dtype},
         "eval": {"episodes": 0},
@@ -216,7 +217,7 @@ def turnrl_step(session: TurnRLSession) -> dict[str, Any]:
     """
     import torch
 
-    from turnrl.policy import refresh_sampler, training_seeds
+    from turnrl.policy import publish, training_seeds
     from turnrl.rollout import run_episodes, run_sync
     from turnrl.trainer.rl_step import StageTimer, rl_step
 
@@ -231,7 +232,7 @@ def turnrl_step(session: TurnRLSession) -> dict[str, Any]:
     summary, _ = rl_step(session.learner, episodes, timer)
     session.step += 1
     with timer("publish"):  # an engine with weights of its own reloads them (counted)
-        refresh_sampler(policy.engine, policy.model, session.step)
+        publish(policy.engine, policy.model, session.step)
     step_s = time.perf_counter() - start
     turn_lengths = [t.end - t.start for ep in episodes for t in ep.turns]
     return {
@@ -730,12 +731,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="turns of guess-number in the scaling table (default 1 2 4)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--engine", default="hf", choices=("hf", "ct2"),
-                        help="TurnRL's sampler (rollout.engine; default hf)")
+                        help="TurnRL's sampler (rollout.sampler; default hf)")
     parser.add_argument("--engine-dtype", default="auto",
-                        help="TurnRL's sampler precision (rollout.engine_dtype: auto, int8, "
+                        help="TurnRL's sampler precision (rollout.sampler_dtype: auto, int8, "
                              "bfloat16...; default auto)")
     parser.add_argument("--matmul", default="auto", choices=("auto", "torch", "onednn"),
-                        help="TurnRL's sampler's products on CPU (rollout.matmul; default auto)")
+                        help="TurnRL's sampler's products on CPU (sampler.matmul; default auto)")
     parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="TurnRL's update precision (optim.compute_dtype; default float32)")
     parser.add_argument("--trl-bf16", action="store_true",

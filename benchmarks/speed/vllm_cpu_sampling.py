@@ -108,7 +108,7 @@ def main() -> None:
         times = []
         for version in range(1, args.repeats + 1):
             start = time.perf_counter()
-            engine.update_weights(model.state_dict(), version)
+            engine.load(model.state_dict(), version)
             times.append(time.perf_counter() - start)
         print(f"weight update, {name}: median {statistics.median(times):.2f} s")
     print(harness.machine(load))

@@ -8,7 +8,7 @@ a pool of live episodes whose tool calls take a log-normal latency. This runs th
 - ``swaps, re-read``: a new policy version every ``--swap-every`` seconds, as the learner
   publishes one; the engine drops every kept key/value and re-reads each live episode in full
   at its next turn (the default, exact: later tokens see only the new weights);
-- ``swaps, kept``: the same swaps with ``keep_cache_across_versions`` (``--staleness.keep_kv_cache``:
+- ``swaps, kept``: the same swaps with ``keep_cache_across_versions`` (``--sampler.keep_kv_cache``:
   PipelineRL's in-flight update; later tokens attend to keys/values of older weights).
 
 A version bump stands in for new weights (the cost is the same; the sampled text does not
@@ -43,7 +43,7 @@ def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,
     ``own_threads``: each env on a thread of its own, though the built-in envs are
     cooperative (they share one otherwise)."""
     engine = policy.engine
-    engine.version = 0  # a fresh cache for each way
+    engine.load(None, 0)  # a fresh cache for each way
     engine.keep_cache_across_versions = keep
     engine.max_kept_rows = max(engine.max_kept_rows, pool)
     last_swap = [time.perf_counter()]
@@ -51,7 +51,7 @@ def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,
     def maybe_swap() -> None:  # runs before each generate call, as a worker's weight load does
         if swap_every and time.perf_counter() - last_swap[0] >= swap_every:
             last_swap[0] = time.perf_counter()
-            engine.version += 1
+            engine.load(None, engine.version + 1)
 
     params = SamplingParams(8, 1.0, 1.0, stop_token_ids=(policy.chat.end_of_turn,))
 

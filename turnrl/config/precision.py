@@ -1,5 +1,5 @@
 """What this machine can sample in: native bf16 read from the CPU at run time (never assumed),
-and the CTranslate2 compute types (``rollout.engine ct2``), checked at start-up.
+and the CTranslate2 compute types (``rollout.sampler ct2``), checked at start-up.
 
 In the config layer so that the start-up checks (``checks.check_sampler``) can use them; the
 engine (``turnrl.samplers.ct2``) re-exports them.
@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-MISSING_CT2 = ("rollout.engine ct2 needs CTranslate2: pip install 'turnrl[ct2]' "
+MISSING_CT2 = ("rollout.sampler ct2 needs CTranslate2: pip install 'turnrl[ct2]' "
                "(or pip install ctranslate2)")
-MISSING_CT2_WORKERS = MISSING_CT2.replace("rollout.engine", "ray.engine", 1)
-"""The same line for async rollout workers (``ray.engine ct2``)."""
 CT2_DTYPES = ("int8", "int8_float32", "float32", "bfloat16")
-"""``rollout.engine_dtype`` values the ct2 engine takes (besides ``auto``), as CTranslate2
+"""``rollout.sampler_dtype`` values the ct2 engine takes (besides ``auto``), as CTranslate2
 names its compute types."""
 DEFAULT_CT2_DTYPE = "int8"
-"""``rollout.engine_dtype auto``: int8 weights everywhere; never bf16, which is only used when
+"""``rollout.sampler_dtype auto``: int8 weights everywhere; never bf16, which is only used when
 asked for and the CPU has it."""
 
 
@@ -52,9 +50,8 @@ def load_ctranslate2() -> Any:
     return ctranslate2
 
 
-def resolve_ct2_dtype(requested: str, key: str = "rollout.engine_dtype") -> str:
-    """The compute type for ``requested`` (the value of ``key``: ``rollout.engine_dtype``, or
-    ``ray.engine_dtype`` for async workers): ``auto`` is int8; a type this CPU or CTranslate2
+def resolve_ct2_dtype(requested: str, key: str = "rollout.sampler_dtype") -> str:
+    """The compute type for ``requested`` (the value of ``key``): ``auto`` is int8; a type this CPU or CTranslate2
     build lacks fails here, at start-up, in one line."""
     if requested == "auto":
         return DEFAULT_CT2_DTYPE

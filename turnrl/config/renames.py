@@ -31,12 +31,24 @@ MOVED: dict[str, str] = {
     "staleness.pool_memory_fraction": "pool.memory_fraction",
     # one switch picks the rollout source for turnrl train and train_agent alike
     "serve.train_mode": "run.mode",
+    # one key chooses the sampler in every mode; the rest tune it (the sampler section)
+    "rollout.engine": "rollout.sampler",
+    "rollout.engine_dtype": "rollout.sampler_dtype",
+    "rollout.matmul": "sampler.matmul",
+    "rollout.reuse_cache": "sampler.reuse_cache",
+    "ray.gpu_memory_utilization": "sampler.gpu_memory_utilization",
+    "staleness.keep_kv_cache": "sampler.keep_kv_cache",
 }
 """Old dotted key -> its new one."""
 
 OLD_VALUE_WINS = {"serve.train_mode": "sync"}
 """Old keys whose stored value overrides the new key's unless it is this default (a served
 run trained in async mode was stored with ``run.mode: sync`` beside ``train_mode: async``)."""
+
+WORKER_SAMPLER: dict[str, str] = {"ray.engine": "rollout.sampler",
+                                  "ray.engine_dtype": "rollout.sampler_dtype"}
+"""Async workers' old sampler keys: a stored async run's values become the one key's (a sync
+run never read them, so its ``rollout.*`` values stay)."""
 
 REMOVED_SECTIONS = ("credit",)
 """Sections whose every key moved (a stored config may hold them whole)."""
@@ -46,7 +58,7 @@ def moved_key_error(key: str) -> ConfigError | None:
     """The one-line error for an old key (``critic.gamma``, ``critic.scale.x``), else None."""
     section, _, rest = key.partition(".")
     name = rest.split(".")[0]
-    new = MOVED.get(f"{section}.{name}")
+    new = MOVED.get(f"{section}.{name}") or WORKER_SAMPLER.get(f"{section}.{name}")
     if new is None:
         return None
     return ConfigError(f"config key '{section}.{name}' moved to '{new}'; write --{new} "
@@ -82,7 +94,27 @@ def translate_stored(data: Any) -> Any:
             target.setdefault(new_name, value)
             if old in OLD_VALUE_WINS and value != OLD_VALUE_WINS[old]:
                 target[new_name] = value
+    _worker_sampler(out)
     for section in REMOVED_SECTIONS:
         if out.get(section) == {}:
             del out[section]
     return out
+
+
+def _worker_sampler(out: dict) -> None:
+    """``ray.engine`` and ``ray.engine_dtype`` popped from ``out``; in an async run whose
+    workers sampled with vllm or ct2 their values replace ``rollout.sampler`` and its dtype
+    (ray.engine hf workers sampled with rollout.engine's HF engine, in rollout.engine_dtype)."""
+    run, ray = out.get("run"), out.get("ray")
+    workers = ray.get("engine", "hf") if isinstance(ray, dict) else "hf"
+    replaces = isinstance(run, dict) and run.get("mode") == "async" and workers != "hf"
+    for old, new in WORKER_SAMPLER.items():
+        old_section, old_name = old.split(".")
+        values = out.get(old_section)
+        if not isinstance(values, dict) or old_name not in values:
+            continue
+        value = values.pop(old_name)
+        new_section, new_name = new.split(".")
+        target = out.setdefault(new_section, {})
+        if replaces and isinstance(target, dict):
+            target[new_name] = value

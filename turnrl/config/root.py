@@ -18,6 +18,7 @@ from turnrl.config.core import (
 from turnrl.config.critic import CriticConfig
 from turnrl.config.distill import DistillConfig
 from turnrl.config.explore import ExploreConfig
+from turnrl.config.sampler import SamplerConfig
 from turnrl.config.serve import ServeConfig
 from turnrl.config.sft import SftConfig
 from turnrl.config.types import type_hints
@@ -30,7 +31,9 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     """the environment and its constructor options"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """episode collection: group sizes, turns, sampling"""
+    """episode collection: group sizes, turns, sampling, the sampler"""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    """options of the sampler rollout.sampler chose: its caches, matrix products, GPU share"""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """the RL objective: estimator, clipping, KL, entropy"""
     critic: CriticConfig = field(default_factory=CriticConfig)

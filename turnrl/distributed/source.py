@@ -56,7 +56,7 @@ from turnrl.distributed.sizing import (
 from turnrl.distributed.workers import spawn_workers, worker_needs, worker_pool_size
 from turnrl.envs import ENVS
 from turnrl.metrics import truncate_metrics
-from turnrl.policy import group_seed
+from turnrl.policy import group_seed, publish
 from turnrl.rollout.loop import Group
 from turnrl.selfplay.pool import pool_after_offer
 from turnrl.trainer.bookkeeping import TrainResult
@@ -164,10 +164,10 @@ class RaySource(SourceDefaults):
         self.ledger = open(ledger_path, "a")  # noqa: SIM115 - closed by close()
         # a resumed run's opponent pool (pool_state.py), read before any worker starts
         saved_pool = saved_members(run) if self.pool_versions is not None else None
-        if cfg.ray.engine == "ct2":  # before any worker starts: one line, not an actor error
+        if cfg.rollout.sampler == "ct2":  # before any worker starts: one line, not an actor error
             from turnrl.samplers.ct2 import check_architecture
 
-            check_architecture(run.learner.model.config, "ray.engine")
+            check_architecture(run.learner.model.config, "rollout.sampler")
         device = next(run.learner.model.parameters()).device
         # The learner's seat first: its GPU is then taken before a worker could be put on it.
         self.seat = LearnerSeat.take(cfg, device.type == "cuda", device.index or 0)
@@ -213,9 +213,8 @@ class RaySource(SourceDefaults):
     # ---- the RolloutSource methods -------------------------------------------------------------
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
-        engine = self.run.policy.engine if self.run is not None else None
-        if self.guidance is not None and hasattr(engine, "update_weights"):
-            engine.update_weights(model.state_dict(), version)  # hinted play samples there
+        if self.run is not None:  # the learner's own engine: evaluation, hinted play
+            publish(self.run.policy.engine, model, version)
         if not self.kv_bytes_per_token and hasattr(model, "config"):
             element = next(model.parameters()).element_size()
             self.kv_bytes_per_token = kv_bytes_per_token(model.config, element)

@@ -8,7 +8,7 @@ of its own, not torch's default group, so it can be dropped and formed again in 
 Backend: NCCL when the learner and every worker hold their weights on a CUDA GPU, each on its
 own (NCCL takes one rank per GPU; two members on one GPU are refused in one line). A version
 then goes GPU to GPU and stays on the worker's GPU: the HF engine copies it into its model, the
-vLLM engine hands it to vLLM's worker process through CUDA IPC (``VLLMEngine.update_weights``).
+vLLM engine hands it to vLLM's worker process through CUDA IPC (``VLLMEngine.load``).
 Otherwise gloo, through host memory (the CPU path the tests run).
 
 A version is the published state (``published_state``: LoRA = the adapter alone, tied

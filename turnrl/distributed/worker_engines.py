@@ -77,10 +77,11 @@ def worker_env_factory(cfg: Config, pool: OpponentPool | None = None) -> Callabl
     return make
 
 
-def engine_dtype(cfg: Config) -> str:
-    """The rollout engine's dtype: ``ray.engine_dtype``, where 'auto' is bfloat16 on GPUs
+def vllm_dtype(cfg: Config) -> str:
+    """A vLLM worker's dtype: ``rollout.sampler_dtype``, where 'auto' is bfloat16 on GPUs
     (FlashAttention needs 16-bit weights) whatever the learner trains in."""
-    return "bfloat16" if cfg.ray.engine_dtype == "auto" else cfg.ray.engine_dtype
+    dtype = cfg.rollout.sampler_dtype
+    return "bfloat16" if dtype == "auto" else dtype
 
 
 def sampling_seed(run_seed: int, worker: int) -> int:
@@ -101,7 +102,7 @@ def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
     model, built in code, is first saved from ``policy`` to a temporary directory, removed
     with the engine (``model_dir_cleanup``: at its collection, the worker's ``stop`` or the
     process's exit; turnrl/samplers/model_dirs.py). The learner's weights then arrive through
-    ``update_weights`` (vLLM's own loader, in place). The sampling seed is the worker's, as
+    ``load`` (vLLM's own loader, in place). The sampling seed is the worker's, as
     for the HF engine; vLLM draws other random numbers than it does.
     """
     from turnrl.samplers.vllm import VLLMEngine
@@ -111,8 +112,8 @@ def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
         path = save_model_dir(str(index), partial(_save_tiny_model, policy))
     try:
         engine = VLLMEngine(path, seed=sampling_seed(cfg.run.seed, index),
-                            dtype=engine_dtype(cfg),
-                            gpu_memory_utilization=cfg.ray.gpu_memory_utilization,
+                            dtype=vllm_dtype(cfg), version=-1,
+                            gpu_memory_utilization=cfg.sampler.gpu_memory_utilization,
                             max_model_len=policy.max_context,
                             lora_config=vllm_lora_config(cfg.model.lora_plan()))
     except BaseException:
@@ -130,13 +131,13 @@ def _save_tiny_model(policy: Player, path: Path) -> None:
 
 
 def ct2_engine(cfg: Config, model: torch.nn.Module, index: int) -> tuple[Any, Any]:
-    """Worker ``index``'s ``CT2Engine`` (``ray.engine_dtype``, the worker's sampling seed and
+    """Worker ``index``'s ``CT2Engine`` (``rollout.sampler_dtype``, the worker's sampling seed and
     torch threads) and the ``BackgroundRefresh`` that converts each version sent to it."""
     from turnrl.samplers.ct2 import CT2Engine
     from turnrl.samplers.ct2_refresh import BackgroundRefresh
 
-    engine = CT2Engine(model, compute_type=cfg.ray.engine_dtype,
-                       seed=sampling_seed(cfg.run.seed, index))
+    engine = CT2Engine(model, compute_type=cfg.rollout.sampler_dtype,
+                       seed=sampling_seed(cfg.run.seed, index), version=-1)
     return engine, BackgroundRefresh(engine, cfg.rollout.temperature, fetched_state,
                                      name=f"ct2-refresh-{index}")
 

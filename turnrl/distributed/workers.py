@@ -28,17 +28,17 @@ back in lock-step with the update, which is exactly what the asynchronous traine
 The price is one model's memory per worker and one object-store transfer per version a
 worker actually loads.
 
-On GPUs (``ray.engine: vllm``, ``ray.worker_gpus`` > 0) the worker samples with a
+On GPUs (``rollout.sampler: vllm``, ``ray.worker_gpus`` > 0) the worker samples with a
 ``VLLMEngine`` on the GPU Ray assigned it, and a version is loaded by vLLM's own weight loader,
-in place (``VLLMEngine.update_weights``, which also drops its prefix cache unless
-``staleness.keep_kv_cache``); the learner's
+in place (``VLLMEngine.load``, which also drops its prefix cache unless
+``sampler.keep_kv_cache``); the learner's
 state dict travels through the object store, or with ``ray.weight_sync: broadcast`` through a
 torch.distributed group (``join_weight_group``, ``receive_weights``; weight_sync.py): over
 NCCL it stays on the GPU and vLLM reads it through CUDA IPC. Not run here: the development
 machine has no GPU (``tests/test_async_vllm_gpu.py`` and ``tests/test_weight_broadcast_gpu.py``
 skip without one).
 
-On CPUs, ``ray.engine: ct2`` samples with a ``CT2Engine`` (CTranslate2, int8 by default), and
+On CPUs, ``rollout.sampler: ct2`` samples with a ``CT2Engine`` (CTranslate2, int8 by default), and
 a version is converted by a thread of the worker's own while the engine keeps sampling with
 the previous one (``turnrl/samplers/ct2_refresh.py``): ``set_weights`` offers it, and the swap
 happens right before a generate call, so each call's tokens carry the version that sampled
@@ -79,10 +79,10 @@ from turnrl.distributed.weight_sync import (
 from turnrl.distributed.worker_engines import (  # noqa: F401 - re-exported (tests, fleet)
     Player,
     ct2_engine,
-    engine_dtype,
     fetched_state,
     load_player,
     sampling_seed,
+    vllm_dtype,
     vllm_engine,
     with_tied_weights,
     without_tied_weights,
@@ -94,7 +94,8 @@ from turnrl.lora import load_published, published_state
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy
 from turnrl.rollout.loop import Group, TurnLoop, run_sync
-from turnrl.samplers.base import SamplingParams, describe_sampler
+from turnrl.samplers.base import SamplingParams
+from turnrl.samplers.chooser import sampler_line
 from turnrl.selfplay.opponents import FrozenPolicy
 from turnrl.selfplay.pool import OpponentPool
 
@@ -154,26 +155,27 @@ class RolloutWorker:
             ENVS[cfg.env.name] = env_factory
         self.refresh: Any = None
         """ct2: the ``BackgroundRefresh`` converting each version while the engine samples."""
-        if cfg.ray.engine == "vllm":
+        if cfg.rollout.sampler == "vllm":
             # vLLM holds the weights on the GPU: no CPU copy of the model, only what plays it.
             policy = load_player(cfg)
             self.model, self.engine = None, vllm_engine(cfg, policy, index)
-        elif cfg.ray.engine == "ct2":
+        elif cfg.rollout.sampler == "ct2":
             policy = load_policy(cfg, announce=False)  # the architecture; weights come later
             self.model = None  # no HF model to play: no opponent pool (config checks refuse it)
             self.engine, self.refresh = ct2_engine(cfg, policy.model, index)
         else:
-            policy = load_policy(cfg, announce=False)  # the learner's model, chat, env checks
+            # the learner's model, chat, env checks; its engine: policy.sampler's hf
+            policy = load_policy(cfg, announce=False, who=f"rollout worker {index}")
             self.model, self.engine = policy.model, policy.engine
-            self.engine.reuse_cache = cfg.rollout.reuse_cache
             if pool_size is not None:
                 # Every live episode's cache must survive until its next turn: a smaller bound
                 # evicts rows the pool still needs and re-prefills them (7.8 vs 15.3 ms a row).
                 self.engine.max_kept_rows = max(self.engine.max_kept_rows, pool_size)
             self.engine.generator.manual_seed(sampling_seed(cfg.run.seed, index))
-        self.engine.keep_cache_across_versions = cfg.staleness.keep_kv_cache
-        self.engine.version = -1  # nothing the learner sent yet
-        print(f"{describe_sampler(self.engine)} (rollout worker {index})", flush=True)
+        self.engine.keep_cache_across_versions = cfg.sampler.keep_kv_cache
+        if self.model is not None:  # the HF engine: version -1, nothing the learner sent yet
+            self.engine.load(None, -1)  # (ct2 and vLLM are built at -1)
+        print(sampler_line(self.engine, f"rollout worker {index}"), flush=True)
         self._weights_lock = threading.Lock()
         self._loading = threading.Lock()
         self._newest: tuple[int, Any] | None = None
@@ -219,11 +221,11 @@ class RolloutWorker:
             return
         state = fetched_state(state)  # fetched only now, and only the newest
         if self.model is None:  # vLLM: its own loader, in place
-            self.engine.update_weights(state, version, share_cuda=True)
+            self.engine.load(state, version, share_cuda=True)
             return
         with self._loading:
             load_published(self.model, state)  # LoRA: the adapter alone
-            self.engine.version = version  # also invalidates the engine's KV cache
+            self.engine.load(None, version)  # its tensors changed: stale caches dropped
 
     # ---- actor methods -------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,16 +27,50 @@ class Completion:
     finish_reason: str = "length"  # "stop" or "length"
 
 
-class Engine(Protocol):
+Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+"""A state dict or ``(name, tensor)`` pairs (Hugging Face names)."""
+
+
+class Sampler(Protocol):
+    """What every engine does. New weights arrive only through ``load`` (``version`` is a
+    plain attribute: reading it has no effect, and nothing happens when it is set)."""
+
     version: int
-    """Policy version of the weights the engine samples with (bumped by each update)."""
+    """Policy version of the weights the engine samples with (set by ``load``)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         """Continue every prompt once, all in one batch."""
         ...
 
-    # Optional: ``release(sequences)`` forgets any cache kept for sequences that will not be
-    # continued (ended episodes); the continuous turn loop calls it when an engine has it.
+    def load(self, weights: Weights | None, version: int) -> None:
+        """Sample with ``weights`` as ``version`` from now on. ``None``: the tensors the engine
+        holds changed in place (the HF engine on the learner's own model); caches of the old
+        weights are dropped (unless the engine keeps them on purpose)."""
+        ...
+
+    def release(self, sequences: Sequence[Sequence[int]]) -> None:
+        """Forget any cache kept for ``sequences``, which will not be continued (ended
+        episodes); an engine that keeps none does nothing."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds beyond Python's reach (files, threads, GPU memory)."""
+        ...
+
+
+Engine = Sampler
+"""The older name of the protocol."""
+
+
+@torch.no_grad()
+def copy_named(model: torch.nn.Module, weights: Weights) -> None:
+    """Copy ``weights`` into ``model``'s tensors of the same names, in place (converting the
+    dtype); a name the model lacks is an error, not a silently dropped tensor."""
+    own = model.state_dict()
+    for name, tensor in (weights.items() if isinstance(weights, Mapping) else weights):
+        if name not in own:
+            raise KeyError(f"load: the sampler has no tensor {name!r}")
+        own[name].copy_(tensor.detach())
 
 
 def describe_sampler(engine: object) -> str:

@@ -21,7 +21,7 @@ from turnrl.config.precision import cpu_has_bf16
 class SamplerEntry:
     name: str
     selected_by: str
-    """The options that pick it (sync mode; async workers: ``ray.engine`` likewise)."""
+    """The options that pick it (``rollout.sampler``, in sync and async mode alike)."""
     devices: str
     refresh: str
     """How a new policy version reaches it."""
@@ -57,22 +57,22 @@ def _always() -> str | None:
 
 
 SAMPLERS = [
-    SamplerEntry("hf (transformers' pass)", "rollout.engine hf, rollout.matmul torch",
+    SamplerEntry("hf (transformers' pass)", "rollout.sampler hf, sampler.matmul torch",
                  "cpu, cuda", "none: samples the learner's own tensors", _always),
-    SamplerEntry("hf (lean pass)", "rollout.engine hf, rollout.matmul onednn|auto",
+    SamplerEntry("hf (lean pass)", "rollout.sampler hf, sampler.matmul onednn|auto",
                  "cpu", "packed copies rebuilt on a new version",
                  _no_onednn),
     SamplerEntry("hf (PackedLinear tree)", "as the lean pass, for models it refuses (LoRA)",
                  "cpu", "packed copies rebuilt on a new version", _no_onednn),
-    SamplerEntry("hf on a bf16 copy", "rollout.engine_dtype bfloat16", "cpu (native bf16), cuda",
+    SamplerEntry("hf on a bf16 copy", "rollout.sampler_dtype bfloat16", "cpu (native bf16), cuda",
                  "tensor copy in place", lambda: _no_bf16() if not torch.cuda.is_available()
                  else None),
-    SamplerEntry("ct2", "rollout.engine ct2 (rollout.engine_dtype int8|...)", "cpu",
+    SamplerEntry("ct2", "rollout.sampler ct2 (rollout.sampler_dtype int8|...)", "cpu",
                  "re-conversion (async workers: in a background thread)",
                  _missing("ctranslate2", "ct2")),
-    SamplerEntry("vllm", "rollout.engine vllm (async: ray.engine vllm)", "cuda",
-                 "weights loaded in place (update_weights)", _no_vllm),
-    SamplerEntry("auto", "rollout.engine auto", "cpu",
+    SamplerEntry("vllm", "rollout.sampler vllm", "cuda",
+                 "weights loaded in place (load)", _no_vllm),
+    SamplerEntry("auto", "rollout.sampler auto (sync)", "cpu",
                  "the chosen one's", _always),
 ]
 """Every sampler, in the order ``turnrl samplers`` prints them."""

@@ -1,4 +1,4 @@
-"""``rollout.engine auto``: the sampler picked at start-up by timing each candidate here.
+"""``rollout.sampler auto``: the sampler picked at start-up by timing each candidate here.
 
 Which sampler is fastest depends on the machine (int8 GEMMs, native bf16, memory bandwidth,
 core count), the model and the batch: CTranslate2 int8 decodes ~2.5x faster than fp32 torch
@@ -7,7 +7,7 @@ engine keeps its keys and values. So the candidates are timed on the run's own s
 of ``group_size x groups_per_step`` rows, one turn and then a second that continues every row
 (what a multi-turn episode does).
 
-A lock-step step also pays one weight refresh (``update_weights`` after the update): a ct2
+A lock-step step also pays one weight refresh (``load`` after the update): a ct2
 re-conversion, a bf16 copy's tensor copy, nothing for the HF engine on the learner's own
 tensors. So each round also times one refresh with the model's own weights, and the choice
 compares what a step costs: the sampling time scaled to a step's work plus one refresh
@@ -62,7 +62,7 @@ def probe_shape(rows: int, max_new_tokens: int) -> Shape:
 def step_seconds(sample_s: float, refresh_s: float, probe: Shape, step: Shape) -> float:
     """Estimated seconds a lock-step step spends on its sampler: ``sample_s`` (the probe's
     two turns) scaled by the step's rows, turns and new tokens over the probe's, plus one
-    ``refresh_s`` (the ``update_weights`` every step pays after its update).
+    ``refresh_s`` (the ``load`` every step pays after its update).
 
     The estimate is linear in each factor. It over-counts the work: it assumes every
     episode runs all ``rollout.max_turns`` turns and every reply reaches
@@ -114,7 +114,7 @@ def timed(action: Callable[[], object]) -> float:
 @dataclass
 class Timings:
     """Each candidate's probe times: ``sample_s`` (two turns) and ``refresh_s`` (one
-    ``update_weights``), one entry per round."""
+    ``load``), one entry per round."""
 
     sample_s: dict[str, list[float]]
     refresh_s: dict[str, list[float]]
@@ -158,5 +158,5 @@ def describe(chosen: str, timings: Timings, probe: Shape, step: Shape) -> str:
         parts.append(f"{name} {step_s[name]:.2f} s = {step_s[name] - refresh_s:.2f} "
                      f"+ {refresh_s:.2f}")
     rounds = len(next(iter(timings.sample_s.values())))
-    return (f"rollout.engine auto: {chosen} (a step = sampling {step} + one weight refresh, "
+    return (f"rollout.sampler auto: {chosen} (a step = sampling {step} + one weight refresh, "
             f"from medians of {rounds} rounds of {probe}: {', '.join(parts)})")

@@ -1,5 +1,5 @@
 """``HFCopyEngine``: the HF engine on its own copy of the learner in a lower precision
-(``rollout.engine hf --rollout.engine_dtype bfloat16``, on a CPU with native bf16)."""
+(``--rollout.sampler hf --rollout.sampler_dtype bfloat16``, on a CPU with native bf16)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from turnrl.samplers.hf import HFEngine
 
 class HFCopyEngine(HFEngine):
     """``HFEngine`` on its own copy of the learner in another dtype (bfloat16 on a CPU with
-    native bf16: fewer bytes read per decoded token), refreshed by ``update_weights``.
+    native bf16: fewer bytes read per decoded token), refreshed by ``load``.
 
     The learner keeps its dtype; the sampler's log-probs are the copy's, and the mismatch/*
     metrics measure the difference (docs/mismatch.md). A refresh copies every tensor in
@@ -26,14 +26,10 @@ class HFCopyEngine(HFEngine):
         # weights' version counters, so they repack
         super().__init__(sampler, pad_token_id, **kwargs)
 
-    @torch.no_grad()
-    def update_weights(self, weights, version: int) -> None:
+    def load(self, weights, version: int = 0) -> None:
         """Copy the learner's tensors (a state dict or ``(name, tensor)`` pairs) into the
-        sampler's, then adopt ``version`` (which drops the kept keys and values)."""
-        own = self.model.state_dict()
-        pairs = weights.items() if isinstance(weights, dict) else weights
-        for name, tensor in pairs:
-            if name not in own:
-                raise KeyError(f"update_weights: the sampler has no tensor {name!r}")
-            own[name].copy_(tensor.detach())
-        self.version = version
+        copy's, then sample as ``version`` (which drops the kept keys and values)."""
+        if weights is None:
+            raise ValueError("load: a copy of the learner samples from its own tensors; "
+                             "give it the learner's weights (turnrl.policy.publish does)")
+        super().load(weights, version)

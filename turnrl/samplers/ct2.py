@@ -7,7 +7,7 @@ against ``HFEngine`` and docs/samplers.md says when to use which.
 
 Choices:
 
-- Weights. ``update_weights`` converts the learner's tensors in process: the model's class is
+- Weights. ``load`` converts the learner's tensors in process: the model's class is
   built empty (on the meta device) around them, CTranslate2's own Transformers loader turns
   it into a model spec (fusing q/k/v, its own layout), the spec is quantised and saved to a
   folder in ``/dev/shm`` (memory, not disk) and a new ``ctranslate2.Generator`` loads it. The
@@ -77,10 +77,10 @@ def _loaders() -> dict[str, Any]:
     return _MODEL_LOADERS
 
 
-def check_architecture(config: Any, key: str = "rollout.engine") -> None:
+def check_architecture(config: Any, key: str = "rollout.sampler") -> None:
     """Fail in one line unless CTranslate2 converts the model's configuration to a decoder-only
     language model (it also converts encoders and encoder-decoders, which cannot sample
-    here). ``key`` names the option that asked for ct2 (``ray.engine`` for async workers)."""
+    here). ``key`` names the option that asked for ct2."""
     load_ctranslate2()
     name = type(config).__name__
     loader = _loaders().get(name)
@@ -169,7 +169,7 @@ class CT2Engine:
     the ``Engine`` protocol (see the module docstring for the choices).
 
     ``model`` gives the architecture and the first weights (its tensors, converted on first
-    use; later versions come through ``update_weights``). ``compute_type`` is CTranslate2's (``int8``, ``int8_float32``,
+    use; later versions come through ``load``). ``compute_type`` is CTranslate2's (``int8``, ``int8_float32``,
     ``float32``, ``bfloat16`` where the CPU has it); ``threads`` defaults to torch's count.
     """
 
@@ -193,7 +193,10 @@ class CT2Engine:
         """What samples, for the ``sampler:`` start-up line."""
         return f"ct2 {self.compute_type} on cpu ({self.threads} threads)"
 
-    def update_weights(self, weights: WeightsLike, version: int) -> None:
+    def release(self, sequences: Sequence[Sequence[int]]) -> None:
+        """Nothing to forget: CTranslate2 keeps no keys or values between calls."""
+
+    def load(self, weights: WeightsLike, version: int) -> None:
         """Adopt the learner's weights (a state dict or ``(name, tensor)`` pairs) as
         ``version``: the temperature sampled last is converted now, others on first use
         (before any sampling, nothing is: a run publishes its first weights right after

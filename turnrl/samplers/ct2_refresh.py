@@ -1,5 +1,5 @@
 """Weight refresh off the sampling path: a ``CT2Engine`` keeps sampling with the model it has
-while a thread of its own converts the next version (async rollout workers, ``ray.engine ct2``).
+while a thread of its own converts the next version (async rollout workers, ``rollout.sampler ct2``).
 
 In lock-step the conversion (~0.9 s for SmolLM2 int8 on an idle machine) sits between the
 update and the next collection, and costs more than int8 sampling saves. An async worker

@@ -12,7 +12,7 @@ and values outlive the call, *per sequence*: a later call prefills only what is 
   not touch stay for later calls. At most ``max_kept_rows`` sequences are kept (or the last
   call's rows, if more: those are never evicted), least recently written evicted first, so
   ended episodes cannot pile up.
-- A version bump (new weights) drops every kept sequence: their keys and values are stale.
+- ``load`` (new weights) drops every kept sequence: their keys and values are stale.
   With ``keep_cache_across_versions`` they are kept instead, and later tokens are sampled by
   the new weights attending to keys and values the old ones computed (PipelineRL's in-flight
   weight update: Piché et al. 2025, arXiv:2509.19128, Fig. 7: negligible off-policyness). The
@@ -38,7 +38,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
 from turnrl.models import cache_kwargs
-from turnrl.samplers.base import Completion, SamplingParams, sample_tokens
+from turnrl.samplers.base import Completion, SamplingParams, copy_named, sample_tokens
 from turnrl.samplers.lean import LeanDecoder, onednn_decoder, unpack
 from turnrl.samplers.masks import AS_GIVEN, MaskPlan, mask_plan, prefill_mask
 from turnrl.samplers.onednn import resolve_matmul
@@ -303,26 +303,24 @@ class HFEngine:
         self.pad_token_id, self.reuse_cache = pad_token_id, reuse_cache
         self.max_kept_rows, self.share_prompts, self.compact = max_kept_rows, share_prompts, compact
         self.keep_cache_across_versions = keep_cache_across_versions
-        self._version, self._kept = 0, _KeptRows(0)
+        self.version, self._loaded, self._kept = 0, 0, _KeptRows(0)
         self.generator = torch.Generator(model.device).manual_seed(seed)
 
     def describe(self) -> str:
         """What samples, for the ``sampler:`` start-up line: engine, dtype, forward pass."""
         return f"hf {str(self.model.dtype)[6:]} on {self.model.device.type} ({self.forward_pass})"
 
-    @property
-    def version(self) -> int:
-        return self._version
+    def load(self, weights=None, version: int = 0) -> None:
+        """Sample as ``version``: ``weights`` copied into the model in place (None: the
+        model's own tensors changed, an update or a checkpoint load); stale keys dropped."""
+        copy_named(self.model, weights or {})
+        self.version = self._loaded = version
+        unpack(self.decoder)  # new weights: the packed copies are stale (none: a no-op)
+        self._kept = self._kept if self.keep_cache_across_versions else _KeptRows(version)
+        self._kept.version = version
 
-    @version.setter
-    def version(self, value: int) -> None:
-        self._version = value
-        if self.decoder is not self.model:
-            unpack(self.decoder)  # new weights: the packed copies are stale
-        if self.keep_cache_across_versions:
-            self._kept.version = value  # stale keys and values, kept on purpose
-        else:
-            self._kept = _KeptRows(value)  # new weights: the cached keys and values are stale
+    def close(self) -> None:
+        self._kept = _KeptRows(self.version)  # the keys and values; the model is the caller's
 
     def release(self, sequences: Sequence[Sequence[int]]) -> None:
         """Forget the kept keys/values of sequences that will never be continued (ended
@@ -368,8 +366,10 @@ class HFEngine:
                   on_step: StepHook | None = None,
                   generators: Sequence[torch.Generator | None] | None = None
                   ) -> list[Completion]:
-        if self._kept.version != self._version or not self.reuse_cache:
-            self._kept = _KeptRows(self._version)
+        if self.version != self._loaded:  # assigned, not loaded: load it now
+            self.load(None, self.version)
+        if self._kept.version != self.version or not self.reuse_cache:
+            self._kept = _KeptRows(self.version)
         if self.share_prompts:
             unique, index = _unique(prompts)
         else:

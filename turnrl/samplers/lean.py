@@ -1,4 +1,4 @@
-"""A lean forward pass for sampling Llama-shaped decoders on CPU (``rollout.matmul onednn``).
+"""A lean forward pass for sampling Llama-shaped decoders on CPU (``sampler.matmul onednn``).
 
 Why: a decode step at a few rows is short arithmetic spread over many small calls. On SmolLM2
 (30 layers, 4 rows, 2 cores) a step took about 45 ms, of which about 24 ms were the products
@@ -242,7 +242,7 @@ is far below these (tests/test_lean.py), a wrong formula (rotary, norm) far abov
 
 
 def onednn_decoder(model: nn.Module) -> tuple[LeanDecoder | nn.Module, str]:
-    """The engine's decoder for ``rollout.matmul onednn`` and its name for the start-up line:
+    """The engine's decoder for ``sampler.matmul onednn`` and its name for the start-up line:
     the lean pass where it runs the model and passes its self-check, else the
     ``PackedLinear`` tree (onednn.py), named with why the lean pass did not run."""
     why = lean_unusable(model)

@@ -1,4 +1,4 @@
-"""Decoding on CPU through oneDNN's packed matrix products (``rollout.matmul``, issue 36).
+"""Decoding on CPU through oneDNN's packed matrix products (``sampler.matmul``, issue 36).
 
 Why: a decode step multiplies a few rows by every weight matrix, so it is bound by reading
 the weights. torch's ``linear`` on CPU read them at 6-19 GB/s on the 2-core test machine
@@ -11,7 +11,7 @@ What: ``packed_decoder(model)`` is a second module tree over the *same* tensors 
 every ``nn.Linear`` is a ``PackedLinear``. A ``PackedLinear`` packs its weight at its first
 call and again after ``unpack(decoder)`` (weights that take a gradient), which the HF engine
 calls whenever its version is set (every new version of the weights sets it:
-``policy.refresh_sampler``), so the first
+``policy.publish``), so the first
 generate after an update repacks (0.14-0.26 s for SmolLM2's 135M float32 parameters on 2
 cores). It also repacks when the weight's storage or version counter moved; the counter alone
 is not enough: fused AdamW writes the weights without bumping it. The learner's modules are
@@ -162,7 +162,7 @@ def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache
 
 
 def resolve_matmul(requested: str, model: torch.nn.Module) -> str:
-    """``rollout.matmul`` for the engine on ``model``: ``torch`` or ``onednn``. ``auto`` is
+    """``sampler.matmul`` for the engine on ``model``: ``torch`` or ``onednn``. ``auto`` is
     onednn where it is usable, the weights do not fit in the CPU's largest cache (where they
     do, a decode step is not bound by reading them and the packed products' overhead lost:
     the tiny test model, 0.6 MB, sampled 1.5x slower) and the packed copy fits in half the
@@ -172,7 +172,7 @@ def resolve_matmul(requested: str, model: torch.nn.Module) -> str:
     reason = onednn_unusable(model)
     if requested == "onednn":
         if reason:
-            raise ConfigError(f"rollout.matmul onednn: {reason}; use --rollout.matmul torch")
+            raise ConfigError(f"sampler.matmul onednn: {reason}; use --sampler.matmul torch")
         return "onednn"
     weights, cache, available = (linear_weight_bytes(model), last_level_cache_bytes(),
                                  available_memory_bytes())

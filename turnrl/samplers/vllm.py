@@ -20,7 +20,7 @@ Choices (and where they depart from vLLM's defaults):
   ``HFEngine``; the stop token is part of the completion. Model-file sampling defaults
   (``generation_config.json``) are ignored (``generation_config="vllm"``).
 - Token ids only: ``skip_tokenizer_init=True`` and ``detokenize=False``.
-- Weight updates. ``update_weights`` writes the learner's tensors to one safetensors file
+- Weight updates. ``load`` writes the learner's tensors to one safetensors file
   (in ``/dev/shm`` where it exists: memory, not disk) and asks every vLLM worker, through
   ``LLM.collective_rpc``, to run ``TurnRLWorkerExtension.turnrl_load_weights(path)``: the
   model's own ``load_weights`` (which maps Hugging Face names onto vLLM's fused layers, e.g.
@@ -35,7 +35,7 @@ Choices (and where they depart from vLLM's defaults):
   They are bytes pickled by torch; only the process that owns the engine sends them.
 - LoRA (``lora_config``, a PEFT ``adapter_config.json`` dict; ``turnrl.lora.vllm_lora_config``,
   its target modules read off the tensors' names): the engine is built with
-  ``enable_lora`` and the base model's weights stay as loaded; ``update_weights`` then takes the
+  ``enable_lora`` and the base model's weights stay as loaded; ``load`` then takes the
   adapter's tensors (PEFT names), writes them with the config as a PEFT adapter directory and
   samples with a ``LoRARequest`` of a new id per version (vLLM's own adapter loader; its prefix
   cache is keyed by adapter, so blocks of an older version are never reused). The previous
@@ -205,7 +205,7 @@ class VLLMEngine:
         self.dtype = dtype
         self.version = version
         self.keep_cache_across_versions = keep_cache_across_versions
-        """Keep the prefix cache across ``update_weights`` (as ``HFEngine``'s flag)."""
+        """Keep the prefix cache across ``load`` (as ``HFEngine``'s flag)."""
         kwargs: dict[str, Any] = {
             "model": os.fspath(model_path),
             "seed": seed,
@@ -276,8 +276,18 @@ class VLLMEngine:
                                     **adapter)
         return [to_completion(out.outputs[0]) for out in outputs]
 
-    def update_weights(self, weights: WeightsLike, version: int, *,
-                       share_cuda: bool = False) -> None:
+    def release(self, sequences: Sequence[Sequence[int]]) -> None:
+        """Nothing to forget here: vLLM's prefix cache evicts on its own."""
+
+    def close(self) -> None:
+        """Drop the engine (its GPU memory goes with the last reference) and its files."""
+        self.llm = None
+        cleanup = getattr(self, "model_dir_cleanup", None)
+        if cleanup is not None:
+            cleanup()
+
+    def load(self, weights: WeightsLike, version: int, *,
+             share_cuda: bool = False) -> None:
         """Copy the learner's weights (a state dict, or ``(name, tensor)`` pairs with Hugging
         Face names) into the vLLM model in place, then adopt ``version``. The prefix cache
         (keys and values of the old weights) is dropped unless ``keep_cache_across_versions``
@@ -290,7 +300,7 @@ class VLLMEngine:
             return
         pairs = with_tied_output(named_tensors(weights), self.tied_embeddings)
         if not pairs:
-            raise ValueError("update_weights got no tensors")
+            raise ValueError("load got no tensors")
         if share_cuda and all(t.is_cuda for _, t in pairs):  # GPU to GPU: no host copy
             self.llm.collective_rpc("turnrl_load_shared_weights", args=(cuda_handles(pairs),))
         else:
@@ -309,7 +319,7 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
 
         if not pairs:
-            raise ValueError("update_weights got no adapter tensors")
+            raise ValueError("load got no adapter tensors")
         old_request, old_dir = self.lora_request, self._adapter_dir
         self._adapter_dir = write_adapter_dir(pairs, self.lora_config or {})
         # Ids must be positive and new per version: vLLM caches an adapter by its id.

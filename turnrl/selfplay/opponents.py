@@ -19,7 +19,7 @@ import torch
 
 from turnrl.envs import Env
 from turnrl.rollout import ChatFormat
-from turnrl.samplers import HFEngine, SamplingParams
+from turnrl.samplers import SamplingParams, chooser
 from turnrl.selfplay.batched_calls import MAX_BATCH, BatchedCalls
 
 
@@ -34,9 +34,12 @@ class FrozenPolicy:
                  max_batch: int = MAX_BATCH) -> None:
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         self.chat, self.params, self.version = chat, params, version
-        self.engine = HFEngine(self.model, chat.tokenizer.pad_token_id, seed=seed + version,
-                               reuse_cache=False)
         self.label = label
+        # the HF engine on its own frozen copy (a pool member must not convert per version);
+        # no cache across calls: the seats' moves interleave
+        self.engine = chooser.build("hf", "auto", self.model, chat.tokenizer.pad_token_id,
+                                    seed=seed + version, reuse_cache=False, announce=True,
+                                    who=f"opponent {self.name}")
         self.moves = BatchedCalls(self._generate, name=f"opponent {self.name}",
                                   max_batch=max_batch)
 

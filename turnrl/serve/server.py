@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from turnrl.config import Config, ServeConfig
-from turnrl.policy import Policy, load_policy, refresh_sampler
+from turnrl.policy import Policy, load_policy, publish
 from turnrl.rollout import ChatFormat
 from turnrl.samplers import Completion, SamplingParams
 from turnrl.serve.batcher import Batcher
@@ -222,5 +222,5 @@ def load_server(cfg: Config) -> Server:
         load_weights(checkpoint, policy.model)  # a LoRA run's: its adapter
         state = json.loads((checkpoint / "state.json").read_text())
         # recorded tokens carry the checkpoint's step; an engine with its own weights reloads
-        refresh_sampler(policy.engine, policy.model, state["step"])
+        publish(policy.engine, policy.model, state["step"])
     return Server.from_policy(policy, cfg)

@@ -35,7 +35,7 @@ import torch
 
 from turnrl.config import Config, ConfigError
 from turnrl.evaluation import EvalResult
-from turnrl.policy import load_policy, refresh_sampler
+from turnrl.policy import load_policy, publish
 from turnrl.registry import ESTIMATORS, estimator_level
 from turnrl.rollout.loop import Group
 from turnrl.serve.agents import Judge, Rollout, evaluate_agent, play_groups, self_judge
@@ -137,7 +137,9 @@ class ServedSource(SourceDefaults):
         """Serve the policy (in async mode its own copy: it samples while the learner
         updates); segments of one recorded episode share its advantage."""
         cfg = self.cfg = run.cfg
-        served = load_policy(cfg) if self.off_policy else run.policy
+        served = load_policy(cfg, who="server") if self.off_policy else run.policy
+        if not self.off_policy:  # one model, one sampler: what it serves is what it trains
+            print("sampler: the learner's own (server)", flush=True)
         self.server = Server.from_policy(served, cfg)
         self.version = self.server.engine.version
         self.running = RunningServer(self.server, cfg.serve.host, cfg.serve.port)
@@ -165,14 +167,14 @@ class ServedSource(SourceDefaults):
                                           self.cfg.serve.api_key, self.success_at))
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
-        """Copy the learner's weights into the served model (between generate calls); an
-        engine with weights of its own (ct2, a bf16 copy, vLLM) reloads them."""
+        """Copy the learner's weights into the served model (between generate calls), then
+        ``publish`` them to its engine (one with weights of its own reloads them)."""
         with self.server.weights_lock, torch.no_grad():
             served = self.server.model
             if served is not model:
                 for mine, theirs in zip(served.parameters(), model.parameters(), strict=True):
                     mine.copy_(theirs)
-            refresh_sampler(self.server.engine, served, version)
+            publish(self.server.engine, served, version)
         self.version = version
 
     def wait_ready(self) -> None:

@@ -342,6 +342,7 @@ class Guidance:
         if not has_reference_player(env, cfg.env.name):
             return []
         scripted = ScriptedEnv(env, cfg.env.name, policy.chat.native_tools)
+        # the reference player's replies, not a model's: no sampler to choose (rollout.sampler)
         engine = PlayerEngine(scripted, policy.chat, policy.engine.version)
         (ep,) = run_sync(run_episodes(
             lambda: scripted, [(seed, group)], engine, policy.chat, policy.params,

@@ -147,7 +147,6 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
                     episodes = source.collect(step)
                 with source.updating():
                     summary, metrics = rl_step(run.learner, episodes, timer)
-                    run.policy.engine.version = step + 1  # tokens from now on: new weights
                 with timer("publish"):
                     source.publish(step + 1, model)
                 metrics.update(source.step_metrics(step, episodes, metrics))

@@ -17,8 +17,7 @@ from turnrl.checkpoint import load_frozen
 from turnrl.config import Config
 from turnrl.envs import Env
 from turnrl.leftovers import watched_run
-from turnrl.lora import published_state
-from turnrl.policy import training_seeds
+from turnrl.policy import publish, training_seeds
 from turnrl.rollout import run_episodes, run_sync
 from turnrl.selfplay.endpoint import EndpointOpponent
 from turnrl.selfplay.opponents import ModelOpponent
@@ -55,11 +54,9 @@ class LocalSource(SourceDefaults):
             restore_pool(self.pool, run)
 
     def publish(self, version: int, model) -> None:
-        """The HF engine samples from the learner's own tensors; another engine (vLLM)
-        reloads them as ``version``."""
-        engine = self.run.policy.engine
-        if hasattr(engine, "update_weights"):
-            engine.update_weights(published_state(model), version)  # LoRA: the adapter
+        """Tokens from now on are ``version``'s: the learner's engine reloads (``publish``:
+        the HF engine where its tensors are, another the published state, LoRA-aware)."""
+        publish(self.run.policy.engine, model, version)
         if isinstance(self.pool, OpponentPool):  # a frozen copy every opponent_pool_every
             self.pool.offer(version, model)
 

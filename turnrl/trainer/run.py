@@ -36,7 +36,7 @@ from turnrl.config import (
 from turnrl.lora import is_lora
 from turnrl.metrics import truncate_metrics
 from turnrl.models import configure_torch
-from turnrl.policy import Policy, load_policy
+from turnrl.policy import Policy, load_policy, publish
 from turnrl.trainer.distill import load_teacher
 from turnrl.trainer.rl_step import Learner
 from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
@@ -148,7 +148,8 @@ def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
     if checkpoint is not None:
         state, rng = load_checkpoint(checkpoint, learner.model, learner.optimizer)
         restore_rng(rng, policy.engine.generator)
-        run.start_step = policy.engine.version = state["step"]
+        run.start_step = state["step"]
+        publish(policy.engine, policy.model, run.start_step)  # the checkpoint's weights
         run.checkpoint_state, run.checkpoint = state, checkpoint
         saved = load_component(checkpoint, "estimator") or load_component(checkpoint, "credit")
         if saved:  # "credit": checkpoints written before estimators had one interface
