@@ -82,3 +82,19 @@ def test_tool_task_example_expert_solves_every_seed():
         result = asyncio.run(play(seed))
         assert result.done and result.info["success"], (seed, result)
         assert result.info["tool_calls"] == 1 and result.info["malformed_calls"] == 0
+
+
+def test_the_recipe_trains_the_same_weights_as_turnrl_train(tmp_path):
+    """examples/recipe.py writes the loop out; it must stay the loop `turnrl train` runs."""
+    args = ["--model.name", "tiny", "--run.steps", "2", "--run.threads", "1", "--eval.episodes",
+            "4", "--run.progress", "false"]
+    for name, command in (("recipe", [str(EXAMPLES / "recipe.py")]),
+                          ("train", ["-m", "turnrl.cli", "train"])):
+        done = subprocess.run([sys.executable, *command, *args, "--run.out_dir",
+                               str(tmp_path / name)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "after 2 steps" in done.stdout
+    weights = [(tmp_path / name / "checkpoints" / "step-000002" / "model.safetensors").read_bytes()
+               for name in ("recipe", "train")]
+    assert weights[0] == weights[1]
+    assert len((EXAMPLES / "recipe.py").read_text().splitlines()) <= 60
