@@ -142,7 +142,7 @@ def test_a_rotary_scaling_that_rescales_is_exact_below_its_range_and_refused_pas
         engine.generate(long, params)
     message = str(refused.value)
     assert f"{kind!r} rotary scaling" in message and "past 24" in message
-    assert "rollout.engine vllm" in message and "\n" not in message
+    assert "rollout.sampler vllm" in message and "\n" not in message
     # What the refusal prevents: kept keys from short calls, rotated at other frequencies.
     engine.masks = dataclasses.replace(engine.masks, rope=None)
     first = engine.generate(long, SamplingParams(2, 1.0))
@@ -164,7 +164,7 @@ def test_recurrent_hybrids_are_refused_at_start_up():
     message = str(refused.value)
     assert message.startswith("HF sampler: model type 'qwen3_5_text' has recurrent layers "
                               "(linear_attention)")
-    assert "rollout.engine vllm" in message and "\n" not in message
+    assert "rollout.sampler vllm" in message and "\n" not in message
 
 
 @pytest.mark.parametrize(("model_type", "extra", "named"), [

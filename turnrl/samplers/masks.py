@@ -88,7 +88,7 @@ class MaskPlan:
                 f"{longest}, where this model's {kind!r} rotary scaling rescales with the "
                 "sequence's length, so keys kept from shorter calls carry other frequencies than "
                 f"the learner's pass: keep episodes under {longest} tokens, give the model a "
-                "static rope scaling (linear, yarn), or sample with --rollout.engine vllm")
+                "static rope scaling (linear, yarn), or sample with --rollout.sampler vllm")
 
 
 AS_GIVEN = MaskPlan()
@@ -133,7 +133,7 @@ def mask_plan(model: torch.nn.Module) -> MaskPlan:
         raise ConfigError(
             f"HF sampler: attention implementation {fmt!r} takes no explicit 4D mask, which "
             "the engine needs for left-padded rows and kept keys and values: load the model "
-            "with attn_implementation 'sdpa' or 'eager', or sample with --rollout.engine vllm")
+            "with attn_implementation 'sdpa' or 'eager', or sample with --rollout.sampler vllm")
     window, by_layer_type = sliding_window(config)
     return MaskPlan(window, by_layer_type, model.dtype if fmt == "eager" else None,
                     rescaling_rope(config))
@@ -153,12 +153,12 @@ def unsupported(config: object) -> str | None:
     if recurrent := [kind for kind in kinds if kind in RECURRENT_LAYERS]:
         return (f"has recurrent layers ({', '.join(recurrent)}): the HF sampler keeps keys "
                 "and values per row across calls, which cannot carry a recurrent or "
-                "convolution state through a partial rollout; sample with --rollout.engine "
+                "convolution state through a partial rollout; sample with --rollout.sampler "
                 "vllm")
     if other := [kind for kind in kinds if kind not in ATTENTION_LAYERS]:
         return (f"has layers of kind {', '.join(other)}, which the HF sampler's per-row "
                 "key/value cache does not hold (full or sliding attention only); sample with "
-                "--rollout.engine vllm")
+                "--rollout.sampler vllm")
     if getattr(config, "use_bidirectional_attention", False):
         return "attends both ways (use_bidirectional_attention): the HF sampler is causal"
     return None
