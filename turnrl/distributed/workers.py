@@ -153,25 +153,9 @@ class RolloutWorker:
         load_env_module(cfg.env.module, shipped=True)  # by name: its file came in py_modules
         if env_factory is not None:
             ENVS[cfg.env.name] = env_factory
-        self.refresh: Any = None
-        """ct2: the ``BackgroundRefresh`` converting each version while the engine samples."""
-        if cfg.rollout.sampler == "vllm":
-            # vLLM holds the weights on the GPU: no CPU copy of the model, only what plays it.
-            policy = load_player(cfg)
-            self.model, self.engine = None, vllm_engine(cfg, policy, index)
-        elif cfg.rollout.sampler == "ct2":
-            policy = load_policy(cfg, announce=False)  # the architecture; weights come later
-            self.model = None  # no HF model to play: no opponent pool (config checks refuse it)
-            self.engine, self.refresh = ct2_engine(cfg, policy.model, index)
-        else:
-            # the learner's model, chat, env checks; its engine: policy.sampler's hf
-            policy = load_policy(cfg, announce=False, who=f"rollout worker {index}")
-            self.model, self.engine = policy.model, policy.engine
-            if pool_size is not None:
-                # Every live episode's cache must survive until its next turn: a smaller bound
-                # evicts rows the pool still needs and re-prefills them (7.8 vs 15.3 ms a row).
-                self.engine.max_kept_rows = max(self.engine.max_kept_rows, pool_size)
-            self.engine.generator.manual_seed(sampling_seed(cfg.run.seed, index))
+        policy, self.model, self.engine, self.refresh = worker_sampler(cfg, index, pool_size)
+        """``refresh`` (ct2): the ``BackgroundRefresh`` converting each version while the
+        engine samples; ``model`` None where the engine holds the weights (ct2, vLLM)."""
         self.engine.keep_cache_across_versions = cfg.sampler.keep_kv_cache
         if self.model is not None:  # the HF engine: version -1, nothing the learner sent yet
             self.engine.load(None, -1)  # (ct2 and vLLM are built at -1)
@@ -257,18 +241,9 @@ class RolloutWorker:
         with self.pool.changed:
             self.pool.draws = max(self.pool.draws, int(draws))
         self.pool.hold([version for version, _ in members],
-                       lambda version: self._frozen(version, states[version]))
+                       lambda version: frozen_member(self.model, self.pool, version,
+                                                     states[version]))
         return self.pool.versions()
-
-    def _frozen(self, version: int, state: Any) -> FrozenPolicy:
-        if isinstance(state, list):  # [ObjectRef]
-            import ray
-
-            state = ray.get(state[0])
-        player = FrozenPolicy(self.model, self.pool.chat, self.pool.params, version,
-                              self.pool.seed)
-        load_published(player.model, with_tied_weights(state))  # LoRA: the adapter alone
-        return player
 
     def assign(self, assignments: list[tuple[int, int]]) -> int:
         for assignment, seed in assignments:
@@ -379,6 +354,41 @@ class RolloutWorker:
         cleanup = getattr(self.engine, "model_dir_cleanup", None)
         if cleanup is not None:  # vLLM: the tiny model's temporary directory (model_dirs.py)
             cleanup()
+
+
+def worker_sampler(cfg: Config, index: int, pool_size: int | None
+                   ) -> tuple[Any, torch.nn.Module | None, Any, Any]:
+    """(policy, model, engine, ct2 refresh) of rollout worker ``index``: vLLM holds the
+    weights on the GPU (no CPU copy of the model, only what plays it); ct2 converts them in a
+    background thread (the model gives the architecture; weights come later; no HF model to
+    play, so no opponent pool: the config checks refuse it); hf samples the worker's own copy
+    of the learner's model, with the learner's chat and env checks."""
+    if cfg.rollout.sampler == "vllm":
+        policy = load_player(cfg)
+        return policy, None, vllm_engine(cfg, policy, index), None
+    if cfg.rollout.sampler == "ct2":
+        policy = load_policy(cfg, announce=False)
+        return (policy, None, *ct2_engine(cfg, policy.model, index))
+    policy = load_policy(cfg, announce=False, who=f"rollout worker {index}")
+    if pool_size is not None:
+        # Every live episode's cache must survive until its next turn: a smaller bound
+        # evicts rows the pool still needs and re-prefills them (7.8 vs 15.3 ms a row).
+        policy.engine.max_kept_rows = max(policy.engine.max_kept_rows, pool_size)
+    policy.engine.generator.manual_seed(sampling_seed(cfg.run.seed, index))
+    return policy, policy.model, policy.engine, None
+
+
+def frozen_member(model: torch.nn.Module, pool: OpponentPool, version: int,
+                  state: Any) -> FrozenPolicy:
+    """A frozen copy of ``model`` with the weights the learner sent for pool ``version``
+    (``[ObjectRef]`` or a state dict; LoRA: the adapter alone)."""
+    if isinstance(state, list):  # [ObjectRef]
+        import ray
+
+        state = ray.get(state[0])
+    player = FrozenPolicy(model, pool.chat, pool.params, version, pool.seed)
+    load_published(player.model, with_tied_weights(state))
+    return player
 
 
 class WarningTap(logging.Handler):
