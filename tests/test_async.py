@@ -357,7 +357,7 @@ def test_the_book_accepts_each_assignment_once_and_finds_lost_ones():
 
 
 def test_a_revived_worker_gets_an_even_share_of_the_newest_queued_work():
-    from turnrl.distributed.fleet import shared_out
+    from turnrl.distributed.book import shared_out
 
     book = AssignmentBook(lambda index: index)
     for seq in range(1, 8):
@@ -689,7 +689,7 @@ def test_a_killed_worker_is_restarted_and_its_work_reissued(ray_cluster, tmp_pat
 def test_published_weights_ship_a_tied_matrix_once_and_load_back_whole():
     import torch
 
-    from turnrl.distributed.workers import with_tied_weights, without_tied_weights
+    from turnrl.distributed.worker_engines import with_tied_weights, without_tied_weights
     from turnrl.models import tiny_model
 
     model, _ = tiny_model(seed=0)  # tied like SmolLM2
@@ -709,7 +709,8 @@ def test_a_worker_samples_with_the_weights_it_was_sent_last():
     two groups share their prompt, so a stale prompt cache would show here)."""
     import torch
 
-    from turnrl.distributed.workers import RolloutWorker, without_tied_weights
+    from turnrl.distributed.worker_engines import without_tied_weights
+    from turnrl.distributed.workers import RolloutWorker
     from turnrl.models import tiny_model
     from turnrl.trainer.step import UpdateSettings, with_proximal_logprobs
     from turnrl.types import Batch
@@ -741,7 +742,8 @@ def test_a_worker_reports_its_env_latencies_and_takes_a_new_pool_size():
     back with the reports (each delayed step at least its delay; the resets, not delayed,
     apart: Little's law spreads an episode's one reset over its turns), and ``resize``
     changes how many episodes live at once."""
-    from turnrl.distributed.workers import RolloutWorker, without_tied_weights
+    from turnrl.distributed.worker_engines import without_tied_weights
+    from turnrl.distributed.workers import RolloutWorker
     from turnrl.models import tiny_model
 
     slow = {"env": "say-digit", "median_ms": 40, "sigma": 0.0, "options": {"turns": 2}}
@@ -787,7 +789,8 @@ def test_worker_zero_samples_what_the_sync_loop_samples_from_the_same_weights():
     one group played by both from the same weights is the same group, token for token."""
     import torch
 
-    from turnrl.distributed.workers import RolloutWorker, sampling_seed, without_tied_weights
+    from turnrl.distributed.worker_engines import sampling_seed, without_tied_weights
+    from turnrl.distributed.workers import RolloutWorker
     from turnrl.envs import make_env
     from turnrl.models import tiny_model
     from turnrl.rollout.loop import run_episodes
@@ -827,7 +830,7 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
     import torch
 
     import turnrl.samplers.vllm as vllm_module
-    from turnrl.distributed.workers import load_player, sampling_seed, vllm_engine
+    from turnrl.distributed.worker_engines import load_player, sampling_seed, vllm_engine
     from turnrl.models import load_model
 
     given = {}

@@ -21,7 +21,8 @@ pytest.importorskip("ray")
 from conftest import WIDE, groups_within  # noqa: E402
 
 from turnrl.config import load_config  # noqa: E402
-from turnrl.distributed.workers import RolloutWorker, without_tied_weights  # noqa: E402
+from turnrl.distributed.worker_engines import without_tied_weights  # noqa: E402
+from turnrl.distributed.workers import RolloutWorker  # noqa: E402
 from turnrl.models import tiny_model  # noqa: E402
 from turnrl.trainer.step import UpdateSettings, with_proximal_logprobs  # noqa: E402
 from turnrl.types import Batch  # noqa: E402

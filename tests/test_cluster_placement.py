@@ -11,10 +11,10 @@ import time
 import pytest
 
 from turnrl.config import ConfigError, load_config
-from turnrl.distributed.fleet import learner_threads
 from turnrl.distributed.placement import (
     LearnerSeat,
     auto_learner_gpus,
+    learner_threads,
     release_placement,
     worker_bundle,
     worker_group,
@@ -213,7 +213,7 @@ def test_workers_on_one_node_share_one_pull_of_each_version(connected, tmp_path,
     import json
 
     from turnrl.distributed.fleet import Fleet, state_bytes
-    from turnrl.distributed.workers import without_tied_weights
+    from turnrl.distributed.worker_engines import without_tied_weights
     from turnrl.launch import train_async
     from turnrl.metrics import read_metrics
     from turnrl.models import tiny_model

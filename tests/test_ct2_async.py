@@ -29,7 +29,8 @@ from turnrl.models import tiny_model
 ctranslate2 = pytest.importorskip("ctranslate2", reason="the ct2 extra is not installed")
 
 from turnrl.distributed.refresh_stats import refresh_metrics  # noqa: E402
-from turnrl.distributed.workers import RolloutWorker, without_tied_weights  # noqa: E402
+from turnrl.distributed.worker_engines import without_tied_weights  # noqa: E402
+from turnrl.distributed.workers import RolloutWorker  # noqa: E402
 from turnrl.samplers.ct2_refresh import DELAY_ENV  # noqa: E402
 
 TINY_ASYNC = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_tokens",

@@ -19,15 +19,11 @@ import torch
 
 from turnrl.algorithms.losses import token_logprobs
 from turnrl.config import ConfigError, load_config
+from turnrl.config.precision import MISSING_CT2, cpu_has_bf16, resolve_ct2_dtype
 from turnrl.models import tiny_model
 from turnrl.samplers import SamplingParams
 from turnrl.samplers.copy import HFCopyEngine
-from turnrl.samplers.ct2 import (
-    MISSING_CT2,
-    check_architecture,
-    cpu_has_bf16,
-    resolve_ct2_dtype,
-)
+from turnrl.samplers.ct2 import check_architecture
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="the ct2 extra is not installed")
 

@@ -115,7 +115,7 @@ def _standin(monkeypatch, fails: bool) -> dict:
 
 def _worker_engine(tmp_path):
     from turnrl.config import load_config
-    from turnrl.distributed.workers import load_player, vllm_engine
+    from turnrl.distributed.worker_engines import load_player, vllm_engine
 
     cfg = load_config(None, TINY + ["--run.mode", "async", "--rollout.sampler", "vllm",
                                     "--ray.worker_gpus", "1", "--run.out_dir", str(tmp_path)])

@@ -79,7 +79,7 @@ def test_a_group_holds_one_episode_per_seat_and_worker_pools_count_them(tmp_path
 
 
 def test_the_worker_builds_its_own_outside_opponent(tmp_path):
-    from turnrl.distributed.workers import worker_env_factory
+    from turnrl.distributed.worker_engines import worker_env_factory
 
     model = worker_env_factory(_cfg(tmp_path, "--env.name", "tictactoe", "--env.options.opponent",
                                     "model", "--env.opponent_model", "tiny"))()
@@ -328,7 +328,8 @@ def test_a_worker_plays_the_pool_versions_the_learner_sends(tmp_path):
     import torch
     from conftest import groups_within
 
-    from turnrl.distributed.workers import RolloutWorker, without_tied_weights
+    from turnrl.distributed.worker_engines import without_tied_weights
+    from turnrl.distributed.workers import RolloutWorker
     from turnrl.models import tiny_model
 
     cfg = _cfg(tmp_path, "--env.name", "kuhn-poker", "--env.options.opponent", "pool",

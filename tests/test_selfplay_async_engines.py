@@ -67,7 +67,8 @@ def test_a_ct2_worker_plays_the_opponents_it_builds(tmp_path, opponent):
     """What the config check lets through runs: a CTranslate2 worker plays self-play (its own
     engine in both seats) and a local model opponent (an HF model of the worker's own)."""
     pytest.importorskip("ctranslate2", reason="the ct2 extra is not installed")
-    from turnrl.distributed.workers import RolloutWorker, without_tied_weights
+    from turnrl.distributed.worker_engines import without_tied_weights
+    from turnrl.distributed.workers import RolloutWorker
     from turnrl.models import tiny_model
 
     cfg = _cfg(tmp_path, *_env(opponent), *OPPONENTS[opponent], *ENGINES["ct2"],
@@ -107,11 +108,8 @@ def test_a_worker_game_whose_pool_never_comes_fails_with_the_pools_reason(tmp_pa
     weights sent, no pool): the game fails alone, as an env error naming the empty pool,
     not as an env timeout (the wait used to equal the env call's own timeout, which fired
     first)."""
-    from turnrl.distributed.workers import (
-        RolloutWorker,
-        without_tied_weights,
-        worker_env_factory,
-    )
+    from turnrl.distributed.worker_engines import without_tied_weights, worker_env_factory
+    from turnrl.distributed.workers import RolloutWorker
     from turnrl.models import tiny_model
     from turnrl.selfplay.pool import PoolDraw
 

@@ -296,7 +296,8 @@ def test_a_fired_failure_without_a_worker_names_the_method_from_the_error():
 
 def test_a_worker_counts_its_draws_on_from_the_count_it_is_sent(tmp_path):
     from turnrl.distributed.weight_sync import weights_digest
-    from turnrl.distributed.workers import RolloutWorker, without_tied_weights
+    from turnrl.distributed.worker_engines import without_tied_weights
+    from turnrl.distributed.workers import RolloutWorker
     from turnrl.lora import published_state
     from turnrl.models import tiny_model
 

@@ -29,7 +29,7 @@ def test_temperatures_vllm_samples_as_asked_are_accepted(temperature):
 
 
 def test_the_rollout_engine_defaults_to_bfloat16_whatever_the_learner_trains_in():
-    from turnrl.distributed.workers import vllm_dtype
+    from turnrl.distributed.worker_engines import vllm_dtype
 
     assert vllm_dtype(load_config(None, VLLM)) == "bfloat16"
     assert vllm_dtype(load_config(None, VLLM + ["--rollout.sampler_dtype", "float32"])) == "float32"

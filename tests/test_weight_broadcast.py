@@ -21,7 +21,7 @@ from turnrl.distributed.weight_sync import (
     unflatten,
     weights_digest,
 )
-from turnrl.distributed.workers import with_tied_weights, without_tied_weights
+from turnrl.distributed.worker_engines import with_tied_weights, without_tied_weights
 from turnrl.lora import published_state
 
 TINY = ["--model.name", "tiny", "--env.name", "say-digit", "--rollout.max_new_tokens", "3",

@@ -35,11 +35,11 @@ from turnrl.distributed.book import AssignmentBook  # noqa: E402
 from turnrl.distributed.broadcaster import WeightBroadcaster  # noqa: E402
 from turnrl.distributed.fleet import Fleet  # noqa: E402
 from turnrl.distributed.weight_sync import weights_digest  # noqa: E402
-from turnrl.distributed.workers import (  # noqa: E402
-    spawn_workers,
+from turnrl.distributed.worker_engines import (  # noqa: E402
     with_tied_weights,
     without_tied_weights,
 )
+from turnrl.distributed.workers import spawn_workers  # noqa: E402
 from turnrl.lora import published_state  # noqa: E402
 from turnrl.models import tiny_model  # noqa: E402
 from turnrl.policy import group_seed  # noqa: E402

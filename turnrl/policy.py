@@ -24,7 +24,7 @@ from turnrl.envs.user_module import load_env_module
 from turnrl.lora import add_adapter, base_copy, published_state, require_peft, vllm_lora_config
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat
-from turnrl.rollout.chat import (  # noqa: F401 - sampling_params: also imported from here
+from turnrl.rollout.chat import (
     checked_chat,
     read_chat_template,
     sampling_params,
@@ -136,7 +136,8 @@ def sampler_candidates(cfg: Config, model: torch.nn.Module) -> list[tuple[str, s
     HF engine in the model's dtype always; CTranslate2 int8 where the ct2 extra is installed
     and converts the model; the HF engine on a bf16 copy where the CPU has native bf16."""
     from turnrl.config.checks import samples_on_cpu
-    from turnrl.samplers.ct2 import check_architecture, cpu_has_bf16
+    from turnrl.config.precision import cpu_has_bf16
+    from turnrl.samplers.ct2 import check_architecture
 
     candidates = [("hf", "auto")]
     if not samples_on_cpu(cfg.model.device):

@@ -98,8 +98,8 @@ def pass_at_k_per_game(cfg, model, tokenizer, games: int) -> list[list[int]]:
 
     from turnrl.envs import make_env
     from turnrl.evaluation import evaluate
-    from turnrl.policy import sampling_params
     from turnrl.rollout import ChatFormat
+    from turnrl.rollout.chat import sampling_params
     from turnrl.samplers import HFEngine
 
     chat = ChatFormat(tokenizer)

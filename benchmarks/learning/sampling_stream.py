@@ -30,7 +30,7 @@ import time
 import torch
 
 from turnrl.config import load_config
-from turnrl.distributed.workers import with_tied_weights, without_tied_weights
+from turnrl.distributed.worker_engines import with_tied_weights, without_tied_weights
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy, training_seeds
 from turnrl.rollout import run_sync

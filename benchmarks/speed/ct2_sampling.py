@@ -48,10 +48,11 @@ def main() -> None:
     import torch
 
     from turnrl.algorithms.losses import token_logprobs
+    from turnrl.config.precision import cpu_has_bf16
     from turnrl.models import SMOLLM2, load_model
     from turnrl.samplers import HFEngine, SamplingParams
     from turnrl.samplers.copy import HFCopyEngine
-    from turnrl.samplers.ct2 import CT2Engine, cpu_has_bf16
+    from turnrl.samplers.ct2 import CT2Engine
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(SMOLLM2)

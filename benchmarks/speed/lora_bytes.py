@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from turnrl.config import load_config
-from turnrl.distributed.workers import without_tied_weights
+from turnrl.distributed.worker_engines import without_tied_weights
 from turnrl.lora import published_state, state_bytes
 from turnrl.policy import load_policy
 

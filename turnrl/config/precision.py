@@ -2,7 +2,7 @@
 and the CTranslate2 compute types (``rollout.sampler ct2``), checked at start-up.
 
 In the config layer so that the start-up checks (``checks.check_sampler``) can use them; the
-engine (``turnrl.samplers.ct2``) re-exports them.
+engine (``turnrl.samplers.ct2``) uses them.
 """
 
 from __future__ import annotations

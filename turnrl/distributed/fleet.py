@@ -14,14 +14,13 @@ import time
 
 import torch
 
-from turnrl.distributed.book import (  # noqa: F401 - shared_out re-exported (tests)
+from turnrl.distributed.book import (
     Assignment,
     AssignmentBook,
     shared_out,
 )
 from turnrl.distributed.node_loss import StartupClock
-from turnrl.distributed.placement import learner_threads  # noqa: F401 - re-exported
-from turnrl.distributed.workers import without_tied_weights
+from turnrl.distributed.worker_engines import without_tied_weights
 from turnrl.lora import published_state, state_bytes
 
 POLL_WAIT_S = 0.1

@@ -51,7 +51,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from turnrl.devices import available_memory_bytes  # noqa: F401 - re-exported
 from turnrl.distributed.rates import MeasuredRates
 
 BUSY_WORKER = 0.8

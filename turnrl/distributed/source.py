@@ -30,6 +30,7 @@ import torch
 
 from turnrl.algorithms.offpolicy import AdaptiveStaleness
 from turnrl.config import Config
+from turnrl.devices import available_memory_bytes
 from turnrl.distributed.book import (
     Assignment,
     AssignmentBook,
@@ -37,22 +38,18 @@ from turnrl.distributed.book import (
     in_flight_groups,
 )
 from turnrl.distributed.broadcaster import WeightBroadcaster
-from turnrl.distributed.fleet import Fleet, learner_threads
+from turnrl.distributed.fleet import Fleet
 from turnrl.distributed.placement import (
     LearnerSeat,
     bundle_placed,
+    learner_threads,
     release_placement,
     worker_group,
 )
 from turnrl.distributed.pool_state import frozen_members, pool_state, saved_members, seed_fleet
 from turnrl.distributed.rates import MeasuredRates
 from turnrl.distributed.refresh_stats import refresh_metrics
-from turnrl.distributed.sizing import (
-    SizingController,
-    available_memory_bytes,
-    kv_bytes_per_token,
-    pool_memory_cap,
-)
+from turnrl.distributed.sizing import SizingController, kv_bytes_per_token, pool_memory_cap
 from turnrl.distributed.workers import spawn_workers, worker_needs, worker_pool_size
 from turnrl.envs import ENVS
 from turnrl.metrics import truncate_metrics

@@ -1,7 +1,7 @@
 """What a rollout worker is built from: its engine (HF, vLLM or CTranslate2), the chat side
 of the policy a vLLM worker needs, its env (with the opponent it builds), its sampling seed,
 and the published state dict's tied tensors (dropped before publishing, restored on
-receipt). Used by ``RolloutWorker`` (workers.py), which re-exports these names."""
+receipt). Used by ``RolloutWorker`` (workers.py), which imports them from here."""
 
 from __future__ import annotations
 

@@ -76,16 +76,13 @@ from turnrl.distributed.weight_sync import (
     device_identity,
     weights_digest,
 )
-from turnrl.distributed.worker_engines import (  # noqa: F401 - re-exported (tests, fleet)
-    Player,
+from turnrl.distributed.worker_engines import (
     ct2_engine,
     fetched_state,
     load_player,
     sampling_seed,
-    vllm_dtype,
     vllm_engine,
     with_tied_weights,
-    without_tied_weights,
     worker_env_factory,
 )
 from turnrl.envs.base import ENVS

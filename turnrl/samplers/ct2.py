@@ -49,11 +49,8 @@ from typing import Any
 
 import torch
 
-from turnrl.config.precision import (  # noqa: F401 - re-exported: the engine's own names
-    CT2_DTYPES,
+from turnrl.config.precision import (
     DEFAULT_CT2_DTYPE,
-    MISSING_CT2,
-    cpu_has_bf16,
     load_ctranslate2,
     resolve_ct2_dtype,
 )

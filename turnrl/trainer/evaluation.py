@@ -36,7 +36,8 @@ from turnrl.evaluation import (
     reply_scorer,
     with_env_metrics,
 )
-from turnrl.policy import Policy, sampling_params
+from turnrl.policy import Policy
+from turnrl.rollout.chat import sampling_params
 from turnrl.selfplay.evaluation import with_outcome_metrics
 from turnrl.trainer.run import Run
 from turnrl.types import Episode, write_episodes
