@@ -112,6 +112,7 @@ class SelfImitation:
         k = round_of(step, cfg.run.steps, self.rounds)
         if k == self.current:
             return self.conversations
+        self.end_round()
         path = self.round_path(k)
         first = step == round_start(k, cfg.run.steps, self.rounds)
         if first:
@@ -149,16 +150,13 @@ class SelfImitation:
                             "self/conversations": len(self.conversations)}
         return self.conversations
 
-    def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, str]:
-        """Add the round's figures to the ``metrics`` of ``step`` (its first step's only),
-        note its loss, end the round after its last step; return the progress bar's field."""
+    def after_step(self, metrics: dict[str, float]) -> dict[str, str]:
+        """Add the round's figures to the step's ``metrics`` (its first step's only), note
+        its loss; return the progress bar's field."""
         metrics.update(self.metrics)
         self.metrics = {}
         self.losses.append(metrics["sft/loss"])
-        field = {"round": f"{self.current + 1}/{self.rounds}"}
-        if round_of(step + 1, self.run.cfg.run.steps, self.rounds) != self.current:
-            self.end_round()
-        return field
+        return {"round": f"{self.current + 1}/{self.rounds}"}
 
     def play(self, k: int) -> list[Episode]:
         """Round ``k``'s attempts, played by the current weights at rollout.temperature."""

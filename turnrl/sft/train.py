@@ -32,6 +32,7 @@ from turnrl.config import Config
 from turnrl.demos.conversation import DemoError, conversation_episode
 from turnrl.demos.data import DataError, Demonstration, read_demonstrations
 from turnrl.demos.scripted import env_demonstrations
+from turnrl.evaluation import EvalResult
 from turnrl.metrics import print_table
 from turnrl.rollout.chat import ChatFormat
 from turnrl.sft.self_imitation import STOPPED, SelfImitation, check_rounds
@@ -282,8 +283,15 @@ class DemonstrationSource(SourceDefaults):
         if self.held_out_set and eval_due(cfg, self.step):
             with timer("eval"):
                 self.loss = metrics["eval/loss"] = self.held_out_loss()
-        self.fields = self.rounds.after_step(self.step, metrics) if self.rounds else {}
+        self.fields = self.rounds.after_step(metrics) if self.rounds else {}
         return None, metrics
+
+    def evaluate(self, run: Run, when: str) -> EvalResult | None:
+        """The env's evaluation (``sft.eval_env``); after training, the last round's line
+        first (a round's line comes once its steps are done)."""
+        if when == "after" and self.rounds:
+            self.rounds.end_round()
+        return super().evaluate(run, when)
 
     def progress(self, metrics: dict[str, float]) -> dict:
         return {"loss": metrics["sft/loss"], "held_out": self.loss, **self.fields}
