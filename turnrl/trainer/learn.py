@@ -107,7 +107,8 @@ class RolloutSource(Protocol):
 
 
 class SourceDefaults:
-    """What most sources do: on-policy, env evaluation, nothing to publish, lock or save."""
+    """What most sources do: on-policy, ``rl_step``, env evaluation, nothing to publish, lock
+    or save."""
 
     off_policy = False
     learner_threads: int | None = None
