@@ -93,3 +93,59 @@ def test_a_source_written_outside_the_library_trains_through_the_one_loop(tmp_pa
     first = load_file(out / "checkpoints" / "step-000001" / "model.safetensors")
     last = load_file(out / "checkpoints" / "step-000002" / "model.safetensors")
     assert any(not torch.equal(first[k], last[k]) for k in first)
+
+
+class OwnStep(Replay):
+    """A source with a step of its own instead of ``rl_step`` (as SFT's token NLL is) that
+    runs out of episodes before step 2 of 4."""
+
+    def collect(self, step):
+        if step < 2:
+            return super().collect(step)
+        self.calls.append(f"collect {step}")
+        return None
+
+    def update(self, learner, episodes, timer):
+        self.calls.append(f"update {len(episodes)}")
+        with timer("update"):
+            learner.model.get_input_embeddings().weight.data[0] += 1.0
+        return None, {"own/loss": 0.5}
+
+    def step_metrics(self, step, episodes, update_metrics):
+        self.calls.append(f"step_metrics {step}")
+        return {"own/seen": update_metrics["own/loss"]}
+
+    def progress(self, metrics):
+        return {"own": f"{metrics['own/seen']:.1f}"}
+
+
+def test_a_source_s_own_step_replaces_rl_step_and_no_episodes_end_the_run(tmp_path, capsys):
+    recorded = tmp_path / "recorded"
+    cfg = load_config(None, TINY + ["--run.steps", "1", "--eval.episodes", "0",
+                                    "--run.sample_episodes", "4", "--run.out_dir", str(recorded)])
+    learn(cfg, LocalSource())
+    episodes = read_episodes(recorded / "episodes" / "step-000001.jsonl")
+    source, out = OwnStep(episodes), tmp_path / "own"
+    cfg = load_config(None, TINY + ["--run.steps", "4", "--eval.episodes", "0",
+                                    "--run.checkpoint_every", "1", "--run.progress", "true",
+                                    "--run.out_dir", str(out)])
+    learn(cfg, source)
+    assert source.calls == [
+        "open", "publish 0", "evaluate before", "wait_ready",
+        "collect 0", "update 4", "publish 1", "step_metrics 0",
+        "collect 1", "update 4", "publish 2", "step_metrics 1",
+        "collect 2", "evaluate after", "result", "close"]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["own/loss"], x["own/seen"]) for x in lines] == [(1, 0.5, 0.5),
+                                                                           (2, 0.5, 0.5)]
+    assert "reward/mean" not in lines[0]  # no rl_step: no episode summary either
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001",
+                                                                       "step-000002"]
+    assert "own=0.5" in capsys.readouterr().out  # the source's progress field
+    # only the source's step changed the weights: +1 on one embedding row a step
+    fresh, last = (load_file(out / "checkpoints" / f"step-00000{i}" / "model.safetensors")
+                   for i in (1, 2))
+    changed = [k for k in last if not torch.equal(last[k], fresh[k])]
+    assert len(changed) == 1
+    delta = last[changed[0]] - fresh[changed[0]]
+    assert torch.equal(delta[0], torch.ones_like(delta[0])) and not delta[1:].any()

@@ -54,5 +54,5 @@ def test_toy_text_demonstrations_render_for_sft(tiny):
                                                      "is_slippery": False}, 4,
                                        ChatFormat(tokenizer), max_turns=30)
     assert len(demos) == 4 and failed == []
-    replies = [m["content"] for m in demos[0].messages if m["role"] == "assistant"]
+    replies = [turn.action for turn in demos[0].episodes[0].turns]
     assert len(replies) >= 6 and set(replies) <= {"left", "down", "right", "up"}

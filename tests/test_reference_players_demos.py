@@ -5,14 +5,13 @@ same replies."""
 from __future__ import annotations
 
 import pytest
-from test_rollout import ScriptedEngine
 from test_sft import _chat, _same
 
 from turnrl.demos.conversation import conversation_episode
 from turnrl.envs import make_env
+from turnrl.envs.contract import fixed_opponent_options
 from turnrl.envs.reference import play, reference_player
-from turnrl.rollout import run_episodes, run_sync
-from turnrl.samplers import SamplingParams
+from turnrl.rollout import run_sync
 from turnrl.tools import parse_tool_calls, render_call
 
 pytest.importorskip("gymnasium")
@@ -81,30 +80,63 @@ def test_tool_calls_render_as_each_format_parses_them():
     assert "<tool_call>" not in first and parse_tool_calls(first, "llama3-json")[0].problem == ""
 
 
-@pytest.mark.parametrize("env_name, options", CASES, ids=IDS)
-def test_env_demos_render_exactly_as_the_loop_plays_their_replies(env_name, options):
+async def _written_the_old_way(env_name: str, options: dict, seed: int, chat, max_turns: int
+                               ) -> tuple[list[dict], list[dict] | None, bool]:
+    """(messages, tools, success) of the reference player's episode as scripted
+    demonstrations were written before they were played through the turn loop: the player
+    against the env directly, the conversation built as the loop's ``ChatFormat`` would (the
+    oracle the loop-played demonstrations must equal)."""
+    env = make_env(env_name, **fixed_opponent_options(make_env(env_name, **options), options))
+    observation = await env.reset(seed)
+    system_prompt, tools = chat.env_prompt(env)  # a ToolEnv learns the call format here
+    player = reference_player(env, env_name)
+    system_prompt = system_prompt or chat.system_prompt
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": observation})
+    player.reset(observation)
+    for turn in range(max_turns):
+        action = player.act(observation)
+        messages.append({"role": "assistant", "content": action})
+        result = await env.step(action)
+        if result.done or turn + 1 == max_turns:
+            return messages, tools, bool(result.done and (result.info or {}).get("success"))
+        observation = result.observation
+        messages += chat.env_messages(observation, (result.info or {}).get("tool_results"), tools)
+    return messages, tools, False
+
+
+BUILT_IN = [("guess-number", {}), ("twenty-questions", {}), ("maze", {}), ("wordle", {}),
+            ("tictactoe-selfplay", {}), ("kuhn-poker", {}), ("kuhn-poker-selfplay", {}),
+            ("gymnasium", {"game": "Blackjack-v1"})]
+
+
+@pytest.mark.parametrize("env_name, options", CASES + BUILT_IN,
+                         ids=IDS + [name for name, _ in BUILT_IN[:-1]] + ["blackjack"])
+def test_env_demos_are_the_loop_s_episodes_of_what_the_player_wrote_before(env_name, options):
+    """Demonstrations are played through the turn loop (``reference_episode``); their tokens,
+    loss masks and turns are what the conversation the player used to be scripted into
+    tokenises to, and the same seeds succeed."""
     from turnrl.demos.scripted import env_demonstrations
 
-    chat, max_turns = _chat(), 30
-    demos, failed = env_demonstrations(env_name, options, 3, chat, max_turns=max_turns)
-    assert failed == [] and len(demos) == 3
-    for demo in demos:
-        replies = [m["content"] for m in demo.messages if m["role"] == "assistant"]
-        seed = int(demo.where.rsplit(" ", 1)[1])
-        engine = ScriptedEngine(chat.tokenizer, replies)
-        played, = run_sync(run_episodes(lambda: make_env(env_name, **options), [(seed, 0)],
-                                        engine, chat, SamplingParams(max_new_tokens=96),
-                                        max_turns=max_turns))
-        assert played.success
-        _same(conversation_episode(chat, demo.messages, demo.tools), played)
+    chat, max_turns = _chat(), 20
+    demos, failed = env_demonstrations(env_name, options, 4, chat, max_turns=max_turns)
+    assert demos and len(demos) + len(failed) == 4
+    for seed in range(4):
+        messages, tools, success = run_sync(_written_the_old_way(env_name, options, seed, chat,
+                                                                 max_turns))
+        demo = next((d for d in demos if d.where == f"{env_name} seed {seed}"), None)
+        assert (demo is not None) == success
+        if demo is not None:
+            assert demo.messages == [] and len(demo.episodes) == 1
+            _same(conversation_episode(chat, messages, tools), demo.episodes[0])
 
 
 @pytest.mark.parametrize("template", ["LLAMA", "NATIVE"])
 def test_env_demos_use_the_tool_format_and_tool_role_of_the_model_s_template(template):
-    """Under a template with tools of its own, the demonstration is what the turn loop plays:
-    its call in the template's format (it was written before the env learnt the format: as
-    <tool_call> tags under a Llama-style JSON template) and the results as ``tool`` messages
-    (they were user messages), so replaying it gives the same tokens."""
+    """Under a template with tools of its own, the demonstration's call is in the template's
+    format (the player writes it after the env learnt the format: as <tool_call> tags under
+    a Llama-style JSON template it would not parse) and the results come back as ``tool``
+    messages, as the conversation written the old way tokenises."""
     import test_tool_loop
 
     from turnrl.demos.scripted import env_demonstrations
@@ -114,19 +146,16 @@ def test_env_demos_use_the_tool_format_and_tool_role_of_the_model_s_template(tem
     assert chat.native_tools == fmt and chat.tool_role
     demos, failed = env_demonstrations("tool-arithmetic", {}, 2, chat, max_turns=3)
     assert failed == [] and len(demos) == 2
-    for demo in demos:
-        call = next(m["content"] for m in demo.messages if m["role"] == "assistant")
+    for seed, demo in enumerate(demos):
+        episode, = demo.episodes
+        call = episode.turns[0].action
         assert ("<tool_call>" in call) == (fmt == "hermes")
         assert parse_tool_calls(call, fmt)[0].name == "calculator"
-        assert [m["role"] for m in demo.messages] == ["system", "user", "assistant", "tool",
-                                                      "assistant"]
-        replies = [m["content"] for m in demo.messages if m["role"] == "assistant"]
-        seed = int(demo.where.rsplit(" ", 1)[1])
-        played, = run_sync(run_episodes(lambda: make_env("tool-arithmetic"), [(seed, 0)],
-                                        ScriptedEngine(chat.tokenizer, replies), chat,
-                                        SamplingParams(max_new_tokens=96), max_turns=3))
-        assert played.success
-        _same(conversation_episode(chat, demo.messages, demo.tools), played)
+        messages, tools, success = run_sync(_written_the_old_way("tool-arithmetic", {}, seed,
+                                                                 chat, 3))
+        assert success and [m["role"] for m in messages] == ["system", "user", "assistant",
+                                                             "tool", "assistant"]
+        _same(conversation_episode(chat, messages, tools), episode)
 
 
 @pytest.mark.parametrize("reply", [None, 42, ["4"]])
@@ -148,7 +177,8 @@ def test_env_demos_refuse_a_player_reply_that_is_not_text_in_one_line(reply):
         def reference_player(self):
             return Player()
 
-    with pytest.raises(DataError, match=rf"guess-number-odd-player' seed 0: the reference "
-                       rf"player's act\(\) returned {type(reply).__name__}, not text") as err:
+    with pytest.raises(DataError, match=rf"guess-number-odd-player' seed 0: env reset raised "
+                       rf"NotTextReply: the reference player's act\(\) returned "
+                       rf"{type(reply).__name__}, not text") as err:
         env_demonstrations("guess-number-odd-player", {}, 1, _chat(), max_turns=3)
     assert "\n" not in str(err.value)

@@ -505,5 +505,7 @@ def test_demonstrations_of_a_self_play_game_play_its_fixed_opponent(tiny):
     demos, failed = env_demonstrations("tictactoe-selfplay", {}, 8, ChatFormat(tok), 9)
     # minimax against the random player: it wins most games, in both roles
     assert len(demos) >= 5 and len(demos) + len(failed) == 8
-    openings = {d.messages[1]["content"].split(";")[0] for d in demos}
-    assert openings == {"You play X", "You play O"}
+    prompts = [tok.decode(ep.token_ids[:ep.turns[0].start]) for d in demos
+               for ep in d.episodes]
+    assert {("You play X" in p, "You play O" in p) for p in prompts} == {(True, False),
+                                                                         (False, True)}

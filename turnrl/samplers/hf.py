@@ -303,7 +303,7 @@ class HFEngine:
         self.pad_token_id, self.reuse_cache = pad_token_id, reuse_cache
         self.max_kept_rows, self.share_prompts, self.compact = max_kept_rows, share_prompts, compact
         self.keep_cache_across_versions = keep_cache_across_versions
-        self.version, self._loaded, self._kept = 0, 0, _KeptRows(0)
+        self.version, self._kept = 0, _KeptRows(0)
         self.generator = torch.Generator(model.device).manual_seed(seed)
 
     def describe(self) -> str:
@@ -314,7 +314,7 @@ class HFEngine:
         """Sample as ``version``: ``weights`` copied into the model in place (None: the
         model's own tensors changed, an update or a checkpoint load); stale keys dropped."""
         copy_named(self.model, weights or {})
-        self.version = self._loaded = version
+        self.version = version
         unpack(self.decoder)  # new weights: the packed copies are stale (none: a no-op)
         self._kept = self._kept if self.keep_cache_across_versions else _KeptRows(version)
         self._kept.version = version
@@ -366,8 +366,6 @@ class HFEngine:
                   on_step: StepHook | None = None,
                   generators: Sequence[torch.Generator | None] | None = None
                   ) -> list[Completion]:
-        if self.version != self._loaded:  # assigned, not loaded: load it now
-            self.load(None, self.version)
         if self._kept.version != self.version or not self.reuse_cache:
             self._kept = _KeptRows(self.version)
         if self.share_prompts:

@@ -1,13 +1,17 @@
-"""``turnrl sft``: supervised fine-tuning on demonstrations, on the RL run's machinery.
+"""``turnrl sft``: supervised fine-tuning on demonstrations, as a source of the one learner
+loop (``trainer/learn.py``), its step the token NLL instead of ``rl_step``.
 
-    read + check the file -> start_run -> tokenise as the turn loop -> split ->
-    for each step: a seeded batch of conversations -> mean NLL of the assistant's tokens ->
-    AdamW step -> held-out loss when due -> end_step (metrics, progress bar, checkpoint)
+    read + check the file -> learn(cfg, DemonstrationSource):
+      open: tokenise as the turn loop -> split -> held-out loss before
+      each step: collect (a seeded batch of conversations) -> update (mean NLL of the
+      assistant's tokens -> AdamW step -> held-out loss when due) -> end_step (metrics,
+      progress bar, checkpoint)
 
 The run directory, config checks, seeding, checkpoints and ``--resume`` are the RL run's
 (``trainer/run.py``'s ``start_run``, ``trainer/bookkeeping.py``'s ``end_step``), so a
-checkpoint of an SFT run is laid out as an RL run's and a killed SFT run resumes bit for bit: each step's conversations are a
-pure function of (``run.seed``, step) and the update draws no random numbers.
+checkpoint of an SFT run is laid out as an RL run's and a killed SFT run resumes bit for
+bit: each step's conversations are a pure function of (``run.seed``, step) and the update
+draws no random numbers.
 
 With ``sft.self_rounds`` the conversations are the model's own successes, played afresh
 each round (sft/self_imitation.py), with the demonstrations when there are any.
@@ -33,27 +37,25 @@ from turnrl.evaluation import EvalResult
 from turnrl.metrics import print_table
 from turnrl.rollout.chat import ChatFormat
 from turnrl.sft.self_imitation import STOPPED, SelfImitation, check_rounds
-from turnrl.trainer.bookkeeping import end_step, finish_run, step_logging
-from turnrl.trainer.evaluation import evaluate_env
-from turnrl.trainer.rl_step import StageTimer
-from turnrl.trainer.run import start_run
+from turnrl.trainer.bookkeeping import TrainResult
+from turnrl.trainer.learn import SourceDefaults, Update, learn
+from turnrl.trainer.rl_step import Learner, StageTimer
+from turnrl.trainer.run import Run
 from turnrl.trainer.step import micro_batches, score_policy_tokens, update_autocast
 from turnrl.types import Batch, Episode
 
 
 @dataclass
-class SftResult:
-    run_dir: Path
-    steps: int
+class SftResult(TrainResult):
+    """An SFT run's result: ``before``/``after`` are the env's evaluations (``sft.eval_env``),
+    ``steps`` those trained."""
+
     train_conversations: int
     held_out_conversations: int
     skipped: int
     loss_before: float | None
     """Held-out mean NLL per assistant token before training (None: nothing held out)."""
     loss_after: float | None
-    before: EvalResult | None = None
-    """Env evaluations (``sft.eval_env``)."""
-    after: EvalResult | None = None
     stopped_at: int | None = None
     """The step a self-imitation round with no success stopped the run at (None: it ran
     all its steps)."""
@@ -205,8 +207,9 @@ def without_env_eval(cfg: Config) -> Config:
 
 
 def sft(cfg: Config, *, resume: bool = False) -> SftResult:
-    """Fine-tune ``cfg``'s model on ``sft.data`` for ``run.steps`` steps (see the module
-    docstring); ``resume`` continues the run in ``run.out_dir`` from its last checkpoint."""
+    """Fine-tune ``cfg``'s model on its demonstrations for ``run.steps`` steps: ``learn`` with
+    a ``DemonstrationSource`` (see the module docstring); ``resume`` continues the run in
+    ``run.out_dir`` from its last checkpoint."""
     if not cfg.sft.data and not cfg.sft.env_demos and not cfg.sft.self_rounds:
         raise DataError("turnrl sft needs --sft.data FILE.jsonl (a conversation a line in the "
                         "OpenAI chat format), --sft.env_demos N (an env's scripted player) "
@@ -215,14 +218,118 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
     # a malformed file stops before anything starts
     demos = read_demonstrations(cfg.sft.data) if cfg.sft.data else []
     # no teacher: distillation is an RL signal (a warm-up would load it for nothing)
-    run = start_run(replace(without_env_eval(cfg), distill=type(cfg.distill)()), resume)
-    cfg, model, learner = run.cfg, run.learner.model, run.learner
-    if not resume:  # what a stopped earlier attempt in this directory recorded is stale
-        (run.run_dir / STOPPED).unlink(missing_ok=True)
+    cfg = replace(without_env_eval(cfg), distill=type(cfg.distill)())
+    return learn(cfg, DemonstrationSource(demos), resume=resume)
+
+
+class DemonstrationSource(SourceDefaults):
+    """SFT as ``learn``'s source: each step's seeded batch of demonstrations (``sft.data``'s
+    rows, ``sft.env_demos``' scripted episodes, a self-imitation round's successes), trained
+    on by the token-NLL ``update`` instead of ``rl_step``; the held-out demonstrations' loss
+    is its evaluation (the env's too with ``sft.eval_env``)."""
+
+    def __init__(self, demos: list[Demonstration]) -> None:
+        self.demos = demos
+        self.step, self.stopped = 0, None
+        self.fields: dict[str, str] = {}
+
+    def open(self, run: Run) -> None:
+        """Tokenise and split the demonstrations; the held-out loss before training."""
+        cfg, self.run = run.cfg, run
+        if not run.resumed:  # what a stopped earlier attempt in this directory recorded is stale
+            (run.run_dir / STOPPED).unlink(missing_ok=True)
+        episodes, self.skipped = demonstration_episodes(run, self.demos)
+        train_ids, held_ids = split(len(episodes), cfg.sft.eval_fraction, cfg.run.seed) \
+            if episodes else ([], [])
+        self.train_set = [episodes[i] for i in train_ids]
+        self.held_out_set = [episodes[i] for i in held_ids]
+        self.sizes = {"pad_id": run.learner.pad_id, "micro_batch_size": cfg.optim.micro_batch_size,
+                      "token_budget": run.learner.settings.token_budget}
+        before = run.checkpoint_state.get("sft_loss_before") if run.start_step else None
+        self.loss_before = self.loss = before if before is not None else self.held_out_loss()
+        if episodes or self.skipped:  # self-imitation alone has no demonstrations to count
+            print(f"sft: {len(self.train_set)} sequences to train on, "
+                  f"{len(self.held_out_set)} held out, {len(self.skipped)} skipped" + (
+                      f"; held-out loss {self.loss:.4f}" if self.loss is not None else ""))
+        self.rounds = SelfImitation(run, self.train_set, tokenise) if cfg.sft.self_rounds else None
+
+    def label(self, cfg: Config) -> str:
+        return "sft " + (Path(cfg.sft.data).name if cfg.sft.data else f"{cfg.env.name} " + (
+            "scripted" if cfg.sft.env_demos else "self-imitation"))
+
+    def held_out(self, cfg: Config) -> str:
+        return f"{cfg.env.name}: {cfg.eval.episodes} held-out episodes"
+
+    def collect(self, step: int) -> list[Episode] | None:
+        """``sft.batch_size`` conversations, a pure function of (``run.seed``, ``step``): of
+        the demonstrations, or of the round's successes and them (None: the round had none,
+        and the run stops here, ``SelfImitation.stop``)."""
+        cfg, self.step = self.run.cfg, step
+        if self.rounds:
+            self.train_set = self.rounds.train_set(step)
+            if self.train_set is None:  # nothing to imitate
+                self.stopped = step
+                self.rounds.stop(step)
+                return None
+        return [self.train_set[i] for i in step_indices(len(self.train_set), cfg.sft.batch_size,
+                                                         step, cfg.run.seed)]
+
+    def update(self, learner: Learner, episodes: list[Episode], timer: StageTimer) -> Update:
+        """One AdamW step on the batch's mean token NLL (``sft_update``); the held-out loss
+        when due (``eval_due``). Demonstrations earn no reward: no summary."""
+        cfg = self.run.cfg
+        with timer("update"):
+            metrics = sft_update(learner.model, learner.optimizer, episodes,
+                                 max_grad_norm=cfg.optim.max_grad_norm,
+                                 compute_dtype=cfg.optim.compute_dtype, **self.sizes)
+        metrics["sft/epoch"] = (self.step + 1) * cfg.sft.batch_size / len(self.train_set)
+        if self.held_out_set and eval_due(cfg, self.step):
+            with timer("eval"):
+                self.loss = metrics["eval/loss"] = self.held_out_loss()
+        self.fields = self.rounds.after_step(metrics) if self.rounds else {}
+        return None, metrics
+
+    def evaluate(self, run: Run, when: str) -> EvalResult | None:
+        """The env's evaluation (``sft.eval_env``); after training, the last round's line
+        first (a round's line comes once its steps are done)."""
+        if when == "after" and self.rounds:
+            self.rounds.end_round()
+        return super().evaluate(run, when)
+
+    def progress(self, metrics: dict[str, float]) -> dict:
+        return {"loss": metrics["sft/loss"], "held_out": self.loss, **self.fields}
+
+    def state_dict(self) -> dict:
+        return {"sft_loss_before": self.loss_before}
+
+    def held_out_loss(self) -> float | None:
+        return held_out_loss(self.run.learner.model, self.held_out_set, **self.sizes)
+
+    def result(self, result: TrainResult) -> SftResult:
+        """The run's result with the demonstrations' books; the held-out loss table."""
+        cfg = self.run.cfg
+        steps = cfg.run.steps if self.stopped is None else self.stopped
+        if self.held_out_set and self.run.start_step >= cfg.run.steps:  # a finished run resumed
+            self.loss = self.held_out_loss()
+        if self.held_out_set:
+            print_table("held-out demonstrations: mean NLL per assistant token",
+                        ["", "loss"], [["before", f"{self.loss_before:.4f}"],
+                                       [f"after {steps} steps", f"{self.loss:.4f}"]])
+        return SftResult(result.run_dir, steps, result.before, result.after, result.table,
+                         len(self.train_set or []), len(self.held_out_set), len(self.skipped),
+                         self.loss_before, self.loss if self.held_out_set else None, self.stopped)
+
+
+def demonstration_episodes(run: Run, demos: list[Demonstration]
+                           ) -> tuple[list[Episode], list[str]]:
+    """``demos`` and ``sft.env_demos``' scripted episodes, tokenised, and a line (printed)
+    per one skipped or left out; ``DataError`` when nothing is left to train on (unless
+    self-imitation rounds bring their own)."""
+    cfg, chat = run.cfg, run.policy.chat
     scripted, failed = env_demonstrations(cfg.env.name, cfg.env.options, cfg.sft.env_demos,
-                                          run.policy.chat, cfg.rollout.max_turns)
-    demos += scripted
-    episodes, skipped = tokenise(run.policy.chat, demos, skip_unfit=cfg.sft.skip_unfit,
+                                          chat, cfg.rollout.max_turns, cfg.rollout.env_timeout_s)
+    demos = demos + scripted
+    episodes, skipped = tokenise(chat, demos, skip_unfit=cfg.sft.skip_unfit,
                                  max_tokens=run.policy.max_context,
                                  min_reward=cfg.sft.min_reward)
     skipped = failed + skipped
@@ -232,63 +339,7 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
         raise DataError(f"{cfg.sft.data or cfg.env.name}: nothing to train on: all "
                         f"{len(demos) + len(failed)} rows were skipped or left out (the lines "
                         "above say why); no step was taken")
-    train_ids, held_ids = split(len(episodes), cfg.sft.eval_fraction, cfg.run.seed) \
-        if episodes else ([], [])
-    train_set, held_out = [episodes[i] for i in train_ids], [episodes[i] for i in held_ids]
-    sizes = {"pad_id": learner.pad_id, "micro_batch_size": cfg.optim.micro_batch_size,
-             "token_budget": learner.settings.token_budget}
-    before = run.checkpoint_state.get("sft_loss_before") if run.start_step else None
-    if before is None:
-        before = held_out_loss(model, held_out, **sizes)
-    if episodes or skipped:  # self-imitation alone has no demonstrations to count
-        print(f"sft: {len(train_set)} sequences to train on, {len(held_out)} held out, "
-              f"{len(skipped)} skipped"
-              + (f"; held-out loss {before:.4f}" if before is not None else ""))
-    env_before = evaluate_env(run, "before")
-    loss = before
-    label = Path(cfg.sft.data).name if cfg.sft.data else f"{cfg.env.name} " + (
-        "scripted" if cfg.sft.env_demos else "self-imitation")
-    rounds = SelfImitation(run, train_set, tokenise) if cfg.sft.self_rounds else None
-    stopped = None
-    with step_logging(run, f"sft {label}") as (logger, progress):
-        for step in range(run.start_step, cfg.run.steps):
-            timer = StageTimer()
-            if rounds:
-                with timer("play"):
-                    train_set = rounds.train_set(step)
-                if train_set is None:  # a round with no success: nothing to imitate
-                    rounds.stop(stopped := step)
-                    break
-            batch = [train_set[i] for i in step_indices(len(train_set), cfg.sft.batch_size,
-                                                         step, cfg.run.seed)]
-            with timer("update"):
-                metrics = sft_update(model, learner.optimizer, batch,
-                                     max_grad_norm=cfg.optim.max_grad_norm,
-                                     compute_dtype=cfg.optim.compute_dtype, **sizes)
-            run.policy.engine.version = step + 1
-            metrics["sft/epoch"] = (step + 1) * cfg.sft.batch_size / len(train_set)
-            if held_out and eval_due(cfg, step):
-                with timer("eval"):
-                    loss = metrics["eval/loss"] = held_out_loss(model, held_out, **sizes)
-            fields = rounds.after_step(metrics) if rounds else {}
-            end_step(run, step, batch, None, metrics, timer, logger, progress,
-                     checkpoint_extra={"sft_loss_before": before}, loss=metrics["sft/loss"],
-                     held_out=loss, **fields)
-        if rounds:
-            rounds.end_round()
-    steps = cfg.run.steps if stopped is None else stopped
-    if held_out and run.start_step >= cfg.run.steps:  # resumed a finished run: nothing ran
-        loss = held_out_loss(model, held_out, **sizes)
-    env_after = evaluate_env(run, "after")
-    if env_before and env_after:
-        finish_run(run, env_before, env_after, f"{cfg.env.name}: {cfg.eval.episodes} "
-                   "held-out episodes")
-    if held_out:
-        print_table("held-out demonstrations: mean NLL per assistant token",
-                    ["", "loss"], [["before", f"{before:.4f}"],
-                                   [f"after {steps} steps", f"{loss:.4f}"]])
-    return SftResult(run.run_dir, steps, len(train_set or []), len(held_out), len(skipped),
-                     before, loss if held_out else None, env_before, env_after, stopped)
+    return episodes, skipped
 
 
 def eval_due(cfg: Config, step: int) -> bool:

@@ -51,7 +51,6 @@ the step's ``reward/mean`` and ``success/rate`` leave guided episodes out (the p
 from __future__ import annotations
 
 import hashlib
-import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -59,12 +58,17 @@ from typing import Any
 
 import torch
 
+from turnrl.demos.scripted import (
+    Delegating,
+    PlayerEngine,
+    ScriptedEnv,
+    has_reference_player,
+    maybe_await,
+    player_for,
+)
 from turnrl.envs.contract import hint as env_hint
-from turnrl.envs.contract import prompt_and_tools
-from turnrl.envs.reference import REFERENCE_POLICIES, player_reply, reference_player
+from turnrl.envs.reference import player_reply
 from turnrl.rollout import run_episodes, run_sync
-from turnrl.rollout.chat import ChatFormat
-from turnrl.samplers.base import Completion, SamplingParams
 from turnrl.trainer.rl_step import explore_settings
 from turnrl.trainer.step import batch_logprobs, update_autocast
 from turnrl.types import Batch, Episode
@@ -80,32 +84,7 @@ def failed_groups(episodes: Sequence[Episode]) -> list[tuple[int, int]]:
             if not any(ep.success for ep in eps) and len({ep.reward for ep in eps}) == 1]
 
 
-async def _maybe_await(value: Any) -> Any:
-    """An env's reset or step may be ``async`` or plain ``def`` (envs/contract.py)."""
-    return await value if inspect.isawaitable(value) else value
-
-
-def has_reference_player(env: Any, env_name: str) -> bool:
-    """Whether ``env`` offers a reference player: its own ``reference_player()`` or a built-in
-    one for its name (envs/reference.py)."""
-    return callable(getattr(env, "reference_player", None)) or env_name in REFERENCE_POLICIES
-
-
-class _Delegating:
-    """An env seen through a wrapper: what the wrapper does not define is the env's own
-    (system prompt, tools, ``state_key``, ``cooperative``), so the turn loop sees the env."""
-
-    def __init__(self, env: Any) -> None:
-        self._env = env
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_env"], name)
-
-    async def step(self, action: str):
-        return await _maybe_await(self._env.step(action))
-
-
-class HintedEnv(_Delegating):
+class HintedEnv(Delegating):
     """``env`` with ``hint`` appended to its first observation."""
 
     def __init__(self, env: Any, hint: str) -> None:
@@ -113,68 +92,7 @@ class HintedEnv(_Delegating):
         self._hint = hint
 
     async def reset(self, seed: int) -> str:
-        return f"{await _maybe_await(self._env.reset(seed))}\n\n{self._hint}"
-
-
-class ScriptedEnv(_Delegating):
-    """``env`` with its reference player's next reply ready for ``PlayerEngine``: the player
-    reads each observation as the env returns it, before the loop asks for the reply. The
-    player's failures (it raises, or replies with something not text) are the env's: its
-    episode fails with the reason, and training goes on."""
-
-    def __init__(self, env: Any, env_name: str, native_format: str | None = None) -> None:
-        super().__init__(env)
-        self._env_name, self._native = env_name, native_format
-        self.player, self.next_reply = None, ""
-
-    async def reset(self, seed: int) -> str:
-        observation = await _maybe_await(self._env.reset(seed))
-        self.player = player_for(self._env, self._env_name, self._native)
-        if self.player is None:
-            raise RuntimeError(f"env '{self._env_name}' offers no reference player for seed "
-                               f"{seed} (reference_player() returned None)")
-        self.player.reset(observation)
-        self.next_reply = player_reply(self.player, observation)
-        return observation
-
-    async def step(self, action: str):
-        result = await super().step(action)
-        if not getattr(result, "done", True):  # a malformed result is the loop's to refuse
-            self.next_reply = player_reply(self.player, result.observation)
-        return result
-
-
-def player_for(env: Any, env_name: str, native_format: str | None) -> Any:
-    """The reference player of a freshly reset ``env``, once the env knows the model's own
-    tool-call format: a ``ToolEnv`` learns it from ``tool_prompt``, which the turn loop calls
-    only after ``reset``, and its player writes calls in the format the env then holds."""
-    prompt_and_tools(env, native_format)
-    return reference_player(env, env_name)
-
-
-class PlayerEngine:
-    """An ``Engine`` whose "sample" is the reference player's next reply, tokenised as the
-    policy's would be (the reply's tokens and the end of turn), so the turn loop records the
-    demonstration with its own bookkeeping. One episode at a time: every prompt gets the
-    reply of the one ``ScriptedEnv``. Log-probs are placeholders until ``learner_logprobs``.
-
-    A reply longer than ``max_new_tokens`` is cut there, as the sampler would be, and
-    ``longest`` remembers it (the caller refuses such a demonstration: the policy could
-    never write it)."""
-
-    def __init__(self, env: ScriptedEnv, chat: ChatFormat, version: int) -> None:
-        self.env, self.chat, self.version = env, chat, version
-        self.longest = 0
-        """The most tokens a reply took, its end of turn included."""
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> list[Completion]:
-        ids = self.chat.encode(self.env.next_reply) + [self.chat.end_of_turn]
-        self.longest = max(self.longest, len(ids))
-        finish = "stop"
-        if len(ids) > params.max_new_tokens:
-            ids, finish = ids[:params.max_new_tokens], "length"
-        return [Completion(list(ids), [0.0] * len(ids), finish) for _ in prompts]
+        return f"{await maybe_await(self._env.reset(seed))}\n\n{self._hint}"
 
 
 def next_hint_level(level: int, solved: bool, levels: int) -> int:
@@ -227,7 +145,7 @@ async def hint_at(env: Any, env_name: str, seed: int, level: int, levels: int,
     """The hint for ``seed`` at ``level``: the env's own ``hint(level)``, else one derived from
     its reference player's first reply (None: neither); tool calls in the model's own format
     (``native_format``, ``player_for``)."""
-    observation = await _maybe_await(env.reset(seed))
+    observation = await maybe_await(env.reset(seed))
     own = env_hint(env, level)
     if own is not None:
         return own

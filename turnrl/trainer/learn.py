@@ -1,6 +1,6 @@
 """THE learner loop: ``learn(cfg, source)``, for every way episodes arrive.
 
-    collect -> rl_step -> publish -> metrics -> end_step
+    collect -> update (rl_step) -> publish -> metrics -> end_step
 
 Where the episodes come from is a ``RolloutSource``; the loop never knows which:
 
@@ -11,9 +11,11 @@ Where the episodes come from is a ``RolloutSource``; the loop never knows which:
   staleness (trainer/buffer.py), the pool sized from measured rates.
 - ``ServedSource`` (serve/source.py): agent code written against the OpenAI API plays a live
   ``turnrl serve``; lock-step or continuous (``run.mode``).
+- ``DemonstrationSource`` (sft/train.py, ``turnrl sft``): each step's batch of demonstrations,
+  its ``update`` the token NLL of supervised fine-tuning instead of ``rl_step``.
 
-A new way (demonstrations, self-play games, ...) is one more class with these methods; the
-loop does not change. Sources that hand over episodes sampled by older weights say so
+A new way (self-play games, ...) is one more class with these methods; the loop does not
+change. Sources that hand over episodes sampled by older weights say so
 (``off_policy``): the update then always uses decoupled PPO (``trainer/step.py``).
 """
 
@@ -26,12 +28,16 @@ import torch
 
 from turnrl.config import Config
 from turnrl.evaluation import EvalResult
+from turnrl.policy import publish
 from turnrl.trainer.bookkeeping import TrainResult, end_step, finish_run, step_logging
 from turnrl.trainer.curriculum import held_out_title
 from turnrl.trainer.evaluation import evaluate_env
-from turnrl.trainer.rl_step import StageTimer, rl_step
+from turnrl.trainer.rl_step import Learner, StageTimer, rl_step
 from turnrl.trainer.run import Run, start_run
 from turnrl.types import Episode
+
+Update = tuple[EvalResult | None, dict[str, float]]
+"""A step's update: the summary of its episodes (None: no reward to show) and its metrics."""
 
 
 class RolloutSource(Protocol):
@@ -61,15 +67,22 @@ class RolloutSource(Protocol):
     def wait_ready(self) -> None:
         """Block until generation can start; raise if it cannot."""
 
-    def collect(self, step: int) -> list[Episode]:
-        """The episodes of ``step`` (``rollout.groups_per_step`` groups of them)."""
+    def collect(self, step: int) -> list[Episode] | None:
+        """The episodes of ``step`` (``rollout.groups_per_step`` groups of them); None: there
+        is nothing more to train on, and the run ends before ``step``."""
 
     def updating(self) -> AbstractContextManager:
         """The context the update runs in (a server shares the weights: it holds its lock)."""
 
+    def update(self, learner: Learner, episodes: list[Episode], timer: StageTimer) -> Update:
+        """Train ``learner`` on the step's ``episodes``: ``rl_step``, or SFT's token NLL."""
+
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
         """Metrics of a trained step (staleness, drops, waits); may adapt the source."""
+
+    def progress(self, metrics: dict[str, float]) -> dict:
+        """The progress bar's fields of the step's own (beside reward, success, turns)."""
 
     def state_dict(self) -> dict:
         """What a resume needs, saved with the checkpoint."""
@@ -87,13 +100,14 @@ class RolloutSource(Protocol):
 
 
 class SourceDefaults:
-    """What most sources do: on-policy, env evaluation, nothing to publish, lock or save."""
+    """What most sources do: on-policy, ``rl_step``, env evaluation, nothing to publish, lock
+    or save."""
 
     off_policy = False
     learner_threads: int | None = None
 
     def open(self, run: Run) -> None:
-        pass
+        self.run = run
 
     def label(self, cfg: Config) -> str:
         return cfg.env.name
@@ -102,7 +116,10 @@ class SourceDefaults:
         return held_out_title(cfg)
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
-        pass
+        """The learner's own sampler (evaluation, self-imitation rounds) takes the weights."""
+        run = getattr(self, "run", None)  # a source whose ``open`` keeps no run samples nothing
+        if run is not None:
+            publish(run.policy.engine, model, version)
 
     def evaluate(self, run: Run, when: str) -> EvalResult | None:
         return evaluate_env(run, when)
@@ -113,9 +130,16 @@ class SourceDefaults:
     def updating(self) -> AbstractContextManager:
         return nullcontext()
 
+    def update(self, learner: Learner, episodes: list[Episode], timer: StageTimer) -> Update:
+        return rl_step(learner, episodes, timer)
+
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
         return {}
+
+    def progress(self, metrics: dict[str, float]) -> dict:
+        stale = metrics.get("async/staleness_mean")
+        return {"stale": None if stale is None else f"{stale:.1f}"}
 
     def state_dict(self) -> dict:
         return {}
@@ -145,16 +169,16 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
                 timer = StageTimer()
                 with timer("collect"):
                     episodes = source.collect(step)
+                if episodes is None:  # nothing more to train on
+                    break
                 with source.updating():
-                    summary, metrics = rl_step(run.learner, episodes, timer)
+                    summary, metrics = source.update(run.learner, episodes, timer)
                 with timer("publish"):
                     source.publish(step + 1, model)
                 metrics.update(source.step_metrics(step, episodes, metrics))
-                stale = metrics.get("async/staleness_mean")
                 end_step(run, step, episodes, summary, metrics, timer, logger, progress,
                          checkpoint_extra=source.state_dict(),
-                         checkpoint_frozen=source.frozen_weights(),
-                         stale=None if stale is None else f"{stale:.1f}")
+                         checkpoint_frozen=source.frozen_weights(), **source.progress(metrics))
         after = source.evaluate(run, "after")
         return source.result(finish_run(run, before, after, source.held_out(cfg)))
     finally:
