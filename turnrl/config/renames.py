@@ -83,17 +83,12 @@ def translate_stored(data: Any) -> Any:
     out = {section: dict(values) if isinstance(values, Mapping) else values
            for section, values in copy.deepcopy(dict(data)).items()}
     for old, new in MOVED.items():
-        old_section, old_name = old.split(".")
-        values = out.get(old_section)
-        if not isinstance(values, dict) or old_name not in values:
+        if (taken := _take(out, old, new)) is None:
             continue
-        value = values.pop(old_name)
-        new_section, new_name = new.split(".")
-        target = out.setdefault(new_section, {})
-        if isinstance(target, dict):
-            target.setdefault(new_name, value)
-            if old in OLD_VALUE_WINS and value != OLD_VALUE_WINS[old]:
-                target[new_name] = value
+        value, target, new_name = taken
+        target.setdefault(new_name, value)
+        if old in OLD_VALUE_WINS and value != OLD_VALUE_WINS[old]:
+            target[new_name] = value
     _worker_sampler(out)
     for section in REMOVED_SECTIONS:
         if out.get(section) == {}:
@@ -109,12 +104,20 @@ def _worker_sampler(out: dict) -> None:
     workers = ray.get("engine", "hf") if isinstance(ray, dict) else "hf"
     replaces = isinstance(run, dict) and run.get("mode") == "async" and workers != "hf"
     for old, new in WORKER_SAMPLER.items():
-        old_section, old_name = old.split(".")
-        values = out.get(old_section)
-        if not isinstance(values, dict) or old_name not in values:
-            continue
-        value = values.pop(old_name)
-        new_section, new_name = new.split(".")
-        target = out.setdefault(new_section, {})
-        if replaces and isinstance(target, dict):
+        if (taken := _take(out, old, new)) is not None and replaces:
+            value, target, new_name = taken
             target[new_name] = value
+
+
+def _take(out: dict, old: str, new: str) -> tuple[Any, dict, str] | None:
+    """Pop the stored key ``old`` (``section.name``) from ``out``: (its value, the section
+    ``new`` goes in, created if missing, ``new``'s name); None when ``old`` is not there or
+    the new section is not a mapping."""
+    old_section, old_name = old.split(".")
+    values = out.get(old_section)
+    if not isinstance(values, dict) or old_name not in values:
+        return None
+    value = values.pop(old_name)
+    new_section, new_name = new.split(".")
+    target = out.setdefault(new_section, {})
+    return (value, target, new_name) if isinstance(target, dict) else None
