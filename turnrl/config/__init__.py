@@ -43,6 +43,7 @@ from turnrl.config.distill import DistillConfig
 from turnrl.config.env_plan import Curriculum, EnvModule, MixEntry, parse_env_module
 from turnrl.config.explore import ExploreConfig
 from turnrl.config.help import config_help, section_help, sections_help
+from turnrl.config.learner import LearnerConfig
 from turnrl.config.load import (
     changed_keys,
     config_from_dict,
@@ -81,6 +82,7 @@ __all__ = [
     "EnvModule",
     "EvalConfig",
     "ExploreConfig",
+    "LearnerConfig",
     "LossAgg",
     "LoraSpec",
     "MixEntry",

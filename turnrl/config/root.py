@@ -18,6 +18,7 @@ from turnrl.config.core import (
 from turnrl.config.critic import CriticConfig
 from turnrl.config.distill import DistillConfig
 from turnrl.config.explore import ExploreConfig
+from turnrl.config.learner import LearnerConfig
 from turnrl.config.sampler import SamplerConfig
 from turnrl.config.serve import ServeConfig
 from turnrl.config.sft import SftConfig
@@ -44,6 +45,8 @@ class Config:
     """held-out evaluation before, during and after training"""
     run: RunConfig = field(default_factory=RunConfig)
     """run bookkeeping: steps, seed, directory, checkpoints, logging, mode"""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """the learner's processes: one, or ranks on torch.distributed (ddp or fsdp)"""
     ray: RayConfig = field(default_factory=RayConfig)
     """async mode: the Ray cluster and its rollout workers"""
     staleness: StalenessConfig = field(default_factory=StalenessConfig)

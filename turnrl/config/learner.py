@@ -1,0 +1,45 @@
+"""The ``learner`` section: how many processes train the policy, and how they share it.
+
+World size 1 is the one-process learner every other section describes (its weights bit for
+bit what they were before this section existed). Above 1, ``turnrl train`` starts that many
+learner ranks on torch.distributed (docs/learner.md): rank 0 owns the run (the run directory,
+the rollout source, the progress bar, metrics, checkpoints) and scatters each step's episodes;
+every rank updates on its share, the gradients summed so the update is the one-process one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from turnrl.config.types import Section
+
+
+@dataclass(frozen=True)
+class LearnerConfig(Section):
+    world_size: int = 1
+    """learner processes (ranks). 1: this process alone; N: turnrl train starts N ranks on
+    this machine (torchrun's RANK/WORLD_SIZE are read instead when set)"""
+    strategy: Literal["ddp", "fsdp"] = "fsdp"
+    """world_size > 1: ddp keeps a whole copy of the weights and optimiser state on every
+    rank and sums gradients; fsdp (FSDP2 fully_shard per decoder layer and on the root)
+    keeps 1/N of each on every rank, gathering a layer's weights as it runs"""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto = nccl on CUDA, gloo on CPU"""
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """fsdp: the dtype weights are gathered and computed in (auto: the model's)"""
+    reduce_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """fsdp: the dtype gradients are summed in across ranks (auto: the model's)"""
+    cpu_offload: bool = False
+    """fsdp on GPUs: keep the shards, gradients and optimiser state in CPU memory between
+    uses (less GPU memory, slower steps)"""
+    timeout_s: float = 600.0
+    """the longest any collective may wait for the other ranks before the run stops, naming
+    the rank that did not answer (a dead rank is noticed at once)"""
+    port: int = 0
+    """the rendezvous port on 127.0.0.1 for ranks turnrl train starts (0: a free one)"""
+
+    def _check(self) -> None:
+        self._at_least(1, "world_size")
+        self._require("timeout_s", self.timeout_s > 0, "> 0")
+        self._require("port", 0 <= self.port < 65536, "a port number (0: a free one)")

@@ -1,0 +1,122 @@
+"""The learner ranks of this run, and how rank 0 tells the others what to do.
+
+Rank 0 runs the one learner loop (trainer/learn.py) with its source, progress bar, metrics
+and run directory; the other ranks hold their share of the model and wait for commands
+(``trainer/ranks.py``'s ``follow``). Before each collective step (an update, gathering the
+weights to publish, a sharded checkpoint) rank 0 broadcasts the command with its payload, so
+every rank enters the same collectives in the same order.
+
+Commands travel on a gloo group of their own (Python objects on the CPU), so a run on NCCL
+never moves pickles through GPU memory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class RankLost(RuntimeError):
+    """Another rank stopped answering (died, or hung past ``learner.timeout_s``)."""
+
+
+@dataclass
+class World:
+    """This process's place among the learner ranks."""
+
+    rank: int
+    size: int
+    strategy: str
+    """``ddp`` or ``fsdp`` (``learner.strategy``)."""
+    device: torch.device
+    timeout_s: float
+    commands: Any = None
+    """The gloo process group commands travel on."""
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def command(self, name: str, payload: Any = None) -> None:
+        """Rank 0: tell every rank to do ``name`` (with ``payload``) next."""
+        assert self.leader, "only rank 0 gives commands"
+        self._broadcast([name, payload])
+
+    def receive(self) -> tuple[str, Any]:
+        """Ranks > 0: the next command and its payload."""
+        name, payload = self._broadcast([None, None])
+        return name, payload
+
+    def _broadcast(self, message: list) -> list:
+        try:
+            dist.broadcast_object_list(message, src=0, group=self.commands)
+        except RuntimeError as err:
+            raise lost(err) from None
+        return message
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """``tensor`` reduced over the ranks, in place (on the tensor's own device)."""
+        try:
+            dist.all_reduce(tensor, op=op)
+        except RuntimeError as err:
+            raise lost(err) from None
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``tensor`` on every rank, in place."""
+        try:
+            dist.broadcast(tensor, src=0)
+        except RuntimeError as err:
+            raise lost(err) from None
+        return tensor
+
+
+def lost(err: BaseException) -> RankLost:
+    """A failed collective as one line: which rank went, and what to do."""
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return RankLost(f"a learner rank stopped answering ({text[:300]}); the run stopped: "
+                    "resume it with --resume (the last checkpoint is whole)")
+
+
+_CURRENT: list[World] = []
+_SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def join(rank: int, size: int, strategy: str, backend: str, device: torch.device,
+         timeout_s: float, address: str, port: int) -> World:
+    """Join the process group of ``size`` ranks at ``address:port`` as ``rank``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank,
+                            world_size=size, timeout=timeout)
+    commands = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    world = World(rank, size, strategy, device, timeout_s, commands)
+    _CURRENT[:] = [world]
+    return world
+
+
+def current() -> World | None:
+    """The learner ranks this process belongs to (None: a one-process learner)."""
+    return _CURRENT[0] if _CURRENT else None
+
+
+def leave() -> None:
+    """Leave the process group (safe when never joined)."""
+    if _CURRENT:
+        _CURRENT.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def mark_sharded(model: torch.nn.Module, world: World) -> None:
+    """Record that ``model`` is split over ``world`` (its weights move with collectives)."""
+    _SHARDED[model] = world
+
+
+def world_of(model: torch.nn.Module) -> World | None:
+    """The ranks ``model`` is split over (None: a whole model in this process)."""
+    return _SHARDED.get(model)
