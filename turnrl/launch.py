@@ -8,6 +8,7 @@ started). The trainer never imports ``turnrl.distributed``: this module joins th
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from turnrl.config import Config, ConfigError
 from turnrl.distributed.cluster import connect
@@ -42,6 +43,14 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
 
 
 def _train(cfg: Config, resume: bool) -> TrainResult:
+    if cfg.learner.world_size > 1 or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        from turnrl.trainer.ranks import run_as_rank0
+
+        return run_as_rank0(cfg, lambda: _train_here(cfg, resume))
+    return _train_here(cfg, resume)
+
+
+def _train_here(cfg: Config, resume: bool) -> TrainResult:
     load_env_module(cfg.env.module)  # the user's envs: the warm-up may play them already
     cfg, resume = warm_up(cfg, resume=resume)
     if cfg.run.mode == "async":

@@ -21,7 +21,15 @@ from turnrl.envs import Env, make_env
 from turnrl.envs.contract import uses_pool
 from turnrl.envs.mix import MixEnv
 from turnrl.envs.user_module import load_env_module
-from turnrl.lora import add_adapter, base_copy, published_state, require_peft, vllm_lora_config
+from turnrl.lora import (
+    add_adapter,
+    base_copy,
+    published_pairs,
+    published_state,
+    require_peft,
+    sharded,
+    vllm_lora_config,
+)
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat
 from turnrl.rollout.chat import (
@@ -31,6 +39,7 @@ from turnrl.rollout.chat import (
 )
 from turnrl.samplers import SamplingParams, chooser
 from turnrl.samplers.base import Engine
+from turnrl.samplers.hf import HFEngine
 from turnrl.selfplay.evaluation import evaluation_factories
 
 
@@ -62,16 +71,7 @@ def load_policy(cfg: Config, announce: bool = True, who: str = "learner") -> Pol
     (naming ``who``) unless the caller replaces the sampler (``announce`` False) and prints
     its own."""
     load_env_module(cfg.env.module)  # the user's envs, before any is built
-    lora = cfg.model.lora_plan()
-    if lora is not None:
-        require_peft()  # before the model loads: one line, not a traceback minutes later
-    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
-                                  cache_dir=cfg.model.cache_dir or None,
-                                  revision=cfg.model.revision,
-                                  trust_remote_code=cfg.model.trust_remote_code)
-    model.to(resolve_device(cfg.model.device))
-    if lora is not None:
-        model = add_adapter(model, lora)
+    model, tokenizer = policy_model(cfg)
     # Fails at start-up, not mid-run, if the template breaks token-in-token-out.
     chat = checked_chat(tokenizer, cfg.model.chat_template)
     make, eval_makes = env_factories(cfg)  # bad names or options fail here, in one line
@@ -83,13 +83,34 @@ def load_policy(cfg: Config, announce: bool = True, who: str = "learner") -> Pol
                   eval_makes)
 
 
+def policy_model(cfg: Config, device: torch.device | str | None = None
+                 ) -> tuple[torch.nn.Module, object]:
+    """The policy's model (with a fresh LoRA adapter under ``model.lora``) on ``device``
+    (None: ``model.device``'s), and its tokenizer."""
+    lora = cfg.model.lora_plan()
+    if lora is not None:
+        require_peft()  # before the model loads: one line, not a traceback minutes later
+    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype,
+                                  cache_dir=cfg.model.cache_dir or None,
+                                  revision=cfg.model.revision,
+                                  trust_remote_code=cfg.model.trust_remote_code)
+    model.to(device or resolve_device(cfg.model.device))
+    if lora is not None:
+        model = add_adapter(model, lora)
+    return model, tokenizer
+
+
 def publish(engine: Engine, model: torch.nn.Module, version: int) -> None:
     """The one path new weights take to a sampler (every source, serve, checkpoint
     evaluation, the ``auto`` probe): an HF engine on ``model``'s own tensors reloads them where
     they are; any other engine (a copy, ct2, vLLM) gets ``published_state``: LoRA-aware, the
     adapter alone for a LoRA model (vLLM loads it as an adapter), every weight otherwise."""
-    own = getattr(engine, "model", None) is model
-    engine.load(None if own else published_state(model), version)
+    if getattr(engine, "model", None) is model:
+        engine.load(None, version)
+    elif sharded(model) and isinstance(engine, HFEngine):  # shards gathered one at a time
+        engine.load(published_pairs(model), version)
+    else:
+        engine.load(published_state(model), version)
 
 
 def sampler_choice(cfg: Config, who: str = "learner") -> tuple[str, str]:

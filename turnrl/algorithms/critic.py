@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from turnrl.algorithms.credit import td_targets, value_targets
+from turnrl.learner.shard import through_root
 from turnrl.types import Episode
 
 
@@ -72,8 +73,8 @@ def extract_turn_features(model: nn.Module, episodes: Sequence[Episode], pad_id:
                 n = len(episodes[i].token_ids)
                 ids[row, :n] = torch.tensor(episodes[i].token_ids)
                 mask[row, :n] = 1
-            hidden = decoder(input_ids=ids.to(device),
-                             attention_mask=mask.to(device)).last_hidden_state
+            hidden = through_root(model, decoder, input_ids=ids.to(device),
+                                  attention_mask=mask.to(device)).last_hidden_state
             for row, i in enumerate(rows):
                 ep = episodes[i]
                 state_at = [max(t.start - 1, 0) for t in ep.turns] + [len(ep.token_ids) - 1]

@@ -17,6 +17,7 @@ initialised from each process's own random stream cannot differ.
 
 from __future__ import annotations
 
+import types
 from itertools import chain
 
 import torch
@@ -48,9 +49,8 @@ def broadcast_weights(model: nn.Module, world: World) -> None:
 
 
 def shard(model: nn.Module, world: World, cfg: LearnerConfig) -> nn.Module:
-    """``model`` split over ``world`` as ``cfg.strategy`` says, in place (rank 0's weights on
-    every rank); returns it. A model FSDP cannot wrap is a one-line ``ConfigError``."""
-    broadcast_weights(model, world)
+    """``model`` split over ``world`` as ``cfg.strategy`` says, in place; returns it. Call
+    ``broadcast_weights`` first. A model FSDP cannot wrap is a one-line ``ConfigError``."""
     if world.strategy == "fsdp":
         _fully_shard(model, cfg)
     mark_sharded(model, world)
@@ -64,6 +64,7 @@ def _fully_shard(model: nn.Module, cfg: LearnerConfig) -> None:
         MixedPrecisionPolicy,
         OffloadPolicy,
         fully_shard,
+        register_fsdp_forward_method,
     )
 
     layers = decoder_layers(model)
@@ -79,7 +80,24 @@ def _fully_shard(model: nn.Module, cfg: LearnerConfig) -> None:
     fully_shard(model, mp_policy=precision, offload_policy=offload)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # sums, not means: see the module docstring
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
             module.set_gradient_divide_factor(1.0)
+    # TurnRL scores only the policy tokens (the decoder, then the LM head on the rows it
+    # needs), never through ``forward``: this method runs such a function under the root's
+    # FSDP hooks, which gather the root's weights and reduce their gradients.
+    model.through_root = types.MethodType(_call, model)
+    register_fsdp_forward_method(model, "through_root")
+
+
+def _call(self: nn.Module, fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def through_root(model: nn.Module, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, under ``model``'s FSDP root hooks when it is sharded (a
+    function that calls its submodules rather than its ``forward``)."""
+    call = getattr(model, "through_root", None)
+    return fn(*args, **kwargs) if call is None else call(fn, *args, **kwargs)
 
 
 def is_fsdp(model: nn.Module) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +94,8 @@ def join(rank: int, size: int, strategy: str, backend: str, device: torch.device
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank,
                             world_size=size, timeout=timeout)
-    commands = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    # Commands may be minutes apart (rank 0 evaluates, collects): their own group waits long.
+    commands = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
     world = World(rank, size, strategy, device, timeout_s, commands)
     _CURRENT[:] = [world]
     return world
@@ -120,3 +122,19 @@ def mark_sharded(model: torch.nn.Module, world: World) -> None:
 def world_of(model: torch.nn.Module) -> World | None:
     """The ranks ``model`` is split over (None: a whole model in this process)."""
     return _SHARDED.get(model)
+
+
+def gathered(state: dict[str, torch.Tensor], world: World) -> Iterator[tuple[str, torch.Tensor]]:
+    """``state``'s tensors whole, one at a time (FSDP shards are all-gathered in turn, so no
+    rank holds more than one whole tensor beyond its shards). Every rank iterates it in step;
+    rank 0 first tells the others to (``gather``)."""
+    from torch.distributed.tensor import DTensor
+
+    if world.leader:
+        world.command("gather")
+    for name, tensor in state.items():
+        try:
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        except RuntimeError as err:
+            raise lost(err) from None
+        yield name, whole.detach()

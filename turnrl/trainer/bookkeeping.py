@@ -11,7 +11,7 @@ before/after table. Set-up is ``trainer/run.py``'s; the held-out evaluation itse
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +23,7 @@ from turnrl.config import config_to_dict
 from turnrl.evaluation import COLUMNS, EvalResult, whole_games
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table
 from turnrl.trainer.evaluation import periodic_eval, write_transcripts
-from turnrl.trainer.rl_step import StageTimer
+from turnrl.trainer.rl_step import Learner, StageTimer
 from turnrl.trainer.run import Run
 from turnrl.types import Episode, write_episodes
 
@@ -85,7 +85,24 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult |
                         keep=cfg.run.keep_checkpoints, extra=checkpoint_extra,
                         frozen=checkpoint_frozen,
                         components={"estimator": learner.estimator.state_dict(),
-                                    "exploration": learner.explore.state_dict()})
+                                    "exploration": learner.explore.state_dict()},
+                        weights=sharded_weights(learner))
+
+
+def sharded_weights(learner: Learner) -> Callable[[Path], None] | None:
+    """With learner ranks, how a checkpoint's model and optimiser state is written: every
+    rank its part of one torch.distributed.checkpoint directory (None: one process, today's
+    files)."""
+    world = learner.world
+    if world is None:
+        return None
+    from turnrl.learner.checkpoints import save_sharded
+
+    def write(directory: Path) -> None:
+        world.command("save", directory)
+        save_sharded(directory, learner.model, learner.optimizer)
+
+    return write
 
 
 def finish_run(run: Run, before: EvalResult | None, after: EvalResult | None,

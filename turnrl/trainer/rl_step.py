@@ -25,9 +25,19 @@ from turnrl.algorithms.estimators import AdvantageEstimator
 from turnrl.algorithms.exploration import Exploration
 from turnrl.config import DistillConfig, ExploreConfig
 from turnrl.evaluation import EvalResult, count_end_reasons, summarize
+from turnrl.learner.share import Share, global_totals, split_rows
+from turnrl.learner.world import World
 from turnrl.selfplay.outcomes import game_step_metrics
 from turnrl.trainer.distill import distill_batch
-from turnrl.trainer.step import UpdateSettings, policy_update
+from turnrl.trainer.prefix import shared_prefix_split
+from turnrl.trainer.step import (
+    UpdateSettings,
+    policy_rows,
+    policy_update,
+    skipped_update,
+    uses_proximal,
+    with_proximal_logprobs,
+)
 from turnrl.types import Batch, Episode
 
 
@@ -47,6 +57,8 @@ class Learner:
     teacher: torch.nn.Module | None = None
     """The frozen teacher of on-policy distillation (``distill``; None = off)."""
     distill: DistillConfig = field(default_factory=DistillConfig)
+    world: World | None = None
+    """The learner ranks the model is split over (None: this process alone)."""
 
 
 class StageTimer:
@@ -78,6 +90,8 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
     ``distill.teacher``, ``teacher`` (between the two) scores the policy tokens under it and
     adds the per-token reverse-KL advantage (``trainer/distill.py``).
     """
+    if learner.world is not None and learner.world.leader:  # every rank updates in step
+        learner.world.command("update", episodes)
     if not any(ep.num_policy_tokens for ep in episodes):
         return skipped_step(learner, episodes, timer)
     explore = learner.explore
@@ -94,8 +108,11 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
             batch, distill_metrics = distill_batch(learner.teacher, batch,
                                                    explore_settings(learner), learner.distill)
     with timer("update"):
-        update_metrics = policy_update(learner.model, learner.optimizer, batch,
-                                       explore_settings(learner), learner.ref_model)
+        if learner.world is None:
+            update_metrics = policy_update(learner.model, learner.optimizer, batch,
+                                           explore_settings(learner), learner.ref_model)
+        else:
+            update_metrics = ranks_update(learner, batch, explore_settings(learner))
     with timer("log"):
         summary, metrics = episode_metrics(policy_episodes(episodes))
         metrics.update(update_metrics)
@@ -103,6 +120,30 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
         metrics.update(learner.estimator.metrics())
         metrics.update(explore.end_step(update_metrics))
     return summary, metrics
+
+
+def ranks_update(learner: Learner, batch: Batch, settings: UpdateSettings) -> dict[str, float]:
+    """``policy_update`` on this rank's share of ``batch`` (every rank holds all of it),
+    equal to the one-process update on all of it (``turnrl.learner.share``). Rank 0's
+    advantages and loss mask are taken, so a critic or a stateful shaping on another rank
+    can never train on other numbers."""
+    world, model = learner.world, learner.model
+    batch = replace(batch, advantages=world.broadcast(batch.advantages.contiguous()),
+                    loss_mask=world.broadcast(batch.loss_mask.contiguous()))
+    if (skip := skipped_update(batch, settings)) is not None:
+        return skip
+    if uses_proximal(settings.algo) and settings.algo.epochs > 1:
+        # every rank scores the whole batch: FSDP's gathers stay in step, no rows to send
+        batch = with_proximal_logprobs(model, batch, settings)
+    split = shared_prefix_split(batch)
+    owners = split.owner.tolist() if split is not None else list(range(len(batch)))
+    scored = batch.loss_mask.bool().any(dim=1)
+    tokens = (batch.attention_mask.sum(dim=1) * scored).tolist()
+    rows = split_rows(owners, tokens, world.size)[world.rank]
+    share = Share(world, global_totals(batch), batch.select(policy_rows(batch)[:1]))
+    return policy_update(model, learner.optimizer,
+                         batch.select(torch.tensor(rows, dtype=torch.long)), settings,
+                         learner.ref_model, share=share)
 
 
 def skipped_step(learner: Learner, episodes: list[Episode], timer: StageTimer

@@ -33,6 +33,9 @@ from turnrl.config import (
     load_run_config,
     save_config,
 )
+from turnrl.learner.shard import broadcast_weights, shard
+from turnrl.learner.world import World
+from turnrl.learner.world import current as current_world
 from turnrl.lora import is_lora
 from turnrl.metrics import truncate_metrics
 from turnrl.models import configure_torch
@@ -112,19 +115,31 @@ def update_settings(cfg: Config, model: torch.nn.Module) -> UpdateSettings:
 
 
 def build_learner(cfg: Config, policy: Policy, *, decoupled: bool = False) -> Learner:
-    model = policy.model
+    return learner_for(cfg, policy.model, policy.tokenizer, decoupled=decoupled,
+                       world=current_world())
+
+
+def learner_for(cfg: Config, model: torch.nn.Module, tokenizer, *, decoupled: bool = False,
+                world: World | None = None) -> Learner:
+    """The ``Learner`` of ``model``; with learner ranks (``world``), the model (and a separate
+    KL reference) split over them from rank 0's weights, before the optimiser sees them."""
     settings = update_settings(cfg, model)
     if decoupled:  # off-policy data needs the decoupled objective
         settings = replace(settings, algo=replace(settings.algo, decoupled=True))
     explore = Exploration(cfg.explore, steps=cfg.run.steps, temperature=cfg.rollout.temperature,
                           entropy_coef=cfg.algo.entropy_coef,
                           max_policy_tokens=cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
+    if world is not None:
+        broadcast_weights(model, world)
+    reference = reference_model(model) if cfg.algo.kl_coef > 0 else None
+    if world is not None:
+        for split in {id(m): m for m in (model, reference) if m is not None}.values():
+            shard(split, world, cfg.learner)
     return Learner(model, make_optimizer(model, cfg.optim), settings,
                    make_estimator(EstimatorSettings.from_config(cfg, model.config.hidden_size)),
-                   policy.tokenizer.pad_token_id,
-                   reference_model(model) if cfg.algo.kl_coef > 0 else None, explore,
-                   load_teacher(cfg, policy.tokenizer, next(model.parameters()).device),
-                   cfg.distill)
+                   tokenizer.pad_token_id, reference, explore,
+                   load_teacher(cfg, tokenizer, next(model.parameters()).device),
+                   cfg.distill, world)
 
 
 def reference_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -139,26 +154,58 @@ def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
     """Open the run directory, seed, load the policy and learner, restore a checkpoint."""
     cfg, checkpoint = prepare_run_dir(cfg, resume)
     run_dir = Path(cfg.run.out_dir)
-    configure_torch(cfg.run.threads if threads is None else threads)
-    random.seed(cfg.run.seed)
-    np.random.seed(cfg.run.seed)
-    torch.manual_seed(cfg.run.seed)
+    world = current_world()
+    if world is not None:  # the other learner ranks build their share alongside
+        world.command("start", (cfg, checkpoint, decoupled))
+    seed_run(cfg, threads)
     policy = load_policy(cfg)
+    if world is not None and world.strategy == "fsdp":
+        policy.engine = own_sampler(cfg, policy)
     learner = build_learner(cfg, policy, decoupled=decoupled)
     run = Run(cfg, run_dir, policy, learner, start_step=0, resumed=resume)
     if checkpoint is not None:
-        state, rng = load_checkpoint(checkpoint, learner.model, learner.optimizer)
+        state, rng = restore_learner(checkpoint, learner)
         restore_rng(rng, policy.engine.generator)
         run.start_step = state["step"]
         publish(policy.engine, policy.model, run.start_step)  # the checkpoint's weights
         run.checkpoint_state, run.checkpoint = state, checkpoint
-        saved = load_component(checkpoint, "estimator") or load_component(checkpoint, "credit")
-        if saved:  # "credit": checkpoints written before estimators had one interface
-            learner.estimator.load_state_dict(saved)
-        learner.explore.load_state_dict(load_component(checkpoint, "exploration") or {})
         print(f"resuming {run_dir} from step {run.start_step}")
     else:
         print(f"run directory: {run_dir}")
     # Steps logged after the checkpoint (or by a run that never checkpointed) are redone.
     truncate_metrics(run_dir / "metrics.jsonl", after_step=run.start_step)
     return run
+
+
+def seed_run(cfg: Config, threads: int | None = None) -> None:
+    """Torch's threads, and every random stream seeded from ``run.seed``."""
+    configure_torch(cfg.run.threads if threads is None else threads)
+    random.seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+
+
+def restore_learner(checkpoint: Path, learner: Learner) -> tuple[dict, dict]:
+    """The checkpoint's model, optimiser, estimator and exploration state into ``learner``
+    (on every learner rank at once: a sharded checkpoint loads collectively); returns
+    (state.json contents, random streams)."""
+    state, rng = load_checkpoint(checkpoint, learner.model, learner.optimizer)
+    saved = load_component(checkpoint, "estimator") or load_component(checkpoint, "credit")
+    if saved:  # "credit": checkpoints written before estimators had one interface
+        learner.estimator.load_state_dict(saved)
+    learner.explore.load_state_dict(load_component(checkpoint, "exploration") or {})
+    return state, rng
+
+
+def own_sampler(cfg: Config, policy: Policy):
+    """An HF sampler that samples from its own whole copy of the model, for rank 0 when the
+    learner's weights are about to become FSDP shards (a sampler on them would see 1/N);
+    another sampler already holds its own weights."""
+    if getattr(policy.engine, "model", None) is not policy.model:
+        return policy.engine
+    from turnrl.samplers.copy import HFCopyEngine
+
+    policy.engine.close()
+    return HFCopyEngine(policy.model, policy.model.dtype, policy.tokenizer.pad_token_id,
+                        seed=cfg.run.seed, reuse_cache=cfg.sampler.reuse_cache,
+                        matmul=cfg.sampler.matmul)

@@ -20,6 +20,8 @@ from turnrl.algorithms.losses import (
 from turnrl.algorithms.mismatch import correction_weights, mismatch_sums
 from turnrl.algorithms.offpolicy import behaviour_weights, decoupled_policy_loss
 from turnrl.config import AlgoConfig, OptimConfig
+from turnrl.learner.shard import through_root
+from turnrl.learner.share import Share
 from turnrl.lora import adapter_disabled, trainable_parameters
 from turnrl.trainer.prefix import shared_prefix_hidden, shared_prefix_split
 from turnrl.types import Batch
@@ -117,6 +119,17 @@ def score_policy_tokens(model: nn.Module, mb: Batch, temperature: float, *,
     share is run once (``trainer/prefix.py``); the result is the same to float
     tolerance. Assumes the model's logits are ``lm_head(hidden)`` (optionally soft-capped).
     """
+    # FSDP shards: no shared prefix. Its keys and values pass from one call of each layer to
+    # the next in a cache, outside FSDP's backward hooks, which would free the weights the
+    # first call's backward needs.
+    shared_prefix = shared_prefix and not hasattr(model, "through_root")
+    return through_root(model, _score_policy_tokens, model, mb, temperature, entropy=entropy,
+                        entropy_grad=entropy_grad, shared_prefix=shared_prefix)
+
+
+def _score_policy_tokens(model: nn.Module, mb: Batch, temperature: float, *, entropy: bool,
+                         entropy_grad: bool, shared_prefix: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     where = mb.loss_mask[:, 1:].bool()
     split = shared_prefix_split(mb) if shared_prefix else None
     if split is None:
@@ -218,24 +231,26 @@ def _micro_batch_loss(model: nn.Module, ref_model: nn.Module | None, mb: Batch,
 
 
 def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
-                  settings: UpdateSettings, ref_model: nn.Module | None = None) -> dict[str, float]:
+                  settings: UpdateSettings, ref_model: nn.Module | None = None, *,
+                  share: Share | None = None) -> dict[str, float]:
     """``algo.epochs`` optimiser steps over ``batch``, accumulating over micro-batches.
 
     Returns metrics averaged over policy tokens: loss, clip fraction, entropy, KL, grad norm.
     Non-finite numbers never reach the weights: non-finite advantages skip the whole update,
     and an epoch whose loss or gradient is non-finite skips its optimiser step (the Adam
     moments stay as they were); ``update/skipped`` counts the skipped steps and a warning
-    says why.
+    says why. With a ``share`` (learner ranks, ``turnrl.learner.share``), ``batch`` is this
+    rank's rows and the update is the whole batch's, summed over the ranks.
     """
-    if (skip := _skipped_update(batch, settings)) is not None:
-        return skip
+    if share is None and (skip := skipped_update(batch, settings)) is not None:
+        return skip  # learner ranks: rl_step checks the whole batch once
     if uses_proximal(settings.algo) and batch.prox_logprobs is None and settings.algo.epochs > 1:
         # Later epochs need the weights from before the first step; with one epoch the
         # update's own forward pass gives them and the extra scoring pass is skipped.
         batch = with_proximal_logprobs(model, batch, settings)
     model.train()
-    totals = {"tokens": float(batch.loss_mask[:, 1:].sum().clamp(min=1)),
-              "seqs": float(len(batch))}
+    totals = share.totals if share is not None else {
+        "tokens": float(batch.loss_mask[:, 1:].sum().clamp(min=1)), "seqs": float(len(batch))}
     if settings.top_entropy_fraction < 1 and len(micro_batches(
             batch, settings.optim.micro_batch_size, settings.token_budget)) > 1:
         # One threshold for the whole batch, from the weights before the update.
@@ -245,22 +260,31 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         ("loss", "clipped", "entropy", "kl", "weight_sum", "weight_sq_sum", "kept",
          "mismatch_abs", "mismatch_max", "mismatch_kl", "mismatch_changed"), 0.0)
     grad_norms = []
+    micro = micro_batches(batch, settings.optim.micro_batch_size, settings.token_budget)
+    passes = [(mb, True) for mb in micro] if share is None else share.passes(micro, share.filler)
     for epoch in range(settings.algo.epochs):
         optimizer.zero_grad(set_to_none=True)
-        for mb in micro_batches(batch, settings.optim.micro_batch_size, settings.token_budget):
+        for mb, counts in passes:
             mb = mb.to(next(model.parameters()).device)
             with update_autocast(model, settings.optim.compute_dtype):
                 loss, stats = _micro_batch_loss(model, ref_model, mb, settings, totals,
                                                 measure=epoch == 0)
+            if not counts:  # a repeated pass that keeps FSDP's collectives in step
+                (loss * 0).backward()
+                continue
             loss.backward()
             sums["loss"] += float(loss.detach())
             for key, value in stats.items():
                 sums[key] = max(sums[key], value) if key == "mismatch_max" else sums[key] + value
+        if share is not None:
+            share.reduce_gradients(trainable_parameters(model))
         grad_norms.append(_optimiser_step(model, optimizer, settings, sums["loss"]))
+    if share is not None:
+        sums = share.reduce_sums(sums)
     return _update_metrics(sums, totals, grad_norms, settings)
 
 
-def _skipped_update(batch: Batch, settings: UpdateSettings) -> dict[str, float] | None:
+def skipped_update(batch: Batch, settings: UpdateSettings) -> dict[str, float] | None:
     """The metrics of an update that must not run (non-finite advantages, no policy token),
     with a warning saying why; None when it can run."""
     if not bool(torch.isfinite(batch.advantages).all()):

@@ -1,0 +1,217 @@
+"""Learner ranks: starting them, and what ranks > 0 do.
+
+``turnrl train --learner.world_size N`` makes this process rank 0 and starts ranks 1..N-1 as
+child processes on this machine (``start_ranks``); ``torchrun --nproc-per-node N -m turnrl
+train ...`` starts them all itself (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are read).
+Rank 0 then runs the one learner loop (trainer/learn.py); every other rank runs ``follow``:
+it builds its share of the learner from the config rank 0 sends, then does what rank 0 says
+until told to stop: update on the step's episodes (``rl_step``, each on its share), gather the
+weights to publish, write its part of a sharded checkpoint.
+
+Rank 0 plays and scatters: sources (lock-step, Ray workers, a served endpoint) feed rank 0
+alone, which sends each step's episodes to every rank (docs/learner.md says why).
+
+A rank that dies is noticed at the next collective (its socket closes): the run stops with
+one line naming it, and ``--resume`` continues from the last whole checkpoint. A rank that
+hangs stops the run after ``learner.timeout_s``. Children die with rank 0 (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import TypeVar
+
+import torch
+
+from turnrl.config import Config, ConfigError, LearnerConfig
+from turnrl.learner.world import RankLost, World, join, leave
+from turnrl.lora import published_pairs
+from turnrl.policy import policy_model
+from turnrl.trainer.rl_step import StageTimer, rl_step
+from turnrl.trainer.run import learner_for, restore_learner, seed_run
+
+T = TypeVar("T")
+LEARNER_ENV = "TURNRL_LEARNER"
+"""The ``learner`` section, as JSON, for the ranks ``start_ranks`` starts."""
+
+
+def follow(world: World) -> None:
+    """Rank > 0: build this rank's share of the learner, then obey rank 0 until ``stop``."""
+    name, (cfg, checkpoint, decoupled) = world.receive()
+    if name == "stop":  # rank 0 failed before its run started
+        return
+    seed_run(cfg)
+    model, tokenizer = policy_model(cfg, world.device)
+    learner = learner_for(cfg, model, tokenizer, decoupled=decoupled, world=world)
+    if checkpoint is not None:
+        restore_learner(checkpoint, learner)
+    while True:
+        name, payload = world.receive()
+        if name == "update":
+            rl_step(learner, payload, StageTimer())
+        elif name == "gather":
+            for _ in published_pairs(model):
+                pass
+        elif name == "save":
+            from turnrl.learner.checkpoints import save_sharded
+
+            save_sharded(payload, learner.model, learner.optimizer)
+        elif name == "stop":
+            return
+        else:
+            raise RuntimeError(f"learner rank {world.rank}: unknown command {name!r}")
+
+
+def rank_threads(cfg: Config, world_size: int) -> int:
+    """Torch threads per rank: ``run.threads``, or this machine's cores shared out."""
+    return cfg.run.threads or max(1, (os.cpu_count() or 1) // world_size)
+
+
+def device_for(cfg: LearnerConfig, model_device: str, local_rank: int) -> tuple[str, torch.device]:
+    """(backend, device) of a rank: NCCL and the rank's own GPU on CUDA, gloo on the CPU.
+    NCCL asked without CUDA is a one-line ``ConfigError``."""
+    cuda = torch.cuda.is_available() and model_device in ("auto", "cuda")
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise ConfigError("learner.backend nccl needs CUDA GPUs, and this machine has none (or "
+                          "model.device is cpu); use --learner.backend gloo (or auto)")
+    return backend, torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
+
+
+def check_capacity(cfg: Config, world_size: int) -> None:
+    """Refuse, in one line and before any rank starts, a world size this machine cannot
+    hold: more ranks than GPUs on CUDA, more ranks than CPU cores on the CPU."""
+    _, device = device_for(cfg.learner, cfg.model.device, 0)
+    if device.type == "cuda" and world_size > torch.cuda.device_count():
+        raise ConfigError(f"learner.world_size {world_size}: this machine has "
+                          f"{torch.cuda.device_count()} GPUs, one per rank is needed; lower it "
+                          "or start ranks on several machines with torchrun")
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and world_size > cores:
+        raise ConfigError(f"learner.world_size {world_size}: this machine has {cores} CPU "
+                          f"cores, one per rank is needed; use --learner.world_size {cores} or "
+                          "fewer")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In a child rank: receive SIGKILL when rank 0 dies (Linux), never outlive the run."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@contextmanager
+def child_ranks(cfg: Config, port: int) -> Iterator[list[subprocess.Popen]]:
+    """Ranks 1..N-1 of ``cfg.learner.world_size`` as child processes of this one, stopped
+    (killed after a grace period) when the block ends."""
+    size = cfg.learner.world_size
+    learner = {**asdict(cfg.learner), "backend": device_for(cfg.learner, cfg.model.device, 0)[0]}
+    env = {**os.environ, LEARNER_ENV: json.dumps(learner), "WORLD_SIZE": str(size),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    children = [subprocess.Popen([sys.executable, "-m", "turnrl.trainer.ranks"],
+                                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                for rank in range(1, size)]
+    try:
+        yield children
+    finally:
+        for child in children:
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def dead_ranks(children: list[subprocess.Popen]) -> str:
+    """``rank 1 (exit -9, SIGKILL)``... for the children that have ended abnormally."""
+    dead = []
+    for rank, child in enumerate(children, start=1):
+        code = child.poll()
+        if code not in (None, 0):
+            why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+            dead.append(f"rank {rank} (pid {child.pid}, {why})")
+    return ", ".join(dead)
+
+
+def run_as_rank0(cfg: Config, train: Callable[[], T]) -> T:
+    """``train()`` as rank 0 of ``cfg.learner.world_size`` ranks this process starts (or that
+    torchrun started: RANK is set). In a torchrun rank > 0, ``follow`` instead (returns None)."""
+    launched = "RANK" in os.environ
+    size = int(os.environ.get("WORLD_SIZE", cfg.learner.world_size))
+    rank = int(os.environ.get("RANK", 0))
+    if not launched:
+        check_capacity(cfg, size)
+    backend, device = device_for(cfg.learner, cfg.model.device,
+                                 int(os.environ.get("LOCAL_RANK", rank)))
+    torch.set_num_threads(rank_threads(cfg, size))
+    if launched:
+        address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+        world = join(rank, size, cfg.learner.strategy, backend, device, cfg.learner.timeout_s,
+                     address, port)
+        return _lead(world, train) if rank == 0 else _follow_then_leave(world)
+    port = cfg.learner.port or free_port()
+    with child_ranks(cfg, port) as children:
+        world = join(0, size, cfg.learner.strategy, backend, device, cfg.learner.timeout_s,
+                     "127.0.0.1", port)
+        try:
+            return _lead(world, train)
+        except RankLost as err:
+            dead = dead_ranks(children)
+            raise RankLost(f"learner {dead} died; {err}" if dead else str(err)) from None
+
+
+def _lead(world: World, train: Callable[[], T]) -> T:
+    try:
+        return train()
+    finally:
+        try:
+            world.command("stop")
+        except RankLost:
+            pass  # a rank is gone: the error that follows says which
+        leave()
+
+
+def _follow_then_leave(world: World) -> None:
+    try:
+        follow(world)
+    finally:
+        leave()
+
+
+def main() -> int:
+    """A rank > 0 that ``start_ranks`` started: join, then follow rank 0."""
+    learner = LearnerConfig(**json.loads(os.environ[LEARNER_ENV]))
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    backend, device = device_for(learner, "cuda" if learner.backend == "nccl" else "cpu",
+                                 int(os.environ.get("LOCAL_RANK", rank)))
+    world = join(rank, size, learner.strategy, backend, device, learner.timeout_s,
+                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    try:
+        _follow_then_leave(world)
+    except RankLost as err:
+        print(f"learner rank {rank}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
