@@ -16,6 +16,7 @@ folder's parent on ``sys.path``, as each script's first lines arrange).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import random
 import resource
@@ -177,6 +178,12 @@ def machine(load_start: float) -> str:
     threads = torch.get_num_threads() if torch is not None else None
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return machine_line(cpu, os.cpu_count() or 1, threads, load_start, load_average(), date)
+
+
+def figure(value: float | None, digits: int = 2) -> str:
+    """``value`` to ``digits`` decimals for a table; ``-`` where there is none (None, NaN,
+    infinite): a run that failed or measured nothing."""
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 
 def ratio_line(what: str, value: float | str) -> str:

@@ -49,14 +49,15 @@ in reverse order, and prints the median of each ratio over the repeats with the 
 
 Usage: ``python benchmarks/speed/async_throughput.py [--models tiny smollm2-135m-instruct]
 [--latencies 0 100 500] [--seconds S] [--repeats N] [--out FILE.json]``; ``--quick`` runs the
-tiny model with short budgets (a smoke check). ``--help`` lists every flag.
+tiny model with short budgets (a smoke check). ``--help`` lists every flag. The alternation,
+the machine line and the ``ratio:`` line are the shared harness's (``benchmarks/harness.py``),
+the job's config keys ``training_job.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -66,6 +67,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from training_job import job_keys  # benchmarks/speed/, this folder
+from training_job import overrides as as_overrides
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 DEFAULT_SECONDS = {"tiny": 90.0, "smollm2-135m-instruct": 300.0}
 DEFAULT_LR = {"tiny": 1e-3, "smollm2-135m-instruct": 4e-5}
@@ -105,30 +112,28 @@ class RunSpec:
     def overrides(self) -> list[str]:
         slow = {"env": self.env, "median_ms": self.median_ms, "sigma": self.sigma,
                 "seed": self.seed, "options": self.env_options}
-        args = {
-            "model.name": self.model, "env.name": "slow", "env.options": json.dumps(slow),
-            "rollout.group_size": self.group_size,
-            "rollout.groups_per_step": self.groups_per_step,
-            "rollout.max_new_tokens": self.max_new_tokens, "rollout.max_turns": self.max_turns,
-            "optim.lr": self.lr, "run.seed": self.seed, "run.out_dir": self.out_dir,
-            "run.steps": 100_000,  # the wall-time budget ends the run, not the step count
-            "run.checkpoint_every": 0, "run.sample_episodes": 0, "run.tensorboard": "false",
-            "run.progress": "false", "eval.episodes": 0,  # evaluated here, after the budget
-            "run.mode": "async" if self.is_async else "sync",
+        # evaluated here, after the budget (job_keys: eval.episodes 0)
+        args = job_keys(
+            self.model, "slow", group_size=self.group_size,
+            groups_per_step=self.groups_per_step, max_new_tokens=self.max_new_tokens,
+            seed=self.seed, env_options=slow, max_turns=self.max_turns, lr=self.lr,
             # sync: all the threads; async: one worker with 1 CPU, the learner the rest
-            "run.threads": self.threads - 1 if self.is_async
-            else {"sync1": 1}.get(self.mode, self.threads),
-            "ray.num_workers": 1, "ray.worker_cpus": 1,
-        }
+            threads=self.threads - 1 if self.is_async
+            else {"sync1": 1}.get(self.mode, self.threads))
+        args.update({
+            "run.out_dir": self.out_dir,
+            "run.steps": 100_000,  # the wall-time budget ends the run, not the step count
+            "run.sample_episodes": 0, "run.mode": "async" if self.is_async else "sync",
+            "ray.num_workers": 1, "ray.worker_cpus": 1})
         pinned = {"pool.overprovision": self.overprovision,
                   "staleness.max_versions": self.max_versions,
                   "pool.queued_groups": self.queued_groups}
         args.update({k: v for k, v in pinned.items() if v is not None})
         if any(v is not None for v in pinned.values()):
-            args["pool.auto"] = "false"  # a number given by hand is used as is
+            args["pool.auto"] = False  # a number given by hand is used as is
         if self.keep_kv_cache is not None:
-            args["sampler.keep_kv_cache"] = str(self.keep_kv_cache).lower()
-        return [f"--{k}={v}" for k, v in args.items()]
+            args["sampler.keep_kv_cache"] = self.keep_kv_cache
+        return as_overrides(args)
 
 
 # ---- the child: one run in its own process ----------------------------------------------------
@@ -199,7 +204,7 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
             # workers' start: the budget counts training only.
             captured["t0"] = time.perf_counter()
             captured["gen_at_t0"] = captured["gen_s"]
-            result["loadavg_at_start"] = os.getloadavg()[0]
+            result["loadavg_at_start"] = harness.load_average()
 
         def log(self, step, metrics):
             super().log(step, metrics)
@@ -214,7 +219,7 @@ def run_child(spec: RunSpec) -> dict[str, Any]:
             if elapsed >= spec.seconds:
                 # Other processes on the machine skew everything (and 2 torch threads on 2
                 # busy cores far more than 1): the 1-minute load average says how busy it was.
-                result["loadavg_at_end"] = os.getloadavg()[0]
+                result["loadavg_at_end"] = harness.load_average()
                 raise BudgetReached
 
     bookkeeping_mod.MetricsLogger = BudgetLogger
@@ -388,7 +393,7 @@ def _pct(x: float | None) -> str:
 
 
 def _num(x: float | None, digits: int = 1) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+    return harness.figure(x, digits)
 
 
 COLUMNS = ["lat ms", "mode", "steps", "wall s", "ep/s", "tok/s", "vs best 0ms", "time split",
@@ -494,8 +499,8 @@ def _sizing_note(summary: dict[str, Any]) -> str:
 def _schedule(latencies: list[float], repeats: int) -> list[tuple[int, float]]:
     """(repeat, latency) in the order to run: every other repeat backwards, so a machine
     that drifts during the runs weighs on every latency alike."""
-    return [(k, ms) for k in range(max(repeats, 1))
-            for ms in (latencies if k % 2 == 0 else latencies[::-1])]
+    order = harness.round_order(list(latencies), max(repeats, 1), flip=True)
+    return [(index // len(latencies), ms) for index, ms in enumerate(order)]
 
 
 def _pinned(value: str, kind: type) -> Any:
@@ -578,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_new_tokens} new tokens/turn, {args.threads} cores per run "
           f"(os.cpu_count {os.cpu_count()}); runs and logs in {workdir}", flush=True)
 
-    started = time.perf_counter()
+    started, load = time.perf_counter(), harness.load_average()
     report: dict[str, Any] = {"args": vars(args), "models": {}}
     texts, all_ratios = [], {}
     for model in args.models:
@@ -673,8 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"total wall time {report['wall_s'] / 60:.1f} min; raw figures in {args.out}")
     print(f"headline model: {headline} (ratio below; goal >= 0.8)")
-    print(f"ratio: async at 500 ms / best at 0 ms trained tokens per second = "
-          f"{_num(value, 2)}")
+    print(harness.machine(load))
+    print(harness.ratio_line(f"{key} trained tokens per second", _num(value, 2)))
     return 0
 
 

@@ -6,7 +6,10 @@ rollout workers are spread over them (``ray.placement spread``). All nodes share
 cores, so the figures show what crossing nodes costs (object transfers, scheduling), not
 what more machines would add. Printed as one JSON line: steady-state trained tokens/s (from the
 end of step 1 to the end of the last; prompt and environment text included) and the weight
-bytes pulled per node per step (``async/weights_mb_per_node``, ledger ``weights_bytes_by_node``).
+bytes pulled per node per step (``async/weights_mb_per_node``, ledger ``weights_bytes_by_node``),
+and the shared harness's machine line (``benchmarks/harness.py``) as its ``machine`` field. One
+layout a run, not a side-by-side timing: run it once per ``--nodes`` and compare the lines.
+The job's config keys and its steady-state rate come from ``training_job.py``.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/speed/cluster_nodes.py --nodes 1
     PYTHONPATH=$PWD .venv/bin/python benchmarks/speed/cluster_nodes.py --nodes 2
@@ -20,16 +23,14 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
-import time
 from pathlib import Path
 
+from training_job import job_keys, overrides, steady_rate  # benchmarks/speed/, this folder
 
-def steady_tokens_per_s(rows: list[dict], episodes_per_step: int) -> float:
-    """Trained tokens per second after step 1 (``time`` is seconds since the run's start)."""
-    later = rows[1:]
-    tokens = sum(r["episode/tokens"] * episodes_per_step for r in later)
-    return tokens / (rows[-1]["time"] - rows[0]["time"])
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +45,7 @@ def main() -> None:
     from turnrl.launch import train_async
     from turnrl.metrics import read_metrics
 
+    load = harness.load_average()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for _ in range(args.nodes):
         cluster.add_node(num_cpus=4 // args.nodes)
@@ -52,15 +54,12 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="turnrl-cluster-nodes-"))
     run_dir = scratch / "run"  # removed at the end: a SmolLM2 run leaves 1.6 GB of checkpoints
     group_size, groups = 4, 4
-    cfg = load_config(None, [
-        "--run.mode", "async", "--model.name", args.model, "--env.name", "arithmetic",
-        "--run.steps", str(args.steps), "--run.progress", "false", "--run.tensorboard", "false",
-        "--ray.num_workers", "2", "--ray.placement", "spread", "--rollout.group_size",
-        str(group_size), "--rollout.groups_per_step", str(groups), "--eval.episodes", "0",
-        "--run.checkpoint_every", "0", "--run.out_dir", str(run_dir)])
-    start = time.perf_counter()
+    keys = job_keys(args.model, "arithmetic", group_size=group_size, groups_per_step=groups)
+    keys.update({"run.mode": "async", "run.steps": args.steps, "ray.num_workers": 2,
+                 "ray.placement": "spread", "run.out_dir": run_dir})
+    cfg = load_config(None, overrides(keys))
     try:
-        train_async(cfg)
+        wall_s = harness.timed(lambda: train_async(cfg))[0]
         rows = read_metrics(run_dir / "metrics.jsonl")
         ledger = [json.loads(line)
                   for line in (run_dir / "assignments.jsonl").read_text().splitlines()]
@@ -71,10 +70,10 @@ def main() -> None:
     per_node_step = [sum(line["weights_bytes_by_node"].get(n, 0) for line in ledger) / len(ledger)
                      for n in nodes]
     print(json.dumps({
-        "nodes": args.nodes, "steps": len(rows), "wall_s": round(time.perf_counter() - start, 1),
-        "tokens_per_s": round(steady_tokens_per_s(rows, group_size * groups), 1),
+        "nodes": args.nodes, "steps": len(rows), "wall_s": round(wall_s, 1),
+        "tokens_per_s": round(steady_rate(rows, "episode/tokens", group_size * groups), 1),
         "weights_mb_per_node_per_step": [round(b / 1e6, 3) for b in per_node_step],
-        "worker_nodes": len(nodes)}))
+        "worker_nodes": len(nodes), "machine": harness.machine(load)}))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ conversion and the pipeline fill are not in it):
   summed over the steady state: should be ~0), and the int8 mismatch
   (``mismatch/logprob_diff_mean``).
 
-Prints per-run lines, then medians per engine and the ct2/hf ratio, with the load average
-before and after (``uptime``'s numbers)::
+Prints per-run lines, then medians per engine and the ct2/hf ratio with its bootstrap interval
+over the rounds, the machine line and ``ratio: ct2 / hf trained tokens per second = X``
+(the alternation, intervals and report lines are the shared harness's,
+``benchmarks/harness.py``; the job's config keys ``training_job.py``'s)::
 
     python benchmarks/speed/ct2_async.py [--model tiny] [--steps 6] [--rounds 3] [--dtype int8]
 """
@@ -27,35 +29,31 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from itertools import count
 from pathlib import Path
+
+from training_job import job_keys, overrides, steady_rate  # benchmarks/speed/, this folder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_line() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} ({os.cpu_count()} CPUs)"
-
-
 def run_once(engine: str, args: argparse.Namespace, out: Path) -> dict:
     """One async run with ``engine`` workers; its steady-state figures."""
-    command = [sys.executable, "-m", "turnrl.cli", "train", "--model.name", args.model,
-               "--env.name", args.env, "--run.mode", "async", "--run.steps", str(args.steps),
-               "--rollout.sampler", engine, "--eval.episodes", "0", "--run.checkpoint_every", "0",
-               "--run.progress", "false", "--run.tensorboard", "false",
-               "--rollout.group_size", str(args.group_size),
-               "--rollout.groups_per_step", str(args.groups_per_step),
-               "--rollout.max_new_tokens", str(args.max_new_tokens),
-               "--run.seed", str(args.seed), "--run.out_dir", str(out)]
+    keys = job_keys(args.model, args.env, group_size=args.group_size,
+                    groups_per_step=args.groups_per_step, max_new_tokens=args.max_new_tokens,
+                    seed=args.seed)
+    keys.update({"run.mode": "async", "run.steps": args.steps, "rollout.sampler": engine,
+                 "run.out_dir": out})
     if engine == "ct2":
-        command += ["--rollout.sampler_dtype", args.dtype]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if done.returncode != 0:
-        raise SystemExit(f"{engine} run failed ({done.returncode}): {done.stderr[-2000:]}")
+        keys["rollout.sampler_dtype"] = args.dtype
+    harness.command([sys.executable, "-m", "turnrl.cli", "train", *overrides(keys)],
+                    env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return steady_state(records, args.group_size * args.groups_per_step)
 
@@ -63,11 +61,10 @@ def run_once(engine: str, args: argparse.Namespace, out: Path) -> dict:
 def steady_state(records: list[dict], episodes_per_step: int) -> dict:
     """Rates from the end of the first step to the end of the last."""
     later = records[1:]
-    seconds = records[-1]["time"] - records[0]["time"]
-    tokens = sum(r["episode/tokens"] for r in later) * episodes_per_step
-    policy = sum(r["episode/policy_tokens"] for r in later) * episodes_per_step
-    figures = {"seconds": seconds, "tokens_per_s": tokens / seconds,
-               "policy_tokens_per_s": policy / seconds,
+    figures = {"seconds": records[-1]["time"] - records[0]["time"],
+               "tokens_per_s": steady_rate(records, "episode/tokens", episodes_per_step),
+               "policy_tokens_per_s": steady_rate(records, "episode/policy_tokens",
+                                                  episodes_per_step),
                "gen_rows_per_s": statistics.median(
                    r["rates/gen_rows_per_s"] for r in later if r.get("rates/gen_rows_per_s")),
                "mismatch": statistics.mean(r["mismatch/logprob_diff_mean"] for r in later)}
@@ -93,21 +90,27 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    print(f"{args.model}, {args.env}, {args.steps} steps, {args.rounds} rounds; start: "
-          f"{load_line()}", flush=True)
-    runs: dict[str, list[dict]] = {"hf": [], "ct2": []}
+    load = harness.load_average()
+    print(f"{args.model}, {args.env}, {args.steps} steps, {args.rounds} rounds; load at the "
+          f"start {load:.2f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="ct2-async-") as scratch:
-        for round_ in range(args.rounds):
-            order = ("hf", "ct2") if round_ % 2 == 0 else ("ct2", "hf")
-            for engine in order:
+        def engine_run(engine: str) -> Callable[[], dict]:
+            rounds = count(1)
+
+            def run() -> dict:
+                round_ = next(rounds)
                 figures = run_once(engine, args, Path(scratch) / f"{engine}-{round_}")
-                runs[engine].append(figures)
-                print(f"round {round_ + 1} {engine:>3}: "
+                print(f"round {round_} {engine:>3}: "
                       + ", ".join(f"{k} {v:.4g}" for k, v in figures.items())
-                      + f" ({load_line()})", flush=True)
+                      + f" (load {harness.load_average():.2f})", flush=True)
+                return figures
+            return run
+
+        # hf ct2, ct2 hf, ...: no engine always runs first; no warm-up (each run is a process)
+        runs = harness.alternate({"hf": engine_run("hf"), "ct2": engine_run("ct2")},
+                                 args.rounds, warmup=0, flip=True).results
     medians = {engine: {key: statistics.median(f[key] for f in figures)
                         for key in figures[0]} for engine, figures in runs.items()}
-    print(f"end: {load_line()}")
     print("| engine | trained tok/s | policy tok/s | worker rows/s | convert s | wait s "
           "| mismatch |")
     print("|---|---|---|---|---|---|---|")
@@ -116,11 +119,13 @@ def main() -> None:
         print(f"| {name} | {m['tokens_per_s']:.0f} | {m['policy_tokens_per_s']:.1f} | "
               f"{m['gen_rows_per_s']:.1f} | {m.get('convert_s', 0):.2f} | "
               f"{m.get('wait_s', 0):.4f} | {m['mismatch']:.3f} |")
-    ratio = medians["ct2"]["tokens_per_s"] / medians["hf"]["tokens_per_s"]
-    each = [c["tokens_per_s"] / h["tokens_per_s"] for h, c in zip(runs["hf"], runs["ct2"],
-                                                                   strict=True)]
-    print(f"ratio ct2/hf trained tokens/s: {ratio:.2f}x (per round: "
-          + ", ".join(f"{r:.2f}" for r in each) + ")")
+    rates = {engine: [f["tokens_per_s"] for f in figures] for engine, figures in runs.items()}
+    each = harness.round_ratios(rates["ct2"], rates["hf"])
+    print(harness.interval_line("ct2 / hf trained tokens/s", rates["ct2"], rates["hf"])
+          + " (per round: " + ", ".join(f"{r:.2f}" for r in each) + ")")
+    print(harness.machine(load))
+    print(harness.ratio_line("ct2 / hf trained tokens per second",
+                             harness.ratio_of_medians(rates["ct2"], rates["hf"])))
 
 
 if __name__ == "__main__":

@@ -11,43 +11,43 @@ engine's sampled tokens against a float32 forward pass of the same model (the mi
 sampler adds, docs/mismatch.md). Then what a new policy version costs each engine
 (``load``: CTranslate2 converts and reloads, the bf16 copy copies in place; the HF
 engine samples from the learner's tensors, so nothing). The machine's load average is printed
-with the figures (a busy machine slows every engine, not always alike)::
+with the figures (a busy machine slows every engine, not always alike). The prompts, rounds,
+drift and refresh timing are ``vllm_cpu_sampling.py``'s, the machine and ``ratio:`` lines the
+shared harness's (``benchmarks/harness.py``)::
 
     python benchmarks/speed/ct2_sampling.py [--batches 4 16] [--tokens 64] [--repeats 3]
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from vllm_cpu_sampling import alternating_rounds  # benchmarks/speed/, this folder
+from vllm_cpu_sampling import (  # benchmarks/speed/, this folder
+    alternating_rounds,
+    batch_of,
+    chat_prompts,
+    logprob_drift,
+    refresh_seconds,
+    sampling_arguments,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
 import harness  # noqa: E402
 
 
 def load_line() -> str:
-    one, five, _ = os.getloadavg()
-    return f"load average {one:.1f} (1 min) {five:.1f} (5 min), {os.cpu_count()} CPUs"
+    return f"load {harness.load_average():.2f}"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[4, 16])
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = sampling_arguments(__doc__)
     parser.add_argument("--ct2-types", nargs="+", default=["int8", "float32"])
     args = parser.parse_args()
 
     import torch
 
-    from turnrl.algorithms.losses import token_logprobs
     from turnrl.config.precision import cpu_has_bf16
     from turnrl.models import SMOLLM2, load_model
     from turnrl.samplers import HFEngine, SamplingParams
@@ -57,11 +57,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(SMOLLM2)
     model.eval()
-    questions = ["Guess a number between 1 and 100.", "What is 17 times 23?",
-                 "Name a colour.", "Write a haiku about rain."]
-    prompt_of = [tokenizer(tokenizer.apply_chat_template(
-        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
-        add_special_tokens=False)["input_ids"] for q in questions]
+    prompt_of = chat_prompts(tokenizer)
     params = SamplingParams(max_new_tokens=args.tokens, temperature=1.0)
 
     engines = {"hf fp32": HFEngine(model, tokenizer.pad_token_id, seed=0)}
@@ -73,39 +69,24 @@ def main() -> None:
     else:
         print("this CPU has no native bf16 (avx512_bf16/amx_bf16): the bf16 row is left out")
 
-    def drift(prompts, completions) -> tuple[float, float]:
-        diffs = []
-        for prompt, completion in zip(prompts, completions, strict=True):
-            ids = torch.tensor([list(prompt) + completion.token_ids])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[:, :-1]
-            ref = token_logprobs(logits, ids[:, 1:], 1.0)[0, len(prompt) - 1:]
-            diffs.append((ref - torch.tensor(completion.logprobs)).abs())
-        every = torch.cat(diffs)
-        return every.mean().item(), every.max().item()
-
     load = harness.load_average()
     print(f"SmolLM2-135M, {args.tokens} new tokens a row, {args.threads} threads, median of "
           f"{args.repeats} alternating rounds; {load_line()}")
     print(f"{'batch':>5} {'engine':>16} {'wall s':>8} {'tok/s':>8} {'vs hf':>7} "
           f"{'|dlogp| mean':>12} {'max':>7}")
     for batch in args.batches:
-        prompts = [prompt_of[i % len(prompt_of)] for i in range(batch)]
+        prompts = batch_of(prompt_of, batch)
         walls, outputs = alternating_rounds(engines, prompts, params, args.repeats)
         base = walls["hf fp32"]
         for name, wall in walls.items():
-            mean, largest = drift(prompts, outputs[name])
+            mean, largest = logprob_drift(model, prompts, outputs[name])
             print(f"{batch:>5} {name:>16} {wall:8.2f} {batch * args.tokens / wall:8.1f} "
                   f"{base / wall:6.2f}x {mean:12.4f} {largest:7.3f}")
         print(f"      ({load_line()})")
     for name, engine in engines.items():
         if not hasattr(engine, "load"):
             continue
-        times = []
-        for version in range(1, args.repeats + 1):
-            start = time.perf_counter()
-            engine.load(model.state_dict(), version)
-            times.append(time.perf_counter() - start)
+        times = refresh_seconds(engine, model, args.repeats)
         print(f"weight refresh, {name}: median {statistics.median(times):.2f} s "
               f"(of {', '.join(f'{t:.2f}' for t in times)})")
     print(f"({load_line()})")

@@ -5,7 +5,9 @@ episode that rises with them.
 Trains a 1-step tiny-model run (the checkpoint B), then times ``turnrl eval --compare base
 RUN --eval.episodes N`` for each N, in this process (the model load and the statistics
 included; each N plays 2N episodes, one per policy). Also counts the Python calls of each
-evaluation: a cost quadratic in pure Python shows there even on a noisy machine.
+evaluation: a cost quadratic in pure Python shows there even on a noisy machine. Ends with
+the shared harness's machine line and ``ratio: ms/episode at N_last / at N_first = X``
+(``benchmarks/harness.py``; near 1 or below: no growth).
 
     PYTHONPATH=. python benchmarks/speed/eval_scaling.py --episodes 64 256 1024 2048
 """
@@ -17,11 +19,14 @@ import contextlib
 import cProfile
 import io
 import pstats
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 from turnrl.cli import main as turnrl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 COMMON = ["--model.name", "tiny", "--rollout.max_new_tokens", "3", "--run.progress", "false",
           "--run.tensorboard", "false"]
@@ -32,14 +37,17 @@ def timed_eval(run: Path, env: list[str], episodes: int, profile: bool) -> tuple
     argv = ["eval", "--compare", "base", str(run), *COMMON, *env,
             "--eval.episodes", str(episodes)]
     profiler = cProfile.Profile() if profile else None
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
-        if profiler:
-            profiler.enable()
-        code = turnrl(argv)
-        if profiler:
-            profiler.disable()
-    seconds = time.perf_counter() - start
+
+    def evaluate() -> int:
+        with contextlib.redirect_stdout(io.StringIO()):
+            if profiler:
+                profiler.enable()
+            code = turnrl(argv)
+            if profiler:
+                profiler.disable()
+        return code
+
+    seconds, _, code = harness.timed(evaluate)
     if code != 0:
         raise SystemExit(f"turnrl eval exited {code}: {' '.join(argv)}")
     calls = sum(s[1] for s in pstats.Stats(profiler).stats.values()) if profiler else 0
@@ -54,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(cProfile: slower, so timed apart from the plain run)")
     args = parser.parse_args(argv)
     env = ["--env.name", args.env]
+    load, per_episode = harness.load_average(), {}
     with tempfile.TemporaryDirectory(prefix="turnrl-eval-scaling-") as root:
         run = Path(root) / "run"
         with contextlib.redirect_stdout(io.StringIO()):
@@ -64,10 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         print("tasks  episodes  seconds  ms/episode" + ("  calls/episode" if args.calls else ""))
         for n in args.episodes:
             seconds, _ = timed_eval(run, env, n, False)
+            per_episode[n] = seconds / (2 * n)
             line = f"{n:5d}  {2 * n:8d}  {seconds:7.1f}  {1000 * seconds / (2 * n):10.2f}"
             if args.calls:
                 line += f"  {timed_eval(run, env, n, True)[1] / (2 * n):13.0f}"
             print(line, flush=True)
+    print(harness.machine(load))
+    first, last = args.episodes[0], args.episodes[-1]
+    print(harness.ratio_line(f"ms/episode at {last} / at {first} tasks",
+                             per_episode[last] / per_episode[first]))
     return 0
 
 

@@ -16,17 +16,24 @@ Two floors, both from rates measured here at run time (never a vendor's figure):
   lengths and left out. Divided by the peak matmul rate at the update's dtype (float32, or
   bf16 under ``optim.compute_dtype``).
 
-Rates are ceilings: the best of several repeats, not the median.
+Rates are ceilings: the best of several repeats, not the median. Not a side-by-side timing:
+of the shared harness (``benchmarks/harness.py``) it takes the timed call and, alone, the
+machine line and a last ``ratio: bf16 / fp32 matmul rate = X`` line (below 1: no native
+bf16), not the alternating rounds.
 
 Usage: imported by ``step_throughput.py`` (a table after its workloads); alone,
-``python benchmarks/speed/hardware_limits.py [--threads 2]`` prints the two measured rates.
+``python benchmarks/speed/hardware_limits.py [--threads 2]`` prints the measured rates.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -46,12 +53,7 @@ def _best_seconds(fn, repeats: int) -> float:
     """The fastest of ``repeats`` timed calls (a ceiling: what the hardware can do, not what a
     busy machine happened to give), after one untimed warm-up call."""
     fn()  # warm-up: page faults, thread pool start, kernel selection
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(harness.timed(fn)[0] for _ in range(repeats))
 
 
 def measure_rates(threads: int, buffer_mb: int = 1024, matmul_n: int = 1536,
@@ -175,9 +177,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    load = harness.load_average()
     r = measure_rates(args.threads)
     print(f"{r.threads} thread(s): memory read {r.read_gb_s:.1f} GB/s, matmul float32 "
           f"{r.fp32_gflops:.0f} GFLOP/s, bfloat16 {r.bf16_gflops:.0f} GFLOP/s")
+    print(harness.machine(load))
+    print(harness.ratio_line("bf16 / fp32 matmul rate", r.bf16_gflops / r.fp32_gflops))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ N games, each on a thread of its own as env threads are and with its own samplin
 time runs from then to the last reply. Each repeat plays a round one at a time
 (``max_batch`` 1: the lock the moves used to queue on) and a round batched (the default:
 ``BatchedCalls``), in alternating order, on the same member; the medians, their ratio and the
-mean batch size are printed per N, with the machine's load. The replies of the two rounds
-are checked equal (each game samples on its own stream, whatever shares its batch).
+mean batch size are printed per N. The replies of the two rounds are checked equal (each game
+samples on its own stream, whatever shares its batch). The rounds, ratios, machine line and
+the last line, ``ratio: one at a time / batched at N games = X`` (the largest N, the last
+table), are the shared harness's (``benchmarks/harness.py``).
 
 ``--rollout`` adds the same through the turn loop: N TicTacToe games against the pool
 (``run_episodes``, one env thread a game), the policy's moves fixed ("5"), so the time is the
@@ -19,12 +21,14 @@ most games end at the opponent's first move (one move a game).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
+import sys
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -35,6 +39,11 @@ from turnrl.rollout import ChatFormat, run_episodes, run_sync
 from turnrl.samplers import Completion, SamplingParams
 from turnrl.selfplay.opponents import PoolPlayer
 from turnrl.selfplay.pool import OpponentPool
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
+MODES = ("batched", "one_at_a_time")
 
 
 def boards(count: int, seed: int = 0) -> list[str]:
@@ -69,27 +78,51 @@ def one_round(players: list[PoolPlayer], views: list[str], system: str
     return time.perf_counter() - began, replies
 
 
+def alternate_modes(member, repeats: int, play: Callable[[str, int], object]
+                    ) -> tuple[harness.Rounds, list[int]]:
+    """``play(mode, repeat)`` for both modes in alternating rounds (batched first in even
+    ones), on ``member`` set to batch its moves or not; the rounds and the batched sizes."""
+    sizes: list[int] = []
+
+    def mode_call(mode: str):
+        repeats_done = iter(range(repeats))
+
+        def run():
+            member.moves.max_batch = 1 if mode == "one_at_a_time" else 64
+            member.moves.batch_sizes.clear()
+            result = play(mode, next(repeats_done))
+            if mode == "batched":
+                sizes.extend(member.moves.batch_sizes)
+            return result
+        return run
+
+    rounds = harness.alternate({mode: mode_call(mode) for mode in MODES}, repeats, warmup=0,
+                               flip=True)
+    return rounds, sizes
+
+
+def row(games: int, alone: list[float], batched: list[float], sizes: list[int]) -> dict:
+    """A table row: the medians of both modes' seconds, their ratio, the mean batch size."""
+    return {"games": games, "one_at_a_time_ms": 1e3 * statistics.median(alone),
+            "batched_ms": 1e3 * statistics.median(batched),
+            "ratio": harness.ratio_of_medians(alone, batched),
+            "mean_batch": statistics.mean(sizes)}
+
+
 def compare(member, games: int, repeats: int, system: str) -> dict:
     """Medians of ``repeats`` rounds of ``games`` moves, one at a time and batched."""
     views = boards(games, seed=games)
-    seconds: dict[str, list[float]] = {"one_at_a_time": [], "batched": []}
-    sizes: list[int] = []
-    for repeat in range(repeats):
-        order = ["one_at_a_time", "batched"][::1 if repeat % 2 else -1]
-        replies = {}
-        for mode in order:
-            member.moves.max_batch = 1 if mode == "one_at_a_time" else 64
-            member.moves.batch_sizes.clear()
-            players = [PoolPlayer(member, 1000 * repeat + i) for i in range(games)]
-            took, replies[mode] = one_round(players, views, system)
-            seconds[mode].append(took)
-            if mode == "batched":
-                sizes += member.moves.batch_sizes
-        if replies["one_at_a_time"] != replies["batched"]:
+
+    def play(mode: str, repeat: int) -> tuple[float, list[str]]:
+        players = [PoolPlayer(member, 1000 * repeat + i) for i in range(games)]
+        return one_round(players, views, system)  # timed from the barrier to the last reply
+
+    rounds, sizes = alternate_modes(member, repeats, play)
+    alone, batched = rounds.results["one_at_a_time"], rounds.results["batched"]
+    for repeat, (one, both) in enumerate(zip(alone, batched, strict=True)):
+        if one[1] != both[1]:
             raise AssertionError(f"{games} games, repeat {repeat}: replies differ batched")
-    alone, batched = (statistics.median(seconds[m]) for m in ("one_at_a_time", "batched"))
-    return {"games": games, "one_at_a_time_ms": 1e3 * alone, "batched_ms": 1e3 * batched,
-            "ratio": alone / batched, "mean_batch": statistics.mean(sizes)}
+    return row(games, [took for took, _ in alone], [took for took, _ in batched], sizes)
 
 
 class FixedMoves:
@@ -109,21 +142,13 @@ def compare_rollouts(pool: OpponentPool, games: int, repeats: int) -> dict:
     member, chat = pool.members[0], pool.chat
     make = pool.attach(partial(make_env, "tictactoe", opponent="pool", role="x"))
     params = SamplingParams(4, 1.0, stop_token_ids=(chat.end_of_turn,))
-    seconds: dict[str, list[float]] = {"one_at_a_time": [], "batched": []}
-    sizes: list[int] = []
-    for repeat in range(repeats):
-        for mode in ["one_at_a_time", "batched"][::1 if repeat % 2 else -1]:
-            member.moves.max_batch = 1 if mode == "one_at_a_time" else 64
-            member.moves.batch_sizes.clear()
-            began = time.perf_counter()
-            run_sync(run_episodes(make, [(s, s) for s in range(games)], FixedMoves(chat), chat,
-                                  params, env_name="tictactoe"))
-            seconds[mode].append(time.perf_counter() - began)
-            if mode == "batched":
-                sizes += member.moves.batch_sizes
-    alone, batched = (statistics.median(seconds[m]) for m in ("one_at_a_time", "batched"))
-    return {"games": games, "one_at_a_time_ms": 1e3 * alone, "batched_ms": 1e3 * batched,
-            "ratio": alone / batched, "mean_batch": statistics.mean(sizes)}
+
+    def play(mode: str, repeat: int) -> None:
+        run_sync(run_episodes(make, [(s, s) for s in range(games)], FixedMoves(chat), chat,
+                              params, env_name="tictactoe"))
+
+    rounds, sizes = alternate_modes(member, repeats, play)
+    return row(games, rounds.wall["one_at_a_time"], rounds.wall["batched"], sizes)
 
 
 def print_row(row: dict) -> None:
@@ -152,18 +177,22 @@ def main(argv: list[str] | None = None) -> int:
     pool.offer(0, model)
     member = pool.members[0]
     system = "You are playing TicTacToe. Reply with the number of a free cell (1-9)."
+    load = harness.load_average()
     print(f"# tiny model, {args.max_new_tokens} new tokens at most, torch {torch.__version__},"
-          f" {args.threads} torch threads; {os.cpu_count()} cores, load "
-          f"{os.getloadavg()[0]:.1f} at the start")
+          f" {args.threads} torch threads; medians of {args.repeats} alternating rounds each "
+          "(replies checked equal both ways)")
     print(f"# one move per game, a thread each\n{HEADER}")
     for games in args.games:
-        print_row(compare(member, games, args.repeats, system))
+        last = compare(member, games, args.repeats, system)
+        print_row(last)
     if args.rollout:
         print(f"# TicTacToe rollouts against the pool (turn loop, env threads)\n{HEADER}")
         for games in args.games:
-            print_row(compare_rollouts(pool, games, args.repeats))
-    print(f"# load {os.getloadavg()[0]:.1f} at the end (medians of {args.repeats} rounds each; "
-          "replies checked equal both ways)")
+            last = compare_rollouts(pool, games, args.repeats)
+            print_row(last)
+    print(harness.machine(load))
+    print(harness.ratio_line(f"one at a time / batched at {last['games']} games",
+                             last["ratio"]))
     return 0
 
 

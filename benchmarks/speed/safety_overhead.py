@@ -10,6 +10,8 @@ Side by side in one process, medians of repeated trials:
 3. the non-finite check a checkpoint makes (``_require_finite``) on SmolLM2-135M's weights
    and fresh AdamW moments, next to writing that checkpoint.
 
+(1) alternates direct and guarded trials (the shared harness, ``benchmarks/harness.py``,
+which also gives the machine line and the ratio lines); (2) and (3) are timed alone.
 Usage: ``python benchmarks/speed/safety_overhead.py [--calls 2000] [--skip-smollm2]``. The last line
 is ``ratio: guarded / direct env call time = X``.
 """
@@ -18,13 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 from turnrl.envs import make_env
 from turnrl.rollout.env_calls import EnvRunner, checked_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 async def _direct(env, calls: int) -> float:
@@ -47,13 +53,14 @@ async def _guarded(env, calls: int) -> float:
         runner.close()
 
 
-def env_calls(calls: int, trials: int) -> tuple[float, float]:
-    """Median seconds per (reset + step) pair: direct, guarded."""
-    direct, guarded = [], []
-    for _ in range(trials):  # alternate, so drift hits both alike
-        direct.append(asyncio.run(_direct(make_env("guess-number"), calls)))
-        guarded.append(asyncio.run(_guarded(make_env("guess-number"), calls)))
-    return statistics.median(direct), statistics.median(guarded)
+def env_calls(calls: int, trials: int) -> tuple[list[float], list[float]]:
+    """Seconds per (reset + step) pair, a trial each: direct, guarded (alternating, so
+    drift hits both alike)."""
+    rounds = harness.alternate(
+        {"direct": lambda: asyncio.run(_direct(make_env("guess-number"), calls)),
+         "guarded": lambda: asyncio.run(_guarded(make_env("guess-number"), calls))},
+        trials, warmup=0)
+    return rounds.results["direct"], rounds.results["guarded"]
 
 
 def collection(trials: int) -> tuple[float, float]:
@@ -75,10 +82,9 @@ def collection(trials: int) -> tuple[float, float]:
         return env
 
     for _ in range(trials):
-        started = time.perf_counter()
-        episodes = run_sync(run_episodes(own_thread_env, seeds, engine, chat,
-                                         params, env_name="guess-number", max_turns=5))
-        times.append(time.perf_counter() - started)
+        took, _, episodes = harness.timed(lambda: run_sync(run_episodes(
+            own_thread_env, seeds, engine, chat, params, env_name="guess-number", max_turns=5)))
+        times.append(took)
         calls.append(sum(1 + len(ep.turns) for ep in episodes))
     return statistics.median(times), statistics.mean(calls)
 
@@ -97,13 +103,10 @@ def checkpoint_check() -> tuple[float, float]:
     for p in model.parameters():  # give Adam its moments, as after a step
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    started = time.perf_counter()
-    _require_finite(model, optimizer)
-    check_s = time.perf_counter() - started
+    check_s = harness.timed(lambda: _require_finite(model, optimizer))[0]
     with tempfile.TemporaryDirectory() as tmp:
-        started = time.perf_counter()
-        save_checkpoint(tmp, 1, model, optimizer, rng=rng_state())
-        save_s = time.perf_counter() - started
+        save_s = harness.timed(lambda: save_checkpoint(tmp, 1, model, optimizer,
+                                                       rng=rng_state()))[0]
     return check_s, save_s
 
 
@@ -113,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--skip-smollm2", action="store_true")
     args = parser.parse_args(argv)
-    print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
-    direct, guarded = env_calls(args.calls, args.trials)
+    load = harness.load_average()
+    direct_trials, guarded_trials = env_calls(args.calls, args.trials)
+    direct, guarded = statistics.median(direct_trials), statistics.median(guarded_trials)
     print(f"env reset+step pair: direct {direct * 1e6:.1f} us, guarded (own thread + "
           f"timeout + checks) {guarded * 1e6:.1f} us, overhead {(guarded - direct) * 1e6:.1f} us")
     step_s, calls = collection(max(3, args.trials // 2))
@@ -126,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         check_s, save_s = checkpoint_check()
         print(f"checkpoint of SmolLM2-135M + AdamW: finite check {check_s:.3f} s of a "
               f"{save_s:.3f} s save ({check_s / save_s:.1%})")
-    print(f"ratio: guarded / direct env call time = {guarded / direct:.2f}")
+    print(harness.interval_line("guarded / direct env call time", guarded_trials,
+                                direct_trials))
+    print(harness.machine(load))
+    print(harness.ratio_line("guarded / direct env call time", guarded / direct))
     return 0
 
 

@@ -14,7 +14,9 @@ thread pool of one system sits in the other's way. The parent alternates measure
 between the workers (ABAB, after each worker's warm-up) and only one worker computes at a
 time; the idle one waits on a pipe. A TurnRL-only scaling table follows (group size,
 completion length, turns of the multi-turn ``guess-number``); the last line is
-``ratio: turnrl/trl completion tokens per second = X``, the minimum over the workloads.
+``ratio: turnrl/trl completion tokens per second = X``, the minimum over the workloads, after
+the harness's machine line (``benchmarks/harness.py``: the alternation order, the ratios of
+medians and the report lines; ``training_job.py``: the job's TurnRL config keys).
 
 Usage: ``python benchmarks/speed/step_throughput.py [--groups 4 16] [--steps 4] [--json OUT]``;
 ``--quick`` runs the tiny model for tests. Needs the bench extra (``pip install -e
@@ -42,12 +44,18 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from training_job import config as job_config  # benchmarks/speed/, this folder
+from training_job import job_keys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 SYSTEMS = ("turnrl", "turnrl-torch", "trl")
 """turnrl-torch: TurnRL with ``sampler.matmul torch`` (its sampler on torch's products), in the
 same alternating blocks as ``turnrl`` (``--matmul`` picks turnrl's own)."""
 TRL_MISSING = ("step_throughput: TRL is not installed; run `pip install -e '.[bench]'` "
                "(or pass --systems turnrl)")
-RATIO_LINE = "ratio: turnrl/trl completion tokens per second = "
+RATIO = "turnrl/trl completion tokens per second"
 
 
 class BenchError(RuntimeError):
@@ -158,21 +166,16 @@ class PeakRSS:
 
 def turnrl_config(wl: Workload):
     """The TurnRL ``Config`` of a workload (defaults for everything it does not name)."""
-    from turnrl.config import config_from_dict
-
-    return config_from_dict({
-        "model": {"name": wl.model_dir, "dtype": "float32", "device": "cpu"},
-        "env": {"name": wl.env, "options": dict(wl.env_options)},
-        "rollout": {"group_size": wl.group_size, "groups_per_step": wl.prompts,
-                    "max_new_tokens": wl.completion_length, "max_turns": wl.turns,
-                    "temperature": 1.0, "top_p": 1.0, "sampler": wl.engine,
-                    "sampler_dtype": wl.engine_dtype},
-        "sampler": {"matmul": wl.matmul},
-        "algo": {"advantage": "grpo", "kl_coef": 0.0, "entropy_coef": 0.0, "epochs": 1},
-        "optim": {"lr": wl.lr, "compute_dtype": wl.compute_dtype},
-        "eval": {"episodes": 0},
-        "run": {"seed": wl.seed, "threads": wl.threads, "progress": False},
-    })
+    keys = job_keys(wl.model_dir, wl.env, group_size=wl.group_size, groups_per_step=wl.prompts,
+                    max_new_tokens=wl.completion_length, seed=wl.seed,
+                    env_options=dict(wl.env_options), max_turns=wl.turns, lr=wl.lr,
+                    threads=wl.threads)
+    keys.update({"model.dtype": "float32", "model.device": "cpu", "rollout.temperature": 1.0,
+                 "rollout.top_p": 1.0, "rollout.sampler": wl.engine,
+                 "rollout.sampler_dtype": wl.engine_dtype, "sampler.matmul": wl.matmul,
+                 "algo.advantage": "grpo", "algo.kl_coef": 0.0, "algo.entropy_coef": 0.0,
+                 "algo.epochs": 1, "optim.compute_dtype": wl.compute_dtype})
+    return job_config(keys)
 
 
 @dataclass
@@ -595,18 +598,14 @@ def _row(cells: Sequence[Any], widths: Sequence[int]) -> str:
                      for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
-
-
 SYSTEM_COLUMNS = ["system", "step s", "tok/s", "gen s", "update s", "peak RSS MB",
                   "step peak MB", "steps (s)"]
 
 
 def system_rows(results: dict[str, dict]) -> list[list[str]]:
-    return [[name, _fmt(s["median_step_s"], 3), _fmt(s["completion_tokens_per_s"], 1),
-             _fmt(s["median_gen_s"], 3), _fmt(s["median_update_s"], 3),
-             _fmt(s["peak_rss_mb"], 0), _fmt(s["step_peak_rss_mb"], 0),
+    return [[name, harness.figure(s["median_step_s"], 3), harness.figure(s["completion_tokens_per_s"], 1),
+             harness.figure(s["median_gen_s"], 3), harness.figure(s["median_update_s"], 3),
+             harness.figure(s["peak_rss_mb"], 0), harness.figure(s["step_peak_rss_mb"], 0),
              " ".join(f"{r['step_s']:.2f}" for r in s["records"])]
             for name, s in results.items()]
 
@@ -619,6 +618,13 @@ def print_table(columns: list[str], rows: list[list[str]], out=None) -> None:
 
 
 # ---- orchestration --------------------------------------------------------------------------
+
+
+def step_rate_ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """The ratio of two systems' median completion tokens/s (each step's tokens / seconds)."""
+    def rates(summary: dict[str, Any]) -> list[float]:
+        return [r["completion_tokens"] / r["step_s"] for r in summary["records"]]
+    return harness.ratio_of_medians(rates(a), rates(b))
 
 
 def split_blocks(steps: int, rounds: int) -> list[int]:
@@ -638,9 +644,9 @@ def compare(wl: Workload, systems: Sequence[str], rounds: int) -> dict[str, dict
             workers[system] = Worker(system, wl.threads)
             own = {"matmul": "torch"} if system == "turnrl-torch" else {}
             setup[system] = workers[system].ask("setup", {**asdict(wl), **own})
-        for block in split_blocks(wl.measured, rounds):
-            for system in systems:
-                records[system] += workers[system].ask("run", block)
+        blocks = split_blocks(wl.measured, rounds)
+        for index, system in enumerate(harness.round_order(list(systems), len(blocks))):
+            records[system] += workers[system].ask("run", blocks[index // len(systems)])
         for system in systems:
             finals[system] = workers[system].ask("stop")
     finally:
@@ -781,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import trl
 
         versions += f", trl {trl.__version__}"
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    load = harness.load_average()
     report: dict[str, Any] = {"args": vars(args), "versions": versions,
                               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                           "load_average_at_start": load},
@@ -824,15 +830,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"warning: {warning}")
                 entry = {"group_size": group, "workload": asdict(wl), "systems": results}
                 if "turnrl" in systems and "trl" in systems:
-                    ratio = (results["turnrl"]["completion_tokens_per_s"]
-                             / results["trl"]["completion_tokens_per_s"])
+                    ratio = step_rate_ratio(results["turnrl"], results["trl"])
                     ratios[f"G={group}"] = entry["ratio"] = ratio
-                    print(f"ratio (G={group}): turnrl/trl completion tokens per second = "
-                          f"{ratio:.2f}")
+                    print(f"ratio (G={group}): {RATIO} = {ratio:.2f}")
                 if "turnrl" in systems and "turnrl-torch" in systems:
                     print(f"ratio (G={group}): turnrl/turnrl-torch completion tokens per "
-                          "second = " + _fmt(results["turnrl"]["completion_tokens_per_s"]
-                                             / results["turnrl-torch"]["completion_tokens_per_s"]))
+                          "second = " + harness.figure(
+                              step_rate_ratio(results["turnrl"], results["turnrl-torch"])))
                 report["workloads"].append(entry)
 
             if not args.no_limits and "turnrl" in systems:
@@ -850,10 +854,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print_table(
                     ["varied", "G", "L", "turns", "tokens", "step s", "gen s", "update s",
                      "tok/s", "step peak MB"],
-                    [[r["label"], r["group_size"], r["completion_length"], _fmt(r["turns"], 1),
-                      _fmt(r["completion_tokens_per_step"], 0), _fmt(r["median_step_s"], 3),
-                      _fmt(r["median_gen_s"], 3), _fmt(r["median_update_s"], 3),
-                      _fmt(r["completion_tokens_per_s"], 1), _fmt(r["step_peak_rss_mb"], 0)]
+                    [[r["label"], r["group_size"], r["completion_length"], harness.figure(r["turns"], 1),
+                      harness.figure(r["completion_tokens_per_step"], 0), harness.figure(r["median_step_s"], 3),
+                      harness.figure(r["median_gen_s"], 3), harness.figure(r["median_update_s"], 3),
+                      harness.figure(r["completion_tokens_per_s"], 1), harness.figure(r["step_peak_rss_mb"], 0)]
                      for r in report["scaling"]])
     except BenchError as err:
         print(f"step_throughput: error: {err}", file=sys.stderr)
@@ -868,10 +872,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    if ratios:
-        print(f"{RATIO_LINE}{report['ratio']:.2f}")
-    else:
-        print(f"{RATIO_LINE}n/a (TRL not run)")
+    print(harness.machine(load))
+    print(harness.ratio_line(RATIO, report["ratio"] if ratios else "n/a (TRL not run)"))
     return 0
 
 

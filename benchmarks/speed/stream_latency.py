@@ -5,17 +5,19 @@ waiting for the batch to end (``Batcher.join_running = False``).
 A live server (the tiny model by default) and the official ``openai`` client: a streamed
 request for ``--long`` tokens; once its first token arrives, a streamed request for
 ``--short`` tokens; we time the short one's first content chunk and what was left of the
-long one. Both modes alternate, ``--repeats`` times; medians, with the machine's load.
-Usage: ``python benchmarks/speed/stream_latency.py [--model smollm2-135m-instruct]``.
+long one. Both modes alternate, ``--repeats`` times (after one short warm-up request);
+medians, then the shared harness's machine line and ``ratio: waits / joins first-token
+seconds = X`` (``benchmarks/harness.py``). Usage: ``python benchmarks/speed/stream_latency.py [--model smollm2-135m-instruct]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from openai import AsyncOpenAI
@@ -26,6 +28,9 @@ from turnrl.rollout import ChatFormat
 from turnrl.samplers import HFEngine
 from turnrl.serve import Server
 from turnrl.serve.app import RunningServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 ASK = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
 
@@ -72,21 +77,30 @@ def main() -> None:
                     name="served", max_context=getattr(model.config, "max_position_embeddings",
                                                        None),
                     cfg=ServeConfig(max_tokens=args.short))
-    runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    load = harness.load_average()
     with RunningServer(server) as running:
         asyncio.run(once(running.base_url, 4, 2))  # warm-up
-        for _ in range(args.repeats):
-            for join in (True, False):
+
+        def mode(join: bool):
+            def run() -> tuple[float, float]:
                 server.batcher.join_running = join
-                runs[join].append(asyncio.run(once(running.base_url, args.long, args.short)))
+                return asyncio.run(once(running.base_url, args.long, args.short))
+            return run
+
+        runs = harness.alternate({"joins the batch": mode(True),
+                                  "waits for its end": mode(False)},
+                                 args.repeats, warmup=0).results
     print(f"model {args.model}, long {args.long} tokens, short {args.short}, {args.threads} "
-          f"thread(s), {args.repeats} repeats; cpu_count {os.cpu_count()}, "
-          f"loadavg {os.getloadavg()[0]:.1f}; medians")
-    for join, label in ((True, "joins the batch"), (False, "waits for its end")):
-        first = statistics.median(r[0] for r in runs[join])
-        left = statistics.median(r[1] for r in runs[join])
+          f"thread(s), {args.repeats} repeats; medians")
+    for label, seen in runs.items():
+        first = statistics.median(r[0] for r in seen)
+        left = statistics.median(r[1] for r in seen)
         print(f"  {label:18s} first token of the short request {first:.3f} s "
               f"(long reply still ran {left:.3f} s)")
+    firsts = {label: [r[0] for r in seen] for label, seen in runs.items()}
+    print(harness.machine(load))
+    print(harness.ratio_line("waits / joins first-token seconds", harness.ratio_of_medians(
+        firsts["waits for its end"], firsts["joins the batch"])))
 
 
 if __name__ == "__main__":

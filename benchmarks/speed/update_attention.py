@@ -11,14 +11,17 @@ alternating rounds with three attention variants under bf16 autocast:
 
 Usage: ``python benchmarks/speed/update_attention.py [--model smollm2-135m-instruct] [--threads 1]
 [--shapes 4x160x64 16x96x32 4x512x256] [--rounds 3]``. Run it on an idle machine: the
-profile's shares survive load, its times do not.
+profile's shares survive load, its times do not. The rounds (one warm-up each first), the
+machine line and the last line, ``ratio: sdpa32 / sdpa bf16 update seconds at SHAPE = X``
+(the last shape), are the shared harness's (``benchmarks/harness.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -27,6 +30,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from turnrl.algorithms.losses import token_logprobs
 from turnrl.models import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
@@ -64,6 +70,14 @@ def top_operators(model, ids, scored: int, bf16: bool, n: int = 6) -> list[tuple
     return [(e.key, e.self_cpu_time_total / total) for e in ranked]
 
 
+def bf16_update(model, impl: str, ids: torch.Tensor, scored: int) -> Callable[[], object]:
+    """A bf16 ``update_pass`` with the attention ``impl`` (a variant for the harness)."""
+    def run() -> torch.Tensor:
+        model.config._attn_implementation = impl
+        return update_pass(model, ids, scored, bf16=True)
+    return run
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -75,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model)
     model.train()
+    load = harness.load_average()
     results = {}
     for shape in args.shapes:
         rows, tokens, scored = (int(x) for x in shape.split("x"))
@@ -85,18 +100,18 @@ def main(argv: list[str] | None = None) -> dict:
             ops = top_operators(model, ids, scored, bf16)
             print(f"{shape} {'bf16' if bf16 else 'fp32'} profile: "
                   + ", ".join(f"{name} {100 * share:.0f}%" for name, share in ops))
-        times = {impl: [] for impl in ("sdpa", "sdpa32", "eager")}
-        for _ in range(args.rounds + 1):  # the first round warms up
-            for impl, seen in times.items():
-                model.config._attn_implementation = impl
-                start = time.perf_counter()
-                update_pass(model, ids, scored, bf16=True)
-                seen.append(time.perf_counter() - start)
+        rounds = harness.alternate({impl: bf16_update(model, impl, ids, scored)
+                                    for impl in ("sdpa", "sdpa32", "eager")},
+                                   args.rounds, warmup=1)
         model.config._attn_implementation = "sdpa"
-        medians = {impl: statistics.median(seen[1:]) for impl, seen in times.items()}
+        medians = rounds.medians()
         print(f"{shape} bf16 update, median s: " + ", ".join(
             f"{impl} {t:.3f} ({t / medians['sdpa']:.2f}x)" for impl, t in medians.items()))
         results[shape] = medians
+    print(harness.machine(load))
+    print(harness.ratio_line(f"sdpa32 / sdpa bf16 update seconds at {shape}",
+                             harness.ratio_of_medians(rounds.wall["sdpa32"],
+                                                      rounds.wall["sdpa"])))
     return results
 
 

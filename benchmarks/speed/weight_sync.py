@@ -5,7 +5,9 @@ waits until every one has it loaded into its model (``RolloutWorker.load_newest`
 ``ray.weight_sync object_store`` (``ray.put`` of the state, each worker fetches it), once as
 ``broadcast`` (the weight group, gloo on CPUs: flattened buckets over TCP), alternating which
 goes first, in one process on one local Ray cluster of real ``RolloutWorker`` actors. Prints
-each way's median, the ratio, and the bytes one version carries.
+each way's median, the ratio with its bootstrap interval over the rounds, the bytes one
+version carries, the machine line and ``ratio: object_store / broadcast median = X`` (rounds,
+intervals and report lines from the shared harness, ``benchmarks/harness.py``).
 
 Usage: ``python benchmarks/speed/weight_sync.py [--model tiny|smollm2-135m-instruct] [--workers 2]
 [--rounds 10]``
@@ -14,9 +16,9 @@ Usage: ``python benchmarks/speed/weight_sync.py [--model tiny|smollm2-135m-instr
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -26,6 +28,9 @@ from turnrl.distributed.broadcaster import WeightBroadcaster
 from turnrl.distributed.fleet import Fleet
 from turnrl.distributed.workers import spawn_workers
 from turnrl.policy import group_seed, load_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 WAYS = ("object_store", "broadcast")
 
@@ -48,20 +53,27 @@ def timed_versions(model_name: str, workers: int, rounds: int) -> tuple[dict, in
         fleet.publish(0, model)
         fleet.wait_started(timeout_s=900)  # the workers built their models; the group formed
         ray.get([h.load_newest.remote() for h in fleet.handles])
-        seconds: dict[str, list[float]] = {way: [] for way in WAYS}
         version = 0
+        seconds: dict[str, list[float]] = {way: [] for way in WAYS}
         first_parameter = next(model.parameters())
-        for round_ in range(rounds):
-            for way in WAYS if round_ % 2 == 0 else WAYS[::-1]:
+
+        def publish(way: str):
+            def to_loaded() -> None:  # timed: publish until every worker has it loaded
+                fleet.publish(version, model)
+                loaded = ray.get([h.load_newest.remote() for h in fleet.handles])
+                assert loaded == [version] * workers, (way, loaded, version)
+
+            def run() -> None:
+                nonlocal version
                 version += 1
                 with torch.no_grad():
                     first_parameter.add_(1e-3)  # a new version, as an update makes
                 fleet.broadcaster = broadcaster if way == "broadcast" else None
-                start = time.perf_counter()
-                fleet.publish(version, model)
-                loaded = ray.get([h.load_newest.remote() for h in fleet.handles])
-                seconds[way].append(time.perf_counter() - start)
-                assert loaded == [version] * workers, (way, loaded, version)
+                seconds[way].append(harness.timed(to_loaded)[0])
+            return run
+
+        # object_store broadcast, broadcast object_store, ...: no way always goes first
+        harness.alternate({way: publish(way) for way in WAYS}, rounds, warmup=0, flip=True)
         assert len(fleet.broadcast_versions) == rounds  # every broadcast went through
         return seconds, fleet.version_bytes
     finally:
@@ -76,15 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args(argv)
+    load = harness.load_average()
     seconds, size = timed_versions(args.model, args.workers, args.rounds)
-    medians = {way: statistics.median(seconds[way]) for way in WAYS}
     print(f"{args.model}: {size / 1e6:.2f} MB per version, {args.workers} workers, "
           f"{args.rounds} alternating rounds, publish until every worker has it loaded")
     for way in WAYS:
-        print(f"  {way:<13} median {medians[way] * 1e3:8.1f} ms "
-              f"(min {min(seconds[way]) * 1e3:.1f}, max {max(seconds[way]) * 1e3:.1f})")
-    print(f"ratio: object_store / broadcast median = "
-          f"{medians['object_store'] / medians['broadcast']:.2f}")
+        least, most = harness.spread(seconds[way])
+        print(f"  {way:<13} median {harness.percentile(seconds[way], 50) * 1e3:8.1f} ms "
+              f"(min {least * 1e3:.1f}, max {most * 1e3:.1f})")
+    print("  " + harness.interval_line("object_store / broadcast", seconds["object_store"],
+                                       seconds["broadcast"]))
+    print(harness.machine(load))
+    print(harness.ratio_line("object_store / broadcast median",
+                             harness.ratio_of_medians(seconds["object_store"],
+                                                      seconds["broadcast"])))
     return 0
 
 

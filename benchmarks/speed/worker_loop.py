@@ -12,21 +12,26 @@ a pool of live episodes whose tool calls take a log-normal latency. This runs th
   PipelineRL's in-flight update; later tokens attend to keys/values of older weights).
 
 A version bump stands in for new weights (the cost is the same; the sampled text does not
-matter here). Printed per way: generated rows/s, rows per generate call, ms per row and the
-share of generate time spent in prefill. The last line reads
+matter here). The ways run in ``--rounds`` alternating rounds (the shared harness,
+``benchmarks/harness.py``; 1 by default, each way once). Printed per way, medians over the
+rounds: generated rows/s, rows per generate call, ms per row and the share of generate time
+spent in prefill; then the machine line, and last
 ``ratio: swaps kept / swaps re-read rows per second = X``.
 
 Usage: ``python benchmarks/speed/worker_loop.py [--median-ms 500] [--pool 320] [--seconds 20]
-[--swap-every 1.8]`` (1.8 s is the tiny model's learner step at 500 ms in
-``benchmarks/speed/async_throughput.py``; a 2-core machine, ~1 min).
+[--swap-every 1.8] [--rounds 1]`` (1.8 s is the tiny model's learner step at 500 ms in
+``benchmarks/speed/async_throughput.py``; a 2-core machine, ~1 min a round).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 from turnrl.config import load_config
 from turnrl.envs import make_env
@@ -35,6 +40,9 @@ from turnrl.policy import load_policy
 from turnrl.rollout.loop import TurnLoop
 from turnrl.samplers import SamplingParams
 from turnrl.samplers import hf as hf_engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def run_loop(policy, env: dict, pool: int, seconds: float, swap_every: float,
@@ -105,22 +113,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="per way")
     parser.add_argument("--swap-every", type=float, default=1.8)
     parser.add_argument("--threads", type=int, default=1, help="a worker's torch threads")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the ways")
     args = parser.parse_args(argv)
     configure_torch(args.threads)
     env = {"env": "guess-number", "median_ms": args.median_ms, "sigma": args.sigma, "seed": 0}
     policy = load_policy(load_config(None, ["--model.name", "tiny"]))
     ways = {"no swaps": (0.0, False), "swaps, re-read": (args.swap_every, False),
             "swaps, kept": (args.swap_every, True)}
+    load = harness.load_average()
     print(f"tiny model, {args.pool} live episodes, tools {args.median_ms:g} ms median "
-          f"(sigma {args.sigma}), {args.threads} thread(s), {args.seconds:g} s per way")
-    results = {}
-    for name, (swap_every, keep) in ways.items():
-        r = results[name] = run_loop(policy, env, args.pool, args.seconds, swap_every, keep)
+          f"(sigma {args.sigma}), {args.threads} thread(s), {args.seconds:g} s per way, "
+          f"{args.rounds} round(s)")
+    runs = harness.alternate(
+        {name: (lambda swap_every=swap_every, keep=keep: run_loop(
+            policy, env, args.pool, args.seconds, swap_every, keep))
+         for name, (swap_every, keep) in ways.items()}, args.rounds, warmup=0).results
+    rates = {name: [r["rows_per_s"] for r in seen] for name, seen in runs.items()}
+    for name, seen in runs.items():
+        r = {key: statistics.median(x[key] for x in seen) for key in seen[0]}
         print(f"{name:<16} {r['rows_per_s']:6.0f} rows/s  {r['rows_per_call']:5.1f} rows/call  "
               f"{r['ms_per_row']:5.2f} ms/row  prefill {r['prefill_share']:4.0%}  "
-              f"live {r['mean_live']:4.0f}  swaps {r['swaps']}", flush=True)
-    ratio = results["swaps, kept"]["rows_per_s"] / results["swaps, re-read"]["rows_per_s"]
-    print(f"ratio: swaps kept / swaps re-read rows per second = {ratio:.2f}")
+              f"live {r['mean_live']:4.0f}  swaps {r['swaps']:g}", flush=True)
+    print(harness.machine(load))
+    print(harness.ratio_line("swaps kept / swaps re-read rows per second",
+                             harness.ratio_of_medians(rates["swaps, kept"],
+                                                      rates["swaps, re-read"])))
     return 0
 
 
