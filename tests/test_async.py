@@ -824,13 +824,14 @@ def test_worker_zero_samples_what_the_sync_loop_samples_from_the_same_weights():
 
 
 def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
-    """``vllm_engine`` hands vLLM a directory: the tiny model, built in code, saved first (the
-    same weights load back); a local directory as is. vLLM is not on this machine, so a
+    """The chooser hands a vLLM worker's engine a directory: the tiny model, built in code,
+    saved first (the same weights load back); a local directory as is. vLLM is not on this machine, so a
     stand-in records what it was given (the real one runs in tests/test_async_vllm_gpu.py)."""
     import torch
 
     import turnrl.samplers.vllm as vllm_module
-    from turnrl.distributed.worker_engines import load_player, sampling_seed, vllm_engine
+    from turnrl.distributed.worker_engines import load_player, sampling_seed
+    from turnrl.distributed.workers import worker_sampler
     from turnrl.models import load_model
 
     given = {}
@@ -842,9 +843,9 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
     monkeypatch.setattr(vllm_module, "VLLMEngine", Recorder)
     cfg = load_config(None, TINY + ["--rollout.sampler", "vllm", "--ray.worker_gpus", "1",
                                     "--run.seed", "3"])
-    policy = load_player(cfg)
-    engine = vllm_engine(cfg, policy, 1)  # the saved directory lives as long as the engine
-    saved_dir = given["path"]
+    policy, model, engine, _ = worker_sampler(cfg, 1, None)  # the saved directory lives as
+    saved_dir = given["path"]  # long as the engine
+    assert model is None and given["version"] == -1
     assert given["seed"] == sampling_seed(3, 1) and given["dtype"] == "bfloat16"
     saved, tokenizer = load_model(str(saved_dir))
     ids = torch.tensor([tokenizer("Say a digit.")["input_ids"]])
@@ -852,9 +853,8 @@ def test_a_vllm_worker_is_given_a_model_directory_it_can_load(monkeypatch):
         assert torch.equal(saved(ids).logits, policy.model(ids).logits)
     local = load_config(None, TINY + ["--rollout.sampler", "vllm", "--ray.worker_gpus", "1",
                                       "--model.name", str(saved_dir)])
-    player = load_player(local)
-    assert player.model is None  # no CPU copy of the weights: vLLM loads its own
-    local_engine = vllm_engine(local, player, 0)
+    assert load_player(local).model is None  # no CPU copy of the weights: vLLM loads its own
+    local_engine = worker_sampler(local, 0, None)[2]
     assert given["path"] == saved_dir  # a local directory is used as it is, not copied
     assert not hasattr(local_engine, "model_dir_cleanup")  # and never removed
     engine.model_dir_cleanup()  # the saved one goes with its engine (the worker's stop)

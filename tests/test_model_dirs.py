@@ -115,21 +115,21 @@ def _standin(monkeypatch, fails: bool) -> dict:
 
 def _worker_engine(tmp_path):
     from turnrl.config import load_config
-    from turnrl.distributed.worker_engines import load_player, vllm_engine
+    from turnrl.distributed.workers import worker_sampler
 
     cfg = load_config(None, TINY + ["--run.mode", "async", "--rollout.sampler", "vllm",
                                     "--ray.worker_gpus", "1", "--run.out_dir", str(tmp_path)])
-    return vllm_engine(cfg, load_player(cfg), 0)
+    return worker_sampler(cfg, 0, None)[2]
 
 
 def _sync_engine(tmp_path):
     from turnrl.config import load_config
     from turnrl.models import tiny_model
-    from turnrl.policy import vllm_sampler
+    from turnrl.policy import sampler
 
     cfg = load_config(None, TINY + ["--rollout.sampler", "vllm", "--run.out_dir", str(tmp_path)])
     model, tokenizer = tiny_model(seed=0)
-    return vllm_sampler(cfg, model, tokenizer)
+    return sampler(cfg, model, tokenizer)
 
 
 @pytest.mark.parametrize("make", [_worker_engine, _sync_engine])

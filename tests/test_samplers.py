@@ -53,3 +53,39 @@ def test_turnrl_samplers_lists_each_with_what_this_machine_can_run(capsys):
 def test_turnrl_samplers_refuses_arguments(capsys):
     assert main(["samplers", "hf"]) == 2
     assert "takes no arguments" in capsys.readouterr().err
+
+
+def test_every_rollout_sampler_has_one_factory_and_every_listed_sampler_names_it():
+    """The chooser builds every ``rollout.sampler`` but auto (which times those it builds)
+    from one registry; each ``turnrl samplers`` line names the entry that builds it."""
+    import typing
+
+    from turnrl.config.core import RolloutConfig
+    from turnrl.samplers.chooser import FACTORIES
+
+    names = set(typing.get_args(typing.get_type_hints(RolloutConfig)["sampler"]))
+    assert set(FACTORIES) | {"auto"} == names
+    assert {entry.factory for entry in SAMPLERS} == names
+
+
+@pytest.mark.parametrize("sampler", ["hf", "ct2"])
+def test_a_rollout_worker_builds_its_sampler_through_the_chooser(sampler):
+    """Seeded with the worker's seed; ct2 starts at version -1 with its background refresh,
+    hf samples the worker's own model (its version set when the worker starts)."""
+    from turnrl.distributed.worker_engines import sampling_seed
+    from turnrl.distributed.workers import worker_sampler
+
+    if sampler == "ct2":
+        pytest.importorskip("ctranslate2")
+    cfg = load_config(None, TINY + ["--run.mode", "async", "--rollout.sampler", sampler,
+                                    "--run.seed", "5"])
+    policy, model, engine, refresh = worker_sampler(cfg, 2, None)
+    try:
+        assert (model is None) == (sampler == "ct2") and (refresh is None) == (sampler == "hf")
+        assert engine.describe().startswith(sampler)
+        if sampler == "ct2":
+            assert engine.version == -1
+        assert engine.generator.initial_seed() == sampling_seed(5, 2)
+    finally:
+        if refresh is not None:
+            refresh.close()

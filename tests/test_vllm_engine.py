@@ -29,10 +29,14 @@ def test_temperatures_vllm_samples_as_asked_are_accepted(temperature):
 
 
 def test_the_rollout_engine_defaults_to_bfloat16_whatever_the_learner_trains_in():
-    from turnrl.distributed.worker_engines import vllm_dtype
+    """On a rollout worker's GPU; in the learner's own process, the model's dtype."""
+    from turnrl.samplers.chooser import choice
 
-    assert vllm_dtype(load_config(None, VLLM)) == "bfloat16"
-    assert vllm_dtype(load_config(None, VLLM + ["--rollout.sampler_dtype", "float32"])) == "float32"
+    worker = "rollout worker 0"
+    assert choice(load_config(None, VLLM), worker, worker=True) == ("vllm", "bfloat16")
+    assert choice(load_config(None, VLLM + ["--rollout.sampler_dtype", "float32"]), worker,
+                  worker=True) == ("vllm", "float32")
+    assert choice(load_config(None, VLLM)) == ("vllm", "float32")
 
 
 def test_weights_reach_the_worker_as_a_file_and_load_in_place(tiny):

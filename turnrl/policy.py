@@ -7,11 +7,9 @@ environment the same way at start-up.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,15 +19,7 @@ from turnrl.envs import Env, make_env
 from turnrl.envs.contract import uses_pool
 from turnrl.envs.mix import MixEnv
 from turnrl.envs.user_module import load_env_module
-from turnrl.lora import (
-    add_adapter,
-    base_copy,
-    published_pairs,
-    published_state,
-    require_peft,
-    sharded,
-    vllm_lora_config,
-)
+from turnrl.lora import add_adapter, published_pairs, published_state, require_peft, sharded
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat
 from turnrl.rollout.chat import (
@@ -53,7 +43,7 @@ class Policy:
     engine: Engine
     """``HFEngine`` (samples from ``model`` itself, or ``HFCopyEngine`` from a copy in
     ``rollout.sampler_dtype``), ``VLLMEngine`` or ``CT2Engine`` (``rollout.sampler``; in
-    async mode the learner's own is hf: ``sampler_choice``)"""
+    async mode the learner's own is hf: ``chooser.choice``)"""
     max_context: int | None
     make_env: Callable[[], Env]
     """The env training plays (a mix: ``MixEnv``; a curriculum: its hardest level, which the
@@ -77,7 +67,7 @@ def load_policy(cfg: Config, announce: bool = True, who: str = "learner") -> Pol
     make, eval_makes = env_factories(cfg)  # bad names or options fail here, in one line
     engine = sampler(cfg, model, tokenizer, who)
     if announce:
-        print(chooser.sampler_line(engine, sampler_for(cfg, who)), flush=True)
+        print(chooser.sampler_line(engine, chooser.named_for(cfg, who)), flush=True)
     max_context = getattr(model.config, "max_position_embeddings", None)
     return Policy(model, tokenizer, chat, engine, max_context, make, sampling_params(cfg, chat),
                   eval_makes)
@@ -113,43 +103,13 @@ def publish(engine: Engine, model: torch.nn.Module, version: int) -> None:
         engine.load(published_state(model), version)
 
 
-def sampler_choice(cfg: Config, who: str = "learner") -> tuple[str, str]:
-    """(sampler, dtype) for ``who``: ``rollout.sampler`` and its dtype, in every mode; the
-    async learner only evaluates (its rollout workers sample), with the HF engine on its own
-    tensors when the workers' sampler is another."""
-    if cfg.run.mode == "async" and who == "learner" and cfg.rollout.sampler != "hf":
-        return "hf", "auto"
-    return cfg.rollout.sampler, cfg.rollout.sampler_dtype
-
-
-def sampler_for(cfg: Config, who: str) -> str:
-    """Who the ``sampler:`` line names: nobody for the learner (the line of a plain run),
-    where the async learner's sampler is not its workers' theirs too, else ``who``."""
-    if sampler_choice(cfg, who)[0] != cfg.rollout.sampler:
-        return f"{who}'s evaluation; rollout workers: {cfg.rollout.sampler}"
-    return "" if who == "learner" else who
-
-
 def sampler(cfg: Config, model: torch.nn.Module, tokenizer, who: str = "learner") -> Engine:
-    """The one chooser of every mode: the engine ``rollout.sampler`` and its dtype name for
-    ``who`` (``sampler_choice``): the HF engine on the learner's own tensors (or on a copy in
-    another dtype), vLLM, CTranslate2, or the fastest of those this machine has (auto)."""
-    name, dtype = sampler_choice(cfg, who)
-    if name == "vllm":
-        return vllm_sampler(cfg, model, tokenizer)
-    if name == "auto":
+    """The engine ``rollout.sampler`` and its dtype name for ``who`` (``chooser.for_run``, the
+    one constructor of every mode): the HF engine on the learner's own tensors (or on a copy
+    in another dtype), vLLM, CTranslate2, or the fastest of those this machine has (auto)."""
+    if chooser.choice(cfg, who)[0] == "auto":
         return fastest_sampler(cfg, model, tokenizer)
-    return cpu_sampler(cfg, model, tokenizer, name, dtype)
-
-
-def cpu_sampler(cfg: Config, model: torch.nn.Module, tokenizer, engine: str,
-                engine_dtype: str) -> Engine:
-    """An HF engine (on ``model`` itself, or a copy in ``engine_dtype``) or a ct2 one, with
-    the ``sampler`` section's options (``turnrl.samplers.chooser.build``)."""
-    options = {} if engine == "ct2" else dict(reuse_cache=cfg.sampler.reuse_cache,
-                                              matmul=cfg.sampler.matmul)
-    return chooser.build(engine, engine_dtype, model, tokenizer.pad_token_id, seed=cfg.run.seed,
-                         **options)
+    return chooser.for_run(cfg, model, tokenizer, who=who)
 
 
 def sampler_candidates(cfg: Config, model: torch.nn.Module) -> list[tuple[str, str]]:
@@ -185,12 +145,12 @@ def fastest_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
              for pair in candidates}
     if len(candidates) == 1:
         print(f"rollout.sampler auto: {label[candidates[0]]} (the only sampler this machine has)")
-        return cpu_sampler(cfg, model, tokenizer, *candidates[0])
+        return chooser.for_run(cfg, model, tokenizer, pick=candidates[0])
     rollout = cfg.rollout
     step = engine_choice.Shape(rollout.group_size * rollout.groups_per_step,
                                rollout.max_turns, rollout.max_new_tokens)
     probe = engine_choice.probe_shape(step.rows, step.new_tokens)
-    builders = {label[pair]: partial(cpu_sampler, cfg, model, tokenizer, *pair)
+    builders = {label[pair]: partial(chooser.for_run, cfg, model, tokenizer, pick=pair)
                 for pair in candidates}
     was_training = model.training
     engines, timings = engine_choice.time_engines(
@@ -210,35 +170,6 @@ def fastest_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
 
 def model_dtype_name(model: torch.nn.Module) -> str:
     return str(model.dtype).removeprefix("torch.")
-
-
-def vllm_sampler(cfg: Config, model: torch.nn.Module, tokenizer) -> Engine:
-    """A ``VLLMEngine`` on the model's directory (the tiny model, built in code, is saved to
-    a temporary one first, removed with the engine or at exit: turnrl/samplers/model_dirs.py),
-    in ``rollout.sampler_dtype``; new versions reach it through ``publish``."""
-    from turnrl.models import model_directory
-    from turnrl.samplers.model_dirs import remove_with, save_model_dir
-    from turnrl.samplers.vllm import VLLMEngine
-
-    def save(path: Path) -> None:
-        base_copy(model).save_pretrained(path)  # LoRA: the base; the adapter comes per version
-        tokenizer.save_pretrained(path)
-
-    local = model_directory(cfg.model.name, cfg.model.cache_dir or None)
-    path = local or save_model_dir("sync", save)
-    dtype = cfg.model.dtype if cfg.rollout.sampler_dtype == "auto" else cfg.rollout.sampler_dtype
-    try:
-        engine = VLLMEngine(path, seed=cfg.run.seed, dtype=dtype,
-                            gpu_memory_utilization=cfg.sampler.gpu_memory_utilization,
-                            max_model_len=getattr(model.config, "max_position_embeddings", None),
-                            lora_config=vllm_lora_config(cfg.model.lora_plan()))
-    except BaseException:
-        if local is None:
-            shutil.rmtree(path, ignore_errors=True)
-        raise
-    if local is None:
-        engine.model_dir_cleanup = remove_with(engine, path)
-    return engine
 
 
 def level_factory(cfg: Config, value: Any) -> Callable[[], Env]:

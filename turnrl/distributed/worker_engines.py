@@ -1,15 +1,14 @@
-"""What a rollout worker is built from: its engine (HF, vLLM or CTranslate2), the chat side
-of the policy a vLLM worker needs, its env (with the opponent it builds), its sampling seed,
+"""What a rollout worker is built from besides its engine (built by
+``turnrl.samplers.chooser.for_run``): the chat side of the policy a vLLM worker needs, the
+background conversion a ct2 worker refreshes with, its env (with the opponent it builds), its sampling seed,
 and the published state dict's tied tensors (dropped before publishing, restored on
 receipt). Used by ``RolloutWorker`` (workers.py), which imports them from here."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,11 +16,9 @@ import torch
 from turnrl.config import Config
 from turnrl.distributed.weight_sync import TIED_KEYS
 from turnrl.envs.base import Env, make_env
-from turnrl.lora import base_copy, vllm_lora_config
 from turnrl.models import model_directory
 from turnrl.policy import load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
-from turnrl.samplers.model_dirs import remove_with, save_model_dir
 from turnrl.selfplay.endpoint import EndpointOpponent
 from turnrl.selfplay.opponents import ModelOpponent, attach_player
 from turnrl.selfplay.pool import OpponentPool, PoolDraw, pool_wait_s
@@ -35,7 +32,6 @@ class Player:
     tokenizer: Any
     chat: ChatFormat
     max_context: int | None
-    model_dir: Path | None
     model: Any = None
 
 
@@ -47,15 +43,16 @@ def load_player(cfg: Config) -> Player:
     path = model_directory(cfg.model.name, cfg.model.cache_dir or None, cfg.model.revision)
     if path is None:  # tiny: built in code, nothing to load it from
         policy = load_policy(replace(cfg, model=replace(cfg.model, device="cpu")), announce=False)
-        return Player(policy.tokenizer, policy.chat, policy.max_context, None, policy.model)
+        return Player(policy.tokenizer, policy.chat, policy.max_context, policy.model)
     trust = cfg.model.trust_remote_code
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     use_chat_template(tokenizer, cfg.model.chat_template)
     chat = ChatFormat(tokenizer)
     chat.check()
     make_env(cfg.env.name, **cfg.env.options)
-    max_context = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust), "max_position_embeddings", None)
-    return Player(tokenizer, chat, max_context, path)
+    max_context = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust),
+                          "max_position_embeddings", None)
+    return Player(tokenizer, chat, max_context)
 
 
 def worker_env_factory(cfg: Config, pool: OpponentPool | None = None) -> Callable[[], Env]:
@@ -77,13 +74,6 @@ def worker_env_factory(cfg: Config, pool: OpponentPool | None = None) -> Callabl
     return make
 
 
-def vllm_dtype(cfg: Config) -> str:
-    """A vLLM worker's dtype: ``rollout.sampler_dtype``, where 'auto' is bfloat16 on GPUs
-    (FlashAttention needs 16-bit weights) whatever the learner trains in."""
-    dtype = cfg.rollout.sampler_dtype
-    return "bfloat16" if dtype == "auto" else dtype
-
-
 def sampling_seed(run_seed: int, worker: int) -> int:
     """Seed of a worker's sampling generator. Worker 0 draws the same random numbers as the
     sync trainer's engine (seeded with ``run.seed``), so sync and async runs of one seed
@@ -95,51 +85,13 @@ def sampling_seed(run_seed: int, worker: int) -> int:
     return run_seed if worker == 0 else run_seed * 1009 + 17 * worker
 
 
-def vllm_engine(cfg: Config, policy: Any, index: int) -> Any:
-    """A ``VLLMEngine`` for worker ``index`` on the GPU Ray gave it (not run here: no GPU).
-
-    vLLM loads a model directory: a local one or the converted SmolLM2 cache as is; the tiny
-    model, built in code, is first saved from ``policy`` to a temporary directory, removed
-    with the engine (``model_dir_cleanup``: at its collection, the worker's ``stop`` or the
-    process's exit; turnrl/samplers/model_dirs.py). The learner's weights then arrive through
-    ``load`` (vLLM's own loader, in place). The sampling seed is the worker's, as
-    for the HF engine; vLLM draws other random numbers than it does.
-    """
-    from turnrl.samplers.vllm import VLLMEngine
-
-    path = policy.model_dir
-    if path is None:  # the tiny model, built in code: saved for vLLM to load
-        path = save_model_dir(str(index), partial(_save_tiny_model, policy))
-    try:
-        engine = VLLMEngine(path, seed=sampling_seed(cfg.run.seed, index),
-                            dtype=vllm_dtype(cfg), version=-1,
-                            gpu_memory_utilization=cfg.sampler.gpu_memory_utilization,
-                            max_model_len=policy.max_context,
-                            lora_config=vllm_lora_config(cfg.model.lora_plan()))
-    except BaseException:
-        if policy.model_dir is None:
-            shutil.rmtree(path, ignore_errors=True)
-        raise
-    if policy.model_dir is None:
-        engine.model_dir_cleanup = remove_with(engine, path)
-    return engine
-
-
-def _save_tiny_model(policy: Player, path: Path) -> None:
-    base_copy(policy.model).save_pretrained(path)  # LoRA: the adapter comes per version
-    policy.tokenizer.save_pretrained(path)
-
-
-def ct2_engine(cfg: Config, model: torch.nn.Module, index: int) -> tuple[Any, Any]:
-    """Worker ``index``'s ``CT2Engine`` (``rollout.sampler_dtype``, the worker's sampling seed and
-    torch threads) and the ``BackgroundRefresh`` that converts each version sent to it."""
-    from turnrl.samplers.ct2 import CT2Engine
+def ct2_refresh(cfg: Config, engine: Any, index: int) -> Any:
+    """The ``BackgroundRefresh`` that converts each version sent to worker ``index``'s
+    ``CT2Engine`` while it samples."""
     from turnrl.samplers.ct2_refresh import BackgroundRefresh
 
-    engine = CT2Engine(model, compute_type=cfg.rollout.sampler_dtype,
-                       seed=sampling_seed(cfg.run.seed, index), version=-1)
-    return engine, BackgroundRefresh(engine, cfg.rollout.temperature, fetched_state,
-                                     name=f"ct2-refresh-{index}")
+    return BackgroundRefresh(engine, cfg.rollout.temperature, fetched_state,
+                             name=f"ct2-refresh-{index}")
 
 
 def fetched_state(sent: Any) -> dict[str, torch.Tensor]:

@@ -77,11 +77,10 @@ from turnrl.distributed.weight_sync import (
     weights_digest,
 )
 from turnrl.distributed.worker_engines import (
-    ct2_engine,
+    ct2_refresh,
     fetched_state,
     load_player,
     sampling_seed,
-    vllm_engine,
     with_tied_weights,
     worker_env_factory,
 )
@@ -91,8 +90,8 @@ from turnrl.lora import load_published, published_state
 from turnrl.models import configure_torch
 from turnrl.policy import load_policy
 from turnrl.rollout.loop import Group, TurnLoop, run_sync
+from turnrl.samplers import chooser
 from turnrl.samplers.base import SamplingParams
-from turnrl.samplers.chooser import sampler_line
 from turnrl.selfplay.opponents import FrozenPolicy
 from turnrl.selfplay.pool import OpponentPool
 
@@ -156,7 +155,7 @@ class RolloutWorker:
         self.engine.keep_cache_across_versions = cfg.sampler.keep_kv_cache
         if self.model is not None:  # the HF engine: version -1, nothing the learner sent yet
             self.engine.load(None, -1)  # (ct2 and vLLM are built at -1)
-        print(sampler_line(self.engine, f"rollout worker {index}"), flush=True)
+        print(chooser.sampler_line(self.engine, f"rollout worker {index}"), flush=True)
         self._weights_lock = threading.Lock()
         self._loading = threading.Lock()
         self._newest: tuple[int, Any] | None = None
@@ -355,23 +354,27 @@ class RolloutWorker:
 
 def worker_sampler(cfg: Config, index: int, pool_size: int | None
                    ) -> tuple[Any, torch.nn.Module | None, Any, Any]:
-    """(policy, model, engine, ct2 refresh) of rollout worker ``index``: vLLM holds the
-    weights on the GPU (no CPU copy of the model, only what plays it); ct2 converts them in a
+    """(policy, model, engine, ct2 refresh) of rollout worker ``index``, its engine built by
+    the chooser (``chooser.for_run``) with the worker's sampling seed: vLLM holds the weights
+    on the GPU (no CPU copy of the model, only what plays it); ct2 converts them in a
     background thread (the model gives the architecture; weights come later; no HF model to
-    play, so no opponent pool: the config checks refuse it); hf samples the worker's own copy
-    of the learner's model, with the learner's chat and env checks."""
-    if cfg.rollout.sampler == "vllm":
-        policy = load_player(cfg)
-        return policy, None, vllm_engine(cfg, policy, index), None
-    if cfg.rollout.sampler == "ct2":
-        policy = load_policy(cfg, announce=False)
-        return (policy, None, *ct2_engine(cfg, policy.model, index))
-    policy = load_policy(cfg, announce=False, who=f"rollout worker {index}")
+    play, so no opponent pool: the config checks refuse it); both start at version -1,
+    nothing the learner sent yet. hf samples the worker's own copy of the learner's model,
+    with the learner's chat and env checks."""
+    who, seed = f"rollout worker {index}", sampling_seed(cfg.run.seed, index)
+    if cfg.rollout.sampler in ("vllm", "ct2"):
+        policy = load_player(cfg) if cfg.rollout.sampler == "vllm" else load_policy(
+            cfg, announce=False)
+        engine = chooser.for_run(cfg, policy.model, policy.tokenizer, who=who, seed=seed,
+                                 version=-1, worker=True, max_context=policy.max_context)
+        refresh = ct2_refresh(cfg, engine, index) if cfg.rollout.sampler == "ct2" else None
+        return policy, None, engine, refresh
+    policy = load_policy(cfg, announce=False, who=who)
     if pool_size is not None:
         # Every live episode's cache must survive until its next turn: a smaller bound
         # evicts rows the pool still needs and re-prefills them (7.8 vs 15.3 ms a row).
         policy.engine.max_kept_rows = max(policy.engine.max_kept_rows, pool_size)
-    policy.engine.generator.manual_seed(sampling_seed(cfg.run.seed, index))
+    policy.engine.generator.manual_seed(seed)
     return policy, policy.model, policy.engine, None
 
 

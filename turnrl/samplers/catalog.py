@@ -1,7 +1,7 @@
 """What ``turnrl samplers`` lists: every sampler TurnRL has, and whether this machine runs it.
 
-One entry per engine and forward pass, with the option that selects it, the devices it runs
-on, how new weights reach it (``refresh``) and, read on this machine now, whether it can run
+One entry per engine and forward pass, with the ``turnrl.samplers.chooser.FACTORIES`` entry
+that builds it, the option that selects it, the devices it runs on, how new weights reach it (``refresh``) and, read on this machine now, whether it can run
 and why not. The checks are the engines' own (``onednn_unusable``, ``cpu_has_bf16``, the
 imports of the optional extras), so the list cannot disagree with what a run would do.
 """
@@ -20,6 +20,9 @@ from turnrl.config.precision import cpu_has_bf16
 @dataclass(frozen=True)
 class SamplerEntry:
     name: str
+    factory: str
+    """Its ``rollout.sampler``: the ``chooser.FACTORIES`` entry that builds it (``auto``:
+    ``turnrl.policy.sampler`` times those this machine runs)."""
     selected_by: str
     """The options that pick it (``rollout.sampler``, in sync and async mode alike)."""
     devices: str
@@ -57,22 +60,22 @@ def _always() -> str | None:
 
 
 SAMPLERS = [
-    SamplerEntry("hf (transformers' pass)", "rollout.sampler hf, sampler.matmul torch",
+    SamplerEntry("hf (transformers' pass)", "hf", "rollout.sampler hf, sampler.matmul torch",
                  "cpu, cuda", "none: samples the learner's own tensors", _always),
-    SamplerEntry("hf (lean pass)", "rollout.sampler hf, sampler.matmul onednn|auto",
+    SamplerEntry("hf (lean pass)", "hf", "rollout.sampler hf, sampler.matmul onednn|auto",
                  "cpu", "packed copies rebuilt on a new version",
                  _no_onednn),
-    SamplerEntry("hf (PackedLinear tree)", "as the lean pass, for models it refuses (LoRA)",
+    SamplerEntry("hf (PackedLinear tree)", "hf", "as the lean pass, for models it refuses (LoRA)",
                  "cpu", "packed copies rebuilt on a new version", _no_onednn),
-    SamplerEntry("hf on a bf16 copy", "rollout.sampler_dtype bfloat16", "cpu (native bf16), cuda",
+    SamplerEntry("hf on a bf16 copy", "hf", "rollout.sampler_dtype bfloat16", "cpu (native bf16), cuda",
                  "tensor copy in place", lambda: _no_bf16() if not torch.cuda.is_available()
                  else None),
-    SamplerEntry("ct2", "rollout.sampler ct2 (rollout.sampler_dtype int8|...)", "cpu",
+    SamplerEntry("ct2", "ct2", "rollout.sampler ct2 (rollout.sampler_dtype int8|...)", "cpu",
                  "re-conversion (async workers: in a background thread)",
                  _missing("ctranslate2", "ct2")),
-    SamplerEntry("vllm", "rollout.sampler vllm", "cuda",
+    SamplerEntry("vllm", "vllm", "rollout.sampler vllm", "cuda",
                  "weights loaded in place (load)", _no_vllm),
-    SamplerEntry("auto", "rollout.sampler auto (sync)", "cpu",
+    SamplerEntry("auto", "auto", "rollout.sampler auto (sync)", "cpu",
                  "the chosen one's", _always),
 ]
 """Every sampler, in the order ``turnrl samplers`` prints them."""

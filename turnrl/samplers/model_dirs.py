@@ -1,6 +1,6 @@
 """Temporary model directories for vLLM, which loads a model only from a directory: the tiny
-model, built in code, is saved to one first (``worker_engines.vllm_engine``, a rollout worker;
-``policy.vllm_sync_engine``, the sync trainer).
+model, built in code, is saved to one first (``turnrl.samplers.chooser.vllm_engine``, for a
+rollout worker and the learner's process alike).
 
 Each is named after the process that made it (``turnrl-vllm-<label>-p<pid>-<random>``) and
 removed when the engine reading it is collected, when its worker stops, or when the process

@@ -69,12 +69,12 @@ def held_out_eval(cfg: Config, policy: Policy) -> tuple[EvalResult, list[Episode
     each env, a row each in ``per_env``); the result with the env's ``policy_metrics`` (the
     policy scored as it samples) and a game's per-role outcomes, and the episodes."""
     makes, seeds = policy.eval_envs, held_out_seeds(cfg)
-    first = next(iter(makes.values()))
+    first, options = next(iter(makes.values())), play_options(cfg, policy)
     if len(makes) > 1:  # a mix: each env on the held-out seeds, a row each
-        result, episodes = evaluate_each(makes, seeds, policy.engine, policy.chat,
-                                         **play_options(cfg, policy))
+        result, episodes = evaluate_each(makes, seeds, policy.engine, policy.chat, **options)
     else:
-        result, episodes = play_tasks(cfg, policy, first, seeds, cfg.env.name)
+        result, episodes = evaluate(first, seeds, policy.engine, policy.chat,
+                                    env_name=cfg.env.name, **options)
     score = reply_scorer(policy.model, policy.chat, cfg.rollout.temperature)
     result = with_env_metrics(result, first(), score)
     return with_outcome_metrics(result, episodes), episodes
