@@ -106,9 +106,25 @@ def drive(work: Path) -> None:
     learner = learner_for(cfg, model, tokenizer, world=world)
     metrics = [rl_step(learner, episodes, StageTimer())[1] for episodes in batches]
     state = {k: v.clone() for k, v in published_state(model).items()}
+    held = held_bytes(model, learner.optimizer)
     world.command("stop")
     leave()
-    torch.save({"state": state, "metrics": metrics}, work / "out.pt")
+    torch.save({"state": state, "metrics": metrics, "bytes": held}, work / "out.pt")
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this process holds of parameters, gradients and optimiser state (a shard's own
+    part only)."""
+    from torch.distributed.tensor import DTensor
+
+    def size(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    total = sum(size(p) + (size(p.grad) if p.grad is not None else 0) for p in params)
+    return total + sum(size(v) for state in optimizer.state.values() for v in state.values()
+                       if torch.is_tensor(v) and v.dim() > 0)
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -145,6 +161,24 @@ def test_ranks_update_equals_one_process(case, episodes, tmp_path):
     three = one_process(cfg, episodes)
     assert max_difference(got["state"], three) < 1e-5, case
     assert len(got["metrics"]) == 3
+    if case.startswith("grpo"):  # fsdp holds 1/N of the weights, gradients and moments
+        whole = whole_bytes(cfg)
+        share = got["bytes"] / whole
+        expected = 1 / size if strategy == "fsdp" else 1.0
+        assert abs(share - expected) < 0.05, (case, share)
+
+
+def whole_bytes(cfg: Config) -> int:
+    """``held_bytes`` of one process after one update."""
+    from turnrl.policy import policy_model
+
+    seed_run(cfg)
+    model, tokenizer = policy_model(cfg, "cpu")
+    learner = learner_for(cfg, model, tokenizer)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    learner.optimizer.step()
+    return held_bytes(model, learner.optimizer)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from turnrl.config import ConfigError, config_help, load_config, load_run_config
+from turnrl.learner.world import RankLost
 
 USAGE = """turnrl train  [--config FILE.yaml] [--resume] [--mode sync|async] [--section.key VALUE ...]
 turnrl sft    --sft.data FILE.jsonl [--model.name M] [--run.out_dir DIR] [--resume] [--section.key VALUE ...]
@@ -298,6 +299,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
         # Bad input is the user's to fix: one line, no traceback.
         print(f"turnrl {command}: error: {err}", file=sys.stderr)
         return 2
+    except RankLost as err:  # a learner rank died or hung: which, and how to go on
+        print(f"turnrl {command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

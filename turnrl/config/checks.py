@@ -143,6 +143,7 @@ def check_across(cfg: Config) -> None:
     check_env_plan(cfg)
     check_self_play(cfg)
     check_weight_sync(cfg)
+    check_learner(cfg)
 
 
 def check_sampler(cfg: Config) -> None:
@@ -222,3 +223,24 @@ def check_self_seeds(cfg: Config) -> None:
                           f"{cfg.sft.self_tasks} = {played} training seeds reach the held-out "
                           f"ones at eval.seed_offset {cfg.eval.seed_offset}: lower them or "
                           "raise eval.seed_offset")
+
+
+def check_learner(cfg: Config) -> None:
+    """What learner ranks cannot do yet (docs/learner.md), refused before any rank starts."""
+    learner = cfg.learner
+    if learner.cpu_offload and learner.strategy == "fsdp" and samples_on_cpu(cfg.model.device):
+        raise ConfigError("learner.cpu_offload moves GPU shards to CPU memory, and this model "
+                          "is on the CPU already; drop --learner.cpu_offload")
+    if learner.world_size == 1:
+        return
+    refused = {
+        "sft.steps": (cfg.sft.steps > 0, "the SFT warm-up trains in one process: run turnrl "
+                      "sft first and start RL from its output (--model.name OUT)"),
+        "distill.teacher": (bool(cfg.distill.teacher), "drop it, or train at world size 1"),
+        "explore.top_entropy_fraction": (cfg.explore.top_entropy_fraction < 1,
+                                         "its threshold is one rank's: keep it at 1"),
+    }
+    for key, (bad, fix) in refused.items():
+        if bad:
+            raise ConfigError(f"{key} does not work with learner.world_size "
+                              f"{learner.world_size} yet; {fix}")

@@ -93,10 +93,11 @@ def build(name: str, dtype: str, model: torch.nn.Module | None, pad_token_id: in
 
 
 def hf_engine(dtype: str, model: torch.nn.Module, pad_token_id: int, *, seed: int,
-              **options) -> Sampler:
+              own_copy: bool = False, **options) -> Sampler:
     """The HF engine on the model's own tensors (``dtype`` auto or the model's) or on a copy
-    in ``dtype``; ``options`` are its own (matmul, reuse_cache, ...)."""
-    if getattr(torch, dtype, model.dtype) != model.dtype:
+    in ``dtype`` (``own_copy``: a copy in any dtype, for a learner whose weights become FSDP
+    shards); ``options`` are its own (matmul, reuse_cache, ...)."""
+    if own_copy or getattr(torch, dtype, model.dtype) != model.dtype:
         from turnrl.samplers.copy import HFCopyEngine
 
         return HFCopyEngine(model, getattr(torch, dtype), pad_token_id, seed=seed, **options)

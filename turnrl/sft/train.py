@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from turnrl.algorithms.losses import token_logprobs
-from turnrl.config import Config
+from turnrl.config import Config, ConfigError
 from turnrl.demos.conversation import DemoError, conversation_episode
 from turnrl.demos.data import DataError, Demonstration, read_demonstrations
 from turnrl.demos.scripted import env_demonstrations
@@ -215,6 +215,10 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
                         "OpenAI chat format), --sft.env_demos N (an env's scripted player) "
                         "or --sft.self_rounds N (the model's own successes)")
     check_rounds(cfg.sft.self_rounds, cfg.run.steps, "the run (run.steps)")
+    if cfg.learner.world_size > 1:
+        raise ConfigError(f"turnrl sft trains in one process (learner.world_size "
+                          f"{cfg.learner.world_size} is for turnrl train); drop "
+                          "--learner.world_size")
     # a malformed file stops before anything starts
     demos = read_demonstrations(cfg.sft.data) if cfg.sft.data else []
     # no teacher: distillation is an RL signal (a warm-up would load it for nothing)

@@ -40,6 +40,7 @@ from turnrl.lora import is_lora
 from turnrl.metrics import truncate_metrics
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy, publish
+from turnrl.samplers import chooser
 from turnrl.trainer.distill import load_teacher
 from turnrl.trainer.rl_step import Learner
 from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
@@ -203,9 +204,7 @@ def own_sampler(cfg: Config, policy: Policy):
     another sampler already holds its own weights."""
     if getattr(policy.engine, "model", None) is not policy.model:
         return policy.engine
-    from turnrl.samplers.copy import HFCopyEngine
-
     policy.engine.close()
-    return HFCopyEngine(policy.model, policy.model.dtype, policy.tokenizer.pad_token_id,
-                        seed=cfg.run.seed, reuse_cache=cfg.sampler.reuse_cache,
-                        matmul=cfg.sampler.matmul)
+    return chooser.build("hf", "auto", policy.model, policy.tokenizer.pad_token_id,
+                         seed=cfg.run.seed, own_copy=True, reuse_cache=cfg.sampler.reuse_cache,
+                         matmul=cfg.sampler.matmul)
