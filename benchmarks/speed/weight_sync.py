@@ -56,14 +56,14 @@ def timed_versions(model_name: str, workers: int, rounds: int) -> tuple[dict, in
                 version += 1
                 with torch.no_grad():
                     first_parameter.add_(1e-3)  # a new version, as an update makes
-                fleet.broadcaster = broadcaster if way == "broadcast" else None
+                fleet.weights.broadcaster = broadcaster if way == "broadcast" else None
                 start = time.perf_counter()
                 fleet.publish(version, model)
                 loaded = ray.get([h.load_newest.remote() for h in fleet.handles])
                 seconds[way].append(time.perf_counter() - start)
                 assert loaded == [version] * workers, (way, loaded, version)
-        assert len(fleet.broadcast_versions) == rounds  # every broadcast went through
-        return seconds, fleet.version_bytes
+        assert len(fleet.weights.broadcast_versions) == rounds  # every broadcast went through
+        return seconds, fleet.weights.version_bytes
     finally:
         if fleet is not None:
             fleet.shutdown()
