@@ -392,7 +392,7 @@ def test_a_revived_worker_takes_its_share_at_its_first_report_and_the_donor_with
     fleet.incarnation = {0: "a"}
     for seq in range(1, 7):  # the given-up worker's work, moved to the survivor
         book.issue(worker=0, seq=seq)
-    fleet.dead = {1}
+    fleet.outages.dead = {1}
     fleet.revive()
     assert fleet.handles[1] is revived and not book.at(1)  # nothing moves before it is up
     fleet.reconcile(1, fleet._next_seq(), WorkerReport(1, "b", [], set(), -1, -1))
@@ -477,7 +477,7 @@ def test_the_learner_trains_each_assignment_once_and_regenerates_stale_seeds():
     seeds.update(fleet.assigned)
     fleet.reports = [deliver([3, 4], 2), deliver([5], 2)]
     groups = learner.take(2)
-    assert book.outcome[2] == "regenerated" and learner.step_events["regenerated"] == [2]
+    assert book.outcome[2] == "regenerated" and learner.ledger.step_events["regenerated"] == [2]
     assert (5, 502) in fleet.assigned  # seed 502 played again under the new id 5
     assert [g.assignment for g in groups] == [3, 4]
 
@@ -494,7 +494,7 @@ def test_the_learner_issues_no_more_groups_than_the_run_can_still_train():
     fleet = FakeFleet([deliver([0, 1, 2, 3])])
     learner = RaySource(cfg, fleet, book)
     for target in (500, 6, 7):
-        learner.target = target
+        learner.sizing.target = target
         learner.top_up()
         assert [a for a, _ in fleet.assigned] == list(range(6))  # 3 steps of 2 groups
     assert [g.assignment for g in learner.take(2)] == [0, 1]
@@ -548,18 +548,18 @@ def test_the_sizing_sees_what_the_buffer_will_need_and_the_groups_in_the_system(
         learner.top_up()
         learner.buffer.groups = [_group(100 + i, [-1, oldest_version, 5]) for i in range(5)]
         learner.version = 6  # published: the next collect runs at version 6
-        learner.step_clock = time.perf_counter() - 1.0  # the step took a second
+        learner.sizing.step_clock = time.perf_counter() - 1.0  # the step took a second
         return learner
 
     learner = learner_with_buffer(0)
     issued = len(learner.book.outstanding)
-    assert learner._buffered_staleness() == [6, 6, 7, 7, 8]
+    assert learner.sizing.buffered_staleness(learner.buffer.groups, learner.version) == [6, 6, 7, 7, 8]
     metrics = learner.group_metrics(5, [_group(99, [-1, 5])], {"offpolicy/ess": 0.95})
     assert metrics["sizing/max_versions"] >= 8  # keeps all five buffered groups
-    assert learner.max_versions >= 8
+    assert learner.sizing.max_versions >= 8
     # Young buffered groups (staleness 1-3): the groups in the system alone set the target.
     young = learner_with_buffer(5)
-    assert young._buffered_staleness() == [1, 1, 2, 2, 3]
+    assert young.sizing.buffered_staleness(young.buffer.groups, young.version) == [1, 1, 2, 2, 3]
     metrics = young.group_metrics(5, [_group(99, [-1, 5])], {"offpolicy/ess": 0.95})
     in_system = issued + 5  # issued (none delivered) and the buffer
     assert metrics["sizing/bound_target"] >= (in_system - 1) // 2 + 1 > 3

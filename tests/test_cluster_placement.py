@@ -212,9 +212,10 @@ def test_workers_on_one_node_share_one_pull_of_each_version(connected, tmp_path,
     versions Ray's object directory shows on that node, once each, not once per worker."""
     import json
 
-    from turnrl.distributed.fleet import Fleet, state_bytes
+    from turnrl.distributed.fleet import Fleet
     from turnrl.distributed.worker_engines import without_tied_weights
     from turnrl.launch import train_async
+    from turnrl.lora import state_bytes
     from turnrl.metrics import read_metrics
     from turnrl.models import tiny_model
 
@@ -224,7 +225,7 @@ def test_workers_on_one_node_share_one_pull_of_each_version(connected, tmp_path,
 
     def publish(self, version, model):
         real_publish(self, version, model)
-        published.append(self.weights)
+        published.append(self.weights.newest)
 
     monkeypatch.setattr(Fleet, "publish", publish)
     steps = 4

@@ -27,7 +27,7 @@ from turnrl.models import tiny_tokenizer
 from turnrl.rollout import ChatFormat, run_episodes, run_sync
 from turnrl.samplers import SamplingParams
 from turnrl.selfplay.endpoint import EndpointError, EndpointOpponent
-from turnrl.tools.mcp.client import MCPServerError, MCPToolError
+from turnrl.tools.mcp.errors import MCPServerError, MCPToolError
 from turnrl.tools.mcp.http import MCPHttpServer
 
 SEEDS = (0, 1, 2)

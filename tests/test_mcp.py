@@ -20,7 +20,8 @@ from turnrl.models import tiny_tokenizer
 from turnrl.rewards import exact_match
 from turnrl.rollout import ChatFormat, run_episodes, run_sync
 from turnrl.samplers import SamplingParams
-from turnrl.tools.mcp.client import MCPServerError, input_schema
+from turnrl.tools.mcp.client import input_schema
+from turnrl.tools.mcp.errors import MCPServerError
 from turnrl.tools.mcp.servers import close_shared_servers
 from turnrl.tools.mcp.stdio import MCPServer
 

@@ -27,7 +27,7 @@ from turnrl.models import tiny_tokenizer
 from turnrl.rewards import exact_match
 from turnrl.rollout import ChatFormat, run_episodes, run_sync
 from turnrl.samplers import SamplingParams
-from turnrl.tools.mcp.client import MCPServerError
+from turnrl.tools.mcp.errors import MCPServerError
 from turnrl.tools.mcp.http import MCPHttpServer, sse_data
 from turnrl.tools.mcp.servers import close_shared_servers
 

@@ -57,17 +57,17 @@ def test_a_failing_worker_is_given_up_after_the_wait_its_start_up_gives(ray_loca
     from turnrl.distributed.fleet import Fleet
 
     fleet = Fleet([_Silent(), _Silent()], AssignmentBook(lambda index: index))
-    fleet.clock.startups = [100.0]  # measured: 3x is 300 s, over the lower bound
-    assert fleet.down_after_s == pytest.approx(300.0)
-    fleet.down_since[1] = time.monotonic() - 250.0  # down 250 s: not yet
+    fleet.outages.clock.startups = [100.0]  # measured: 3x is 300 s, over the lower bound
+    assert fleet.outages.wait_s == pytest.approx(300.0)
+    fleet.outages.down_since[1] = time.monotonic() - 250.0  # down 250 s: not yet
     fleet._failed(1, RuntimeError("actor unavailable"))
-    assert 1 not in fleet.dead
-    fleet.down_since[1] = time.monotonic() - 310.0
+    assert 1 not in fleet.outages.dead
+    fleet.outages.down_since[1] = time.monotonic() - 310.0
     fleet._failed(1, RuntimeError("actor unavailable"))
-    assert fleet.dead == {1}
+    assert fleet.outages.dead == {1}
     given = Fleet([_Silent()], AssignmentBook(lambda index: index), down_after_s=3.0)
-    given.clock.startups = [100.0]
-    assert given.down_after_s == 3.0  # the user's value wins
+    given.outages.clock.startups = [100.0]
+    assert given.outages.wait_s == 3.0  # the user's value wins
 
 
 class SlowStart:
@@ -84,7 +84,7 @@ def _measured(fleet, count: int) -> float:
     """When the fleet has measured ``count`` start-ups (Ray's thread records one the moment
     the actor answers, whether or not the learner is looking)."""
     deadline = time.monotonic() + 120
-    while len(fleet.clock.startups) < count:
+    while len(fleet.outages.clock.startups) < count:
         assert time.monotonic() < deadline, "no start-up measured"
         time.sleep(0.02)
     return time.monotonic()
@@ -100,16 +100,17 @@ def test_the_fleet_measures_each_worker_start_up_from_its_creation(ray_local, mo
                   respawn=lambda w, n: actor.remote(2.5), has_room=lambda w: True)
     fleet.time_startups()  # as RaySource.open does, right after spawning
     seen = _measured(fleet, 1)
-    assert 1.0 <= fleet.clock.slowest <= seen - created
-    startup = fleet.clock.slowest
+    assert 1.0 <= fleet.outages.clock.slowest <= seen - created
+    startup = fleet.outages.clock.slowest
     time.sleep(1.0)  # the learner busy elsewhere (its evaluation) ...
     fleet.wait_started(timeout_s=120)  # ... looks later: the figure stays the answer's
-    assert fleet.clock.slowest == startup
-    assert fleet.down_after_s == pytest.approx(node_loss.STARTUP_MULTIPLE * startup)
-    fleet.dead = {0}
+    assert fleet.outages.clock.slowest == startup
+    assert fleet.outages.wait_s == pytest.approx(node_loss.STARTUP_MULTIPLE * startup)
+    fleet.outages.dead = {0}
     revived = time.monotonic()
     fleet.revive()  # a fresh actor, slower to start: the wait follows it
     seen = _measured(fleet, 2)
-    assert 2.5 <= fleet.clock.startups[1] <= seen - revived
-    assert fleet.clock.slowest == max(fleet.clock.startups)  # the slowest start of the run
-    assert fleet.down_after_s == pytest.approx(node_loss.STARTUP_MULTIPLE * fleet.clock.slowest)
+    assert 2.5 <= fleet.outages.clock.startups[1] <= seen - revived
+    clock = fleet.outages.clock
+    assert clock.slowest == max(clock.startups)  # the slowest start of the run
+    assert fleet.outages.wait_s == pytest.approx(node_loss.STARTUP_MULTIPLE * clock.slowest)

@@ -389,17 +389,17 @@ def test_the_learner_sends_the_pool_with_the_weights_and_again_after_a_restart()
 
     log = []
     fleet = Fleet([RecordingHandle(log)], AssignmentBook(lambda index: index))
-    fleet.weights = (0, "ref-0")
+    fleet.weights.newest = (0, "ref-0")
     fleet.send_weights(0)
     assert [name for name, _ in log] == ["set_weights"]  # no pool: nothing else sent
     fleet.set_pool([0])
-    fleet.weights = (1, "ref-1")
+    fleet.weights.newest = (1, "ref-1")
     fleet.send_weights(0)
     fleet.set_pool([0, 1])
     assert log[1:] == [("set_pool", ([(0, ["ref-0"])],)), ("set_weights", (1, ["ref-1"])),
                        ("set_pool", ([(0, ["ref-0"])],)),
                        ("set_pool", ([(0, ["ref-0"]), (1, ["ref-1"])],))]
-    fleet.weights = (2, "ref-2")
+    fleet.weights.newest = (2, "ref-2")
     fleet.set_pool([1, 2])  # the oldest leaves; its weights are no longer sent
     assert log[-1] == ("set_pool", ([(1, ["ref-1"]), (2, ["ref-2"])],))
     # a restarted worker reports no weights: it gets the weights and the pool again

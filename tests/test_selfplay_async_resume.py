@@ -4,7 +4,7 @@ versions, every member's weights in the checkpoints and in the workers bit for b
 worker's count of games drawn; a checkpoint without a pool resumes with one warning; a
 missing member is refused in one line. Also: a fired call (set_pool, resize, ...) that
 raises in a worker is one line naming the worker and the method (turnrl/distributed/
-fleet.py ``check_fired``)."""
+fired.py ``FiredCalls.check``)."""
 
 from __future__ import annotations
 
@@ -265,10 +265,10 @@ def test_a_fired_call_that_raises_in_a_worker_is_one_line_naming_worker_and_meth
         fleet.wait_started(timeout_s=300)
         with caplog.at_level(logging.WARNING, logger="turnrl.worker"):
             fleet._call(0, "resize", "many")  # a worker method raising on bad input
-            _polled_until(fleet, lambda: not fleet.fired)
+            _polled_until(fleet, lambda: not fleet.fired.calls)
         (line,) = [r.getMessage() for r in caplog.records if "resize" in r.getMessage()]
         assert line.startswith("rollout worker 0: resize failed: TypeError") and "\n" not in line
-        assert fleet.alive() == [0] and not fleet.dead  # it goes on
+        assert fleet.alive() == [0] and not fleet.outages.dead  # it goes on
 
         fleet.seed_pool([(0, ray_pool.put({"w": torch.zeros(1)}))])
         with pytest.raises(RuntimeError) as err:
@@ -283,7 +283,7 @@ def test_a_fired_call_that_raises_in_a_worker_is_one_line_naming_worker_and_meth
 
 def test_a_fired_failure_without_a_worker_names_the_method_from_the_error():
     ray = pytest.importorskip("ray")
-    from turnrl.distributed.fleet import fired_failure
+    from turnrl.distributed.fired import fired_failure
 
     err = ray.exceptions.RayTaskError("RolloutWorker.receive_weights", "Traceback ...",
                                       ValueError("generation 3 is gone\nmore"))
@@ -328,7 +328,7 @@ def test_the_learner_sends_each_worker_its_last_reported_draws_with_the_pool():
 
     log = []
     fleet = Fleet([RecordingHandle(log)], AssignmentBook(lambda index: index))
-    fleet.weights = (0, "ref-0")
+    fleet.weights.newest = (0, "ref-0")
     fleet.send_weights(0)
     fleet.set_pool([0])
     assert log[-1] == ("set_pool", ([(0, ["ref-0"])],))  # nothing drawn yet: no count

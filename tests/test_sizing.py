@@ -370,7 +370,7 @@ def test_per_call_costs_give_a_cost_model_where_report_means_cannot():
 
 
 def test_groups_in_play_hold_fewer_live_episodes_than_their_size_and_more_are_issued():
-    from turnrl.distributed.source import open_groups
+    from turnrl.distributed.pool_sizing import open_groups
 
     rate = GenerationRate(alpha=1.0)
     rate.observe({"generate_calls": 0, "generated_rows": 0, "generate_s": 0.0,

@@ -27,7 +27,7 @@ from turnrl import leftovers
 from turnrl.envs.tool_env import Task, ToolEnv
 from turnrl.sandbox import STATUSES, Limits, Sandbox
 from turnrl.sandbox.backends import bwrap_problem
-from turnrl.tools.mcp.client import MCPServerError
+from turnrl.tools.mcp.errors import MCPServerError
 from turnrl.tools.mcp.stdio import MCPServer
 
 BAD_SERVER = [sys.executable, str(Path(__file__).with_name("mcp_bad_server.py"))]

@@ -142,8 +142,8 @@ def _recording_source(cfg):
                 handles = [self.fleet.handles[w] for w in self.fleet.alive()]
                 self.newest = ray.get([h.newest_weights_digest.remote() for h in handles])
                 self.loaded = ray.get([h.loaded_weights_digest.remote() for h in handles])
-                if self.fleet.broadcaster is not None:
-                    self.members = sorted(self.fleet.broadcaster.members)
+                if self.fleet.weights.broadcaster is not None:
+                    self.members = sorted(self.fleet.weights.broadcaster.members)
             return super().evaluate(run, when)
 
     return Recording(cfg)
@@ -169,8 +169,9 @@ def test_workers_receive_bit_identical_weights_through_the_group(ray_cluster, tm
     fleet = source.fleet
     # The start version goes through the object store while the workers build their
     # models; every update after it through the group, formed once.
-    assert fleet.broadcast_versions == [1, 2, 3]
-    assert fleet.broadcaster.generation == 1 and fleet.broadcaster.backend == "gloo"
+    assert fleet.weights.broadcast_versions == [1, 2, 3]
+    group = fleet.weights.broadcaster
+    assert group.generation == 1 and group.backend == "gloo"
     assert source.members == [0, 1]
     _check_workers_hold_the_learners_weights(source, 3)
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -187,11 +188,11 @@ def test_a_lora_run_broadcasts_the_adapter_alone(ray_cluster, tmp_path):
                                     "--model.lora.r", "4", "--run.out_dir", str(tmp_path)])
     source = _recording_source(cfg)
     learn(cfg, source)
-    assert source.fleet.broadcast_versions == [1, 2]
+    assert source.fleet.weights.broadcast_versions == [1, 2]
     _check_workers_hold_the_learners_weights(source, 2)
     model = source.run.learner.model
     every_weight = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert 0 < source.fleet.version_bytes < every_weight / 4  # the adapter, not the model
+    assert 0 < source.fleet.weights.version_bytes < every_weight / 4  # the adapter, not the model
 
 
 @pytest.mark.parametrize("address", ["203.0.113.1", "turnrl-no-such-host.invalid"])
@@ -248,14 +249,15 @@ def test_a_killed_worker_rejoins_a_new_group_and_holds_the_learners_weights(ray_
                 assert time.monotonic() < deadline, "the restarted worker never reported"
                 source.absorb_reports(timeout_s=0.5)
         plain_publish(source, version, model)
-        history.append((version, fleet.broadcaster.generation, sorted(fleet.broadcaster.members)))
+        group = fleet.weights.broadcaster
+        history.append((version, group.generation, sorted(group.members)))
 
     source.publish = publish
     learn(cfg, source)
     fleet = source.fleet
-    assert fleet.restarts + source.totals["restarts"] >= 1
+    assert fleet.restarts + source.ledger.totals["restarts"] >= 1
     # A broadcast to the dead process failed or left it out: the object store carried it.
-    assert fleet.broadcast_versions[-2:] == [4, 5]
+    assert fleet.weights.broadcast_versions[-2:] == [4, 5]
     assert history[-1][1] >= 2 and source.members == [0, 1], history  # formed again
     assert source.newest and fleet.incarnation[0] != first[0]
     _check_workers_hold_the_learners_weights(source, 5)
@@ -268,7 +270,7 @@ def test_a_group_that_cannot_form_again_mid_run_leaves_the_object_store_in_charg
     reach the learner (its address turned unroutable): each version goes through the object
     store, and after ``FORM_TRIES`` failures in a row broadcasting ends for the run, with the
     workers still holding the learner's weights bit for bit."""
-    from turnrl.distributed.fleet import FORM_TRIES
+    from turnrl.distributed.publisher import FORM_TRIES
     from turnrl.trainer.learn import learn
 
     steps = 2 + FORM_TRIES + 1
@@ -282,7 +284,8 @@ def test_a_group_that_cannot_form_again_mid_run_leaves_the_object_store_in_charg
         fleet = source.fleet
         if version == 2:
             first.update(fleet.incarnation)
-            fleet.broadcaster.address, fleet.broadcaster.timeout_s = "203.0.113.1", 2.0
+            group = fleet.weights.broadcaster
+            group.address, group.timeout_s = "203.0.113.1", 2.0
             ray_cluster.kill(fleet.handles[0], no_restart=False)
         if version == steps:  # the learner has heard from the new process before the last
             deadline = time.monotonic() + 300
@@ -294,6 +297,6 @@ def test_a_group_that_cannot_form_again_mid_run_leaves_the_object_store_in_charg
     source.publish = publish
     learn(cfg, source)
     fleet = source.fleet
-    assert fleet.broadcaster is None and fleet.form_failures == FORM_TRIES
-    assert set(fleet.broadcast_versions) <= {1, 2}
+    assert fleet.weights.broadcaster is None and fleet.weights.form_failures == FORM_TRIES
+    assert set(fleet.weights.broadcast_versions) <= {1, 2}
     _check_workers_hold_the_learners_weights(source, steps)

@@ -115,7 +115,7 @@ def test_an_hf_worker_receives_bit_identical_cuda_tensors_over_nccl(ray_gpus):
     try:
         fleet.publish(0, tiny_model(seed=0)[0].to(device))  # the object store, as in a run
         fleet.wait_started(600)  # forms the group, on the learner's device
-        assert fleet.broadcaster.backend == "nccl"
+        assert fleet.weights.broadcaster.backend == "nccl"
         for version, seed in ((1, 1), (2, 2)):
             model = tiny_model(seed=seed)[0].to(device)
             group = _publish_and_play(fleet, version, model, 100 + version)
@@ -126,7 +126,7 @@ def test_an_hf_worker_receives_bit_identical_cuda_tensors_over_nccl(ray_gpus):
             loaded_version, loaded = ray.get(fleet.handles[0].loaded_weights_digest.remote())
             assert loaded_version == version
             assert loaded == weights_digest(published_state(model))
-        assert fleet.broadcast_versions == [1, 2]
+        assert fleet.weights.broadcast_versions == [1, 2]
     finally:
         fleet.shutdown()
 
@@ -147,7 +147,7 @@ def test_a_vllm_worker_samples_with_the_weights_broadcast_to_its_gpu(ray_gpus, m
     try:
         fleet.publish(0, tiny_model(seed=0, **WIDE)[0].to(device))
         fleet.wait_started(900)
-        assert fleet.broadcaster.backend == ("nccl" if DEVICE == "cuda" else "gloo")
+        assert fleet.weights.broadcaster.backend == ("nccl" if DEVICE == "cuda" else "gloo")
         for index, model in enumerate(models):
             version = index + 1
             learner = copy.deepcopy(model).to(device)
@@ -161,6 +161,6 @@ def test_a_vllm_worker_samples_with_the_weights_broadcast_to_its_gpu(ray_gpus, m
             behaviour = batch.old_logprobs[mask]
             assert torch.allclose(sent, behaviour, atol=2e-2)  # vLLM loaded what was sent
             assert not torch.allclose(other, behaviour, atol=2e-2)
-        assert fleet.broadcast_versions == [1, 2]
+        assert fleet.weights.broadcast_versions == [1, 2]
     finally:
         fleet.shutdown()

@@ -68,14 +68,14 @@ def timed_versions(model_name: str, workers: int, rounds: int) -> tuple[dict, in
                 version += 1
                 with torch.no_grad():
                     first_parameter.add_(1e-3)  # a new version, as an update makes
-                fleet.broadcaster = broadcaster if way == "broadcast" else None
+                fleet.weights.broadcaster = broadcaster if way == "broadcast" else None
                 seconds[way].append(harness.timed(to_loaded)[0])
             return run
 
         # object_store broadcast, broadcast object_store, ...: no way always goes first
         harness.alternate({way: publish(way) for way in WAYS}, rounds, warmup=0, flip=True)
-        assert len(fleet.broadcast_versions) == rounds  # every broadcast went through
-        return seconds, fleet.version_bytes
+        assert len(fleet.weights.broadcast_versions) == rounds  # every broadcast went through
+        return seconds, fleet.weights.version_bytes
     finally:
         if fleet is not None:
             fleet.shutdown()

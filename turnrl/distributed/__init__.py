@@ -8,7 +8,8 @@
 """
 
 from turnrl.distributed.book import AssignmentBook
-from turnrl.distributed.source import LEDGER_FILE, AsyncTrainResult, RaySource
+from turnrl.distributed.ledger import LEDGER_FILE
+from turnrl.distributed.source import AsyncTrainResult, RaySource
 from turnrl.distributed.workers import RolloutWorker, WorkerReport, spawn_workers
 
 __all__ = ["LEDGER_FILE", "AssignmentBook", "AsyncTrainResult", "RaySource", "RolloutWorker",

@@ -1,7 +1,8 @@
 """The learner's side of ``ray.weight_sync: broadcast`` (rank 0 of the weight group).
 
-weight_sync.py explains the design; ``Fleet`` (fleet.py) decides when to form the group and
-falls back to the object store when this says a version did not go through.
+weight_sync.py explains the design; ``Fleet`` (fleet.py) decides when to form the group, and
+``WeightPublisher`` (publisher.py) forms it and falls back to the object store when this says
+a version did not go through.
 """
 
 from __future__ import annotations

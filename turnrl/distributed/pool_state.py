@@ -1,4 +1,5 @@
-"""The async opponent pool in checkpoints (``opponent: pool``, ``run.mode: async``).
+"""The async opponent pool (``opponent: pool``, ``run.mode: async``): what a worker is sent,
+and how the pool is kept in checkpoints.
 
 The learner of an async run holds no frozen copies of its pool: each member is a published
 version whose state dict is in Ray's object store (``Fleet.pool``), and every worker builds
@@ -85,6 +86,13 @@ def saved_members(run) -> tuple[list[tuple[int, dict]], dict[int, int]] | None:
         return None
     members = member_states(run.checkpoint, saved["versions"], run.learner.model)
     return members, worker_draws(saved)
+
+
+def pool_message(members: list[tuple[int, object]], draws: int) -> list:
+    """A worker's ``set_pool`` arguments: each member's ObjectRef in a list (so Ray hands the
+    worker the reference, fetched only for a member it does not hold yet), and the games that
+    worker's pool had drawn when one was reported (0: none, and the argument is left out)."""
+    return [[(v, [r]) for v, r in members], *([draws] if draws else [])]
 
 
 def seed_fleet(fleet, members: list[tuple[int, dict]], draws: dict[int, int]) -> list[int]:

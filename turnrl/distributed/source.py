@@ -6,31 +6,27 @@ assignments in play (plus ``pool.queued_groups`` per worker waiting to start the
 a pool has room: a group is only started whole, and one slow episode holds its group open),
 hands the learner the first fresh groups that finish (groups finished beyond a step's need
 wait in the staleness buffer, trainer/buffer.py, for the next step), drops or regenerates
-stale ones (``on_stale``), and
-writes ``assignments.jsonl``: per step, which (assignment, seed) pairs were trained on and
-which were dropped, regenerated or re-issued. With ``staleness.adaptive`` the staleness
-bound follows the effective sample size of the behaviour importance weights. With
-``pool.auto`` (the default) a ``SizingController`` (sizing.py) resizes the pool, the queue
-and the bound every step from the rates measured here (rates.py), all logged as metrics.
+stale ones (``on_stale``), and writes ``assignments.jsonl`` (``Ledger``, ledger.py): per
+step, which (assignment, seed) pairs were trained on and which were dropped, regenerated or
+re-issued. With ``staleness.adaptive`` the staleness bound follows the effective sample
+size of the behaviour importance weights. With ``pool.auto`` (the default) a
+``SizingController`` (sizing.py) resizes the pool, the queue and the bound every step from
+the rates measured here (rates.py), all logged as metrics; ``PoolSizing`` (pool_sizing.py)
+holds those rates and applies the decisions.
 """
 
 from __future__ import annotations
 
-import io
-import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TextIO
 
-import numpy as np
 import torch
 
 from turnrl.algorithms.offpolicy import AdaptiveStaleness
 from turnrl.config import Config
-from turnrl.devices import available_memory_bytes
 from turnrl.distributed.book import (
     Assignment,
     AssignmentBook,
@@ -39,6 +35,7 @@ from turnrl.distributed.book import (
 )
 from turnrl.distributed.broadcaster import WeightBroadcaster
 from turnrl.distributed.fleet import Fleet
+from turnrl.distributed.ledger import Ledger
 from turnrl.distributed.placement import (
     LearnerSeat,
     bundle_placed,
@@ -46,26 +43,22 @@ from turnrl.distributed.placement import (
     release_placement,
     worker_group,
 )
+from turnrl.distributed.pool_sizing import PoolSizing
 from turnrl.distributed.pool_state import frozen_members, pool_state, saved_members, seed_fleet
-from turnrl.distributed.rates import MeasuredRates
 from turnrl.distributed.refresh_stats import refresh_metrics
-from turnrl.distributed.sizing import SizingController, kv_bytes_per_token, pool_memory_cap
-from turnrl.distributed.workers import spawn_workers, worker_needs, worker_pool_size
+from turnrl.distributed.workers import spawn_workers, worker_needs
 from turnrl.envs import ENVS
-from turnrl.metrics import truncate_metrics
 from turnrl.policy import group_seed, publish
 from turnrl.rollout.loop import Group
 from turnrl.selfplay.pool import pool_after_offer
 from turnrl.trainer.bookkeeping import TrainResult
-from turnrl.trainer.buffer import StalenessBuffer, group_staleness
+from turnrl.trainer.buffer import StalenessBuffer
 from turnrl.trainer.evaluation import evaluate_env
 from turnrl.trainer.guidance import Guidance
 from turnrl.trainer.learn import SourceDefaults
 from turnrl.trainer.local import POOL_STATE, play_seeds
 from turnrl.trainer.run import Run
 from turnrl.types import Episode
-
-LEDGER_FILE = "assignments.jsonl"
 
 
 @dataclass
@@ -95,35 +88,19 @@ class RaySource(SourceDefaults):
     def __init__(self, cfg: Config, fleet=None, book: AssignmentBook | None = None,
                  adaptive: AdaptiveStaleness | None = None, ledger: TextIO | None = None,
                  version: int = 0) -> None:
-        self.cfg, self.fleet, self.book, self.adaptive = cfg, fleet, book, adaptive
+        self.cfg, self.fleet, self.book = cfg, fleet, book
         self.learner_threads = learner_threads(cfg)
-        self.ledger = ledger if ledger is not None else io.StringIO()
-        # In flight (the workers' pools) plus queued behind them, buffered groups included.
-        self.target = in_flight_groups(cfg) + cfg.pool.queued_groups * cfg.ray.num_workers
-        self.rates = MeasuredRates()
-        self.group_episodes = episodes_per_group(cfg)
-        """Episodes a group holds (self-play: one per seat of each game); pools count these."""
-        self.sizing: SizingController | None = None
-        if cfg.pool.auto:
-            self.sizing = SizingController.start(
-                group_size=self.group_episodes, groups_per_step=cfg.rollout.groups_per_step,
-                workers=cfg.ray.num_workers, bound=cfg.staleness.max_versions,
-                pool=self.worker_pool(in_flight_groups(cfg)) * cfg.ray.num_workers,
-                max_pool=1 << 20, ess_floor=cfg.staleness.ess_low,
-                ess_high=cfg.staleness.ess_high)
-        self.kv_bytes_per_token = 0.0
+        self.ledger = Ledger(ledger)
+        """``assignments.jsonl``, the step's events and the run's totals."""
+        self.sizing = PoolSizing(cfg, episodes_per_group(cfg), adaptive)
+        """The target, the workers' pools and the staleness bound, from the measured rates."""
         self.refresh_totals: dict[int, dict] = {}
         """Each worker's ``refresh_*`` totals at the last step (ct2 workers)."""
-        self.step_clock: float | None = None
-        self.arrived = 0
         self.buffer = StalenessBuffer("are the workers generating? (ray list actors)",
                                       on_stale=self._stale)
         self.taken: list[Group] = []
         """The groups of the step being trained."""
         self.version = version
-        self.step_events: dict[str, list[int]] = {"regenerated": []}
-        self.trained: list[tuple[int, int]] = []
-        self.totals = {"reissued": [], "regenerated": [], "restarts": 0, "duplicates": 0}
         self.closed = False
         self.run: Run | None = None
         self.guidance: Guidance | None = None
@@ -145,20 +122,16 @@ class RaySource(SourceDefaults):
         if self.fleet is not None:  # handed in (tests)
             return
         cfg, resume_state = run.cfg, run.checkpoint_state
-        self.cfg, self.version = cfg, run.start_step
+        self.cfg, self.sizing.cfg, self.version = cfg, cfg, run.start_step
         self.book = book = AssignmentBook(partial(group_seed, cfg))
         # Work outstanding when the last run stopped is not re-played: its seeds are skipped.
         book.next_index = resume_state.get("seed_index", 0)
         book.next_id = resume_state.get("next_assignment", 0)
         if cfg.staleness.adaptive:
-            self.adaptive = AdaptiveStaleness.from_config(cfg.staleness)
+            self.sizing.adaptive = AdaptiveStaleness.from_config(cfg.staleness)
             if "max_versions" in resume_state:
-                self.adaptive.max_versions = resume_state["max_versions"]
-        ledger_path = run.run_dir / LEDGER_FILE
-        if not resume_state:
-            ledger_path.unlink(missing_ok=True)
-        truncate_metrics(ledger_path, after_step=run.start_step)
-        self.ledger = open(ledger_path, "a")  # noqa: SIM115 - closed by close()
+                self.sizing.adaptive.max_versions = resume_state["max_versions"]
+        self.ledger.open(run.run_dir, bool(resume_state), run.start_step)
         # a resumed run's opponent pool (pool_state.py), read before any worker starts
         saved_pool = saved_members(run) if self.pool_versions is not None else None
         if cfg.rollout.sampler == "ct2":  # before any worker starts: one line, not an actor error
@@ -174,7 +147,7 @@ class RaySource(SourceDefaults):
             release_placement(self.seat, None)
             raise
         spawn = partial(spawn_workers, cfg, env_factory=ENVS.get(cfg.env.name),
-                        pool_size=self.worker_pool(in_flight_groups(cfg)),
+                        pool_size=self.sizing.worker_pool(in_flight_groups(cfg)),
                         name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout",
                         group=self.group)
 
@@ -201,20 +174,12 @@ class RaySource(SourceDefaults):
             self.close()  # the evaluation needs the cores more than generation does
         return evaluate_env(run, when)
 
-    @property
-    def max_versions(self) -> int:
-        if self.adaptive:
-            return self.adaptive.max_versions
-        return self.sizing.bound.value if self.sizing else self.cfg.staleness.max_versions
-
     # ---- the RolloutSource methods -------------------------------------------------------------
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
         if self.run is not None:  # the learner's own engine: evaluation, hinted play
             publish(self.run.policy.engine, model, version)
-        if not self.kv_bytes_per_token and hasattr(model, "config"):
-            element = next(model.parameters()).element_size()
-            self.kv_bytes_per_token = kv_bytes_per_token(model.config, element)
+        self.sizing.note_model(model)
         self.version = version
         self.fleet.publish(version, model)
         if self.pool_versions is not None:  # the opponent pool's rule, as in sync mode
@@ -241,9 +206,9 @@ class RaySource(SourceDefaults):
     def take(self, need: int) -> list[Group]:
         """The first ``need`` fresh groups (oldest arrivals first)."""
         buffer = self.buffer
-        buffer.start_collection(self.version, self.max_versions)
-        if self.step_clock is None:
-            self.step_clock = time.perf_counter()
+        buffer.start_collection(self.version, self.sizing.max_versions)
+        if self.sizing.step_clock is None:
+            self.sizing.step_clock = time.perf_counter()
         # Reports that came in meanwhile, read even when the buffer holds enough: a report
         # left unread hides its groups (a burst from another worker could then feed every
         # step to the run's end), a restart and lost work until the buffer runs low.
@@ -251,8 +216,9 @@ class RaySource(SourceDefaults):
         while (groups := buffer.take(need)) is None:
             self.top_up()
             self.absorb_reports(timeout_s=1.0)
-            if self.sizing is not None and not self.rates.learner_steps:
-                self._presize()
+            if self.sizing.controller is not None and not self.sizing.rates.learner_steps \
+                    and self.sizing.presize(self.fleet):
+                self.top_up()
             buffer.check_stall()
         self.top_up()
         return groups
@@ -270,14 +236,14 @@ class RaySource(SourceDefaults):
         groups accepted once and buffered."""
         for worker, seq, report in reports:
             self.fleet.reconcile(worker, seq, report)
-            self.rates.observe_worker(worker, report.stats, time.perf_counter(),
+            self.sizing.rates.observe_worker(worker, report.stats, time.perf_counter(),
                                       getattr(report, "env_latencies", ()),
                                       getattr(report, "call_costs", ()),
                                       getattr(report, "reset_latencies", ()))
             delivered = [g for g in report.groups if self.book.deliver(g)]
             if delivered:
-                self._arrivals(delivered)
-            self.buffer.add(delivered, self.version, self.max_versions)
+                self.sizing.arrivals(delivered, self.version)
+            self.buffer.add(delivered, self.version, self.sizing.max_versions)
 
     def step_metrics(self, step: int, episodes: list[Episode],
                      update_metrics: dict[str, float]) -> dict[str, float]:
@@ -289,22 +255,23 @@ class RaySource(SourceDefaults):
                       update_metrics: dict[str, float]) -> dict[str, float]:
         """Metrics of the groups trained at ``step`` (at learner version ``step``), the events
         since the last step, the adaptive bound's decision; one ledger line."""
-        fleet, book, events = self.fleet, self.book, self.step_events
+        fleet, book, events = self.fleet, self.book, self.ledger.step_events
         worker_versions = [fleet.version[w] for w in fleet.alive()
                            if fleet.version.get(w, -1) >= 0]
         dropped = list(self.buffer.step_dropped)
+        weights = getattr(fleet, "weights", None)  # the publisher (a test's fleet: none)
         metrics = {
-            **self.buffer.step_metrics(step, groups, self.max_versions),
+            **self.buffer.step_metrics(step, groups, self.sizing.max_versions),
             "async/regenerated_groups": len(events["regenerated"]),
             "async/reissued_groups": len(fleet.reissued),
             "async/duplicate_groups": book.duplicates,
             "async/worker_restarts": fleet.restarts,
             "async/version_lag": step - min(worker_versions) if worker_versions else 0,
             # What one version costs to ship to each worker (LoRA: the adapter alone).
-            "async/weight_bytes_per_version": getattr(fleet, "version_bytes", 0),
+            "async/weight_bytes_per_version": getattr(weights, "version_bytes", 0),
             # 1: this version went through the weight group (ray.weight_sync broadcast).
-            "async/weights_broadcast": float(self.version in getattr(fleet, "broadcast_versions",
-                                                                      ())),
+            "async/weights_broadcast": float(
+                self.version in getattr(weights, "broadcast_versions", ())),
         }
         worker_stats = dict(getattr(fleet, "stats", {}))
         metrics.update(refresh_metrics(worker_stats, self.refresh_totals))
@@ -313,24 +280,10 @@ class RaySource(SourceDefaults):
         if pulled:  # Ray pulls a version into a node once; every worker there shares it
             metrics["async/weights_mb_per_node"] = sum(pulled.values()) / len(pulled) / 1e6
             metrics["async/weights_mb_max_node"] = max(pulled.values()) / 1e6
-        if self.adaptive is not None:  # the bound for the next step's groups
-            decision = self.adaptive.update(update_metrics.get("offpolicy/ess", float("nan")))
-            metrics.update(decision.metrics())
-        metrics.update(self._resize(update_metrics, len(dropped)))
-        for g in groups:
-            book.resolve(g.assignment, "trained")
-            self.trained.append((g.assignment, g.seed))
-        self.ledger.write(json.dumps({
-            "step": step + 1, "trained": [[g.assignment, g.seed, g.worker] for g in groups],
-            "dropped": dropped, **events, "reissued": fleet.reissued,
-            "worker_restarts": fleet.restarts, "weights_bytes_by_node": pulled}) + "\n")
-        self.ledger.flush()
-        self.totals["reissued"] += fleet.reissued
-        self.totals["regenerated"] += events["regenerated"]
-        self.totals["restarts"] += fleet.restarts
-        self.totals["duplicates"] += book.duplicates
-        fleet.reissued, fleet.restarts, book.duplicates = [], 0, 0
-        self.step_events = {"regenerated": []}
+        metrics.update(self.sizing.after_step(
+            update_metrics, len(dropped) + len(events["regenerated"]),
+            len(book.outstanding) + len(self.buffer), self.buffer, self.version, fleet))
+        self.ledger.record(step, groups, dropped, fleet, book, pulled)
         return metrics
 
     def state_dict(self) -> dict:
@@ -342,7 +295,7 @@ class RaySource(SourceDefaults):
             pool = {POOL_STATE: pool_state(self.pool_versions, [
                 draws.get(w, 0) for w in range(self.cfg.ray.num_workers)])}
         return {"seed_index": self.book.next_index, "next_assignment": self.book.next_id,
-                "max_versions": self.max_versions,
+                "max_versions": self.sizing.max_versions,
                 **(self.guidance.state_dict() if self.guidance is not None else {}), **pool}
 
     def frozen_weights(self) -> dict:
@@ -371,99 +324,30 @@ class RaySource(SourceDefaults):
 
     def result(self, result: TrainResult) -> AsyncTrainResult:
         """The run's result with the books' totals."""
+        ledger = self.ledger
         return AsyncTrainResult(
-            **vars(result), trained=self.trained, dropped=self.buffer.dropped,
-            regenerated=self.totals["regenerated"], reissued=self.totals["reissued"],
-            abandoned=self.abandoned(), duplicates=self.totals["duplicates"],
-            worker_restarts=self.totals["restarts"], issued=dict(self.book.seeds))
-
-    # ---- sizing from measured rates ----------------------------------------------------------
-
-    def _arrivals(self, groups: list[Group]) -> None:
-        """What arriving groups say about lifetimes, staleness and episode length."""
-        episodes = [ep for g in groups for ep in g.episodes]
-        self.arrived += len(groups)
-        self.rates.observe_groups([g.finished_at - g.started_at for g in groups],
-                                  [group_staleness(g, self.version) for g in groups],
-                                  float(np.mean([len(ep.turns) for ep in episodes])),
-                                  float(np.mean([len(ep.token_ids) for ep in episodes])))
-
-    def _resize(self, update_metrics: dict[str, float], dropped: int) -> dict[str, float]:
-        """After a step: the learner's rates, then (``pool.auto``) the new pool, queue and
-        bound; the rates and the decision as metrics."""
-        now = time.perf_counter()
-        step_s = now - (self.step_clock or now)
-        self.step_clock = now
-        self.rates.observe_step(step_s, self.buffer.waited,
-                                update_metrics.get("offpolicy/ess", float("nan")))
-        metrics = self.rates.metrics()
-        if self.sizing is None:
-            return metrics
-        cap = pool_memory_cap(self.kv_bytes_per_token, self.rates.tokens.value,
-                              available_memory_bytes(), self.cfg.pool.memory_fraction)
-        decision = self.sizing.update(self.rates, self.arrived,
-                                      dropped + len(self.step_events["regenerated"]),
-                                      max_pool=cap,
-                                      in_system=len(self.book.outstanding) + len(self.buffer),
-                                      buffered=self._buffered_staleness())
-        self.arrived = 0
-        self._apply_pool(decision.pool, decision.queued_groups)
-        return {**metrics, **decision.metrics(), "sizing/memory_cap": float(cap)}
-
-    def _buffered_staleness(self) -> list[int]:
-        """The staleness each buffered group will have when trained: the buffer is used in
-        arrival order, ``groups_per_step`` a step, from version ``self.version`` on."""
-        per_step = self.cfg.rollout.groups_per_step
-        return [group_staleness(g, self.version + i // per_step)
-                for i, g in enumerate(self.buffer.groups)]
-
-    def _presize(self) -> None:
-        """Before the first step: the pool for what the workers can generate (``presize``)."""
-        before = self.sizing.pool.value
-        pool = self.sizing.presize(self.rates)
-        if pool is None or pool == before:
-            return
-        self._apply_pool(pool, self.sizing.queued or self.cfg.pool.queued_groups)
-        self.top_up()
-
-    def worker_pool(self, groups: int) -> int:
-        """Live episodes a worker keeps for its share of ``groups``."""
-        return worker_pool_size(self.cfg, groups, self.group_episodes)
-
-    def _apply_pool(self, pool: int, queued_groups: int) -> None:
-        groups = math.ceil(pool / self.group_episodes)
-        self.target = (open_groups(pool, self.group_episodes, self.rates.live_per_group())
-                       + queued_groups * self.cfg.ray.num_workers)
-        size = self.worker_pool(groups)
-        if size != self.fleet.pool_size:
-            self.fleet.resize(size)
+            **vars(result), trained=ledger.trained, dropped=self.buffer.dropped,
+            regenerated=ledger.totals["regenerated"], reissued=ledger.totals["reissued"],
+            abandoned=self.abandoned(), duplicates=ledger.totals["duplicates"],
+            worker_restarts=ledger.totals["restarts"], issued=dict(self.book.seeds))
 
     # ---- keeping the workers busy ------------------------------------------------------------
 
     def top_up(self) -> None:
         """Keep ``target`` groups outstanding (at workers that answer) or buffered, never more
-        than the run's remaining steps can train (``groups_left``)."""
+        than the run's remaining steps can train (``PoolSizing.wanted``)."""
         up = self.fleet.up()
         if not up:
             return
         in_flight = sum(a.worker in up for a in self.book.outstanding.values())
         new: dict[int, list[Assignment]] = {}
-        for _ in range(min(self.target, self.groups_left()) - in_flight - len(self.buffer)):
+        for _ in range(self.sizing.wanted(self.version) - in_flight - len(self.buffer)):
             load = {w: sum(a.worker == w for a in self.book.outstanding.values()) for w in up}
             worker = min(up, key=lambda w: load[w])
             seq = self.fleet._next_seq()
             new.setdefault(worker, []).append(self.book.issue(worker, seq))
         for worker, assignments in new.items():
             self.fleet.assign(worker, assignments)
-
-    def groups_left(self) -> int:
-        """Groups the steps still to train need, the one being collected included (at most
-        one step's groups more than needed while that step trains). Issued beyond this, a
-        pool sized for a slow spell (Little's law over long tool calls) once handed out
-        hundreds of groups for a run with 56 left: one worker's burst then fed every step to
-        the end, and the other worker's groups were abandoned (docs/cluster.md)."""
-        steps_left = max(0, self.cfg.run.steps - self.version)
-        return steps_left * self.cfg.rollout.groups_per_step
 
     def _stale(self, groups: list[Group]) -> None:
         """Too stale: play the seed again under a new id (``regenerate``), or drop it."""
@@ -474,17 +358,8 @@ class RaySource(SourceDefaults):
                 again = self.book.issue(worker, self.fleet._next_seq(), seed=group.seed)
                 self.fleet.assign(worker, [again])
                 self.book.resolve(group.assignment, "regenerated")
-                self.step_events["regenerated"].append(group.assignment)
+                self.ledger.step_events["regenerated"].append(group.assignment)
             else:
                 self.book.resolve(group.assignment, "dropped")
                 self.buffer.drop([group])
 
-
-def open_groups(pool: int, group_size: int, live_per_group: float) -> int:
-    """Groups to keep in play for ``pool`` live episodes. A group's ended episodes wait for
-    its slowest one (heavy-tailed tools: the group lives ~2x its mean episode), so a group in
-    play holds ``live_per_group`` live episodes, measured, not ``group_size``; issuing only
-    ``pool / group_size`` groups would leave the workers' pools part empty."""
-    if not math.isfinite(live_per_group):
-        live_per_group = group_size
-    return math.ceil(pool / min(max(live_per_group, 1.0), group_size))

@@ -25,7 +25,7 @@ that comes back between versions catches up through the object store. A broadcas
 (a member died mid-way) sends that version through the object store; the group re-forms at the
 next publish. A group that cannot form within ``ray.weight_sync_timeout_s`` stops the run at
 start with one line naming the fix; mid-run the run warns, sends that version through the
-object store and tries again at the next publish, and after ``FORM_TRIES`` (fleet.py) failed
+object store and tries again at the next publish, and after ``FORM_TRIES`` (publisher.py) failed
 formations in a row uses the object store for the rest of the run.
 """
 

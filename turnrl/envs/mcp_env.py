@@ -26,7 +26,7 @@ from turnrl.datafile import DataFileError, parse_json, text_lines
 from turnrl.envs.base import register_env
 from turnrl.envs.tool_env import Task, ToolEnv
 from turnrl.rewards import exact_match, integer_match, numeric_match
-from turnrl.tools.mcp.client import MCPServerError
+from turnrl.tools.mcp.errors import MCPServerError
 from turnrl.tools.mcp.servers import episode_tools, parse_spec, shared_server
 
 REWARDS = {"exact": exact_match, "numeric": numeric_match,

@@ -29,7 +29,8 @@ stdout; HTTP: a thread per POST), so a call can be awaited from any event loop (
 runs on its own, ``rollout.env_calls``). ``shared_server`` gives the one client per server
 spec that a process's episodes share; ``episode_tools`` gives an episode its own.
 
-Modules: ``client`` (the protocol both transports share: ``MCPClient``, ``MCPServerError``,
+Modules: ``client`` (the protocol both transports share: ``MCPClient``), ``pending`` (the
+requests awaiting answers: ``PendingRequests``), ``errors`` (``MCPServerError``,
 ``MCPToolError``), ``stdio`` (``MCPServer``), ``http`` (``MCPHttpServer``) and ``servers``
 (a config's server specs; the shared and per-episode clients).
 """

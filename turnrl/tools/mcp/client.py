@@ -1,19 +1,20 @@
 """The transport-independent half of TurnRL's MCP client: the handshake, tool listing and
-calls over JSON-RPC 2.0 (``MCPClient``), the errors, and how MCP's tool entries and results
-become TurnRL's. The transports: stdio in ``stdio.py`` (``MCPServer``), Streamable HTTP
+calls over JSON-RPC 2.0 (``MCPClient``), and how MCP's tool entries and results become
+TurnRL's. The requests awaiting answers are ``PendingRequests`` (``pending.py``), the errors
+are in ``errors.py``. The transports: stdio in ``stdio.py`` (``MCPServer``), Streamable HTTP
 in ``http.py`` (``MCPHttpServer``); the package docstring (``__init__.py``) says
 how the whole client behaves."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import threading
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from turnrl.tools.mcp.errors import MCPServerError, MCPToolError
+from turnrl.tools.mcp.pending import PendingRequests
 from turnrl.tools.schema import Tool
 
 PROTOCOL_VERSION = "2025-06-18"
@@ -21,26 +22,16 @@ STDERR_TAIL = 20
 """Lines of the server's stderr kept for error messages."""
 
 
-class MCPServerError(RuntimeError):
-    """The server could not start, stopped answering the protocol, or exited."""
-
-
-class MCPToolError(Exception):
-    """A tool call the server answered with an error (``isError`` or a JSON-RPC error):
-    the model's observation, not a failure of the episode."""
-
-
 class MCPClient:
-    """The transport-independent part of an MCP client: JSON-RPC requests resolved through
-    futures, the handshake, the tool listing and the calls. ``MCPServer`` (stdio) and
-    ``MCPHttpServer`` (Streamable HTTP) add how messages travel."""
+    """The transport-independent part of an MCP client: the handshake, JSON-RPC requests
+    (their futures kept by ``PendingRequests``), the tool listing and the calls.
+    ``MCPServer`` (stdio) and ``MCPHttpServer`` (Streamable HTTP) add how messages travel."""
 
     name: str
     start_timeout_s: float
 
     def __init__(self) -> None:
-        self._pending: dict[int, Future] = {}
-        self._ids = itertools.count(1)
+        self._pending = PendingRequests()
         self._starting = threading.Lock()
         self._death = ""
         self._listed: list[dict] = []
@@ -120,37 +111,19 @@ class MCPClient:
     def _initialized(self, result: dict) -> None:
         self.server_info = result.get("serverInfo") or {}
 
-    def _fail_pending(self, reason: str) -> None:
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(MCPServerError(reason))
-
     # --- JSON-RPC --------------------------------------------------------------------------
 
     def notify(self, method: str, params: dict | None = None) -> None:
         self._send({"jsonrpc": "2.0", "method": method, **({"params": params} if params
                                                             else {})})
 
-    def _submit(self, method: str, params: dict) -> tuple[int, Future]:
-        request_id, future = next(self._ids), Future()
-        future.method = method  # named when the answer is malformed
-        self._pending[request_id] = future
-        try:
-            self._send({"jsonrpc": "2.0", "id": request_id, "method": method,
-                        "params": params})
-        except MCPServerError:
-            self._pending.pop(request_id, None)
-            raise
-        return request_id, future
-
     def request(self, method: str, params: dict, timeout_s: float) -> dict:
         """Send a request and wait (blocking) for its result, at most ``timeout_s``."""
-        request_id, future = self._submit(method, params)
+        request_id, future = self._pending.submit(method, params, self._send)
         try:
             return future.result(timeout_s)
         except FutureTimeout:
-            self._pending.pop(request_id, None)
+            self._pending.forget(request_id)
             self._abandoned(request_id)
             raise MCPServerError(self._death or (
                 f"no answer to {method} within {timeout_s:g} s{self._detail()}; check that "
@@ -159,11 +132,11 @@ class MCPClient:
     async def arequest(self, method: str, params: dict) -> dict:
         """Send a request and await its result; the caller bounds the wait. A wait that is
         cancelled (a timeout) tells the server with ``notifications/cancelled``."""
-        request_id, future = self._submit(method, params)
+        request_id, future = self._pending.submit(method, params, self._send)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            self._pending.pop(request_id, None)
+            self._pending.forget(request_id)
             self._abandoned(request_id)
             raise
 
@@ -181,21 +154,7 @@ class MCPClient:
         if not isinstance(request_id, int | str):  # no request of ours has such an id
             self._unanswerable(message)
             return
-        future = self._pending.pop(request_id, None)
-        if future is None or future.done():  # a late answer to a cancelled request
-            return
-        result = message.get("result", {})
-        if "error" in message:
-            error = message["error"] if isinstance(message["error"], dict) else {}
-            future.set_exception(MCPToolError(
-                f"{error.get('message', 'error')} (JSON-RPC error {error.get('code')})"))
-        elif not isinstance(result, dict):  # the call's error: an observation mid-episode
-            future.set_exception(MCPToolError(
-                f"answered {getattr(future, 'method', 'the request')} with a result that is "
-                f"not an object ({type(result).__name__}: {json.dumps(result)[:100]}); "
-                f"check that {self.where} is an MCP server"))
-        else:
-            future.set_result(result or {})
+        self._pending.resolve(message, self.where)
 
     def _unanswerable(self, message: dict) -> None:
         """An answer whose id no request can have: named in the failure detail."""

@@ -91,7 +91,8 @@ class MCPHttpServer(MCPClient):
         return self._open_flag and not self._death
 
     def _open(self) -> None:
-        self._death, self._pending, self._session, self._protocol = "", {}, None, ""
+        self._death, self._session, self._protocol = "", None, ""
+        self._pending.drop()
         self._open_flag = True
 
     def _initialized(self, result: dict) -> None:
@@ -113,7 +114,7 @@ class MCPHttpServer(MCPClient):
             except (OSError, http.client.HTTPException, ValueError):
                 pass
         self._session = None
-        self._fail_pending(f"MCP server '{self.name}' was closed")
+        self._pending.fail_all(f"MCP server '{self.name}' was closed")
 
     # --- HTTP ------------------------------------------------------------------------------
 
@@ -194,17 +195,13 @@ class MCPHttpServer(MCPClient):
             with self._http("POST", body, exchange, unbounded=True) as response:
                 failure = self._answer(request_id, method, response)
         except (OSError, http.client.HTTPException, ValueError) as err:
-            failure = "" if self._pending_answered(request_id) else _lost(err, method, exchange)
+            failure = "" if self._pending.answered(request_id) else _lost(err, method, exchange)
         finally:
             exchange.connection.close()
             with self._lock:
                 self._exchanges.pop(request_id, None)
         if failure and not exchange.abandoned:
             self._broken(failure)
-
-    def _pending_answered(self, request_id: int) -> bool:
-        future = self._pending.get(request_id)
-        return future is None or future.done()
 
     def _answer(self, request_id: int, method: str,
                 response: http.client.HTTPResponse) -> str:
@@ -256,7 +253,7 @@ class MCPHttpServer(MCPClient):
             exchanges, self._exchanges = list(self._exchanges.values()), {}
         for exchange in exchanges:
             exchange.abort()
-        self._fail_pending(self._death)
+        self._pending.fail_all(self._death)
 
     def _abandoned(self, request_id: int) -> None:
         with self._lock:

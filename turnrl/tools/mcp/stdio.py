@@ -14,11 +14,8 @@ import subprocess
 import threading
 import weakref
 
-from turnrl.tools.mcp.client import (
-    STDERR_TAIL,
-    MCPClient,
-    MCPServerError,
-)
+from turnrl.tools.mcp.client import STDERR_TAIL, MCPClient
+from turnrl.tools.mcp.errors import MCPServerError
 
 MAX_MESSAGE_BYTES = 64 << 20
 """The longest line read from a stdio server's stdout (one JSON-RPC message)."""
@@ -54,7 +51,8 @@ class MCPServer(MCPClient):
             self._spawn()
 
     def _spawn(self) -> None:
-        self._death, self._pending = "", {}
+        self._death = ""
+        self._pending.drop()
         self._stderr.clear()
         try:
             # A session of its own: close() stops whatever the server started, too.
@@ -81,7 +79,7 @@ class MCPServer(MCPClient):
         proc, self._proc = self._proc, None
         if proc is not None:
             _stop(proc)
-            self._fail_pending(f"MCP server '{self.name}' was closed")
+            self._pending.fail_all(f"MCP server '{self.name}' was closed")
 
     def _detail(self) -> str:
         tail = " | ".join(line for line in list(self._stderr)[-5:] if line)
@@ -150,7 +148,7 @@ class MCPServer(MCPClient):
         self._death = f"MCP server '{self.name}' {why or 'closed its stdout'}"
         if why:
             self._death += self._detail()
-            self._fail_pending(self._death)
+            self._pending.fail_all(self._death)
             _stop(proc)
             return
         try:
@@ -162,7 +160,7 @@ class MCPServer(MCPClient):
         self._stderr_reader.join(timeout=1.0)
         if proc is self._proc:  # not replaced by a fresh start meanwhile
             self._death = f"MCP server '{self.name}' {what}{self._detail()}"
-            self._fail_pending(self._death)
+            self._pending.fail_all(self._death)
 
     def _fix(self) -> str:
         return (f"; check that `{self.where}` starts an MCP server that answers JSON-RPC on "
