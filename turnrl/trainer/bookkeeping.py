@@ -86,23 +86,23 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult |
                         frozen=checkpoint_frozen,
                         components={"estimator": learner.estimator.state_dict(),
                                     "exploration": learner.explore.state_dict()},
-                        weights=sharded_weights(learner))
+                        **sharded_weights(learner))
 
 
-def sharded_weights(learner: Learner) -> Callable[[Path], None] | None:
-    """With learner ranks, how a checkpoint's model and optimiser state is written: every
-    rank its part of one torch.distributed.checkpoint directory (None: one process, today's
-    files)."""
+def sharded_weights(learner: Learner) -> dict[str, Callable[[Path], None]]:
+    """With learner ranks, ``save_checkpoint``'s ``weights``: how a checkpoint's model and
+    optimiser state is written, every rank its part of one torch.distributed.checkpoint
+    directory ({} in one process: today's files)."""
     world = learner.world
     if world is None:
-        return None
+        return {}
     from turnrl.learner.checkpoints import save_sharded
 
     def write(directory: Path) -> None:
         world.command("save", directory)
         save_sharded(directory, learner.model, learner.optimizer)
 
-    return write
+    return {"weights": write}
 
 
 def finish_run(run: Run, before: EvalResult | None, after: EvalResult | None,
