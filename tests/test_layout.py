@@ -15,11 +15,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
     {"registry", "types", "config", "stats", "safe_json", "leftovers", "devices", "datafile"},
     {"models", "gguf_weights", "hub", "lora", "envs", "rewards", "tools", "sandbox", "rollout", "metrics",
-     "checkpoint", "demos", "evaluation", "samplers"},
+     "checkpoint", "demos", "evaluation", "samplers", "learner"},
     {"algorithms", "policy", "selfplay"},
     {"trainer", "sft"},
     {"distributed"},
-    {"launch", "cli", "report", "serve", "checkpoint_eval", "export"},
+    {"launch", "cli", "report", "serve", "checkpoint_eval", "export", "__main__"},
 ]
 LAYER = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 MAX_FUNCTION_LINES = 60

@@ -1,0 +1,98 @@
+"""``turnrl train --learner.world_size N`` end to end (issue 52), as a user runs it: real
+processes on gloo, the tiny model, sharded checkpoints, resume at another world size, a rank
+killed mid-run, torchrun, and the one-line refusals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+WAIT_S = 900  # loose: a hang fails the test rather than the suite
+TINY = ["--model.name", "tiny", "--rollout.group_size", "4", "--rollout.groups_per_step", "2",
+        "--rollout.max_turns", "2", "--rollout.max_new_tokens", "6", "--run.threads", "1",
+        "--run.progress", "false", "--eval.episodes", "4", "--run.checkpoint_every", "1"]
+
+
+def turnrl(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "turnrl", *args], capture_output=True,
+                          text=True, timeout=WAIT_S, **kwargs)
+
+
+def exported(tmp_path: Path, run: Path, name: str) -> dict:
+    out = tmp_path / name
+    done = turnrl("export", str(run), str(out))
+    assert done.returncode == 0, done.stderr
+    return load_file(out / "model.safetensors")
+
+
+def test_two_ranks_train_checkpoint_and_resume_at_one(tmp_path):
+    run = tmp_path / "run"
+    done = turnrl("train", *TINY, "--run.steps", "2", "--learner.world_size", "2",
+                  "--run.out_dir", str(run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = run / "checkpoints" / "step-000002"
+    assert (last / ".metadata").is_file()  # a torch.distributed.checkpoint directory
+    assert "before vs after" in done.stdout
+    resumed = turnrl("train", "--run.out_dir", str(run), "--resume", "--run.steps", "3",
+                     "--learner.world_size", "1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout
+    assert (run / "checkpoints" / "step-000003").is_dir()
+    # the same 3 steps at world size 2 throughout: the resharded resume continued them
+    straight = tmp_path / "straight"
+    done = turnrl("train", *TINY, "--run.steps", "3", "--learner.world_size", "2",
+                  "--run.out_dir", str(straight))
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = exported(tmp_path, run, "a"), exported(tmp_path, straight, "b")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_a_killed_rank_stops_the_run_in_one_line_and_resume_continues(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "turnrl", "train", *TINY, "--run.steps",
+                             "6", "--learner.world_size", "2", "--learner.strategy", "fsdp",
+                             "--run.out_dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + WAIT_S
+    while not (run / "checkpoints" / "step-000001").is_dir():  # killed mid-run, not at start
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    child = next(int(line.split()[0]) for line in subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
+        text=True).stdout.splitlines())
+    os.kill(child, signal.SIGKILL)
+    _, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 1
+    line = err.strip().splitlines()[-1]
+    assert "rank 1" in line and "SIGKILL" in line and "--resume" in line, err[-2000:]
+    resumed = turnrl("train", "--run.out_dir", str(run), "--resume", "--learner.world_size",
+                     "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (run / "checkpoints" / "step-000006").is_dir()
+
+
+def test_torchrun_starts_the_ranks(tmp_path):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.fail("torchrun is missing from the environment that has torch")
+    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "turnrl", "train",
+                           *TINY, "--run.steps", "1", "--run.out_dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "step-000001" / ".metadata").is_file()
+
+
+def test_more_ranks_than_cores_is_refused_in_one_line(tmp_path):
+    too_many = (os.cpu_count() or 1) + 1
+    done = turnrl("train", *TINY, "--learner.world_size", str(too_many), "--run.out_dir",
+                  str(tmp_path / "run"))
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0
+    assert f"learner.world_size {too_many}" in done.stderr and "cores" in done.stderr
