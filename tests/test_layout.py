@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
     {"registry", "types", "config", "stats", "safe_json", "leftovers", "devices", "datafile"},
     {"models", "gguf_weights", "hub", "lora", "envs", "rewards", "tools", "sandbox", "rollout", "metrics",
-     "checkpoint", "demos", "evaluation", "samplers"},
+     "checkpoint", "demos", "evaluation", "samplers", "learner"},
     {"algorithms", "policy", "selfplay"},
     {"trainer", "sft"},
     {"distributed"},
