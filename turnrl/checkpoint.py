@@ -15,6 +15,14 @@ no bytes are written twice: weights equal to the model's own, or held under the 
 the previous checkpoint, are hard links to those files (a copy where the filesystem has no
 hard links).
 
+A checkpoint written by several learner ranks (``learner.world_size`` > 1) holds its model and
+optimiser state as one ``torch.distributed.checkpoint`` directory in place of
+``model.safetensors`` and ``optimizer.pt`` (``.metadata`` and a ``.distcp`` file per rank;
+``turnrl/learner/checkpoints.py``): ``save_checkpoint``'s ``weights`` writes them, every rank
+at once, while rank 0 alone writes the rest. It loads at any world size, into one process too
+(``turnrl export``, ``turnrl eval``, ``turnrl serve``); today's checkpoints load into a
+sharded model as well.
+
 A checkpoint that cannot be used (a file truncated, deleted or overwritten with other bytes;
 ``state.json`` from another version or missing its keys; weights of another model) is a
 ``CheckpointError``: one line naming the checkpoint, what is wrong and the fix, never a
@@ -41,6 +49,14 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from turnrl import safe_json
+from turnrl.learner.checkpoints import (
+    adapter_names,
+    first_nonfinite,
+    is_sharded_checkpoint,
+    load_sharded,
+    load_whole,
+)
+from turnrl.learner.shard import is_fsdp
 from turnrl.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -175,7 +191,8 @@ def _save_frozen(tmp: Path, model: torch.nn.Module, frozen: dict[str, Frozen],
                  previous: Path | None) -> None:
     """Each of ``frozen`` under ``tmp/<name>/``, by the cheapest way that gives its bytes:
     a link to the model's own files, to the previous checkpoint's, or written. A builder
-    (a function returning the model) is called only when its bytes must be written."""
+    (a function returning the model) is called only when its bytes must be written. A
+    sharded checkpoint has no model files to link to: each is written whole."""
     own = weight_files(tmp)
     for name, weights in frozen.items():
         directory = tmp / name
@@ -186,7 +203,11 @@ def _save_frozen(tmp: Path, model: torch.nn.Module, frozen: dict[str, Frozen],
             continue
         if not isinstance(weights, torch.nn.Module):  # built now, dropped after writing
             weights = weights()
-        if same_weights(weights, model):
+        if is_fsdp(weights):
+            raise ValueError(f"frozen weights '{name}' are FSDP shards: an opponent pool "
+                             "cannot be checkpointed under learner.strategy fsdp yet; use "
+                             "--learner.strategy ddp or learner.world_size 1")
+        if own and same_weights(weights, model):
             _link_weights(own, directory)
         else:
             save_weights(weights, directory)
@@ -224,34 +245,34 @@ def restore_rng(state: dict, engine_generator: torch.Generator | None = None) ->
 
 
 def _require_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """A checkpoint is what a resume trusts: refuse to write NaN/inf weights or moments."""
+    """A checkpoint is what a resume trusts: refuse to write NaN/inf weights or moments. One
+    reduction per tensor (no tensor-sized mask unless the sum is not finite); a sharded
+    model's own shards here (``save_sharded`` checks every rank's)."""
     named = [(f"model {name}", t) for name, t in published_state(model).items()]
     named += [(f"optimizer state {key}", t) for state in optimizer.state.values()
               for key, t in state.items()]
-    for name, tensor in named:
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and not _all_finite(tensor):
-            raise FloatingPointError(f"refusing to write a checkpoint: {name} has non-finite "
-                                     "values; resume from the previous checkpoint with a lower "
-                                     "optim.lr or a smaller optim.max_grad_norm")
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """One reduction (no tensor-sized mask): a sum is finite unless an element is not, or it
-    overflows, which the exact check then rules out."""
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+    bad = first_nonfinite(named)
+    if bad is not None:
+        raise FloatingPointError(f"refusing to write a checkpoint: {bad} has non-finite "
+                                 "values; resume from the previous checkpoint with a lower "
+                                 "optim.lr or a smaller optim.max_grad_norm")
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, *, rng: dict, extra: dict | None = None,
                     components: dict[str, dict] | None = None,
-                    frozen: dict[str, Frozen] | None = None, keep: int = 2) -> Path:
+                    frozen: dict[str, Frozen] | None = None, keep: int = 2,
+                    weights: Callable[[Path], None] | None = None) -> Path:
     """Write ``checkpoints/step-NNNNNN`` atomically and keep only the newest ``keep``.
 
     ``components`` are further state dicts a resume needs (a critic, a replay buffer),
     saved as ``<name>.pt`` and read back with ``load_component``. ``frozen`` are further
     weights (name -> model), saved under ``<name>/`` without duplicated bytes (the module
     docstring; a value may be a function building the model, called only if its bytes are
-    written) and read back with ``load_frozen``.
+    written) and read back with ``load_frozen``. ``weights(directory)``, when given, writes
+    the model's and optimiser's state there in place of ``model.safetensors`` and
+    ``optimizer.pt`` (the learner ranks' sharded checkpoint: every rank's ``save_sharded``);
+    the manifest then lists its files too.
     """
     _require_finite(model, optimizer)
     root = Path(run_dir) / "checkpoints"
@@ -261,9 +282,16 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     shutil.rmtree(tmp, ignore_errors=True)
     previous = latest_checkpoint(run_dir) if frozen else None
     tmp.mkdir()
-    save_weights(model, tmp)
+    if weights is None:
+        save_weights(model, tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    else:
+        try:
+            weights(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     _save_frozen(tmp, model, frozen or {}, previous)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(rng, tmp / "rng.pt")
     for name, state in (components or {}).items():
         torch.save(state, tmp / f"{name}.pt")
@@ -296,15 +324,41 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Restore model and optimiser in place; return (state.json contents, rng state).
     ``CheckpointError`` (one line, the fix) for a checkpoint that cannot be used; its files
-    are checked before the model or optimiser is touched."""
+    are checked before the model or optimiser is touched.
+
+    Learner ranks: every rank calls it at once with its own share of the model. A sharded
+    checkpoint is resharded to this world size; a one-process checkpoint is read whole by
+    every rank, each keeping its FSDP shards."""
     path = Path(path)
     state = read_state(path)
-    load_weights(path, model)
-    _loading(path, "optimizer.pt", lambda: optimizer.load_state_dict(
-        torch.load(path / "optimizer.pt", weights_only=False)))
+    if is_sharded_checkpoint(path):
+        _same_kind(path, model)
+        _loading(path, "the sharded model and optimizer state",
+                 lambda: load_sharded(path, model, optimizer))
+    elif is_fsdp(model):
+        _same_kind(path, model)
+        _loading(path, "the weights and optimizer.pt", lambda: _load_whole(path, model,
+                                                                            optimizer))
+    else:
+        load_weights(path, model)
+        _loading(path, "optimizer.pt", lambda: optimizer.load_state_dict(
+            torch.load(path / "optimizer.pt", weights_only=False)))
     rng = _loading(path, "rng.pt", lambda: _rng_dict(torch.load(path / "rng.pt",
                                                                 weights_only=False)))
     return state, rng
+
+
+def _load_whole(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A one-process checkpoint (``model.safetensors`` or a LoRA adapter, ``optimizer.pt``)
+    into an FSDP-sharded model and its optimiser."""
+    from safetensors.torch import load_file
+
+    if holds_adapter(path):
+        names = adapter_names(model)
+        weights = {names[k]: v for k, v in load_file(str(path / ADAPTER_WEIGHTS)).items()}
+    else:
+        weights = load_file(str(path / MODEL_WEIGHTS))
+    load_whole(model, optimizer, weights, torch.load(path / "optimizer.pt", weights_only=False))
 
 
 def _rng_dict(state: Any) -> dict:
@@ -332,22 +386,41 @@ def load_frozen(path: str | Path, name: str, model: torch.nn.Module) -> bool:
 
 
 def is_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a checkpoint directory (weights of either kind and state.json)."""
+    """Whether ``path`` is a checkpoint directory (weights of either kind, or a sharded
+    checkpoint's, and state.json)."""
     path = Path(path)
-    return (path / "state.json").is_file() and any((path / f).is_file() for f in WEIGHT_FILES)
+    return (path / "state.json").is_file() and (
+        any((path / f).is_file() for f in WEIGHT_FILES) or is_sharded_checkpoint(path))
+
+
+def holds_adapter(path: str | Path) -> bool:
+    """Whether the checkpoint at ``path`` holds a LoRA adapter (not the whole model)."""
+    path = Path(path)
+    return (path / ADAPTER_WEIGHTS).is_file() or (
+        is_sharded_checkpoint(path) and (path / ADAPTER_CONFIG).is_file())
+
+
+def _same_kind(path: Path, model: torch.nn.Module) -> bool:
+    """Whether ``path`` holds an adapter; a one-line error unless ``model`` is LoRA alike."""
+    adapter = holds_adapter(path)
+    if adapter != is_lora(model):
+        have = "a LoRA adapter" if adapter else "full model weights"
+        need = "model.lora set as in its run" if adapter else "no model.lora"
+        raise ValueError(f"checkpoint '{path}' holds {have}: load it with {need}")
+    return adapter
 
 
 def load_weights(path: str | Path, model: torch.nn.Module) -> None:
     """A checkpoint's weights into ``model`` in place: the whole model, or a LoRA run's
     adapter into ``model``'s adapter. A mismatch (an adapter checkpoint and a model without
-    ``model.lora``, or the reverse) is a one-line error."""
+    ``model.lora``, or the reverse) is a one-line error. A sharded checkpoint's files are
+    checked against its manifest first."""
     path = Path(path)
-    adapter = (path / ADAPTER_WEIGHTS).is_file()
-    if adapter != is_lora(model):
-        have = "a LoRA adapter" if adapter else "full model weights"
-        need = "model.lora set as in its run" if adapter else "no model.lora"
-        raise ValueError(f"checkpoint '{path}' holds {have}: load it with {need}")
-    if adapter:
+    adapter = _same_kind(path, model)
+    if is_sharded_checkpoint(path):
+        read_state(path)
+        _loading(path, "the sharded weights", lambda: load_sharded(path, model))
+    elif adapter:
         _loading(path, ADAPTER_WEIGHTS, lambda: load_adapter(model, path))
     elif not (path / MODEL_WEIGHTS).is_file():
         raise unusable(path, f"it has no weights ({MODEL_WEIGHTS} or {ADAPTER_WEIGHTS})")

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from turnrl import safe_json
-from turnrl.checkpoint import is_checkpoint, latest_checkpoint
+from turnrl.checkpoint import holds_adapter, is_checkpoint, latest_checkpoint, load_weights
 from turnrl.config import ConfigError, load_run_config
 from turnrl.hub import is_hub_id
-from turnrl.lora import ADAPTER_WEIGHTS, add_adapter, load_adapter, merged, save_adapter
+from turnrl.lora import ADAPTER_WEIGHTS, add_adapter, merged, save_adapter
 from turnrl.models import load_model, model_directory
 from turnrl.policy import use_chat_template
 
@@ -67,9 +67,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
             raise FileNotFoundError(f"run directory '{path}' has no checkpoint yet; train until "
                                     "one is written (run.checkpoint_every) and export again")
         return found
-    raise FileNotFoundError(f"'{path}' is neither a TurnRL checkpoint (model.safetensors or "
-                            "adapter_model.safetensors, state.json) nor a run directory "
-                            "(config.yaml, checkpoints/)")
+    raise FileNotFoundError(f"'{path}' is neither a TurnRL checkpoint (model.safetensors, "
+                            "adapter_model.safetensors or a sharded .metadata, state.json) nor "
+                            "a run directory (config.yaml, checkpoints/)")
 
 
 def export_model(source: str | Path, out_dir: str | Path, *, adapter_only: bool = False
@@ -87,7 +87,7 @@ def export_model(source: str | Path, out_dir: str | Path, *, adapter_only: bool 
         raise FileNotFoundError(f"checkpoint '{checkpoint}' has no run config at {saved}; "
                                 "export needs the run directory the checkpoint was written in")
     cfg = load_run_config(str(saved))  # checks model.chat_template, the file still exists
-    lora = (checkpoint / ADAPTER_FILE).is_file()
+    lora = holds_adapter(checkpoint)
     if adapter_only and not lora:
         raise ConfigError(f"--adapter-only: this run has no LoRA adapter (checkpoint "
                           f"'{checkpoint}' holds full weights); export without --adapter-only")
@@ -133,7 +133,7 @@ def trained_policy(checkpoint: Path, cfg):
                                  trust_remote_code=cfg.model.trust_remote_code)
     with torch.random.fork_rng(devices=[]):  # A's fresh draw is overwritten
         model = add_adapter(base, cfg.model.lora_plan())
-    load_adapter(model, checkpoint)
+    load_weights(checkpoint, model)  # today's adapter files, or a sharded checkpoint's
     return model, tokenizer
 
 

@@ -106,7 +106,7 @@ def checkpoint_base(name: str) -> str | None:
     checkpoint loads as that model with the checkpoint's weights (an SFT run's, to start RL)."""
     path = Path(name).expanduser()
     saved = path.parent.parent / "config.yaml"
-    weights = ("model.safetensors", "adapter_model.safetensors")
+    weights = ("model.safetensors", "adapter_model.safetensors", ".metadata")  # .metadata: DCP
     if (path / "config.json").is_file() or not any((path / w).is_file() for w in weights) \
             or not (path / "state.json").is_file() or not saved.is_file():
         return None
@@ -118,14 +118,14 @@ def _with_checkpoint_weights(model: PreTrainedModel, path: Path, section: dict
                              ) -> PreTrainedModel:
     """``model`` with checkpoint ``path``'s weights: the whole model's, or a LoRA run's
     adapter (built as the run's ``model.lora`` built it) merged into the base weights, so
-    the result is a plain transformers model."""
-    if not (path / "adapter_model.safetensors").is_file():
-        from safetensors.torch import load_model as load_weights
+    the result is a plain transformers model. A sharded (learner ranks') checkpoint too."""
+    from turnrl.checkpoint import holds_adapter, load_weights
 
-        load_weights(model, str(path / "model.safetensors"))
+    if not holds_adapter(path):
+        load_weights(path, model)
         return model
     from turnrl.config.lora_plan import parse_lora
-    from turnrl.lora import add_adapter, load_adapter, merged
+    from turnrl.lora import add_adapter, merged
 
     spec = parse_lora(section.get("lora") or {})
     if spec is None:
@@ -133,7 +133,7 @@ def _with_checkpoint_weights(model: PreTrainedModel, path: Path, section: dict
                          "model.lora section; the run directory's config.yaml was changed")
     with torch.random.fork_rng(devices=[]):  # A's fresh draw is overwritten: leave no trace
         peft_model = add_adapter(model, spec)
-    load_adapter(peft_model, path)
+    load_weights(path, peft_model)
     return merged(peft_model)
 
 
@@ -175,7 +175,8 @@ def run_dir_hint(path: Path) -> str:
             return ""
     else:
         return ""
-    steps = sorted(p for p in checkpoints.glob("step-*") if (p / "model.safetensors").is_file())
+    steps = sorted(p for p in checkpoints.glob("step-*")
+                   if (p / "model.safetensors").is_file() or (p / ".metadata").is_file())
     if not steps:
         return f"the TurnRL run '{checkpoints.parent}' has no checkpoint yet"
     return (f"name a checkpoint of the TurnRL run '{checkpoints.parent}', e.g. its newest "

@@ -194,10 +194,10 @@ def with_checkpoint_lora(cfg: Config, checkpoint) -> Config:
     trained on without repeating its rank on the command line."""
     from dataclasses import replace
 
-    from turnrl.lora import ADAPTER_WEIGHTS
+    from turnrl.checkpoint import holds_adapter
     from turnrl.models import checkpoint_model_section
 
-    if cfg.model.lora or not (checkpoint / ADAPTER_WEIGHTS).is_file():
+    if cfg.model.lora or not holds_adapter(checkpoint):
         return cfg
     lora = checkpoint_model_section(str(checkpoint)).get("lora") or {}
     return replace(cfg, model=replace(cfg.model, lora=dict(lora)))
