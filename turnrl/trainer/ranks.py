@@ -45,9 +45,10 @@ LEARNER_ENV = "TURNRL_LEARNER"
 
 def follow(world: World) -> None:
     """Rank > 0: build this rank's share of the learner, then obey rank 0 until ``stop``."""
-    name, (cfg, checkpoint, decoupled) = world.receive()
+    name, payload = world.receive()
     if name == "stop":  # rank 0 failed before its run started
         return
+    cfg, checkpoint, decoupled = payload
     seed_run(cfg)
     model, tokenizer = policy_model(cfg, world.device)
     learner = learner_for(cfg, model, tokenizer, decoupled=decoupled, world=world)
@@ -171,22 +172,29 @@ def run_as_rank0(cfg: Config, train: Callable[[], T]) -> T:
     with child_ranks(cfg, port) as children:
         world = join(0, size, cfg.learner.strategy, backend, device, cfg.learner.timeout_s,
                      "127.0.0.1", port)
-        try:
-            return _lead(world, train)
-        except RankLost as err:
-            dead = dead_ranks(children)
-            raise RankLost(f"learner {dead} died; {err}" if dead else str(err)) from None
+        return _lead(world, train, children)
 
 
-def _lead(world: World, train: Callable[[], T]) -> T:
+def _lead(world: World, train: Callable[[], T],
+          children: list[subprocess.Popen] | None = None) -> T:
+    """Rank 0: ``train()``, then stop the other ranks. On an error the ranks this process
+    started are killed first: they may sit in a collective rank 0 will never join."""
     try:
-        return train()
-    finally:
-        try:
-            world.command("stop")
-        except RankLost:
-            pass  # a rank is gone: the error that follows says which
+        result = train()
+    except BaseException:
+        dead = dead_ranks(children or [])  # before killing: the ones that died on their own
+        for child in children or []:
+            child.kill()
         leave()
+        if dead:
+            raise RankLost(f"learner {dead} died; the run stopped: resume it with --resume "
+                           "(the last checkpoint is whole)") from None
+        raise
+    try:
+        world.command("stop")
+    finally:
+        leave()
+    return result
 
 
 def _follow_then_leave(world: World) -> None:

@@ -205,6 +205,7 @@ def own_sampler(cfg: Config, policy: Policy):
     if getattr(policy.engine, "model", None) is not policy.model:
         return policy.engine
     policy.engine.close()
-    return chooser.build("hf", "auto", policy.model, policy.tokenizer.pad_token_id,
+    dtype = str(policy.model.dtype).removeprefix("torch.")
+    return chooser.build("hf", dtype, policy.model, policy.tokenizer.pad_token_id,
                          seed=cfg.run.seed, own_copy=True, reuse_cache=cfg.sampler.reuse_cache,
                          matmul=cfg.sampler.matmul)
