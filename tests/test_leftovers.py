@@ -36,7 +36,7 @@ def _turnrl(command: str, env: str, out_dir: Path) -> tuple[subprocess.Completed
     extra = ["--run.steps", "1", "--run.out_dir", str(out_dir)] if command == "train" else []
     started = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-c", PROGRAM.format(tests=str(TESTS)), command,
+        done = subprocess.run([sys.executable, "-c", PROGRAM.format(tests=str(TESTS / "helpers")), command,
                                "--env.name", env, *TINY, *extra],
                               capture_output=True, text=True, timeout=BOUND_S,
                               env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
@@ -117,7 +117,7 @@ def test_a_script_exits_with_its_code_and_names_what_its_env_left_behind(tmp_pat
 
     args = ["--env.name", "leaky-all", *TINY, "--run.steps", "1", "--run.out_dir",
             str(tmp_path)]
-    program = SCRIPT.format(tests=str(TESTS), args=args, entry=entry, own_s=EXIT_GRACE_S + 2)
+    program = SCRIPT.format(tests=str(TESTS / "helpers"), args=args, entry=entry, own_s=EXIT_GRACE_S + 2)
     started = time.monotonic()
     try:
         done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,

@@ -24,7 +24,6 @@ from torch import nn
 
 from turnrl import safe_json
 from turnrl.config import ConfigError, LoraSpec
-from turnrl.learner.world import gathered, world_of
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -117,29 +116,10 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
 
 def published_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """What a new policy version sends to rollout workers: the adapter alone for LoRA,
-    otherwise every weight (whole, from a model sharded over learner ranks: rank 0 calls
-    this, the others gather with it)."""
-    if sharded(model):
-        return dict(published_pairs(model))
+    otherwise every weight (a model sharded over learner ranks: ``turnrl.learner.weights``)."""
     if is_lora(model):
         return adapter_state(model)
     return {k: v.detach() for k, v in model.state_dict().items()}
-
-
-def published_pairs(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``published_state`` one tensor at a time: from a model whose weights are FSDP shards,
-    each gathered whole in turn (every learner rank in step, ``turnrl.learner.world``)."""
-    if not sharded(model):
-        yield from published_state(model).items()
-        return
-    state = get_peft_model_state(model) if is_lora(model) else model.state_dict()
-    yield from gathered(state, world_of(model))
-
-
-def sharded(model: nn.Module) -> bool:
-    """Whether ``model``'s weights are FSDP shards spread over learner ranks."""
-    world = world_of(model)
-    return world is not None and world.strategy == "fsdp"
 
 
 def get_peft_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -19,7 +19,8 @@ from turnrl.envs import Env, make_env
 from turnrl.envs.contract import uses_pool
 from turnrl.envs.mix import MixEnv
 from turnrl.envs.user_module import load_env_module
-from turnrl.lora import add_adapter, published_pairs, published_state, require_peft, sharded
+from turnrl.learner.weights import published_pairs, published_state, sharded
+from turnrl.lora import add_adapter, require_peft
 from turnrl.models import load_model, resolve_device
 from turnrl.rollout import ChatFormat
 from turnrl.rollout.chat import (

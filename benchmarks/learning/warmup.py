@@ -18,7 +18,7 @@ Demonstrations are tokenised exactly as the rollout loop tokenises an episode (`
 deltas, the end-of-turn token sampled by the policy), so the warmed-up model sees the same
 ids in RL. ``warm_start`` trains a fresh ``tiny_model`` and saves it with its tokenizer as a
 local Hugging Face directory: ``--model.name DIR`` then starts RL from it (the character-level
-tokenizer round-trips through ``save_pretrained``; ``tests/test_warmup.py`` checks it).
+tokenizer round-trips through ``save_pretrained``; ``tests/benchmarks/test_warmup.py`` checks it).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def call_latency_ms(server: MCPClient, calls: int) -> float:
 
 
 def http_server(answer: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, str(TESTS / "mcp_http_server.py"), "--answer",
+    proc = subprocess.Popen([sys.executable, str(TESTS / "helpers" / "mcp_http_server.py"), "--answer",
                              answer], stdout=subprocess.PIPE, text=True)
     return proc, f"http://127.0.0.1:{int(proc.stdout.readline().split()[1])}/mcp"
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--starts", type=int, default=10)
     args = parser.parse_args(argv)
     load = harness.load_average()
-    stdio = [sys.executable, str(TESTS / "mcp_server.py")]
+    stdio = [sys.executable, str(TESTS / "helpers" / "mcp_server.py")]
     starts = []
     for _ in range(args.starts):
         server = MCPServer(stdio)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_ranks import load, run_ranks, train_save
 
+from tests.learner.checkpoint_ranks import load, run_ranks, train_save
 from turnrl.checkpoint import (
     CheckpointError,
     holds_adapter,

@@ -10,7 +10,8 @@ import logging
 import torch
 
 from turnrl.distributed.worker_engines import without_tied_weights
-from turnrl.lora import published_state, state_bytes
+from turnrl.learner.weights import published_state
+from turnrl.lora import state_bytes
 
 FORM_TRIES = 3
 """Mid-run, the weight group may fail to form this many times in a row before the run gives

@@ -7,7 +7,7 @@
 
 Both live in ``ray._private`` and can move between Ray releases. Each is looked up when used
 and, where it is missing, fails with one line naming the Ray version and the public way round
-(``available`` falls back to the cluster's free total). tests/test_ray_internals.py checks that
+(``available`` falls back to the cluster's free total). tests/distributed/test_ray_internals.py checks that
 the installed Ray still has them, so a Ray upgrade that drops one fails CI, not a user's run.
 """
 

@@ -35,7 +35,7 @@ in place (``VLLMEngine.load``, which also drops its prefix cache unless
 state dict travels through the object store, or with ``ray.weight_sync: broadcast`` through a
 torch.distributed group (``join_weight_group``, ``receive_weights``; weight_sync.py): over
 NCCL it stays on the GPU and vLLM reads it through CUDA IPC. Not run here: the development
-machine has no GPU (``tests/test_async_vllm_gpu.py`` and ``tests/test_weight_broadcast_gpu.py``
+machine has no GPU (``tests/gpu/test_async_vllm_gpu.py`` and ``tests/gpu/test_weight_broadcast_gpu.py``
 skip without one).
 
 On CPUs, ``rollout.sampler: ct2`` samples with a ``CT2Engine`` (CTranslate2, int8 by default), and

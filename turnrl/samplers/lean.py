@@ -238,7 +238,7 @@ def self_check(model: nn.Module, lean: LeanDecoder) -> str | None:
 
 SELF_CHECK_BOUND = {torch.float32: 1e-3, torch.bfloat16: 0.05}
 """The largest gap the self-check accepts, in standard deviations of the logits: float rounding
-is far below these (tests/test_lean.py), a wrong formula (rotary, norm) far above."""
+is far below these (tests/samplers/test_lean.py), a wrong formula (rotary, norm) far above."""
 
 
 def onednn_decoder(model: nn.Module) -> tuple[LeanDecoder | nn.Module, str]:

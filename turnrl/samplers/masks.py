@@ -33,10 +33,10 @@ from turnrl.config.types import ConfigError
 
 ONE_MASK_MODELS = frozenset({"mistral", "mixtral", "phi3", "starcoder2"})
 """Model types whose decoder builds one mask for every layer, windowed when
-``config.sliding_window`` is set (tests/test_masks.py checks each against a fresh pass)."""
+``config.sliding_window`` is set (tests/samplers/test_masks.py checks each against a fresh pass)."""
 MAPPED_MODELS = frozenset({"qwen2", "qwen3", "gemma2", "gemma3_text"})
 """Model types whose decoder takes ``{layer type: mask}`` and slides the layers ``layer_types``
-names ``sliding_attention`` (tests/test_masks.py)."""
+names ``sliding_attention`` (tests/samplers/test_masks.py)."""
 RECURRENT_LAYERS = frozenset({"conv", "linear_attention", "hybrid", "hybrid_sliding"})
 """transformers' cache layer kinds that hold a recurrent or convolution state."""
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")

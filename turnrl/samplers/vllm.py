@@ -1,7 +1,7 @@
 """A vLLM engine for GPU rollout workers, with in-place weight updates from the learner.
 
 Status: written against vLLM's documented offline API and read sources (0.10.2 and later);
-not run on a GPU yet. ``tests/test_vllm_gpu.py`` checks it on a GPU host with vLLM installed.
+not run on a GPU yet. ``tests/gpu/test_vllm_gpu.py`` checks it on a GPU host with vLLM installed.
 
 Choices (and where they depart from vLLM's defaults):
 

@@ -1,7 +1,7 @@
 """The two ways the sandbox starts code: bubblewrap, and a fallback of rlimits and a supervisor.
 
 Both run ``launcher.py`` first (limits, an unprivileged id, clean-up; see its docstring).
-What each enforces is listed in ``GUARANTEES`` and docs/sandbox.md; tests/test_sandbox.py
+What each enforces is listed in ``GUARANTEES`` and docs/sandbox.md; tests/sandbox/test_sandbox.py
 attacks every entry.
 """
 

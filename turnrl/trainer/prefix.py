@@ -150,7 +150,7 @@ def packing_pays(config, layout: PackedLayout, split: PrefixSplit, mb: Batch) ->
 
 PACKABLE_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """``config.model_type`` of the decoders the packed path runs on: attention-only Llama-shaped
-stacks, each checked against a plain pass in tests/test_prefix.py. Others (hybrid recurrent or
+stacks, each checked against a plain pass in tests/trainer/test_prefix.py. Others (hybrid recurrent or
 convolutional layers would carry state from one packed suffix into the next; per-layer inputs,
 shared key/value layers, older mask code) keep the cached path until they are checked."""
 

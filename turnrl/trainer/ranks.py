@@ -32,8 +32,8 @@ from typing import TypeVar
 import torch
 
 from turnrl.config import Config, ConfigError, LearnerConfig
+from turnrl.learner.weights import published_pairs
 from turnrl.learner.world import RankLost, World, join, leave
-from turnrl.lora import published_pairs
 from turnrl.policy import policy_model
 from turnrl.trainer.rl_step import StageTimer, rl_step
 from turnrl.trainer.run import learner_for, restore_learner, seed_run

@@ -1,0 +1,185 @@
+"""Learner ranks (issue 52): the update of N ranks on torch.distributed (gloo, real processes)
+equals the one-process update, for ddp and fsdp, several estimators, a KL term and LoRA.
+
+Rank 0 is a subprocess running ``drive`` (below); ranks > 0 are the real child entry point
+(``python -m turnrl.trainer.ranks``) running ``follow``. Episodes are played once by the tiny
+model in this process, their rewards then set from a seeded stream so every group has spread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from turnrl.config import Config, load_config
+from turnrl.trainer.local import LocalSource
+from turnrl.trainer.rl_step import StageTimer, rl_step
+from turnrl.trainer.run import learner_for, seed_run, start_run
+
+WAIT_S = 600  # a loose bound: a hang fails the test instead of the suite
+
+
+def tiny_config(tmp_path: Path, *extra: str) -> Config:
+    return load_config(None, ["--model.name", "tiny", "--rollout.group_size", "4",
+                              "--rollout.groups_per_step", "2", "--rollout.max_turns", "2",
+                              "--rollout.max_new_tokens", "6", "--run.threads", "1",
+                              "--run.progress", "false", "--eval.episodes", "0",
+                              "--run.out_dir", str(tmp_path / "play"), *extra])
+
+
+def play(cfg: Config, steps: int) -> list[list]:
+    """``steps`` batches of real episodes, rewards per turn from a seeded stream."""
+    run = start_run(cfg, False)
+    source = LocalSource()
+    source.open(run)
+    draw = random.Random(7)
+    batches = []
+    for step in range(steps):
+        episodes = source.collect(step)
+        for ep in episodes:
+            for turn in ep.turns:
+                turn.reward = float(draw.randint(0, 2))
+            ep.reward = sum(turn.reward for turn in ep.turns)
+        batches.append(episodes)
+    source.close()
+    return batches
+
+
+def one_process(cfg: Config, batches: list[list]) -> dict[str, torch.Tensor]:
+    """The weights ``rl_step`` leaves after ``batches`` in one process (LoRA: the adapter's)."""
+    from turnrl.learner.weights import published_state
+    from turnrl.policy import policy_model
+
+    seed_run(cfg)
+    model, tokenizer = policy_model(cfg, "cpu")
+    learner = learner_for(cfg, model, tokenizer)
+    for episodes in batches:
+        rl_step(learner, episodes, StageTimer())
+    return {k: v.clone() for k, v in published_state(model).items()}
+
+
+def ranks(cfg: Config, batches: list[list], size: int, tmp_path: Path) -> dict:
+    """Run the update on ``size`` ranks; rank 0's gathered weights and metrics."""
+    from turnrl.trainer.ranks import LEARNER_ENV, free_port
+
+    work = tmp_path / f"ranks{size}-{cfg.learner.strategy}"
+    work.mkdir()
+    (work / "job.pkl").write_bytes(pickle.dumps((cfg, batches)))
+    port = free_port()
+    env = {**os.environ, "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), LEARNER_ENV: json.dumps(asdict(cfg.learner)),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [subprocess.Popen([sys.executable, __file__, str(work)], env={**env, "RANK": "0"})]
+    procs += [subprocess.Popen([sys.executable, "-m", "turnrl.trainer.ranks"],
+                               env={**env, "RANK": str(r)}) for r in range(1, size)]
+    try:
+        codes = [p.wait(timeout=WAIT_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0] * size, codes
+    return torch.load(work / "out.pt")
+
+
+def drive(work: Path) -> None:
+    """Rank 0 of ``ranks``: tell the others to start, update, gather, stop."""
+    from turnrl.learner.weights import published_state
+    from turnrl.learner.world import join, leave
+    from turnrl.policy import policy_model
+
+    cfg, batches = pickle.loads((work / "job.pkl").read_bytes())
+    world = join(0, int(os.environ["WORLD_SIZE"]), cfg.learner.strategy, "gloo",
+                 torch.device("cpu"), cfg.learner.timeout_s, "127.0.0.1",
+                 int(os.environ["MASTER_PORT"]))
+    world.command("start", (cfg, None, False))
+    seed_run(cfg)
+    model, tokenizer = policy_model(cfg, "cpu")
+    learner = learner_for(cfg, model, tokenizer, world=world)
+    metrics = [rl_step(learner, episodes, StageTimer())[1] for episodes in batches]
+    state = {k: v.clone() for k, v in published_state(model).items()}
+    held = held_bytes(model, learner.optimizer)
+    world.command("stop")
+    leave()
+    torch.save({"state": state, "metrics": metrics, "bytes": held}, work / "out.pt")
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this process holds of parameters, gradients and optimiser state (a shard's own
+    part only)."""
+    from torch.distributed.tensor import DTensor
+
+    def size(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    total = sum(size(p) + (size(p.grad) if p.grad is not None else 0) for p in params)
+    return total + sum(size(v) for state in optimizer.state.values() for v in state.values()
+                       if torch.is_tensor(v) and v.dim() > 0)
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def episodes(tmp_path_factory) -> list[list]:
+    return play(tiny_config(tmp_path_factory.mktemp("play")), steps=3)
+
+
+CASES = {  # name: (strategy, world size, extra options)
+    "grpo-ddp-2": ("ddp", 2, []),
+    "grpo-fsdp-2": ("fsdp", 2, []),
+    "grpo-fsdp-3": ("fsdp", 3, []),
+    "gigpo-fsdp-2": ("fsdp", 2, ["--algo.advantage", "gigpo"]),
+    "turn_gae-ddp-2": ("ddp", 2, ["--algo.advantage", "turn_gae"]),
+    "kl-fsdp-2": ("fsdp", 2, ["--algo.kl_coef", "0.1"]),
+    "lora-fsdp-2": ("fsdp", 2, ["--model.lora.r", "4"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ranks_update_equals_one_process(case, episodes, tmp_path):
+    strategy, size, extra = CASES[case]
+    cfg = tiny_config(tmp_path, *extra)
+    cfg = replace(cfg, learner=replace(cfg.learner, strategy=strategy, timeout_s=120))
+    one = one_process(cfg, episodes[:1])
+    got = ranks(cfg, episodes, size, tmp_path)
+    before = one_process(cfg, [])
+    # the update moved the weights, so equality below is not the trivial one
+    assert max_difference(one, before) > 1e-5
+    three = one_process(cfg, episodes)
+    assert max_difference(got["state"], three) < 1e-5, case
+    assert len(got["metrics"]) == 3
+    if case.startswith("grpo"):  # fsdp holds 1/N of the weights, gradients and moments
+        whole = whole_bytes(cfg)
+        share = got["bytes"] / whole
+        expected = 1 / size if strategy == "fsdp" else 1.0
+        assert abs(share - expected) < 0.05, (case, share)
+
+
+def whole_bytes(cfg: Config) -> int:
+    """``held_bytes`` of one process after one update."""
+    from turnrl.policy import policy_model
+
+    seed_run(cfg)
+    model, tokenizer = policy_model(cfg, "cpu")
+    learner = learner_for(cfg, model, tokenizer)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    learner.optimizer.step()
+    return held_bytes(model, learner.optimizer)
+
+
+if __name__ == "__main__":
+    drive(Path(sys.argv[1]))
