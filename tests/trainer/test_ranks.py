@@ -60,7 +60,7 @@ def one_process(cfg: Config, batches: list[list]) -> dict[str, torch.Tensor]:
     from turnrl.policy import policy_model
 
     seed_run(cfg)
-    model, tokenizer = policy_model(cfg, "cpu")
+    model, tokenizer = policy_model(cfg)
     learner = learner_for(cfg, model, tokenizer)
     for episodes in batches:
         rl_step(learner, episodes, StageTimer())
@@ -97,12 +97,14 @@ def drive(work: Path) -> None:
     from turnrl.policy import policy_model
 
     cfg, batches = pickle.loads((work / "job.pkl").read_bytes())
-    world = join(0, int(os.environ["WORLD_SIZE"]), cfg.learner.strategy, "gloo",
-                 torch.device("cpu"), cfg.learner.timeout_s, "127.0.0.1",
+    nccl = cfg.learner.backend == "nccl"  # tests/gpu/test_learner_ranks_gpu.py
+    device = torch.device("cuda:0" if nccl else "cpu")
+    world = join(0, int(os.environ["WORLD_SIZE"]), cfg.learner.strategy,
+                 "nccl" if nccl else "gloo", device, cfg.learner.timeout_s, "127.0.0.1",
                  int(os.environ["MASTER_PORT"]))
     world.command("start", (cfg, None, False))
     seed_run(cfg)
-    model, tokenizer = policy_model(cfg, "cpu")
+    model, tokenizer = policy_model(cfg, device)
     learner = learner_for(cfg, model, tokenizer, world=world)
     metrics = [rl_step(learner, episodes, StageTimer())[1] for episodes in batches]
     state = {k: v.clone() for k, v in published_state(model).items()}
