@@ -96,3 +96,14 @@ def test_more_ranks_than_cores_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0
     assert f"learner.world_size {too_many}" in done.stderr and "cores" in done.stderr
+
+
+def test_ray_rollout_workers_feed_rank_0_of_two_fsdp_ranks(tmp_path):
+    """``--mode async``: Ray workers sample, rank 0 gathers the shards to publish to them."""
+    pytest.importorskip("ray")
+    run = tmp_path / "run"
+    done = turnrl("train", *TINY, "--mode", "async", "--run.steps", "2", "--ray.num_workers",
+                  "1", "--learner.world_size", "2", "--run.out_dir", str(run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run / "checkpoints" / "step-000002" / ".metadata").is_file()
+    assert "before vs after" in done.stdout
