@@ -67,15 +67,15 @@ class Share:
     filler: Batch
     """One row of the whole batch: the pass a rank with no rows of its own repeats."""
 
-    def passes(self, micro: list[Batch], filler: Batch) -> list[tuple[Batch, bool]]:
+    def passes(self, micro: list[Batch]) -> list[tuple[Batch, bool]]:
         """``(micro-batch, counts)`` pairs: this rank's own, then under FSDP as many repeats
-        (``counts`` False: loss times zero, stats dropped) as the busiest rank has more.
-        ``filler`` is a one-row batch for a rank with no rows of its own."""
+        (``counts`` False: loss times zero, stats dropped) as the busiest rank has more
+        (a rank with no rows of its own repeats ``filler``)."""
         own = [(mb, True) for mb in micro]
         if self.world.strategy != "fsdp":
             return own
         most = int(self.world.all_reduce(torch.tensor([len(micro)]), dist.ReduceOp.MAX))
-        return own + [(micro[0] if micro else filler, False)] * (most - len(micro))
+        return own + [(micro[0] if micro else self.filler, False)] * (most - len(micro))
 
     def reduce_gradients(self, parameters: list[torch.Tensor]) -> None:
         """ddp: every trainable parameter's gradient summed over the ranks, in buckets

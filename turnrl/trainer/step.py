@@ -261,7 +261,7 @@ def policy_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
          "mismatch_abs", "mismatch_max", "mismatch_kl", "mismatch_changed"), 0.0)
     grad_norms = []
     micro = micro_batches(batch, settings.optim.micro_batch_size, settings.token_budget)
-    passes = [(mb, True) for mb in micro] if share is None else share.passes(micro, share.filler)
+    passes = [(mb, True) for mb in micro] if share is None else share.passes(micro)
     for epoch in range(settings.algo.epochs):
         optimizer.zero_grad(set_to_none=True)
         for mb, counts in passes:
