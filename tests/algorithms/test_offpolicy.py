@@ -158,7 +158,13 @@ def test_staleness_ignores_environment_tokens():
 
 def test_vllm_engine_imports_without_vllm_and_fails_clearly(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    # a fresh import of the module, undone afterwards both in sys.modules and as the package's
+    # attribute (left behind, `import turnrl.samplers.vllm as m` in a later test would hand
+    # it this copy while `from turnrl.samplers.vllm import ...` finds the original)
+    import turnrl.samplers
+
     monkeypatch.delitem(sys.modules, "turnrl.samplers.vllm", raising=False)
+    monkeypatch.delattr(turnrl.samplers, "vllm", raising=False)
     from turnrl.samplers.vllm import VLLMEngine
 
     with pytest.raises(ImportError, match=r"pip install 'turnrl\[vllm\]'") as info:
