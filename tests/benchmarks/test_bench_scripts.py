@@ -25,3 +25,15 @@ def test_async_throughput_repeats_alternate_the_latency_order():
     assert async_throughput._schedule([0.0, 500.0], 3) == [
         (0, 0.0), (0, 500.0), (1, 500.0), (1, 0.0), (2, 0.0), (2, 500.0)]
     assert async_throughput._schedule([0.0, 500.0], 1) == [(0, 0.0), (0, 500.0)]
+
+
+def test_reference_reset_benchmark_prints_its_methods_and_ratio(capsys, tmp_path):
+    import reference_reset
+
+    assert reference_reset.main(["--seeds", "1", "--steps", "2", "--every", "1",
+                                 "--episodes", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^(no_kl|kl|kl_reset)\s+([\d.]+) ", out, re.M)
+    assert [name for name, _ in rows] == ["no_kl", "kl", "kl_reset"], out
+    assert all(0 <= float(rate) <= 1 for _, rate in rows)
+    assert re.search(r"^ratio: kl_reset / kl held-out success = \S+$", out, re.M), out

@@ -42,6 +42,7 @@ from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy, publish
 from turnrl.samplers import chooser
 from turnrl.trainer.distill import load_teacher
+from turnrl.trainer.reference import restore_reference
 from turnrl.trainer.rl_step import Learner
 from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
 
@@ -166,6 +167,7 @@ def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
     run = Run(cfg, run_dir, policy, learner, start_step=0, resumed=resume)
     if checkpoint is not None:
         state, rng = restore_learner(checkpoint, learner)
+        restore_reference(checkpoint, learner, state["step"], cfg.algo.reference_reset_every)
         restore_rng(rng, policy.engine.generator)
         run.start_step = state["step"]
         publish(policy.engine, policy.model, run.start_step)  # the checkpoint's weights
