@@ -87,7 +87,9 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult |
                         frozen={**(checkpoint_frozen or {}), **frozen_reference(
                             learner, step + 1, cfg.algo.reference_reset_every)},
                         components={"estimator": learner.estimator.state_dict(),
-                                    "exploration": learner.explore.state_dict()},
+                                    "exploration": learner.explore.state_dict(),
+                                    **({"replay": learner.replay.state_dict()}
+                                       if learner.replay is not None else {})},
                         **sharded_weights(learner))
 
 
