@@ -1,10 +1,13 @@
-"""Benchmark scripts: `benchmarks/speed/env_threads.py` end to end, briefly; `async_throughput.py`'s schedule."""
+"""Benchmark scripts: `benchmarks/speed/env_threads.py` end to end, briefly; `async_throughput.py`'s schedule;
+`responses_latency.py` on the tiny model."""
 
 from __future__ import annotations
 
 import re
 
 import env_threads
+import responses_latency
+import torch
 
 
 def test_shared_and_own_env_threads_side_by_side(capsys):
@@ -25,3 +28,13 @@ def test_async_throughput_repeats_alternate_the_latency_order():
     assert async_throughput._schedule([0.0, 500.0], 3) == [
         (0, 0.0), (0, 500.0), (1, 500.0), (1, 0.0), (2, 0.0), (2, 500.0)]
     assert async_throughput._schedule([0.0, 500.0], 1) == [(0, 0.0), (0, 500.0)]
+
+
+def test_responses_latency_times_both_apis_and_prints_the_ratio(capsys):
+    runs = responses_latency.main(["--tokens", "3", "--repeats", "2",
+                                   "--threads", str(torch.get_num_threads())])
+    assert set(runs) == {"chat completions", "responses"}
+    assert all(len(seen) == 2 and all(0 < first <= whole for first, whole in seen)
+               for seen in runs.values())
+    out = capsys.readouterr().out
+    assert re.search(r"^ratio: responses / chat first-token seconds = \d+\.\d\d$", out, re.M), out

@@ -8,6 +8,7 @@ training a Responses agent unchanged."""
 from __future__ import annotations
 
 import json
+import random
 import time
 import urllib.error
 import urllib.request
@@ -200,12 +201,47 @@ def test_bad_requests_get_openai_errors_with_4xx_statuses(live):
     assert client.responses.create(model="tiny", input="x", max_output_tokens=2).output
 
 
+VALUES = [None, 0, -1, 3, 1e308, 10 ** 30, "", "x", "tiny", [], [1], ["a", 2], {}, {"a": []},
+          True, False, [{"role": "user"}], [{"type": "message"}], {"type": "function"},
+          [{"type": "function", "name": "f", "parameters": "x"}], {"format": 3}]
+FUZZED = {"model": "tiny", "max_output_tokens": 1, "input": [
+    {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+    {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+    {"type": "function_call", "call_id": "c", "name": "add", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c", "output": "1"}]}
+FIELDS = ["model", "input", "instructions", "tools", "tool_choice", "temperature", "top_p",
+          "max_output_tokens", "stream", "store", "previous_response_id", "metadata", "text",
+          "turnrl_episode", "background"]
+ITEM_FIELDS = ["type", "role", "content", "summary", "call_id", "name", "arguments", "output"]
+
+
+def test_fields_of_any_type_get_a_response_or_a_one_line_4xx(live):
+    running, _ = live
+    rng = random.Random(0)
+    bodies = []
+    for field in FIELDS:
+        bodies += [{**FUZZED, field: value} for value in rng.sample(VALUES, 3)]
+    for k, item in enumerate(FUZZED["input"]):
+        for field in ITEM_FIELDS:
+            value = rng.choice(VALUES)
+            items = [dict(x) for x in FUZZED["input"]]
+            items[k] = {**item, field: value}
+            bodies.append({**FUZZED, "input": items})
+    for body in bodies:
+        status, answer = post(f"{running.base_url}/responses", body)
+        assert status in (200, 400, 404), (body, status, answer)
+        if status != 200:
+            message = answer["error"]["message"]
+            assert message and "\n" not in message and "Traceback" not in message, body
+
+
 def post(url: str, body) -> tuple[int, dict]:
     request = urllib.request.Request(url, json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
+            data = response.read()  # events, when the body asked for a stream
+            return response.status, json.loads(data) if data.startswith(b"{") else {}
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
 

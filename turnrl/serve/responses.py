@@ -204,9 +204,13 @@ def chat_tools(tools) -> list[dict] | None:
         if kind != "function" or not isinstance(tool.get("name"), str):
             raise bad(f"tools[{i}]: only function tools ({{'type': 'function', 'name', "
                       f"'parameters'}}) are served, got {kind!r}", f"tools[{i}]")
+        parameters, description = tool.get("parameters"), tool.get("description")
+        if not isinstance(parameters, dict | None) or not isinstance(description, str | None):
+            raise bad(f"tools[{i}]: 'parameters' must be a JSON schema object and "
+                      "'description' a string", f"tools[{i}]")
         out.append({"type": "function", "function": {
-            "name": tool["name"], "description": tool.get("description") or "",
-            "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}})
+            "name": tool["name"], "description": description or "",
+            "parameters": parameters or {"type": "object", "properties": {}}}})
     return check_tools(out)
 
 
@@ -248,7 +252,10 @@ def parse_responses_request(body, episode_header: str | None,
     _check_options(body)
     previous_id, before = body.get("previous_response_id"), None
     if previous_id is not None:
-        if not isinstance(previous_id, str) or previous_id not in stored:
+        if not isinstance(previous_id, str):
+            raise bad("'previous_response_id' must be a string (a response's id)",
+                      "previous_response_id")
+        if previous_id not in stored:
             raise ApiError(404, f"Previous response with id {previous_id!r} not found (never "
                            "stored, forgotten, or sent with store=false)",
                            param="previous_response_id", code="previous_response_not_found")
@@ -391,10 +398,22 @@ class ResponsesApi:
         """The response (a dict), or its events (streamed); ``ApiError`` on bad input."""
         request = parse_responses_request(body, episode_header, self.stored)
         response_id, message_id, created = item_id("resp"), item_id("msg"), time.time()
+        prepared = self._prompt(request.chat)  # bad input fails here, before any stream
         if not request.chat.stream:
-            return await self._answer(request, response_id, message_id, created)
-        prepared = self.server.prompt(request.chat)  # bad input fails here, before the stream
+            return await self._answer(request, response_id, message_id, created,
+                                      prepared=prepared)
         return self._events(request, response_id, message_id, created, prepared)
+
+    def _prompt(self, chat: ChatRequest) -> tuple:
+        """``Server.prompt``, its context error in this API's names."""
+        try:
+            return self.server.prompt(chat)
+        except ApiError as err:
+            if err.code == "context_length_exceeded":
+                err.message = err.message.replace("max_tokens", "max_output_tokens") \
+                    .replace("the messages", "the input")
+                err.param = "input"
+            raise
 
     async def _answer(self, request: ResponsesRequest, response_id: str, message_id: str,
                       created: float, tokens: asyncio.Queue | None = None,
@@ -433,8 +452,8 @@ class ResponsesApi:
                     yield line
             yield event("response.output_text.delta", item_id=message_id, output_index=0,
                         content_index=0, delta=text, logprobs=[])
-        try:
-            body = await reply
+        try:  # shielded: a client leaving now must not cancel the reply being recorded
+            body = await asyncio.shield(reply)
         except Exception as err:  # noqa: BLE001 - the stream has started: the error goes in it
             failed = {**start, "status": "failed", "error": {
                 "code": "server_error", "message": f"{type(err).__name__}: {err}"}}
