@@ -95,6 +95,11 @@ def test_input_items_become_chat_messages_with_calls_results_and_reasoning():
         {"role": "tool", "tool_call_id": "c1", "content": "5"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c2", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text",
+                                                                "text": "Hmm."}]}
+    assert input_messages([thought, {"role": "user", "content": "Go on."}]) == [
+        {"role": "assistant", "content": "<think>\nHmm.\n</think>\n\n"},
+        {"role": "user", "content": "Go on."}]
     (tool,) = chat_tools([ADD])
     assert tool["function"]["name"] == "add" and tool["function"]["parameters"] == \
         ADD["parameters"]

@@ -166,6 +166,9 @@ def input_messages(items, where: str = "input") -> list[dict]:
         if kind not in ITEM_TYPES:
             raise bad(f"{at}: items of type {kind!r} are not served; send message, "
                       "function_call, function_call_output or reasoning items", at)
+        if thinking and (kind == "function_call_output" or kind == "message"
+                         and item.get("role") != "assistant"):
+            out.append({"role": "assistant", "content": _think(thinking)})  # nothing followed
         if kind == "reasoning":
             if text := reasoning_text(item, at):
                 thinking.append(text)
