@@ -295,6 +295,39 @@ def test_function_calls_round_trip_into_one_sequence_chained_and_stateless():
         assert trained == "Let me add.\n" + CALL + "<|im_end|>It is 5.<|im_end|>"
 
 
+def test_a_forced_call_streams_as_a_function_call_item_only():
+    server = scripted(['{"a": 2, "b": 3}}\n</tool_call>'])
+    server.engine.step_s = 0.0
+    with RunningServer(server) as running:
+        client = OpenAI(base_url=running.base_url, api_key="x", max_retries=0)
+        events = list(client.responses.create(
+            model="tiny", input="Add 2 and 3.", tools=[ADD], stream=True,
+            tool_choice={"type": "function", "name": "add"}))
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    (call,) = events[-1].response.output
+    assert (call.name, json.loads(call.arguments)) == ("add", {"a": 2, "b": 3})
+    assert events[2].item.arguments == "" and events[3].delta == call.arguments
+
+
+def test_an_engine_failure_is_a_failed_event_in_a_stream_and_a_500_otherwise():
+    server = scripted(["never"])
+
+    def broken(prompts, params, on_step=None):
+        raise RuntimeError("engine down")
+
+    server.engine.generate = broken
+    with RunningServer(server) as running:
+        client = OpenAI(base_url=running.base_url, api_key="x", max_retries=0)
+        *_, last = client.responses.create(model="tiny", input="Hi", stream=True)
+        assert last.type == "response.failed" and last.response.status == "failed"
+        assert last.response.error.message == "RuntimeError: engine down"
+        with pytest.raises(openai.InternalServerError):
+            client.responses.create(model="tiny", input="Hi")
+
+
 def test_a_dropped_stream_is_recorded_whole_and_stored():
     reply = "One two three four five six seven eight nine ten eleven twelve."
     server = scripted([reply])
