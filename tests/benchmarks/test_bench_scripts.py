@@ -1,10 +1,13 @@
-"""Benchmark scripts: `benchmarks/speed/env_threads.py` end to end, briefly; `async_throughput.py`'s schedule."""
+"""Benchmark scripts: `benchmarks/speed/env_threads.py` end to end, briefly; `async_throughput.py`'s schedule;
+`responses_latency.py` on the tiny model."""
 
 from __future__ import annotations
 
 import re
 
 import env_threads
+import responses_latency
+import torch
 
 
 def test_shared_and_own_env_threads_side_by_side(capsys):
@@ -37,3 +40,13 @@ def test_reference_reset_benchmark_prints_its_methods_and_ratio(capsys, tmp_path
     assert [name for name, _ in rows] == ["no_kl", "kl", "kl_reset"], out
     assert all(0 <= float(rate) <= 1 for _, rate in rows)
     assert re.search(r"^ratio: kl_reset / kl held-out success = \S+$", out, re.M), out
+
+
+def test_responses_latency_times_both_apis_and_prints_the_ratio(capsys):
+    runs = responses_latency.main(["--tokens", "3", "--repeats", "2",
+                                   "--threads", str(torch.get_num_threads())])
+    assert set(runs) == {"chat completions", "responses"}
+    assert all(len(seen) == 2 and all(0 < first <= whole for first, whole in seen)
+               for seen in runs.values())
+    out = capsys.readouterr().out
+    assert re.search(r"^ratio: responses / chat first-token seconds = \d+\.\d\d$", out, re.M), out
