@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import env_threads
+import pytest
 import responses_latency
 import torch
 
@@ -30,16 +31,19 @@ def test_async_throughput_repeats_alternate_the_latency_order():
     assert async_throughput._schedule([0.0, 500.0], 1) == [(0, 0.0), (0, 500.0)]
 
 
-def test_reference_reset_benchmark_prints_its_methods_and_ratio(capsys, tmp_path):
-    import reference_reset
+@pytest.mark.parametrize("study, names", [("reset", ["no_kl", "kl", "kl_reset"]),
+                                           ("replay", ["grpo", "replay"])])
+def test_the_prolonged_training_studies_print_their_methods_and_ratio(capsys, tmp_path, study,
+                                                                      names):
+    import prolonged
 
-    assert reference_reset.main(["--seeds", "1", "--steps", "2", "--every", "1",
-                                 "--episodes", "4", "--out", str(tmp_path)]) == 0
+    assert prolonged.main(["--study", study, "--seeds", "1", "--steps", "2", "--every", "1",
+                           "--episodes", "4", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    rows = re.findall(r"^(no_kl|kl|kl_reset)\s+([\d.]+) ", out, re.M)
-    assert [name for name, _ in rows] == ["no_kl", "kl", "kl_reset"], out
+    rows = re.findall(r"^(\S+)\s+([\d.]+)\s+\[", out, re.M)
+    assert [name for name, _ in rows] == names, out
     assert all(0 <= float(rate) <= 1 for _, rate in rows)
-    assert re.search(r"^ratio: kl_reset / kl held-out success = \S+$", out, re.M), out
+    assert re.search(rf"^ratio: {names[-1]} / {names[-2]} held-out success = \S+$", out, re.M)
 
 
 def test_responses_latency_times_both_apis_and_prints_the_ratio(capsys):
