@@ -4,6 +4,7 @@ killed mid-run, torchrun, and the one-line refusals."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -122,3 +123,36 @@ def test_ray_rollout_workers_feed_rank_0_of_two_fsdp_ranks(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert (run / "checkpoints" / "step-000002" / ".metadata").is_file()
     assert "before vs after" in done.stdout
+
+
+FIRST_DIGIT = '''
+from turnrl.envs import StepResult, register_env
+
+
+@register_env("first-digit")
+class FirstDigit:
+    async def reset(self, seed):
+        return "Say a digit."
+
+    async def step(self, action):
+        ok = action[:1].isdigit()
+        return StepResult("", float(ok), True, {"success": ok})
+'''
+
+
+@pytest.mark.slow
+def test_a_task_learns_on_two_fsdp_ranks(tmp_path):
+    """What a user runs: ``turnrl train --learner.world_size 2`` on a task of their own module;
+    the held-out success rises as it does in one process (tests/trainer/test_train.py)."""
+    module = tmp_path / "digits.py"
+    module.write_text(FIRST_DIGIT)
+    run = tmp_path / "run"
+    done = turnrl("train", "--model.name", "tiny", "--env.module", f"{module}:first-digit",
+                  "--rollout.max_new_tokens", "3", "--optim.lr", "2e-2", "--run.steps", "20",
+                  "--optim.micro_batch_size", "32", "--eval.episodes", "64",
+                  "--run.progress", "false", "--learner.world_size", "2",
+                  "--run.out_dir", str(run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after = (json.loads((run / f"eval_{when}.json").read_text())["success_rate"]
+                     for when in ("before", "after"))
+    assert before < 0.3 and after > 0.9, (before, after)
