@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from turnrl.serve.protocol import EPISODE_FIELD, ChatRequest, _number, bad, new_id
+from turnrl.serve.protocol import EPISODE_FIELD, EPISODE_HEADER, ChatRequest, _number, bad, new_id
 from turnrl.serve.server import Choice, Server
 
 PATH = "/v1/messages"
@@ -237,14 +237,14 @@ async def message_events(server: Server, request: ChatRequest, prepared: tuple):
     """Server-sent events: message_start, the text block as it is generated (what of it
     ``ReplyStream`` can already send), the rest of it, one tool_use block a call (its input
     as one input_json_delta), message_delta (stop reason, usage), message_stop."""
-    yield event("message_start", {"type": "message_start", "message": {
-        "id": new_id("msg"), "type": "message", "role": "assistant", "model": server.name,
-        "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": len(prepared[1]), "output_tokens": 0}}})
     tokens: asyncio.Queue = asyncio.Queue()
     reply = asyncio.create_task(server.complete(request, tokens, prepared))
     _replies.add(reply)
     reply.add_done_callback(_replies.discard)
+    yield event("message_start", {"type": "message_start", "message": {
+        "id": new_id("msg"), "type": "message", "role": "assistant", "model": server.name,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": len(prepared[1]), "output_tokens": 0}}})
     stream = server.reply_stream(request, prepared[3])
     opened = False
     async for text in _live_text(tokens, stream):
@@ -304,3 +304,17 @@ def count_tokens(server: Server, request: ChatRequest) -> dict:
     """``POST /v1/messages/count_tokens``: the prompt's length as the server would feed it."""
     return {"input_tokens": len(server.prompt(request)[1])}
 
+
+
+def anthropic_env(client) -> dict[str, str]:
+    """What points an Anthropic-API harness at the server ``client`` (the ``openai`` client
+    ``train_agent`` hands a rollout) talks to, recording into its episode: the environment
+    variables Claude Code reads (``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``,
+    ``ANTHROPIC_CUSTOM_HEADERS``); the ``anthropic`` client takes the same as ``base_url``,
+    ``api_key`` and ``default_headers``."""
+    env = {"ANTHROPIC_BASE_URL": str(client.base_url).rstrip("/").removesuffix("/v1"),
+           "ANTHROPIC_API_KEY": client.api_key}
+    episode = client.default_headers.get(EPISODE_HEADER)
+    if isinstance(episode, str):
+        env["ANTHROPIC_CUSTOM_HEADERS"] = f"{EPISODE_HEADER}: {episode}"
+    return env
