@@ -320,3 +320,26 @@ def test_anthropic_env_points_at_the_clients_server_and_episode():
                                      "ANTHROPIC_API_KEY": "k",
                                      "ANTHROPIC_CUSTOM_HEADERS": "X-TurnRL-Episode: e7"}
     asyncio.run(client.close())
+
+
+class FailingEngine:
+    version = 0
+
+    def generate(self, prompts, params, on_step=None):
+        raise RuntimeError("the engine broke")
+
+
+def test_an_engine_failure_is_an_api_error_in_anthropics_shape_streamed_or_not():
+    server = scripted(["unused"])
+    server.engine = server.batcher.engine = FailingEngine()
+    with RunningServer(server) as running:
+        client = client_of(running, default_headers={"X-TurnRL-Episode": "broken"})
+        with pytest.raises(anthropic.InternalServerError) as err:
+            client.messages.create(model="tiny", max_tokens=4, messages=USER)
+        assert err.value.body["error"] == {"type": "api_error",
+                                           "message": "RuntimeError: the engine broke"}
+        with pytest.raises(anthropic.APIStatusError) as err:  # the stream had begun: 200
+            with client.messages.stream(model="tiny", max_tokens=4, messages=USER) as stream:
+                list(stream)
+        assert err.value.body["error"]["type"] == "api_error"
+    assert not server.recorder.episodes  # nothing sampled, nothing recorded
