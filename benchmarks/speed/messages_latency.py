@@ -2,8 +2,9 @@
 through its official client (``anthropic``, ``openai``) against one live ``turnrl serve`` (the
 tiny model by default), and whether every recorded reply's token ids are the ones sampled.
 
-Each round sends the same greedy streamed request (``--tokens`` tokens) once through each API,
-alternating which goes first (``benchmarks/harness.py``); a request's figure is the seconds
+Each round sends the same greedy streamed request (``--tokens`` tokens) once through each API's
+client, and once as plain HTTP (httpx: the server's part without the client libraries), in
+alternating rounds (``benchmarks/harness.py``); a request's figure is the seconds
 from the call to its first text (``text_delta`` / ``delta.content``), and to its last event.
 Every call carries an episode id; at the end each recorded reply is compared, token for
 token, with what the engine sampled. Prints medians, the machine line and ``ratio: messages /
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import torch
 from anthropic import Anthropic
 from openai import OpenAI
@@ -76,6 +79,27 @@ def messages_call(client: Anthropic, tokens: int) -> tuple[float, float, str]:
     return (first or end) - start, end - start, episode
 
 
+def raw_call(http: httpx.Client, path: str, body: dict, is_text) -> tuple[float, float, str]:
+    """The same request as plain HTTP (no client library): ``is_text(event)`` spots the
+    first event carrying text."""
+    episode = f"raw-{next(_ids)}"
+    start, first = time.perf_counter(), None
+    with http.stream("POST", path, json={**body, "turnrl_episode": episode}) as response:
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: {") and is_text(json.loads(line[6:])):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - start, end - start, episode
+
+
+def _chat_text(event: dict) -> bool:
+    return bool(event["choices"] and event["choices"][0]["delta"].get("content"))
+
+
+def _messages_text(event: dict) -> bool:
+    return event["type"] == "content_block_delta"
+
+
 def exact(server: Server, episodes: list[str]) -> int:
     """How many of ``episodes`` recorded exactly the ids the engine sampled for them."""
     deadline = time.monotonic() + 10  # a stream ends just before its engine call returns
@@ -106,9 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         chat = OpenAI(base_url=running.base_url, api_key="x", max_retries=0)
         claude = Anthropic(base_url=running.base_url.removesuffix("/v1"), api_key="x",
                            max_retries=0)
-        runs = harness.alternate({"chat completions": lambda: chat_call(chat, args.tokens),
-                                  "messages": lambda: messages_call(claude, args.tokens)},
-                                 args.rounds, warmup=1, flip=True).results
+        http = httpx.Client(base_url=running.base_url, timeout=600)
+        body = {"model": "served", "messages": ASK, "max_tokens": args.tokens,
+                "temperature": 0, "stream": True}
+        runs = harness.alternate({
+            "chat completions": lambda: chat_call(chat, args.tokens),
+            "messages": lambda: messages_call(claude, args.tokens),
+            "chat, plain http": lambda: raw_call(http, "/chat/completions", body, _chat_text),
+            "messages, plain http": lambda: raw_call(http, "/messages", body, _messages_text)},
+            args.rounds, warmup=1, flip=True).results
         episodes = list(server.recorder.episodes)  # the warm-ups' too
         same = exact(server, episodes)
     print(f"model {args.model}, {args.tokens} greedy tokens a reply, {args.threads} thread(s), "
@@ -116,11 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     firsts = {label: [r[0] for r in seen] for label, seen in runs.items()}
     for label, seen in runs.items():
         low, high = harness.spread(firsts[label])
-        print(f"  {label:17s} first text {statistics.median(firsts[label]):.4f} s "
+        print(f"  {label:20s} first text {statistics.median(firsts[label]):.4f} s "
               f"({low:.4f}-{high:.4f}), whole reply {statistics.median(r[1] for r in seen):.4f} s")
     print(f"  recorded ids equal the sampled ones: {same}/{len(episodes)} replies")
     print(harness.interval_line("messages / chat first-token seconds", firsts["messages"],
                                 firsts["chat completions"]))
+    print(harness.interval_line("the same, plain http", firsts["messages, plain http"],
+                                firsts["chat, plain http"]))
     print(harness.machine(load))
     print(harness.ratio_line("messages / chat first-token seconds", harness.ratio_of_medians(
         firsts["messages"], firsts["chat completions"])))
