@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import time
+import urllib.error
+import urllib.request
 
 import anthropic
 import pytest
@@ -343,3 +346,50 @@ def test_an_engine_failure_is_an_api_error_in_anthropics_shape_streamed_or_not()
                 list(stream)
         assert err.value.body["error"]["type"] == "api_error"
     assert not server.recorder.episodes  # nothing sampled, nothing recorded
+
+
+def send(url: str, body: dict) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+GOOD = {"model": "tiny", "max_tokens": 3, "system": "S", "tools": [ADD], "messages": [
+    {"role": "user", "content": "Add."},
+    {"role": "assistant", "content": [{"type": "text", "text": "ok"}, {
+        "type": "tool_use", "id": "c1", "name": "add", "input": {"a": 1, "b": 2}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "3"}]}]}
+PLACES = {  # where a field is replaced: (path into GOOD, fields)
+    (): ["model", "max_tokens", "messages", "system", "tools", "tool_choice", "temperature",
+         "top_p", "stop_sequences", "stream", "turnrl_episode", "metadata"],
+    ("messages", 1): ["role", "content"],
+    ("messages", 1, "content", 1): ["type", "id", "name", "input"],
+    ("messages", 2, "content", 0): ["type", "tool_use_id", "content", "is_error"],
+    ("tools", 0): ["type", "name", "input_schema"],
+}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_malformed_fields_get_a_4xx_in_anthropics_shape_never_a_500(live, seed):
+    from tests.serve.test_http_fuzz import VALUES
+
+    running, _ = live
+    rng = random.Random(seed)
+    for path, fields in PLACES.items():
+        for field in fields:
+            body = json.loads(json.dumps(GOOD))
+            node = body
+            for key in path:
+                node = node[key]
+            node[field] = rng.choice(VALUES)
+            status, raw = send(f"{running.base_url}/messages", body)
+            if status == 200:
+                continue  # a value the API takes (a reply, streamed or not)
+            answer = json.loads(raw)
+            assert status in (400, 404) and answer["type"] == "error", (body, status, raw)
+            message = answer["error"]["message"]
+            assert message and "\n" not in message and "Traceback" not in message

@@ -131,7 +131,11 @@ def _add_messages_routes(app: FastAPI, server: Server) -> None:
         if chat.stream:
             return StreamingResponse(messages.message_events(server, chat, prepared),
                                      media_type="text/event-stream")
-        (choice,), prompt_tokens = await server.complete(chat, prepared=prepared)
+        try:
+            (choice,), prompt_tokens = await server.complete(chat, prepared=prepared)
+        except Exception as err:  # noqa: BLE001 - as an ApiError: Starlette re-raises others
+            # after answering and the connection may be reset before the client reads it
+            raise ApiError(500, f"{type(err).__name__}: {err}", kind="server_error") from None
         return messages.message_body(server, chat, choice, prompt_tokens)
 
     @app.post(messages.PATH + "/count_tokens")

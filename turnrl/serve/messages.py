@@ -34,11 +34,11 @@ def error_body(status: int, message: str) -> dict:
 
 
 def _blocks(content, where: str) -> list[dict]:
-    """A message's content as blocks: a string is one text block."""
+    """Content (at ``where``) as blocks: a string is one text block."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise bad(f"{where}.content must be a string or a list of content blocks", where)
+        raise bad(f"{where} must be a string or a list of content blocks", where)
     return content
 
 
@@ -50,9 +50,9 @@ def _text_of(block: dict, where: str) -> str:
 
 def _result_text(block: dict, where: str) -> str:
     """A tool_result's content (a string or text blocks) as text; "Error: " before an error's."""
-    content = block.get("content", "")
+    content = block.get("content") or ""
     text = "".join(_text_of(b, f"{where}.content[{k}]") if b.get("type") == "text" else _refuse(
-        b, f"{where}.content[{k}]") for k, b in enumerate(_blocks(content, where)))
+        b, f"{where}.content[{k}]") for k, b in enumerate(_blocks(content, f"{where}.content")))
     return f"Error: {text}" if block.get("is_error") else text
 
 
@@ -120,7 +120,7 @@ def chat_messages(system, messages) -> list[dict]:
                       "the top-level 'system')", f"{where}.role")
         if "content" not in message:
             raise bad(f"{where} ({message['role']}) has no 'content'", f"{where}.content")
-        blocks = _blocks(message["content"], where)
+        blocks = _blocks(message["content"], f"{where}.content")
         out += _user(blocks, where) if message["role"] == "user" else [_assistant(blocks, where)]
     if messages[-1].get("role") != "user":
         raise bad("the last message must be the user's: continuing a partial assistant "
@@ -134,9 +134,12 @@ def chat_tools(tools, tool_choice) -> tuple[list[dict] | None, str | dict]:
         raise bad("'tools' must be a list of {'name', 'description', 'input_schema'}", "tools")
     out = []
     for i, tool in enumerate(tools or []):
-        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
-            raise bad(f"tools[{i}] is not a custom tool (type {tool.get('type')!r}): this "
-                      "server runs no server tools; give {'name', 'input_schema'}", f"tools[{i}]")
+        if not isinstance(tool, dict):
+            raise bad(f"tools[{i}] must be an object {{'name', 'description', 'input_schema'}}",
+                      f"tools[{i}]")
+        if tool.get("type") not in (None, "custom"):
+            raise bad(f"tools[{i}] is not a custom tool (type {tool['type']!r}): this server "
+                      "runs no server tools; give {'name', 'input_schema'}", f"tools[{i}]")
         if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"),
                                                                     dict):
             raise bad(f"tools[{i}] needs a 'name' and an 'input_schema' object", f"tools[{i}]")
