@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
 
 from turnrl.config import Config, ConfigError
+from turnrl.config.checks import check_learner
 from turnrl.distributed.cluster import connect
 from turnrl.distributed.source import AsyncTrainResult, RaySource
 from turnrl.envs.user_module import load_env_module
@@ -43,11 +45,28 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
 
 
 def _train(cfg: Config, resume: bool) -> TrainResult:
-    if cfg.learner.world_size > 1 or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    cfg = launched_world_size(cfg)
+    if cfg.learner.world_size > 1:
         from turnrl.trainer.ranks import run_as_rank0
 
         return run_as_rank0(cfg, lambda: _train_here(cfg, resume))
     return _train_here(cfg, resume)
+
+
+def launched_world_size(cfg: Config) -> Config:
+    """``cfg`` with the world size torchrun started (WORLD_SIZE), so the run's config.yaml
+    says how many ranks trained it and the options ranks refuse are refused; a different
+    ``--learner.world_size`` is refused."""
+    launched = int(os.environ.get("WORLD_SIZE", 1))
+    if launched == 1 or launched == cfg.learner.world_size:
+        return cfg
+    if cfg.learner.world_size != 1:
+        raise ConfigError(f"learner.world_size {cfg.learner.world_size}, but torchrun started "
+                          f"{launched} processes (WORLD_SIZE): drop --learner.world_size or "
+                          f"make the two agree")
+    cfg = replace(cfg, learner=replace(cfg.learner, world_size=launched))
+    check_learner(cfg)  # what ranks cannot do yet is refused under torchrun too
+    return cfg
 
 
 def _train_here(cfg: Config, resume: bool) -> TrainResult:

@@ -1,10 +1,14 @@
-"""Benchmark scripts: `benchmarks/speed/env_threads.py` end to end, briefly; `async_throughput.py`'s schedule."""
+"""Benchmark scripts: `benchmarks/speed/env_threads.py` end to end, briefly; `async_throughput.py`'s schedule;
+`responses_latency.py` on the tiny model."""
 
 from __future__ import annotations
 
 import re
 
 import env_threads
+import pytest
+import responses_latency
+import torch
 
 
 def test_shared_and_own_env_threads_side_by_side(capsys):
@@ -25,3 +29,28 @@ def test_async_throughput_repeats_alternate_the_latency_order():
     assert async_throughput._schedule([0.0, 500.0], 3) == [
         (0, 0.0), (0, 500.0), (1, 500.0), (1, 0.0), (2, 0.0), (2, 500.0)]
     assert async_throughput._schedule([0.0, 500.0], 1) == [(0, 0.0), (0, 500.0)]
+
+
+@pytest.mark.parametrize("study, names", [("reset", ["no_kl", "kl", "kl_reset"]),
+                                           ("replay", ["grpo", "replay"])])
+def test_the_prolonged_training_studies_print_their_methods_and_ratio(capsys, tmp_path, study,
+                                                                      names):
+    import prolonged
+
+    assert prolonged.main(["--study", study, "--seeds", "1", "--steps", "2", "--every", "1",
+                           "--episodes", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^(\S+)\s+([\d.]+)\s+\[", out, re.M)
+    assert [name for name, _ in rows] == names, out
+    assert all(0 <= float(rate) <= 1 for _, rate in rows)
+    assert re.search(rf"^ratio: {names[-1]} / {names[-2]} held-out success = \S+$", out, re.M)
+
+
+def test_responses_latency_times_both_apis_and_prints_the_ratio(capsys):
+    runs = responses_latency.main(["--tokens", "3", "--repeats", "2",
+                                   "--threads", str(torch.get_num_threads())])
+    assert set(runs) == {"chat completions", "responses"}
+    assert all(len(seen) == 2 and all(0 < first <= whole for first, whole in seen)
+               for seen in runs.values())
+    out = capsys.readouterr().out
+    assert re.search(r"^ratio: responses / chat first-token seconds = \d+\.\d\d$", out, re.M), out

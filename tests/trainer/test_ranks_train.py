@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 WAIT_S = 900  # loose: a hang fails the test rather than the suite
@@ -87,6 +88,20 @@ def test_torchrun_starts_the_ranks(tmp_path):
                           capture_output=True, text=True, timeout=WAIT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "step-000001" / ".metadata").is_file()
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["learner"]["world_size"] == 2  # the run says how many ranks trained it
+
+
+def test_torchrun_refuses_what_ranks_cannot_do_and_a_world_size_it_did_not_start(monkeypatch):
+    from turnrl.config import ConfigError, load_config
+    from turnrl.launch import launched_world_size
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="sft.steps does not work with learner.world_size 2"):
+        launched_world_size(load_config(None, TINY + ["--sft.steps", "2"]))
+    with pytest.raises(ConfigError, match="torchrun started 2 processes"):
+        launched_world_size(load_config(None, TINY + ["--learner.world_size", "3"]))
+    assert launched_world_size(load_config(None, TINY)).learner.world_size == 2
 
 
 def test_more_ranks_than_cores_is_refused_in_one_line(tmp_path):

@@ -231,6 +231,10 @@ def check_learner(cfg: Config) -> None:
     if learner.cpu_offload and learner.strategy == "fsdp" and samples_on_cpu(cfg.model.device):
         raise ConfigError("learner.cpu_offload moves GPU shards to CPU memory, and this model "
                           "is on the CPU already; drop --learner.cpu_offload")
+    if cfg.algo.reference_reset_every and cfg.model.lora_plan() is not None:
+        raise ConfigError("algo.reference_reset_every: a LoRA run's KL reference is its base "
+                          "model (the adapter off), which does not train; drop "
+                          "--model.lora.r to reset it, or drop the reset")
     if learner.world_size == 1:
         return
     refused = {
@@ -239,6 +243,8 @@ def check_learner(cfg: Config) -> None:
         "distill.teacher": (bool(cfg.distill.teacher), "drop it, or train at world size 1"),
         "explore.top_entropy_fraction": (cfg.explore.top_entropy_fraction < 1,
                                          "its threshold is one rank's: keep it at 1"),
+        "algo.reference_reset_every": (cfg.algo.reference_reset_every > 0,
+                                       "drop it, or train at world size 1"),
     }
     for key, (bad, fix) in refused.items():
         if bad:

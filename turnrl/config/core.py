@@ -244,6 +244,10 @@ class AlgoConfig(Section):
     """entropy bonus coefficient"""
     epochs: int = 1
     """optimisation passes over each batch"""
+    reference_reset_every: int = 0
+    """every N steps the KL reference becomes a copy of the current policy and the
+    optimiser's moments restart (ProRL, arXiv:2505.24864); 0 = never. Needs kl_coef > 0 and
+    full fine-tuning (trainer/reference.py)"""
     decoupled: bool = False
     """decoupled PPO (AReaL): importance weights against the behaviour policy, trust region
     around the proximal (pre-update) policy; always on in async mode"""
@@ -275,6 +279,10 @@ class AlgoConfig(Section):
         self._require("mismatch_low", 0 <= self.mismatch_low < 1, "in [0, 1)")
         self._require("mismatch_high", self.mismatch_high > 1, "> 1")
         self._at_least(1, "epochs")
+        self._at_least(0, "reference_reset_every")
+        self._require("reference_reset_every", not self.reference_reset_every or self.kl_coef > 0,
+                      "0 while algo.kl_coef is 0 (there is no reference to reset): set "
+                      "--algo.kl_coef too")
         self._require("clip_low", self.clip_low < 1, "< 1 (the ratio's floor 1 - clip_low must "
                       "stay above 0)")
         self._require("dual_clip", self.dual_clip == 0 or self.dual_clip > 1,

@@ -70,6 +70,11 @@ class ExploreConfig(Section):
     adapts per task); sync and async modes (docs/guidance.md)"""
     guidance_attempts: int = 2
     """hint: hinted episodes added to an all-failed group (demo adds one demonstration)"""
+    success_replay_age: int = 0
+    """success replay (ARPO, SPEAR): each task's latest successful episode is kept this many
+    steps and added to a later group of the same task (the same prompt) in which nothing
+    succeeded; off-policy, so the update uses decoupled PPO; 0 = off
+    (algorithms/replay.py)"""
     hint_levels: int = 3
     """hint: how many levels of hint, from 1 (the least) to this (the player's whole first
     reply); a task's level rises while its groups fail and falls as they succeed"""
@@ -78,7 +83,8 @@ class ExploreConfig(Section):
         self._at_least(0, "dynamic_max_rounds", "overlong_buffer", "overlong_max_tokens",
                        "overlong_penalty", "entropy_target", "entropy_coef_rate",
                        "entropy_coef_max", "temperature_end", "positive_weight",
-                       "negative_weight", "pass_k", "novelty_coef", "warn_entropy_fraction")
+                       "negative_weight", "pass_k", "novelty_coef", "warn_entropy_fraction",
+                       "success_replay_age")
         self._require("top_entropy_fraction", 0 < self.top_entropy_fraction <= 1, "in (0, 1]")
         self._require("warn_clip_fraction", 0 <= self.warn_clip_fraction <= 1, "in [0, 1]")
         self._at_least(1, "warn_patience", "guidance_attempts", "hint_levels")

@@ -1,7 +1,9 @@
 """The HTTP face of ``Server``: FastAPI routes in OpenAI's shapes, auth, and how to run it.
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (JSON or server-sent events),
-Anthropic's ``POST /v1/messages`` (serve/messages.py), and TurnRL's own ``POST /v1/turnrl/episodes/{id}/reward``, ``GET /v1/turnrl/episodes`` and
+``POST /v1/responses`` and ``GET /v1/responses/{id}`` (the Responses API, serve/responses.py),
+Anthropic's ``POST /v1/messages`` (serve/messages.py), and TurnRL's own
+``POST /v1/turnrl/episodes/{id}/reward``, ``GET /v1/turnrl/episodes`` and
 ``GET /v1/turnrl/episodes/{id}`` (docs/serving.md).
 """
 
@@ -34,6 +36,7 @@ from turnrl.serve.protocol import (
     parse_chat_request,
     usage,
 )
+from turnrl.serve.responses import ResponsesApi
 from turnrl.serve.server import Choice, Server
 
 
@@ -48,6 +51,7 @@ def make_app(server: Server) -> FastAPI:
     app = FastAPI(title="TurnRL", lifespan=lifespan)
     _add_guards(app, server.cfg.api_key)
     _add_model_routes(app, server)
+    _add_responses_routes(app, server)
     _add_messages_routes(app, server)
     _add_episode_routes(app, server)
     return app
@@ -119,6 +123,23 @@ def _add_model_routes(app: FastAPI, server: Server) -> None:
                                [_choice_json(server, i, c, chat.logprobs)
                                 for i, c in enumerate(choices)],
                                prompt_tokens, sum(len(c.token_ids) for c in choices))
+
+
+def _add_responses_routes(app: FastAPI, server: Server) -> None:
+    """The OpenAI Responses API: create a response (JSON or server-sent events), get one."""
+    api = ResponsesApi(server)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        body = await read_json(request, server.cfg)
+        reply = await api.create(body, request.headers.get(EPISODE_HEADER))
+        if isinstance(reply, dict):
+            return reply
+        return StreamingResponse(reply, media_type="text/event-stream")
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return api.retrieve(response_id)
 
 
 def _add_messages_routes(app: FastAPI, server: Server) -> None:

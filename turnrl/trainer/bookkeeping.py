@@ -23,6 +23,7 @@ from turnrl.config import config_to_dict
 from turnrl.evaluation import COLUMNS, EvalResult, whole_games
 from turnrl.metrics import MetricsLogger, TrainProgress, print_table
 from turnrl.trainer.evaluation import periodic_eval, write_transcripts
+from turnrl.trainer.reference import frozen_reference
 from turnrl.trainer.rl_step import Learner, StageTimer
 from turnrl.trainer.run import Run
 from turnrl.types import Episode, write_episodes
@@ -83,9 +84,12 @@ def end_step(run: Run, step: int, episodes: list[Episode], summary: EvalResult |
         save_checkpoint(run.run_dir, step + 1, learner.model, learner.optimizer,
                         rng=rng_state(run.policy.engine.generator),
                         keep=cfg.run.keep_checkpoints, extra=checkpoint_extra,
-                        frozen=checkpoint_frozen,
+                        frozen={**(checkpoint_frozen or {}), **frozen_reference(
+                            learner, step + 1, cfg.algo.reference_reset_every)},
                         components={"estimator": learner.estimator.state_dict(),
-                                    "exploration": learner.explore.state_dict()},
+                                    "exploration": learner.explore.state_dict(),
+                                    **({"replay": learner.replay.state_dict()}
+                                       if learner.replay is not None else {})},
                         **sharded_weights(learner))
 
 

@@ -50,14 +50,14 @@ the step's ``reward/mean`` and ``success/rate`` leave guided episodes out (the p
 
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from turnrl.algorithms.replay import failed_groups, task_key
 from turnrl.demos.scripted import (
     Delegating,
     PlayerEngine,
@@ -72,16 +72,6 @@ from turnrl.rollout import run_episodes, run_sync
 from turnrl.trainer.rl_step import explore_settings
 from turnrl.trainer.step import batch_logprobs, update_autocast
 from turnrl.types import Batch, Episode
-
-
-def failed_groups(episodes: Sequence[Episode]) -> list[tuple[int, int]]:
-    """(group, seed) of each group in which no episode succeeded and every reward is equal:
-    the groups whose advantages are all zero."""
-    groups: dict[int, list[Episode]] = {}
-    for ep in episodes:
-        groups.setdefault(ep.group, []).append(ep)
-    return [(group, eps[0].seed) for group, eps in groups.items()
-            if not any(ep.success for ep in eps) and len({ep.reward for ep in eps}) == 1]
 
 
 class HintedEnv(Delegating):
@@ -99,12 +89,6 @@ def next_hint_level(level: int, solved: bool, levels: int) -> int:
     """The staircase (module docstring): one level more help after a task's group failed,
     one less after it succeeded, within 1..``levels``."""
     return max(1, min(levels, level - 1 if solved else level + 1))
-
-
-def task_key(episode: Episode) -> str:
-    """The task as the policy sees it: a digest of the prompt tokens before its first reply."""
-    first = next((i for i, m in enumerate(episode.loss_mask) if m), len(episode.token_ids))
-    return hashlib.blake2b(str(episode.token_ids[:first]).encode(), digest_size=12).hexdigest()
 
 
 class HintLevels:

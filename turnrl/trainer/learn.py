@@ -32,6 +32,7 @@ from turnrl.policy import publish
 from turnrl.trainer.bookkeeping import TrainResult, end_step, finish_run, step_logging
 from turnrl.trainer.curriculum import held_out_title
 from turnrl.trainer.evaluation import evaluate_env
+from turnrl.trainer.reference import reset_reference
 from turnrl.trainer.rl_step import Learner, StageTimer, rl_step
 from turnrl.trainer.run import Run, start_run
 from turnrl.types import Episode
@@ -173,6 +174,8 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
                     break
                 with source.updating():
                     summary, metrics = source.update(run.learner, episodes, timer)
+                metrics.update(reset_reference(run.learner, step + 1,
+                                               cfg.algo.reference_reset_every))
                 with timer("publish"):
                     source.publish(step + 1, model)
                 metrics.update(source.step_metrics(step, episodes, metrics))

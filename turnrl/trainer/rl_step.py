@@ -23,6 +23,7 @@ import torch
 
 from turnrl.algorithms.estimators import AdvantageEstimator
 from turnrl.algorithms.exploration import Exploration
+from turnrl.algorithms.replay import SuccessReplay
 from turnrl.config import DistillConfig, ExploreConfig
 from turnrl.evaluation import EvalResult, count_end_reasons, summarize
 from turnrl.learner.share import Share, global_totals, split_rows
@@ -59,6 +60,8 @@ class Learner:
     distill: DistillConfig = field(default_factory=DistillConfig)
     world: World | None = None
     """The learner ranks the model is split over (None: this process alone)."""
+    replay: SuccessReplay | None = None
+    """Past successes added to all-failed groups (``explore.success_replay_age``; None = off)."""
 
 
 class StageTimer:
@@ -90,6 +93,9 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
     ``distill.teacher``, ``teacher`` (between the two) scores the policy tokens under it and
     adds the per-token reverse-KL advantage (``trainer/distill.py``).
     """
+    played, replay_metrics = episodes, {}
+    if learner.replay is not None and (learner.world is None or learner.world.leader):
+        episodes, replay_metrics = learner.replay.mix(episodes)
     if learner.world is not None and learner.world.leader:  # every rank updates in step
         learner.world.command("update", episodes)
     if not any(ep.num_policy_tokens for ep in episodes):
@@ -114,8 +120,9 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
         else:
             update_metrics = ranks_update(learner, batch, explore_settings(learner))
     with timer("log"):
-        summary, metrics = episode_metrics(policy_episodes(episodes))
+        summary, metrics = episode_metrics(policy_episodes(played))
         metrics.update(update_metrics)
+        metrics.update(replay_metrics)
         metrics.update(distill_metrics)
         metrics.update(learner.estimator.metrics())
         metrics.update(explore.end_step(update_metrics))

@@ -25,6 +25,7 @@ import torch
 
 from turnrl.algorithms.estimators import EstimatorSettings, make_estimator
 from turnrl.algorithms.exploration import Exploration
+from turnrl.algorithms.replay import SuccessReplay
 from turnrl.checkpoint import latest_checkpoint, load_checkpoint, load_component, restore_rng
 from turnrl.config import (
     Config,
@@ -42,6 +43,7 @@ from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy, publish
 from turnrl.samplers import chooser
 from turnrl.trainer.distill import load_teacher
+from turnrl.trainer.reference import restore_reference
 from turnrl.trainer.rl_step import Learner
 from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
 
@@ -125,7 +127,8 @@ def learner_for(cfg: Config, model: torch.nn.Module, tokenizer, *, decoupled: bo
     """The ``Learner`` of ``model``; with learner ranks (``world``), the model (and a separate
     KL reference) split over them from rank 0's weights, before the optimiser sees them."""
     settings = update_settings(cfg, model)
-    if decoupled:  # off-policy data needs the decoupled objective
+    replay = SuccessReplay(cfg.explore.success_replay_age) if cfg.explore.success_replay_age else None
+    if decoupled or replay is not None:  # off-policy data needs the decoupled objective
         settings = replace(settings, algo=replace(settings.algo, decoupled=True))
     explore = Exploration(cfg.explore, steps=cfg.run.steps, temperature=cfg.rollout.temperature,
                           entropy_coef=cfg.algo.entropy_coef,
@@ -140,7 +143,7 @@ def learner_for(cfg: Config, model: torch.nn.Module, tokenizer, *, decoupled: bo
                    make_estimator(EstimatorSettings.from_config(cfg, model.config.hidden_size)),
                    tokenizer.pad_token_id, reference, explore,
                    load_teacher(cfg, tokenizer, next(model.parameters()).device),
-                   cfg.distill, world)
+                   cfg.distill, world, replay)
 
 
 def reference_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -166,6 +169,7 @@ def start_run(cfg: Config, resume: bool, *, threads: int | None = None,
     run = Run(cfg, run_dir, policy, learner, start_step=0, resumed=resume)
     if checkpoint is not None:
         state, rng = restore_learner(checkpoint, learner)
+        restore_reference(checkpoint, learner, state["step"], cfg.algo.reference_reset_every)
         restore_rng(rng, policy.engine.generator)
         run.start_step = state["step"]
         publish(policy.engine, policy.model, run.start_step)  # the checkpoint's weights
@@ -195,6 +199,8 @@ def restore_learner(checkpoint: Path, learner: Learner) -> tuple[dict, dict]:
     if saved:  # "credit": checkpoints written before estimators had one interface
         learner.estimator.load_state_dict(saved)
     learner.explore.load_state_dict(load_component(checkpoint, "exploration") or {})
+    if learner.replay is not None:
+        learner.replay.load_state_dict(load_component(checkpoint, "replay") or {})
     return state, rng
 
 
