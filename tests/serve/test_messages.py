@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +21,7 @@ import anthropic
 import pytest
 import torch
 from anthropic import Anthropic, AsyncAnthropic
+from openai import OpenAI
 
 from tests.serve.test_serve import post, tiny_server
 from tests.serve.test_stream import scripted
@@ -294,11 +298,9 @@ def test_an_agent_on_the_messages_api_trains_through_train_agent(tmp_path):
         "--run.progress", "false", "--optim.lr", "1e-2", "--run.tensorboard", "false"])
 
     async def rollout(client, task) -> float:
-        env = anthropic_env(client)  # as a harness launched with ANTHROPIC_BASE_URL would be
-        name, value = env["ANTHROPIC_CUSTOM_HEADERS"].split(": ")
+        env = anthropic_env(client)  # only the base URL (naming the episode) and the key
         async with AsyncAnthropic(base_url=env["ANTHROPIC_BASE_URL"], max_retries=0,
-                                  api_key=env["ANTHROPIC_API_KEY"],
-                                  default_headers={name: value}) as claude:
+                                  api_key=env["ANTHROPIC_API_KEY"]) as claude:
             text = await harness(claude, task)
         return float(any(c.isdigit() for c in text)) + len(text) / 100
 
@@ -314,15 +316,32 @@ def test_an_agent_on_the_messages_api_trains_through_train_agent(tmp_path):
     assert any(not torch.equal(after[k], before[k]) for k in after if k in before)
 
 
-def test_anthropic_env_points_at_the_clients_server_and_episode():
+def test_a_harness_that_only_reads_its_environment_is_recorded_into_the_episode():
+    """A separate process whose code is plain ``anthropic.Anthropic()`` (base URL and key
+    from the environment, as Claude Code takes them) is served and recorded."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url="http://127.0.0.1:8123/v1", api_key="k",
-                         default_headers={"X-TurnRL-Episode": "e7"})
-    assert anthropic_env(client) == {"ANTHROPIC_BASE_URL": "http://127.0.0.1:8123",
-                                     "ANTHROPIC_API_KEY": "k",
-                                     "ANTHROPIC_CUSTOM_HEADERS": "X-TurnRL-Episode: e7"}
-    asyncio.run(client.close())
+    harness_code = ("import anthropic; print(anthropic.Anthropic(max_retries=0).messages.create("
+                    "model='tiny', max_tokens=50, messages=[{'role': 'user', 'content': 'Hi'}])"
+                    ".content[0].text)")
+    server = scripted(["Hello there."], api_key="k3y")
+    with RunningServer(server) as running:
+        client = AsyncOpenAI(base_url=running.base_url, api_key="k3y",
+                             default_headers={"X-TurnRL-Episode": "sub-1"})
+        env = anthropic_env(client)
+        assert env == {"ANTHROPIC_BASE_URL": f"{running.base_url}/turnrl/episodes/sub-1",
+                       "ANTHROPIC_API_KEY": "k3y"}
+        done = subprocess.run([sys.executable, "-c", harness_code], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, **env})
+        assert done.returncode == 0 and done.stdout == "Hello there.\n", done.stderr[-2000:]
+        got, answer = post(f"{env['ANTHROPIC_BASE_URL']}/v1/messages", b"{}")  # no key sent
+        assert got == 401 and answer["error"]["type"] == "authentication_error"
+        asyncio.run(client.close())
+    (segment,) = server.recorder.episodes["sub-1"].segments
+    start, end = segment.spans[0]
+    assert server.tokenizer.decode(segment.token_ids[start:end]) == "Hello there.<|im_end|>"
+    assert anthropic_env(OpenAI(base_url="http://h:1/v1", api_key="x")) == {
+        "ANTHROPIC_BASE_URL": "http://h:1", "ANTHROPIC_API_KEY": "x"}  # no episode: the root
 
 
 class FailingEngine:

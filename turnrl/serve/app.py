@@ -89,7 +89,7 @@ def _add_guards(app: FastAPI, key: str) -> None:
 
 
 def _error(request: Request, err: ApiError) -> JSONResponse:
-    if request.url.path.startswith(messages.PATH):
+    if messages.PATH in request.url.path:
         return JSONResponse(messages.error_body(err.status, err.message), err.status)
     return JSONResponse(err.body(), err.status)
 
@@ -143,11 +143,20 @@ def _add_responses_routes(app: FastAPI, server: Server) -> None:
 
 
 def _add_messages_routes(app: FastAPI, server: Server) -> None:
-    """Anthropic's Messages API: served and recorded as chat completions are."""
+    """Anthropic's Messages API: served and recorded as chat completions are; also under
+    ``/v1/turnrl/episodes/{id}``, a base URL that names the episode (for a harness that
+    takes a base URL and no extra header)."""
     @app.post(messages.PATH)
     async def create_message(request: Request):
+        return await reply(request, request.headers.get(EPISODE_HEADER))
+
+    @app.post("/v1/turnrl/episodes/{episode_id}" + messages.PATH)
+    async def create_episode_message(episode_id: str, request: Request):
+        return await reply(request, episode_id)
+
+    async def reply(request: Request, episode: str | None):
         body = await read_json(request, server.cfg)
-        chat = messages.parse_messages_request(body, request.headers.get(EPISODE_HEADER))
+        chat = messages.parse_messages_request(body, episode)
         prepared = server.prompt(chat)  # bad input fails here, as JSON, before any stream
         if chat.stream:
             return StreamingResponse(messages.message_events(server, chat, prepared),
@@ -160,6 +169,7 @@ def _add_messages_routes(app: FastAPI, server: Server) -> None:
         return messages.message_body(server, chat, choice, prompt_tokens)
 
     @app.post(messages.PATH + "/count_tokens")
+    @app.post("/v1/turnrl/episodes/{episode_id}" + messages.PATH + "/count_tokens")
     async def count_tokens(request: Request):
         body = await read_json(request, server.cfg)
         if isinstance(body, dict):  # no reply is asked for: any length will do

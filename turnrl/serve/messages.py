@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from urllib.parse import quote
 
 from turnrl.serve.protocol import EPISODE_FIELD, EPISODE_HEADER, ChatRequest, _number, bad, new_id
 from turnrl.serve.server import Choice, Server
@@ -310,14 +311,15 @@ def count_tokens(server: Server, request: ChatRequest) -> dict:
 
 
 def anthropic_env(client) -> dict[str, str]:
-    """What points an Anthropic-API harness at the server ``client`` (the ``openai`` client
-    ``train_agent`` hands a rollout) talks to, recording into its episode: the environment
-    variables Claude Code reads (``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``,
-    ``ANTHROPIC_CUSTOM_HEADERS``); the ``anthropic`` client takes the same as ``base_url``,
-    ``api_key`` and ``default_headers``."""
-    env = {"ANTHROPIC_BASE_URL": str(client.base_url).rstrip("/").removesuffix("/v1"),
-           "ANTHROPIC_API_KEY": client.api_key}
+    """The environment that points an Anthropic-API harness at the server ``client`` (the
+    ``openai`` client ``train_agent`` hands a rollout) talks to, recording into its episode:
+    ``ANTHROPIC_BASE_URL`` names the episode in its path (``.../v1/turnrl/episodes/ID``), so
+    a harness that only takes a base URL and a key (the ``anthropic`` client reads both from
+    the environment; Claude Code too) needs no extra header; ``ANTHROPIC_API_KEY``."""
+    base = str(client.base_url).rstrip("/")
     episode = client.default_headers.get(EPISODE_HEADER)
     if isinstance(episode, str):
-        env["ANTHROPIC_CUSTOM_HEADERS"] = f"{EPISODE_HEADER}: {episode}"
-    return env
+        base += f"/turnrl/episodes/{quote(episode, safe='')}"
+    else:
+        base = base.removesuffix("/v1")
+    return {"ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": client.api_key}
