@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (JSON or server-sent events),
 ``POST /v1/responses`` and ``GET /v1/responses/{id}`` (the Responses API, serve/responses.py),
-and TurnRL's own ``POST /v1/turnrl/episodes/{id}/reward``, ``GET /v1/turnrl/episodes`` and
+Anthropic's ``POST /v1/messages`` (serve/messages.py), and TurnRL's own
+``POST /v1/turnrl/episodes/{id}/reward``, ``GET /v1/turnrl/episodes`` and
 ``GET /v1/turnrl/episodes/{id}`` (docs/serving.md).
 """
 
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from turnrl.serve import messages
 from turnrl.serve.protocol import (
     EPISODE_HEADER,
     ApiError,
@@ -50,34 +52,46 @@ def make_app(server: Server) -> FastAPI:
     _add_guards(app, server.cfg.api_key)
     _add_model_routes(app, server)
     _add_responses_routes(app, server)
+    _add_messages_routes(app, server)
     _add_episode_routes(app, server)
     return app
 
 
 def _add_guards(app: FastAPI, key: str) -> None:
-    """The API key check and the handlers that turn every error into OpenAI's JSON shape."""
+    """The API key check (``Authorization: Bearer KEY``, or ``x-api-key: KEY`` as Anthropic's
+    clients send it) and the handlers that turn every error into the JSON shape of the API
+    the path belongs to: Anthropic's under /v1/messages, OpenAI's elsewhere."""
     @app.middleware("http")
     async def check_key(request: Request, call_next):
         if key and request.url.path.startswith("/v1"):
             sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
-                return JSONResponse(ApiError(401, "missing or wrong API key: send "
-                                             "'Authorization: Bearer KEY' (the client's "
-                                             "api_key)", code="invalid_api_key").body(), 401)
+            if not (hmac.compare_digest(sent.encode(), f"Bearer {key}".encode())
+                    or hmac.compare_digest(request.headers.get("x-api-key", "").encode(),
+                                           key.encode())):
+                return _error(request, ApiError(401, "missing or wrong API key: send "
+                                                "'Authorization: Bearer KEY' or 'x-api-key: "
+                                                "KEY' (the client's api_key)",
+                                                code="invalid_api_key"))
         return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
-        return JSONResponse(err.body(), err.status)
+        return _error(request, err)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):
-        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), err.status_code)
+        return _error(request, ApiError(err.status_code, str(err.detail)))
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, err: Exception):
-        return JSONResponse(ApiError(500, f"{type(err).__name__}: {err}",
-                                     kind="server_error").body(), 500)
+        return _error(request, ApiError(500, f"{type(err).__name__}: {err}",
+                                        kind="server_error"))
+
+
+def _error(request: Request, err: ApiError) -> JSONResponse:
+    if messages.PATH in request.url.path:
+        return JSONResponse(messages.error_body(err.status, err.message), err.status)
+    return JSONResponse(err.body(), err.status)
 
 
 def _add_model_routes(app: FastAPI, server: Server) -> None:
@@ -126,6 +140,41 @@ def _add_responses_routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
         return api.retrieve(response_id)
+
+
+def _add_messages_routes(app: FastAPI, server: Server) -> None:
+    """Anthropic's Messages API: served and recorded as chat completions are; also under
+    ``/v1/turnrl/episodes/{id}``, a base URL that names the episode (for a harness that
+    takes a base URL and no extra header)."""
+    @app.post(messages.PATH)
+    async def create_message(request: Request):
+        return await reply(request, request.headers.get(EPISODE_HEADER))
+
+    @app.post("/v1/turnrl/episodes/{episode_id}" + messages.PATH)
+    async def create_episode_message(episode_id: str, request: Request):
+        return await reply(request, episode_id)
+
+    async def reply(request: Request, episode: str | None):
+        body = await read_json(request, server.cfg)
+        chat = messages.parse_messages_request(body, episode)
+        prepared = server.prompt(chat)  # bad input fails here, as JSON, before any stream
+        if chat.stream:
+            return StreamingResponse(messages.message_events(server, chat, prepared),
+                                     media_type="text/event-stream")
+        try:
+            (choice,), prompt_tokens = await server.complete(chat, prepared=prepared)
+        except Exception as err:  # noqa: BLE001 - as an ApiError: Starlette re-raises others
+            # after answering and the connection may be reset before the client reads it
+            raise ApiError(500, f"{type(err).__name__}: {err}", kind="server_error") from None
+        return messages.message_body(server, chat, choice, prompt_tokens)
+
+    @app.post(messages.PATH + "/count_tokens")
+    @app.post("/v1/turnrl/episodes/{episode_id}" + messages.PATH + "/count_tokens")
+    async def count_tokens(request: Request):
+        body = await read_json(request, server.cfg)
+        if isinstance(body, dict):  # no reply is asked for: any length will do
+            body.setdefault("max_tokens", 1)
+        return messages.count_tokens(server, messages.parse_messages_request(body, None))
 
 
 def _add_episode_routes(app: FastAPI, server: Server) -> None:

@@ -84,7 +84,8 @@ class Server:
         input."""
         if request.model != self.name:
             raise ApiError(404, f"the model '{request.model}' does not exist; this server "
-                           f"serves '{self.name}'", param="model", code="model_not_found")
+                           f"serves '{self.name}' (serve.model_name sets the name it answers to)",
+                           param="model", code="model_not_found")
         tools = request.tools if request.tool_choice != "none" else None
         try:
             text = render(self.chat, request.messages, self.replies, tools)
