@@ -577,10 +577,38 @@ def _books_balance(result):
     """Every assignment handed out ended exactly one way; none was trained twice."""
     trained = [a for a, _ in result.trained]
     assert len(trained) == len(set(trained))
-    ends = [set(trained), set(result.dropped), set(result.regenerated), set(result.abandoned)]
+    ends = [set(trained), set(result.dropped), set(result.regenerated), set(result.abandoned),
+            set(result.filtered)]
     assert sum(map(len, ends)) == len(set().union(*ends))  # disjoint
     assert set().union(*ends) == set(result.issued)  # nothing lost
     assert all(result.issued[a] == seed for a, seed in result.trained)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_filters_the_workers_groups_and_takes_more(ray_cluster, tmp_path):
+    """DAPO dynamic sampling in async mode: the tiny model rarely says a digit, so most groups
+    have equal rewards; they are left out (``filtered`` in the books and the ledger) and more
+    groups are taken from the workers, up to ``dynamic_max_rounds`` extra rounds."""
+    from turnrl.distributed import LEDGER_FILE
+    from turnrl.launch import train_async
+    from turnrl.metrics import read_metrics
+
+    cfg = load_config(None, TINY + ["--run.steps", "3", "--eval.episodes", "0",
+                                    "--explore.dynamic_sampling", "true",
+                                    "--explore.dynamic_max_rounds", "2",
+                                    "--run.out_dir", str(tmp_path)])
+    result = train_async(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    ledger = [json.loads(line) for line in (tmp_path / LEDGER_FILE).read_text().splitlines()]
+    for r, line in zip(records, ledger, strict=True):
+        # the informative groups it has (none: the first groups_per_step, as sync does)
+        assert len(line["trained"]) == (r["dynamic/kept_groups"] or 2)
+        assert len(line["filtered"]) == r["dynamic/collected_groups"] - len(line["trained"])
+        assert r["dynamic/rounds"] <= 2 and r["dynamic/kept_groups"] <= 2
+    assert sum(r["dynamic/dropped_groups"] for r in records) > 0  # the filter had work
+    assert sum(r["dynamic/rounds"] for r in records) > 0  # and took more for it
+    assert sorted(result.filtered) == sorted(a for line in ledger for a in line["filtered"])
+    _books_balance(result)
 
 
 @pytest.mark.slow

@@ -40,6 +40,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -70,35 +71,53 @@ def _groups_of(episodes: Sequence[Episode]) -> list[list[Episode]]:
     return list(by_group.values())
 
 
-def dynamic_sampling(first: list[Episode], collect_round: Callable[[int], list[Episode]],
-                     groups_needed: int, max_rounds: int) -> tuple[list[Episode], dict]:
-    """DAPO dynamic sampling: keep the groups whose rewards differ, call
-    ``collect_round(round)`` (round 1, 2, ...) for more until ``groups_needed`` are kept or
-    ``max_rounds`` extra rounds were taken. Returns the episodes to train on (at most
-    ``groups_needed`` groups; the first batch whole when no group is informative) and metrics.
-    Group ids must be unique across rounds (the caller numbers them)."""
-    kept: list[list[Episode]] = []
-    collected = dropped = rounds = 0
+def group_has_signal(group: Sequence[Episode]) -> bool:
+    """Whether a group's rewards differ (a self-play group holds every seat: whether one
+    role's rewards differ)."""
+    rewards = torch.tensor([ep.reward for ep in group])
+    return bool(informative_groups(rewards, episode_group_ids(group)).any())
+
+
+G = TypeVar("G")
+
+
+def informative_rounds(first: list[G], more: Callable[[int, int], list[G]], groups_needed: int,
+                       max_rounds: int, episodes: Callable[[G], Sequence[Episode]]
+                       ) -> tuple[list[G], list[G], dict[str, float]]:
+    """DAPO dynamic sampling over groups of any kind (``episodes(group)`` reads one): keep the
+    groups with a signal, ask ``more(round, missing)`` (round 1, 2, ...) for more until
+    ``groups_needed`` are kept or ``max_rounds`` extra rounds were taken. Returns the groups
+    to train on (at most ``groups_needed``; ``first`` whole when none has a signal), the
+    groups left out, and the ``dynamic/*`` metrics."""
+    kept: list[G] = []
+    left: list[G] = []
+    rounds = 0
     batch = first
     while True:
-        for group in _groups_of(batch):
-            collected += 1
-            rewards = torch.tensor([ep.reward for ep in group])
-            # a self-play group holds every seat: informative when one role's rewards differ
-            if bool(informative_groups(rewards, episode_group_ids(group)).any()):
-                kept.append(group)
-            else:
-                dropped += 1
+        for group in batch:
+            (kept if group_has_signal(episodes(group)) else left).append(group)
         if len(kept) >= groups_needed or rounds >= max_rounds:
             break
         rounds += 1
-        batch = collect_round(rounds)
-    metrics = {"dynamic/rounds": float(rounds), "dynamic/dropped_groups": float(dropped),
-               "dynamic/collected_groups": float(collected),
+        batch = more(rounds, groups_needed - len(kept))
+    metrics = {"dynamic/rounds": float(rounds), "dynamic/dropped_groups": float(len(left)),
+               "dynamic/collected_groups": float(len(kept) + len(left)),
                "dynamic/kept_groups": float(min(len(kept), groups_needed))}
     if not kept:
-        return first, metrics
-    return [ep for group in kept[:groups_needed] for ep in group], metrics
+        firsts = {id(group) for group in first}
+        return first, [group for group in left if id(group) not in firsts], metrics
+    return kept[:groups_needed], left + kept[groups_needed:], metrics
+
+
+def dynamic_sampling(first: list[Episode], collect_round: Callable[[int], list[Episode]],
+                     groups_needed: int, max_rounds: int) -> tuple[list[Episode], dict]:
+    """DAPO dynamic sampling on the sync collector's episodes (``informative_rounds``):
+    ``collect_round(round)`` plays a whole round of fresh groups. Returns the episodes to train
+    on and metrics. Group ids must be unique across rounds (the caller numbers them)."""
+    groups, _, metrics = informative_rounds(
+        _groups_of(first), lambda round_, _: _groups_of(collect_round(round_)), groups_needed,
+        max_rounds, lambda group: group)
+    return [ep for group in groups for ep in group], metrics
 
 
 # ---- overlong shaping and truncation (DAPO) ------------------------------------------------

@@ -59,10 +59,9 @@ def check_critic_options(advantage: str, critic: CriticConfig) -> None:
 def check_explore(cfg: Config) -> None:
     """``explore`` options the run's mode, group size or estimator cannot honour."""
     e = cfg.explore
-    if cfg.run.mode == "async" and (e.dynamic_sampling or e.temperature_schedule != "constant"):
-        raise ConfigError("explore.dynamic_sampling and explore.temperature_schedule work in "
-                          "run.mode sync only (rollout workers sample on their own); turn them "
-                          "off or use sync mode")
+    if cfg.run.mode == "async" and e.temperature_schedule != "constant":
+        raise ConfigError("explore.temperature_schedule works in run.mode sync only (rollout "
+                          "workers sample at rollout.temperature); turn it off or use sync mode")
     if e.pass_k > cfg.rollout.group_size:
         raise ConfigError(f"explore.pass_k {e.pass_k} exceeds rollout.group_size "
                           f"{cfg.rollout.group_size}; lower it or raise the group size")

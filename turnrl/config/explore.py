@@ -16,7 +16,8 @@ from turnrl.config.types import Section
 class ExploreConfig(Section):
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and
-    collect groups on fresh seeds until groups_per_step informative ones are in (sync mode)"""
+    collect groups on fresh seeds until groups_per_step informative ones are in (sync; async:
+    the learner takes more of the workers' groups)"""
     dynamic_max_rounds: int = 3
     """most extra collection rounds a step may take to fill its batch (then it trains on the
     informative groups it has)"""

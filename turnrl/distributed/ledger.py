@@ -23,7 +23,8 @@ class Ledger:
         self.stream = stream if stream is not None else io.StringIO()
         self.step_events: dict[str, list[int]] = {"regenerated": []}
         self.trained: list[tuple[int, int]] = []
-        self.totals = {"reissued": [], "regenerated": [], "restarts": 0, "duplicates": 0}
+        self.totals = {"reissued": [], "regenerated": [], "filtered": [], "restarts": 0,
+                       "duplicates": 0}
 
     def open(self, run_dir: Path, resumed: bool, start_step: int) -> None:
         """Append to the run's ledger: a fresh run's starts empty, a resumed run's loses the
@@ -49,6 +50,7 @@ class Ledger:
         self.stream.flush()
         self.totals["reissued"] += fleet.reissued
         self.totals["regenerated"] += events["regenerated"]
+        self.totals["filtered"] += events.get("filtered", [])
         self.totals["restarts"] += fleet.restarts
         self.totals["duplicates"] += book.duplicates
         fleet.reissued, fleet.restarts, book.duplicates = [], 0, 0

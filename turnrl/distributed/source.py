@@ -25,6 +25,7 @@ from typing import TextIO
 
 import torch
 
+from turnrl.algorithms.exploration import informative_rounds
 from turnrl.algorithms.offpolicy import AdaptiveStaleness
 from turnrl.config import Config
 from turnrl.distributed.book import (
@@ -73,6 +74,8 @@ class AsyncTrainResult(TrainResult):
     """Assignments re-sent because the worker holding them was restarted or given up."""
     abandoned: list[int] = field(default_factory=list)
     """Outstanding (or delivered but unused) when the run ended."""
+    filtered: list[int] = field(default_factory=list)
+    """Left out by dynamic sampling (``explore.dynamic_sampling``): all rewards equal."""
     duplicates: int = 0
     worker_restarts: int = 0
     issued: dict[int, int] = field(default_factory=dict)
@@ -105,7 +108,7 @@ class RaySource(SourceDefaults):
         self.run: Run | None = None
         self.guidance: Guidance | None = None
         self.guided: dict[str, float] = {}
-        """The step's ``guide/*`` metrics."""
+        """The step's ``dynamic/*`` and ``guide/*`` metrics."""
         self.pool_versions: list[int] | None = (
             [] if cfg.env.options.get("opponent") == "pool" else None)
         """The opponent pool's versions (``opponent: pool``): workers hold frozen copies."""
@@ -195,12 +198,26 @@ class RaySource(SourceDefaults):
         self.fleet.wait_started(timeout_s=600)
 
     def collect(self, step: int) -> list[Episode]:
-        self.taken = self.take(self.cfg.rollout.groups_per_step)
-        episodes = [ep for g in self.taken for ep in g.episodes]
+        need, explore = self.cfg.rollout.groups_per_step, self.cfg.explore
+        self.taken = self.take(need)
         self.guided = {}
+        if explore.dynamic_sampling:  # DAPO's filter on the workers' groups, more taken for it
+            def more(_round: int, missing: int) -> list[Group]:
+                waited = self.buffer.waited  # take() restarts the wait clock: add the first
+                groups = self.take(missing)
+                self.buffer.waited += waited
+                return groups
+
+            self.taken, left, self.guided = informative_rounds(
+                self.taken, more, need, explore.dynamic_max_rounds, lambda g: g.episodes)
+            for group in left:
+                self.book.resolve(group.assignment, "filtered")
+            self.ledger.step_events["filtered"] = [g.assignment for g in left]
+        episodes = [ep for g in self.taken for ep in g.episodes]
         if self.guidance is not None:  # the workers' all-failed groups, guided on the learner
-            episodes, self.guided = self.guidance.apply(
+            episodes, guided = self.guidance.apply(
                 episodes, self.run, lambda seeds, make: play_seeds(self.run, seeds, make))
+            self.guided.update(guided)
         return episodes
 
     def take(self, need: int) -> list[Group]:
@@ -328,7 +345,8 @@ class RaySource(SourceDefaults):
         return AsyncTrainResult(
             **vars(result), trained=ledger.trained, dropped=self.buffer.dropped,
             regenerated=ledger.totals["regenerated"], reissued=ledger.totals["reissued"],
-            abandoned=self.abandoned(), duplicates=ledger.totals["duplicates"],
+            abandoned=self.abandoned(), filtered=ledger.totals["filtered"],
+            duplicates=ledger.totals["duplicates"],
             worker_restarts=ledger.totals["restarts"], issued=dict(self.book.seeds))
 
     # ---- keeping the workers busy ------------------------------------------------------------
