@@ -225,8 +225,8 @@ class RolloutConfig(Section):
 class AlgoConfig(Section):
     advantage: str = "grpo"
     """advantage estimator, a name in turnrl.registry.ESTIMATORS: grpo, dr_grpo, rloo, rae,
-    reinforce_pp (per episode), gigpo, turn_gae, archer (per turn), or one you registered;
-    the turn-level ones read the critic section"""
+    reinforce_pp (per episode), gigpo, turn_gae, archer (per turn), token_gae (per token), or
+    one you registered; the turn- and token-level ones read the critic section"""
     loss: PolicyLossName = "ppo"
     """policy loss (docs/objectives.md): ppo = token ratio, clipped surrogate (PPO/DAPO);
     gspo = one ratio per episode, the geometric mean over its policy tokens, clipped per
