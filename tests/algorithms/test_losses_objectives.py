@@ -106,7 +106,7 @@ def test_cispo_hand_values_and_clipped_tokens_keep_their_gradient():
     close(lp.grad, [[-1.28, 0.8, -2.2]])
     ppo_lp = lp.detach().clone().requires_grad_()
     clipped_policy_loss(ppo_lp, old, adv, 0.2, 0.28)[0].sum().backward()
-    close(ppo_lp.grad, [[0.0, 0.0, -2.2 * 1.1 / 1.1]])
+    close(ppo_lp.grad, [[0.0, 0.0, -2.2]])  # PPO: -r A = -1.1 * 2 on the unclipped token
 
 
 def test_cispo_gradient_equals_ppo_on_policy():
