@@ -25,7 +25,7 @@ per-method knobs are the frozen ``METHOD_SETTINGS``, chosen by ``--tune`` on tun
 
 Usage::
 
-    python benchmarks/learning/credit_assignment.py --out DIR           # 3 horizons x 4 methods x 5 seeds
+    python benchmarks/learning/credit_assignment.py --out DIR           # 3 horizons x 5 methods x 5 seeds
     python benchmarks/learning/credit_assignment.py --tune --out DIR     # the per-method tuning grid
     python benchmarks/learning/credit_assignment.py --quick --out DIR    # smoke test
 
@@ -48,9 +48,10 @@ from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 
-METHODS = ("grpo", "gigpo", "archer", "turn_gae")
+METHODS = ("grpo", "gigpo", "archer", "turn_gae", "token_gae")
 HIERARCHICAL = ("gigpo", "archer", "turn_gae")
-"""The turn-level (hierarchical) credit methods; ``grpo`` is the outcome-level baseline."""
+"""The turn-level (hierarchical) credit methods; ``grpo`` is the outcome-level baseline and
+``token_gae`` (PPO with a token-level critic, ``--methods`` names it) the token-level one."""
 HORIZONS = (4, 8, 16)
 KEYS = 2
 
@@ -63,6 +64,8 @@ METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
                  "--critic.updates", "32"),
     "archer": ("--critic.lr", "3e-3", "--critic.updates", "16",
                "--critic.warmup_max_error", "0.5"),
+    # not tuned: turn_gae's frozen critic settings (token_lambda 1 is token_gae's default)
+    "token_gae": ("--critic.lr", "1e-2", "--critic.updates", "32"),
 }
 LAMBDA1 = ("--critic.gae_lambda", "1.0")
 FAST_CRITIC = ("--critic.lr", "1e-2", "--critic.updates", "32")

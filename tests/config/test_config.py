@@ -357,7 +357,7 @@ def test_pool_options_have_their_own_section():
          "rollout.temperature 0.005 with rollout.sampler vllm"),
         (["--critic.scale", "none"], "critic.scale is not read by algo.advantage grpo"),
         (["--algo.advantage", "gigpo", "--critic.lr", "0.1"],
-         "critic.lr is not read by algo.advantage gigpo (read by: turn_gae, archer)"),
+         "critic.lr is not read by algo.advantage gigpo (read by: turn_gae, token_gae, archer)"),
         (["--run.mode", "async", "--explore.temperature_schedule", "linear"], "sync only"),
         (["--explore.pass_k", "9"], "exceeds rollout.group_size"),
         (["--run.mode", "async", "--rollout.sampler", "auto"],

@@ -11,7 +11,9 @@ Papers:
   (eq. 6), discounted step returns (eq. 5), step-level relative advantage (eq. 7), and the sum
   ``A = A_E + omega * A_S`` (eq. 8).
 - GAE: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
-  Estimation" (arXiv:1506.02438), applied with one step per turn.
+  Estimation" (arXiv:1506.02438), applied with one step per turn (``turn_gae``) or one step per
+  policy token (``token_gae``, PPO with a token-level value model as in Open-Reasoner-Zero,
+  Hu et al. 2025, arXiv:2503.24290, and VAPO, Yue et al. 2025, arXiv:2504.05118).
 - ArCHer: Zhou et al. 2024, "ArCHer: Training Language Model Agents via Hierarchical Multi-Turn
   RL" (arXiv:2402.19446): an utterance-level (turn-level) critic trained by TD, whose advantage
   ``Q(s, a) - V(s)`` drives the token-level policy.
@@ -26,6 +28,12 @@ Departures:
   estimators use, so ``step_weight = 0`` reproduces GRPO exactly.
 - Anchor states match by exact ``Turn.state`` key (the paper's exact-match grouping). A turn with
   an empty key has no known state and forms its own (singleton) anchor group.
+- Token-level GAE steps only over the policy's tokens: environment and prompt tokens carry no
+  value step (they are part of the transition from a turn's last token to the next turn's
+  first). A turn's reward arrives on its last policy token, and the discount ``gamma`` applies
+  per *turn* (when a turn ends), not per token, so ``critic.gamma`` means the same for every
+  estimator; within a turn the discount is 1, as Open-Reasoner-Zero and VAPO use for single
+  replies. ``lambda`` decays per token.
 - ArCHer trains ``V(s)`` towards ``Q_target(s, a')`` with ``a'`` a fresh sample from the current
   policy. Sampling a new utterance for every replayed state would cost a generation pass, so we
   use the action that was taken (``value_targets``): the estimate is of the behaviour policy's
@@ -171,6 +179,55 @@ def turn_gae(rewards: Tensor | Sequence[float], values: Tensor | Sequence[float]
         running = float(deltas[t]) + gamma * lam * running
         advantages[t] = running
     return advantages, advantages + v[:-1]
+
+
+def gae(rewards: Tensor | Sequence[float], values: Tensor | Sequence[float],
+        discounts: Tensor | Sequence[float], lam: float, *, done: bool = False
+        ) -> tuple[Tensor, Tensor]:
+    """GAE with a discount per step: ``delta_i = r_i + d_i V_{i+1} - V_i``,
+    ``A_i = delta_i + d_i lam A_{i+1}``; returns ``(A [N], lambda-returns A + V [N])``.
+
+    rewards, discounts ``[N]``; values ``[N+1]`` (``V_N``: the state after the last step, taken
+    as 0 when ``done``). With every discount ``gamma`` this is ``turn_gae``.
+    """
+    r, v, d = _as_float(rewards), _as_float(values), _as_float(discounts)
+    if v.shape != (r.numel() + 1,) or d.shape != r.shape:
+        raise ValueError(f"values must be [N+1] = [{r.numel() + 1}] and discounts [N] = "
+                         f"[{r.numel()}], got {tuple(v.shape)} and {tuple(d.shape)}")
+    next_values = v[1:].clone()
+    if done and r.numel():
+        next_values[-1] = 0.0
+    deltas = (r + d * next_values - v[:-1]).tolist()
+    steps, running = d.tolist(), 0.0
+    advantages = [0.0] * len(deltas)
+    for i in range(len(deltas) - 1, -1, -1):
+        running = deltas[i] + steps[i] * lam * running
+        advantages[i] = running
+    out = torch.tensor(advantages, dtype=torch.float32)
+    return out, out + v[:-1]
+
+
+def token_steps(episode: Episode, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+    """An episode as token-level GAE steps: ``(positions [N] long, rewards [N], discounts [N])``.
+
+    One step per policy token (``Turn.start:end`` of every turn), in order; ``positions`` are
+    their indices in ``episode.token_ids``. A turn's reward sits on its last token and the
+    discount to the next step is ``gamma`` there, 1 inside a turn. A turn with no token adds
+    its reward to the step before it (none: dropped).
+    """
+    positions: list[int] = []
+    rewards: list[float] = []
+    discounts: list[float] = []
+    for turn in episode.turns:
+        if turn.end > turn.start:
+            positions.extend(range(turn.start, turn.end))
+            rewards.extend([0.0] * (turn.end - turn.start))
+            discounts.extend([1.0] * (turn.end - turn.start))
+            discounts[-1] = gamma
+        if rewards:
+            rewards[-1] += turn.reward
+    return (torch.tensor(positions, dtype=torch.long), torch.tensor(rewards, dtype=torch.float32),
+            torch.tensor(discounts, dtype=torch.float32))
 
 
 def relative_fit_error(values: Tensor, returns: Tensor, eps: float = 1e-8) -> float:

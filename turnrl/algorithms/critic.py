@@ -48,18 +48,18 @@ class TurnFeatures(NamedTuple):
 
 
 @torch.no_grad()
-def extract_turn_features(model: nn.Module, episodes: Sequence[Episode], pad_id: int,
-                          device: torch.device | str, batch_size: int = 8) -> list[TurnFeatures]:
-    """Final hidden states at the turn boundaries of ``episodes``, float32 on CPU.
+def hidden_at(model: nn.Module, episodes: Sequence[Episode], positions: Sequence[Sequence[int]],
+              pad_id: int, device: torch.device | str, batch_size: int = 8) -> list[Tensor | None]:
+    """The policy's final hidden states at ``positions[i]`` of episode ``i``: ``[len, H]``
+    float32 on CPU each (None for an episode with no tokens).
 
     Episodes are padded on the right and run through the decoder ``batch_size`` at a time,
     longest first (less padding); causal attention keeps padding from changing real positions.
     """
-    hidden_size = model.config.hidden_size
     decoder = model.get_decoder()
     was_training = model.training
     model.eval()  # no dropout in the features
-    features: list[TurnFeatures | None] = [None] * len(episodes)
+    out: list[Tensor | None] = [None] * len(episodes)
     order = sorted(range(len(episodes)), key=lambda i: -len(episodes[i].token_ids))
     try:
         for first in range(0, len(order), batch_size):
@@ -76,15 +76,38 @@ def extract_turn_features(model: nn.Module, episodes: Sequence[Episode], pad_id:
             hidden = through_root(model, decoder, input_ids=ids.to(device),
                                   attention_mask=mask.to(device)).last_hidden_state
             for row, i in enumerate(rows):
-                ep = episodes[i]
-                state_at = [max(t.start - 1, 0) for t in ep.turns] + [len(ep.token_ids) - 1]
-                action_at = [max(t.end - 1, 0) for t in ep.turns]
-                features[i] = TurnFeatures(hidden[row, state_at].float().cpu(),
-                                           hidden[row, action_at].float().cpu())
+                out[i] = hidden[row, list(positions[i])].float().cpu()
     finally:
         model.train(was_training)
+    return out
+
+
+def extract_turn_features(model: nn.Module, episodes: Sequence[Episode], pad_id: int,
+                          device: torch.device | str, batch_size: int = 8) -> list[TurnFeatures]:
+    """Final hidden states at the turn boundaries of ``episodes``, float32 on CPU."""
+    hidden_size = model.config.hidden_size
+    positions = []
+    for ep in episodes:
+        state_at = [max(t.start - 1, 0) for t in ep.turns] + [len(ep.token_ids) - 1]
+        positions.append(state_at + [max(t.end - 1, 0) for t in ep.turns])
+    hidden = hidden_at(model, episodes, positions, pad_id, device, batch_size)
     empty = TurnFeatures(torch.zeros(1, hidden_size), torch.zeros(0, hidden_size))
-    return [f if f is not None else empty for f in features]  # episodes with no tokens
+    return [TurnFeatures(h[:len(ep.turns) + 1], h[len(ep.turns) + 1:]) if h is not None
+            else empty for ep, h in zip(episodes, hidden, strict=True)]  # no tokens: empty
+
+
+def extract_token_states(model: nn.Module, episodes: Sequence[Episode],
+                         token_positions: Sequence[Tensor], pad_id: int,
+                         device: torch.device | str, batch_size: int = 8) -> list[Tensor]:
+    """The token-level critic's inputs: ``[N+1, H]`` per episode, row ``i < N`` the hidden
+    state just before policy token ``token_positions[i]`` (what the policy saw when it chose
+    it) and row ``N`` the one at the episode's last token (the state after the last step)."""
+    positions = [[max(int(p) - 1, 0) for p in pos] + [max(len(ep.token_ids) - 1, 0)]
+                 for ep, pos in zip(episodes, token_positions, strict=True)]
+    hidden = hidden_at(model, episodes, positions, pad_id, device, batch_size)
+    size = model.config.hidden_size
+    return [h if h is not None else torch.zeros(len(pos), size)
+            for h, pos in zip(hidden, positions, strict=True)]
 
 
 @dataclass
@@ -222,9 +245,26 @@ def archer_critic_step(critic: TurnCritic, optimizer: torch.optim.Optimizer,
     return {"q_loss": float(q_loss.detach()) / 2, "v_loss": float(v_loss.detach())}
 
 
+def clipped_value_loss(values: Tensor, old_values: Tensor, targets: Tensor,
+                       clip: float) -> Tensor:
+    """PPO's clipped value loss (Schulman et al. 2017, as in OpenAI baselines' ppo2):
+    ``mean(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))``. ``[N], [N], [N] -> []``.
+    ``clip = 0``: plain mean squared error. Once V has moved more than ``c`` from the values
+    the advantages were computed with, a step further from them gets no gradient."""
+    loss = (values - targets).pow(2)
+    if clip > 0:
+        moved = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.maximum(loss, (moved - targets).pow(2))
+    return loss.mean()
+
+
 def value_regression_step(critic: TurnCritic, optimizer: torch.optim.Optimizer,
-                          states: Tensor, targets: Tensor, max_grad_norm: float = 1.0) -> float:
-    """One step of ``V(s) -> target`` (mean squared error); returns the loss before the step."""
-    loss = (critic.value(states) - targets).pow(2).mean()
+                          states: Tensor, targets: Tensor, max_grad_norm: float = 1.0, *,
+                          old_values: Tensor | None = None, clip: float = 0.0) -> float:
+    """One step of ``V(s) -> target`` (mean squared error; clipped around ``old_values`` when
+    ``clip > 0``, ``clipped_value_loss``); returns the loss before the step."""
+    values = critic.value(states)
+    old = values.detach() if old_values is None else old_values
+    loss = clipped_value_loss(values, old, targets, clip)
     _step(critic, optimizer, loss, max_grad_norm)
     return float(loss.detach())

@@ -46,8 +46,10 @@ from turnrl.algorithms.credit import (
     archer_advantages,
     discounted_returns,
     episode_group_ids,
+    gae,
     gigpo_advantages,
     relative_fit_error,
+    token_steps,
     turn_anchor_ids,
     turn_gae,
     turn_to_token_advantages,
@@ -60,6 +62,7 @@ from turnrl.algorithms.critic import (
     TurnFeatures,
     archer_critic_step,
     episode_transitions,
+    extract_token_states,
     extract_turn_features,
     value_regression_step,
 )
@@ -255,17 +258,21 @@ class _TurnCritic:
         self._frozen_state: dict | None = None  # its weights from a checkpoint, until needed
         self._metrics: dict[str, float] = {}
 
+    def feature_source(self, model: nn.Module) -> nn.Module:
+        """What the critic reads: the live policy or the frozen starting copy."""
+        if self.options.features != "frozen":
+            return model
+        if self.feature_model is None:
+            self.feature_model = copy.deepcopy(model).eval().requires_grad_(False)
+            if self._frozen_state is not None:  # resumed: the weights frozen at the start
+                self.feature_model.load_state_dict(self._frozen_state)
+                self._frozen_state = None
+        return self.feature_model
+
     def features(self, episodes: Sequence[Episode], model: nn.Module,
                  pad_id: int) -> list[TurnFeatures]:
-        """The critic's inputs, from the live policy or from the frozen starting copy."""
-        source = model
-        if self.options.features == "frozen":
-            if self.feature_model is None:
-                self.feature_model = copy.deepcopy(model).eval().requires_grad_(False)
-                if self._frozen_state is not None:  # resumed: the weights frozen at the start
-                    self.feature_model.load_state_dict(self._frozen_state)
-                    self._frozen_state = None
-            source = self.feature_model
+        """The critic's inputs at the turn boundaries."""
+        source = self.feature_source(model)
         return extract_turn_features(source, episodes, pad_id, next(source.parameters()).device)
 
     def per_turn(self, episodes: Sequence[Episode],
@@ -299,13 +306,21 @@ class _TurnCritic:
         features = self.features(episodes, model, pad_id)
         fit_error = critic_fit_error(self.critic, episodes, features, self.options.gamma)
         per_turn = self.per_turn(episodes, features)  # trains the critic
+        self._metrics["credit/turn_adv_abs_mean"] = _abs_mean(torch.cat([*per_turn,
+                                                                         torch.zeros(0)]))
+        return self.to_policy(episodes, turn_to_token_advantages(episodes, per_turn, width),
+                              fit_error)
+
+    def to_policy(self, episodes: Sequence[Episode], critic_tokens: Tensor,
+                  fit_error: float) -> Tensor:
+        """The ``[B, T]`` advantages the policy gets: the critic's in ``critic.scale``, or
+        GRPO's while the critic is warming up."""
+        width = critic_tokens.shape[1]
         policy = _policy_tokens(episodes, width)
-        critic_tokens = self.scaled(turn_to_token_advantages(episodes, per_turn, width), policy)
+        critic_tokens = self.scaled(critic_tokens, policy)
         use_critic = self.critic_ready(fit_error)
         tokens = (critic_tokens if use_critic
                   else turn_to_token_advantages(episodes, grpo_per_turn(episodes), width))
-        self._metrics["credit/turn_adv_abs_mean"] = _abs_mean(torch.cat([*per_turn,
-                                                                         torch.zeros(0)]))
         self._metrics["credit/adv_abs_mean"] = _abs_mean(tokens[policy])
         self._metrics["credit/critic_fit_error"] = min(fit_error, 1e6)  # inf breaks JSON
         self._metrics["credit/critic_in_use"] = float(use_critic)
@@ -358,6 +373,59 @@ class TurnGAE(_TurnCritic):
         self._metrics = {"credit/v_loss": sum(losses) / len(losses),
                          "credit/value_mean": float(targets.mean()) if len(targets) else 0.0}
         return per_turn
+
+
+@ESTIMATORS.register("token_gae", level="token",
+                     options=(*CRITIC_OPTIONS, "token_lambda", "value_clip"))
+class TokenGAE(_TurnCritic):
+    """PPO with a token-level critic: a value head on the policy's hidden state before every
+    policy token, GAE over the policy tokens of the whole episode (``credit.token_steps``:
+    environment tokens carry no value step, ``gamma`` per turn, ``token_lambda`` per token),
+    and the value head regressed on the lambda-returns with PPO's value clipping
+    (``value_clip``). Open-Reasoner-Zero and VAPO train such a critic as a second language
+    model; here it is the turn critic's MLP head on the (detached) policy features, so it adds
+    one no-grad forward per step, not a second model's update.
+    """
+
+    def advantages(self, episodes: Sequence[Episode], model: nn.Module, pad_id: int) -> Tensor:
+        c = self.options
+        steps = [token_steps(ep, c.gamma) for ep in episodes]
+        source = self.feature_source(model)
+        states = extract_token_states(source, episodes, [pos for pos, _, _ in steps], pad_id,
+                                      next(source.parameters()).device)
+        self.updates_at_scoring = self.updates
+        tokens = torch.zeros(len(episodes), _width(episodes))
+        old_values, targets, returns = [], [], []
+        with torch.no_grad():  # V before it sees this batch scores it (as in turn_gae)
+            for b, (ep, (pos, rewards, discounts), st) in enumerate(zip(episodes, steps, states,
+                                                                         strict=True)):
+                values = self.critic.value(st)
+                adv, lam_returns = gae(rewards, values, discounts, c.token_lambda,
+                                       done=ep.status == "done")
+                tokens[b, pos] = adv
+                old_values.append(values[:-1])
+                targets.append(lam_returns)
+                returns.append(gae(rewards, torch.zeros(len(rewards) + 1), discounts, 1.0)[1])
+        old, target = torch.cat([*old_values, torch.zeros(0)]), torch.cat([*targets,
+                                                                           torch.zeros(0)])
+        fit_error = relative_fit_error(old, torch.cat([*returns, torch.zeros(0)]))
+        self.train_values(torch.cat([st[:-1] for st in states]), old, target)
+        return self.to_policy(episodes, tokens, fit_error)
+
+    def train_values(self, states: Tensor, old_values: Tensor, targets: Tensor) -> None:
+        """``critic.updates`` full-batch steps of the clipped value loss over every token."""
+        c = self.options
+        losses = [value_regression_step(self.critic, self.optimizer, states, targets,
+                                        old_values=old_values, clip=c.value_clip)
+                  for _ in range(c.updates)] if len(targets) else [0.0]
+        self.updates += c.updates if len(targets) else 0
+        self._metrics = {"credit/v_loss": sum(losses) / len(losses),
+                         "credit/value_mean": float(targets.mean()) if len(targets) else 0.0}
+        if c.value_clip and len(targets):  # tokens whose V reached the clip range's edge
+            with torch.no_grad():
+                moved = (self.critic.value(states) - old_values).abs()
+            self._metrics["credit/value_clip_fraction"] = float((moved >= c.value_clip).float()
+                                                                .mean())
 
 
 @ESTIMATORS.register("archer", level="turn",

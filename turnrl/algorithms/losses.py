@@ -14,6 +14,11 @@ Papers:
   ``|log pi - log ref|`` (as verl offers).
 - Constant-normalised sum: Liu et al. 2025, "Understanding R1-Zero-Like Training" (Dr. GRPO,
   arXiv:2503.20783).
+- GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071): one
+  importance ratio per sequence, ``s = (pi / pi_old)(y)^(1/|y|)``, clipped at the sequence
+  level; here in the paper's GSPO-token form (eq. 13-14), which allows per-token advantages.
+- CISPO: MiniMax 2025, "MiniMax-M1" (arXiv:2506.13585), eq. 4-5: the importance weight is
+  clipped and detached, and every token keeps the REINFORCE gradient ``A grad log pi``.
 
 Departures:
 - KL estimators use samples from the current policy, so they estimate KL(pi || ref); k3 is not
@@ -22,6 +27,17 @@ Departures:
   full-batch loss exactly under gradient accumulation; DAPO/Dr. GRPO define only the full batch.
 - Without explicit totals, "token_mean" divides by ``max(mask.sum(), 1)`` so an all-masked batch
   gives 0 rather than NaN.
+- GSPO and CISPO return per-token losses and leave the reduction to ``algo.loss_agg``. The GSPO
+  paper averages tokens within a sequence, then sequences (``seq_mean_token_mean``; verl forces
+  it); CISPO's paper divides by the batch's token count (``token_mean``, the default). In a
+  multi-turn episode ``|y|`` is the number of *policy* tokens (environment tokens are context,
+  not part of the sampled sequence). GSPO's log-ratio is capped at 10 before ``exp`` (as verl
+  does) so one far-off sequence cannot overflow; CISPO's token log-ratio is clamped to
+  ``[-20, 20]`` for the same reason. CISPO's paper has no lower clip (``eps_low`` large); here
+  ``clip_low`` applies as the weight's floor ``1 - clip_low``, as in verl.
+- The paper's clip ranges differ from PPO's: GSPO used ``3e-4`` / ``4e-4`` (its ratio is a
+  per-token geometric mean, so it moves far less than a token's); TurnRL does not change
+  ``algo.clip_low`` / ``clip_high`` by loss (docs/objectives.md gives the paper's settings).
 """
 
 from collections.abc import Callable
@@ -80,6 +96,94 @@ def clipped_policy_loss(
         loss, bounded = dual_clip_bound(loss, advantages, dual_clip)
         clipped = clipped | bounded
     return loss, clipped
+
+
+def gspo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, Tensor]:
+    """GSPO-token (Zheng et al. 2025, eq. 13-14): ``-min(s_t A_t, clip(s_t, 1 - clip_low,
+    1 + clip_high) A_t)`` with ``s_t = sg[s] * pi(y_t) / sg[pi(y_t)]`` and the sequence ratio
+    ``s = exp(mean_{t in mask} (logprobs - old_logprobs))``.
+
+    Every token of a row has the value ``s`` (one ratio, one clip decision per sign of the
+    advantage); its gradient is ``s * A_t * grad log pi(y_t)``: the whole sequence's tokens
+    are scaled by its ratio, never by their own. logprobs, old_logprobs, mask ``[B,T]``
+    (``mask``: the policy's tokens; ``|y|`` is their count per row); advantages ``[B,T]`` or
+    ``[B]``. Returns per-token loss ``[B,T]`` and bool ``[B,T]``: where the clipped branch is
+    strictly smaller (zero gradient).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    keep = mask.bool()
+    log_ratio = (logprobs - old_logprobs).masked_fill(~keep, 0.0)
+    seq_log_ratio = log_ratio.sum(-1) / keep.sum(-1).clamp(min=1)  # [B]
+    # sg[log s] + log pi - sg[log pi]: the value is log s, the gradient that of log pi(y_t).
+    log_s = (logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
+    ratio = torch.exp(log_s)
+    unclipped = ratio * advantages
+    clipped_obj = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    clipped = clipped_obj < unclipped
+    return -torch.where(clipped, clipped_obj, unclipped), clipped
+
+
+def cispo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4-5): ``-sg[clip(r, 1 - clip_low,
+    1 + clip_high)] * A * logprobs``, ``r = exp(logprobs - old_logprobs)``.
+
+    Clipping bounds the *weight* and never removes a token: a token whose ratio left the range
+    still gets the gradient ``clip(r) A grad log pi`` (PPO would give it none). The loss value
+    is not a surrogate of PPO's scale (it carries ``log pi``); at ``r = 1`` the gradient equals
+    PPO's. logprobs, old_logprobs ``[B,T]``; advantages ``[B,T]`` or ``[B]``. Returns per-token
+    loss ``[B,T]`` and bool ``[B,T]``: where the weight was clipped (gradient kept).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    ratio = torch.exp((logprobs - old_logprobs).detach().clamp(-20.0, 20.0))
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -weight * advantages * logprobs, weight != ratio
+
+
+PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, float, float, float], tuple[Tensor, Tensor]]
+"""``(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip) -> (per-token
+loss [B,T], bool [B,T] clipped)``: one signature for every ``algo.loss``."""
+
+
+def _ppo(lp, old, adv, mask, clip_low, clip_high, dual_clip):
+    return clipped_policy_loss(lp, old, adv, clip_low, clip_high, dual_clip)
+
+
+def _gspo(lp, old, adv, mask, clip_low, clip_high, dual_clip):
+    return gspo_policy_loss(lp, old, adv, mask, clip_low, clip_high)
+
+
+def _cispo(lp, old, adv, mask, clip_low, clip_high, dual_clip):
+    return cispo_policy_loss(lp, old, adv, clip_low, clip_high)
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo": _ppo,  # token ratio, PPO/DAPO clipped surrogate (optionally dual-clip)
+    "gspo": _gspo,  # sequence ratio, clipped per sequence (Zheng et al. 2025)
+    "cispo": _cispo,  # clipped, detached IS weight on every token's log-prob (MiniMax-M1)
+}
+"""``algo.loss`` names -> the policy loss (the config's ``PolicyLossName`` lists the same)."""
+
+
+def policy_loss(name: str) -> PolicyLoss:
+    """The ``algo.loss`` function registered as ``name``."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; valid: {sorted(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name]
 
 
 def dual_clip_bound(loss: Tensor, advantages: Tensor, c: float) -> tuple[Tensor, Tensor]:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from turnrl.algorithms.losses import clipped_policy_loss
+from turnrl.algorithms.losses import policy_loss
 from turnrl.types import ENV_VERSION
 
 if TYPE_CHECKING:
@@ -88,6 +88,9 @@ def decoupled_policy_loss(
     is_cap: float = 0.0,
     over_cap: Literal["truncate", "drop"] = "truncate",
     dual_clip: float = 0.0,
+    *,
+    loss: str = "ppo",
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025), with DAPO clip-higher:
     ``-w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``,
@@ -97,6 +100,9 @@ def decoupled_policy_loss(
     update, computed with no grad and fixed across the update's epochs), behav_logprobs (the
     sampler's) ``[B,T]``; advantages ``[B,T]`` or ``[B]`` (broadcast over tokens).
     ``is_cap`` and ``over_cap`` as in ``behaviour_weights`` (``is_cap = 0``: no cap).
+    ``loss`` names the objective inside (``losses.POLICY_LOSSES``: ppo, gspo, cispo), its ratio
+    taken against the proximal policy; ``mask`` ``[B,T]`` marks the policy tokens (GSPO's
+    sequence ratio averages over them; None = every token).
 
     Returns per-token loss ``[B,T]``, bool ``[B,T]`` marking tokens where the clipped branch is
     strictly smaller (zero gradient), and the weights ``[B,T]`` actually applied (detached).
@@ -104,8 +110,9 @@ def decoupled_policy_loss(
     """
     weights = behaviour_weights(prox_logprobs, behav_logprobs, is_cap, over_cap)
     # The proximal policy is a constant of the update: no gradient reaches it through r either.
-    per_token, clipped = clipped_policy_loss(logprobs, prox_logprobs.detach(), advantages,
-                                             clip_low, clip_high, dual_clip)
+    mask = torch.ones_like(logprobs, dtype=torch.bool) if mask is None else mask
+    per_token, clipped = policy_loss(loss)(logprobs, prox_logprobs.detach(), advantages, mask,
+                                           clip_low, clip_high, dual_clip)
     return weights * per_token, clipped, weights
 
 

@@ -35,6 +35,7 @@ from turnrl.config.core import (
     LossAgg,
     ModelConfig,
     OptimConfig,
+    PolicyLossName,
     RolloutConfig,
     RunConfig,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "ExploreConfig",
     "LearnerConfig",
     "LossAgg",
+    "PolicyLossName",
     "LoraSpec",
     "MixEntry",
     "ModelConfig",

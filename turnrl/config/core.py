@@ -26,6 +26,8 @@ from turnrl.registry import ESTIMATORS, UnknownName
 
 # Named because the literal is too long to sit beside its field.
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+PolicyLossName = Literal["ppo", "gspo", "cispo"]
+"""``algo.loss``: the keys of ``turnrl.algorithms.losses.POLICY_LOSSES`` (a test keeps them equal)."""
 
 
 @dataclass(frozen=True)
@@ -223,8 +225,14 @@ class RolloutConfig(Section):
 class AlgoConfig(Section):
     advantage: str = "grpo"
     """advantage estimator, a name in turnrl.registry.ESTIMATORS: grpo, dr_grpo, rloo, rae,
-    reinforce_pp (per episode), gigpo, turn_gae, archer (per turn), or one you registered;
-    the turn-level ones read the critic section"""
+    reinforce_pp (per episode), gigpo, turn_gae, archer (per turn), token_gae (per token), or
+    one you registered; the turn- and token-level ones read the critic section"""
+    loss: PolicyLossName = "ppo"
+    """policy loss (docs/objectives.md): ppo = token ratio, clipped surrogate (PPO/DAPO);
+    gspo = one ratio per episode, the geometric mean over its policy tokens, clipped per
+    sequence (GSPO; the paper: loss_agg seq_mean_token_mean, clip 3e-4/4e-4); cispo = the
+    clipped ratio as a detached weight on every token's log-prob, no token loses its gradient
+    (CISPO, MiniMax-M1)"""
     clip_low: float = 0.2
     """lower PPO clip: the ratio is kept above 1 - clip_low"""
     clip_high: float = 0.28
@@ -287,6 +295,9 @@ class AlgoConfig(Section):
                       "stay above 0)")
         self._require("dual_clip", self.dual_clip == 0 or self.dual_clip > 1,
                       "0 (off) or > 1")
+        self._require("dual_clip", self.dual_clip == 0 or self.loss == "ppo",
+                      f"0 with algo.loss {self.loss} (dual-clip bounds PPO's token surrogate; "
+                      "use --algo.loss ppo for it)")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,13 @@ class CriticConfig(Section):
     """discount per turn"""
     gae_lambda: float = 0.95
     """GAE lambda over turns"""
+    token_lambda: float = 1.0
+    """token_gae: GAE lambda per policy token (1 = Monte-Carlo returns minus V, as
+    Open-Reasoner-Zero; PPO's usual 0.95 leans on V within a few dozen tokens)"""
+    value_clip: float = 0.5
+    """token_gae: PPO value clipping, each critic step's loss is max((V - R)^2,
+    (V_old + clip(V - V_old, +-value_clip) - R)^2) around the values the advantages used
+    (0 = off; verl's default 0.5)"""
     lr: float = 1e-3
     """learning rate of the turn-level critic"""
     tau: float = 0.1
@@ -56,6 +63,8 @@ class CriticConfig(Section):
     def _check(self) -> None:
         self._require("gamma", 0 <= self.gamma <= 1, "in [0, 1]")
         self._require("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]")
+        self._require("token_lambda", 0 <= self.token_lambda <= 1, "in [0, 1]")
         self._require("lr", self.lr > 0, "> 0")
-        self._at_least(0, "tau", "warmup_updates", "warmup_max_error", "gigpo_episode_weight")
+        self._at_least(0, "tau", "value_clip", "warmup_updates", "warmup_max_error",
+                       "gigpo_episode_weight")
         self._at_least(1, "updates", "replay_episodes")

@@ -12,9 +12,9 @@ from torch import nn
 from turnrl.algorithms.exploration import entropy_threshold, high_entropy_mask
 from turnrl.algorithms.losses import (
     aggregate_loss,
-    clipped_policy_loss,
     entropy_from_logits,
     kl_penalty,
+    policy_loss,
     token_logprobs,
 )
 from turnrl.algorithms.mismatch import correction_weights, mismatch_sums
@@ -156,17 +156,18 @@ def _score_policy_tokens(model: nn.Module, mb: Batch, temperature: float, *, ent
 
 def _policy_loss(logprobs: torch.Tensor, mb: Batch, advantages: torch.Tensor,
                  s: UpdateSettings, measure: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Per-token clipped policy loss, the clipped-token mask and stats. The trust region is
-    around the sampler's log-probs (plain PPO), or, in decoupled mode or with a mismatch
-    correction, around the learner's own pre-update log-probs with importance weights against
-    the sampler's (algorithms/offpolicy.py, algorithms/mismatch.py)."""
+    """Per-token policy loss (``algo.loss``: ppo, gspo, cispo), the clipped-token mask and
+    stats. The ratio is against the sampler's log-probs (plain PPO), or, in decoupled mode or
+    with a mismatch correction, against the learner's own pre-update log-probs with importance
+    weights against the sampler's (algorithms/offpolicy.py, algorithms/mismatch.py)."""
     mask = mb.loss_mask[:, 1:]
     sampler = mb.old_logprobs[:, 1:]
     a = s.algo
+    loss_fn = policy_loss(a.loss)
     stats: dict[str, float] = {}
     if not a.decoupled and a.mismatch_correction == "off":
-        per_token, clipped = clipped_policy_loss(logprobs, sampler, advantages, a.clip_low,
-                                                 a.clip_high, a.dual_clip)
+        per_token, clipped = loss_fn(logprobs, sampler, advantages, mask, a.clip_low,
+                                     a.clip_high, a.dual_clip)
         learner = logprobs.detach()
     else:
         # No proximal log-probs given (one epoch): this forward pass, before the optimiser
@@ -178,14 +179,14 @@ def _policy_loss(logprobs: torch.Tensor, mb: Batch, advantages: torch.Tensor,
         if a.mismatch_correction == "off":
             per_token, clipped, _ = decoupled_policy_loss(
                 logprobs, learner, sampler, advantages, a.clip_low, a.clip_high, a.is_cap,
-                dual_clip=a.dual_clip)
+                dual_clip=a.dual_clip, loss=a.loss, mask=mask)
             changed = raw > a.is_cap if a.is_cap else torch.zeros_like(mask, dtype=torch.bool)
         else:
             weights, changed = correction_weights(learner, sampler, mask, a.mismatch_correction,
                                                   a.mismatch_level, a.mismatch_low,
                                                   a.mismatch_high)
-            per_token, clipped = clipped_policy_loss(logprobs, learner, advantages, a.clip_low,
-                                                     a.clip_high, a.dual_clip)
+            per_token, clipped = loss_fn(logprobs, learner, advantages, mask, a.clip_low,
+                                         a.clip_high, a.dual_clip)
             per_token = weights * per_token
         stats["mismatch_changed"] = float((changed & mask.bool()).sum())
         stats["weight_sum"] = float((raw * mask).sum())
