@@ -4,6 +4,7 @@
 from turnrl.envs import adapters as _adapters  # noqa: F401
 from turnrl.envs import builtin as _builtin  # noqa: F401
 from turnrl.envs import credit_tasks as _credit_tasks  # noqa: F401
+from turnrl.envs import dataset as _dataset  # noqa: F401
 from turnrl.envs import kuhn as _kuhn  # noqa: F401
 from turnrl.envs import latency as _latency  # noqa: F401
 from turnrl.envs import maze as _maze  # noqa: F401

@@ -14,6 +14,8 @@ attribute           default         what it does
                                     each step's ``info["state_key"]`` names the next one
 ``cooperative``     False           class attribute: reset/step never block their event loop,
                                     so such envs may share one thread (rollout/env_calls.py)
+``eval_options``    {}              options held-out evaluation builds the env with, on top
+                                    of the run's (``dataset``: ``{"split": "eval"}``)
 ``hint(level)``     derived         text appended to the first observation when
                                     ``explore.guidance hint`` replays a failed group; called
                                     after ``reset``, ``level`` from 1 (the least help) to
@@ -60,6 +62,12 @@ from collections.abc import Callable
 from typing import Any
 
 from turnrl.config.env_plan import OUTSIDE_OPPONENTS
+
+
+def eval_options(env: Any) -> dict[str, Any]:
+    """Options evaluation builds the env with on top of the run's (a dataset's held-out
+    split: ``{"split": "eval"}``); {} for most envs."""
+    return dict(getattr(env, "eval_options", None) or {})
 
 
 def system_prompt(env: Any) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from turnrl.envs.base import StepResult, make_env, register_env
+from turnrl.envs.contract import eval_options
 
 
 def attempt_reward(inner_reward: float, attempt: int, discount: float) -> float:
@@ -30,6 +31,7 @@ class TryAgain:
             raise ValueError(f"try-again needs max_attempts >= 1, got {max_attempts}")
         self.env = make_env(inner, **inner_options)
         self.cooperative = getattr(self.env, "cooperative", False)  # as its inner env
+        self.eval_options = eval_options(self.env)  # its options pass to the inner env
         self.max_attempts, self.discount, self.feedback = max_attempts, discount, feedback
         self.seed, self.attempt = 0, 0
         if hasattr(self.env, "system_prompt"):

@@ -9,7 +9,7 @@ from functools import partial
 from typing import Any
 
 from turnrl.envs import Env, make_env
-from turnrl.envs.contract import seats, uses_pool
+from turnrl.envs.contract import eval_options, seats, uses_pool
 from turnrl.evaluation import EvalResult
 from turnrl.selfplay.outcomes import outcome_metrics
 from turnrl.types import Episode
@@ -30,8 +30,10 @@ def evaluation_factories(name: str, options: dict[str, Any], env: Any
                          ) -> dict[str, Callable[[], Env]]:
     """What evaluation plays for an env trained against ``self`` or a ``pool``: the same game
     against each fixed opponent it names in ``eval_opponents``, labelled ``NAME@OPPONENT``
-    (the policy's own moving copies are no fixed yardstick); any other env: itself."""
+    (the policy's own moving copies are no fixed yardstick); any other env: itself. Either
+    with the env's ``eval_options`` (envs/contract.py)."""
     opponents = getattr(env, "eval_opponents", ())
+    options = {**options, **eval_options(env)}  # a dataset's held-out split
     if not (seats(env) or uses_pool(options)) or not opponents:
         return {name: partial(make_env, name, **options)}
     return {f"{name}@{opponent}": partial(make_env, name, **{**options, "opponent": opponent})

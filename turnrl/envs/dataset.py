@@ -1,0 +1,255 @@
+"""``dataset``: one task per row of a local dataset, with real train/eval splits.
+
+``--env.name dataset --env.options.path P`` reads JSONL, CSV, parquet or a directory saved by
+Hugging Face ``datasets`` (``save_to_disk``; offline). Each row gives a prompt (``prompt``: a
+column of text, or ``messages``: a column of chat messages, whose user turns become the prompt
+and whose system turn the system message) and an answer (``answer``), and the reply earns the
+named reward: ``exact_match``, ``numeric_match``, ``integer_match``, ``math_answer``, or
+``code_tests`` (the row's ``tests`` column, run in the sandbox). One turn; wrap it in
+``try-again`` for several attempts.
+
+Splits are real. The eval rows are, in this order of precedence: ``eval_path``'s rows; a saved
+``DatasetDict``'s ``test`` (else ``validation``) split; the rows whose ``split`` column says
+test/eval/validation; else a held-out ``eval_fraction`` of the rows chosen by a stable hash of
+each row's content (the same rows on every machine and run, whatever the file's order).
+Training draws only training rows (``split: train``, the default), evaluation only eval rows
+(evaluation builds the env with ``split: eval``: ``eval_options``), so no held-out seed can land
+on a training row. Training seeds walk a shuffled order of the training rows, one epoch after
+another (``epoch = seed // rows``, each epoch its own permutation from ``shuffle_seed``), so a
+resumed run draws exactly the rows the uninterrupted one would.
+
+Bad input fails at start-up in one line naming the file, the row and the field: a missing
+column, an empty split, an answer the reward cannot read (numeric rewards).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from turnrl.envs.base import StepResult, register_env
+from turnrl.rewards import code_tests_async, exact_match, integer_match, math_answer, numeric_match
+
+EVAL_SPLITS = ("test", "eval", "validation")
+REWARDS: dict[str, Callable[..., Any]] = {
+    "exact_match": exact_match, "numeric_match": numeric_match, "math_answer": math_answer,
+    "integer_match": lambda reply, answer: integer_match(reply, int(answer)),
+}
+NUMERIC = {"numeric_match": float, "integer_match": int}
+
+
+class DatasetError(ValueError):
+    """A dataset the env cannot use: one line naming the file, row and field."""
+
+
+def read_rows(path: str) -> dict[str, list[dict]]:
+    """The rows of ``path`` by split name ("" when the file has no splits of its own)."""
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise DatasetError(f"dataset '{path}' does not exist; pass --env.options.path FILE "
+                           "(.jsonl, .csv, .parquet or a datasets directory)")
+    if file.is_dir():
+        return _saved_dataset(file)
+    suffix = file.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return {"": _jsonl(file)}
+    if suffix == ".csv":
+        with file.open(newline="", encoding="utf-8") as handle:
+            return {"": list(csv.DictReader(handle))}
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return {"": pq.read_table(file).to_pylist()}
+    raise DatasetError(f"dataset '{path}': unknown format '{suffix}'; use .jsonl, .csv, "
+                       ".parquet or a directory saved by datasets' save_to_disk")
+
+
+def _jsonl(file: Path) -> list[dict]:
+    rows = []
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{file}:{number}: not JSON ({err.msg}); one object per "
+                               "line") from None
+        if not isinstance(row, dict):
+            raise DatasetError(f"{file}:{number}: a {type(row).__name__}, not an object")
+        rows.append(row)
+    return rows
+
+
+def _saved_dataset(directory: Path) -> dict[str, list[dict]]:
+    import datasets  # the envs extra
+
+    try:
+        saved = datasets.load_from_disk(str(directory))
+    except FileNotFoundError as err:
+        raise DatasetError(f"dataset directory '{directory}' was not written by datasets' "
+                           f"save_to_disk ({err}); pass a file or such a directory") from None
+    if isinstance(saved, datasets.DatasetDict):
+        return {name: saved[name].to_list() for name in saved}
+    return {"": saved.to_list()}
+
+
+def held_out(row: dict, fraction: float) -> bool:
+    """Whether ``row`` is in the eval split by a stable hash of its content."""
+    digest = hashlib.blake2b(json.dumps(row, sort_keys=True, default=str).encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < fraction
+
+
+def split_rows(by_split: dict[str, list[dict]], eval_rows: list[dict] | None,
+               split_column: str, fraction: float) -> tuple[list[dict], list[dict]]:
+    """(training rows, eval rows) by the precedence in the module docstring."""
+    if eval_rows is not None:
+        return [r for rows in by_split.values() for r in rows], eval_rows
+    if set(by_split) - {""}:
+        named = next((by_split[s] for s in EVAL_SPLITS if s in by_split), None)
+        train = by_split.get("train") or [r for s, rows in by_split.items()
+                                          if s not in EVAL_SPLITS for r in rows]
+        if named is not None:
+            return train, named
+        by_split = {"": train}
+    rows = by_split[""]
+    if any(split_column in row for row in rows):
+        return ([r for r in rows if str(r.get(split_column, "train")).lower() not in EVAL_SPLITS],
+                [r for r in rows if str(r.get(split_column, "")).lower() in EVAL_SPLITS])
+    return ([r for r in rows if not held_out(r, fraction)],
+            [r for r in rows if held_out(r, fraction)])
+
+
+def row_order(seed: int, rows: int, shuffle_seed: int) -> int:
+    """The row a training seed draws: epoch ``seed // rows`` walks its own permutation."""
+    epoch, position = divmod(seed, rows)
+    order = list(range(rows))
+    random.Random(f"{shuffle_seed}:{epoch}").shuffle(order)
+    return order[position]
+
+
+def prompt_of(row: dict, prompt: str, messages: str) -> tuple[str | None, str | None]:
+    """(the prompt, the system message) of ``row``; (None, None) when it has neither column."""
+    if isinstance(row.get(prompt), str) and row[prompt].strip():
+        return row[prompt], None
+    chat = row.get(messages)
+    if isinstance(chat, list) and chat and all(isinstance(m, dict) for m in chat):
+        users = [str(m.get("content", "")) for m in chat if m.get("role") == "user"]
+        system = next((str(m["content"]) for m in chat if m.get("role") == "system"), None)
+        if users:
+            return "\n\n".join(users), system
+    return None, None
+
+
+_LOADED: dict[tuple, tuple[list[dict], list[dict]]] = {}
+
+
+def load_splits(path: str, eval_path: str, split_column: str, fraction: float
+                ) -> tuple[list[dict], list[dict]]:
+    """(training rows, eval rows), read once per file version in this process (an env is
+    built per episode)."""
+    def version(p: str) -> tuple:
+        file = Path(p).expanduser()
+        return (str(file.resolve()), file.stat().st_mtime_ns) if file.exists() else (p,)
+
+    key = (version(path), version(eval_path) if eval_path else None, split_column, fraction)
+    if key not in _LOADED:
+        extra = None
+        if eval_path:
+            extra = [r for rows in read_rows(eval_path).values() for r in rows]
+        _LOADED[key] = split_rows(read_rows(path), extra, split_column, fraction)
+    return _LOADED[key]
+
+
+@register_env("dataset")
+class DatasetEnv:
+    """A task per row of a local dataset (JSONL/CSV/parquet/datasets dir), real train/eval
+    splits, a reward by name (docs/datasets.md)."""
+
+    cooperative = True  # reset/step never block (code_tests awaits its sandbox)
+
+    def __init__(self, path: str = "", split: str = "train", prompt: str = "prompt",
+                 messages: str = "messages", answer: str = "answer", tests: str = "tests",
+                 reward: str = "exact_match", instruction: str = "", eval_path: str = "",
+                 eval_fraction: float = 0.1, split_column: str = "split",
+                 shuffle_seed: int = 0):
+        if reward not in (*REWARDS, "code_tests"):
+            raise DatasetError(f"dataset reward '{reward}' is unknown; choose one of: "
+                               f"{', '.join([*REWARDS, 'code_tests'])}")
+        if split not in ("train", "eval"):
+            raise DatasetError(f"dataset split '{split}': use train or eval")
+        if not 0 < eval_fraction < 1:
+            raise DatasetError(f"dataset eval_fraction {eval_fraction}: must be in (0, 1)")
+        train, held = load_splits(path, eval_path, split_column, eval_fraction)
+        self.rows = train if split == "train" else held
+        self.split, self.reward_name, self.instruction = split, reward, instruction
+        self.columns = {"prompt": prompt, "messages": messages, "answer": answer, "tests": tests}
+        self.shuffle_seed, self.row = shuffle_seed, {}
+        self.eval_options = {"split": "eval"}  # what evaluation builds (policy.env_factories)
+        check_rows(self.rows, f"{path} ({split} split)", self.columns, reward)
+        self.system_prompt: str | None = None
+
+    async def reset(self, seed: int) -> str:
+        index = (row_order(seed, len(self.rows), self.shuffle_seed) if self.split == "train"
+                 else seed % len(self.rows))
+        self.row = self.rows[index]
+        prompt, self.system_prompt = prompt_of(self.row, self.columns["prompt"],
+                                               self.columns["messages"])
+        return f"{prompt}\n\n{self.instruction}" if self.instruction else prompt
+
+    async def step(self, action: str) -> StepResult:
+        if self.reward_name == "code_tests":
+            score = await code_tests_async(action, list(self.row[self.columns["tests"]]))
+        else:
+            score = REWARDS[self.reward_name](action, self.row[self.columns["answer"]])
+        reward = float(score or 0.0)  # None: the reply states no answer the reward can read
+        return StepResult("", reward, True, {"success": reward >= 1.0,
+                                             "answered": score is not None})
+
+    def reference_player(self) -> AnswerPlayer:
+        """States the row's answer (guidance and scripted demonstrations; code: none)."""
+        return AnswerPlayer(self)
+
+
+class AnswerPlayer:
+    """The dataset's oracle: replies with the current row's answer in a box."""
+
+    def __init__(self, env: DatasetEnv) -> None:
+        self.env = env
+
+    def reset(self, first_observation: str) -> None:
+        pass
+
+    def act(self, observation: str) -> str:
+        answer = self.env.row.get(self.env.columns["answer"], "")
+        return f"The answer is \\boxed{{{answer}}}."
+
+
+def check_rows(rows: list[dict], where: str, columns: dict[str, str], reward: str) -> None:
+    """Every row has a prompt and what its reward reads, in one line naming the first that
+    does not; an empty split is refused."""
+    if not rows:
+        raise DatasetError(f"{where} has no rows; give the dataset an eval split (a 'split' "
+                           "column, eval_path, a DatasetDict 'test' split) or raise eval_fraction"
+                           if "eval" in where else f"{where} has no rows")
+    needed = columns["tests"] if reward == "code_tests" else columns["answer"]
+    for number, row in enumerate(rows):
+        if prompt_of(row, columns["prompt"], columns["messages"])[0] is None:
+            raise DatasetError(f"{where} row {number}: no '{columns['prompt']}' text or "
+                               f"'{columns['messages']}' chat; name the column with "
+                               "--env.options.prompt (or messages)")
+        if row.get(needed) in (None, ""):
+            option = "tests" if reward == "code_tests" else "answer"
+            raise DatasetError(f"{where} row {number}: no '{needed}' value for reward {reward}; "
+                               f"name the column with --env.options.{option}")
+        if reward in NUMERIC:
+            try:
+                NUMERIC[reward](row[needed])
+            except (TypeError, ValueError):
+                raise DatasetError(f"{where} row {number}: answer {row[needed]!r} is not a "
+                                   f"number, which {reward} needs") from None
