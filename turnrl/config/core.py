@@ -355,7 +355,7 @@ class RunConfig(Section):
     wandb: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "turnrl"
-    """Weights & Biases project name"""
+    """project name in Weights & Biases and Trackio, experiment name in MLflow"""
     tracking: str = ""
     """trackers that mirror metrics.jsonl, comma-separated: trackio (its local store under
     the run directory), mlflow (a file: store under the run directory), tensorboard, wandb;
