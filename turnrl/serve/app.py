@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from turnrl.serve.monitor import add_monitor_routes
 from turnrl.serve.protocol import (
     EPISODE_HEADER,
     ApiError,
@@ -51,6 +52,7 @@ def make_app(server: Server) -> FastAPI:
     _add_model_routes(app, server)
     _add_responses_routes(app, server)
     _add_episode_routes(app, server)
+    add_monitor_routes(app, server)  # /health and /metrics, outside /v1: no key (monitor.py)
     return app
 
 
