@@ -5,12 +5,16 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from turnrl.config import ConfigError, load_config
 from turnrl.metrics import MetricsLogger, read_metrics
+from turnrl.prometheus import CONTENT_TYPE
 from turnrl.trainer import train
 
 TRACKIO_RUN = """
@@ -66,7 +70,7 @@ def test_run_tracking_names_are_checked():
     assert load_config(None, ["--run.tracking", "MLflow, trackio,mlflow"]).run.trackers() == [
         "mlflow", "trackio"]
     with pytest.raises(ConfigError, match="run.tracking: unknown tracker neptune; choose from "
-                                          "trackio, mlflow, tensorboard, wandb"):
+                                          "trackio, mlflow, tensorboard, wandb, prometheus"):
         load_config(None, ["--run.tracking", "trackio,neptune"])
 
 
@@ -99,3 +103,22 @@ def test_a_training_run_logs_to_mlflow(tmp_path, monkeypatch):
     jsonl = read_metrics(run_dir)
     for key in ("collapse/mi", "reward/mean", "time/update_s"):
         assert mlflow_history(run_dir, key) == [(r["step"], r[key]) for r in jsonl]
+
+
+def test_prometheus_serves_the_latest_step_while_the_logger_is_open(tmp_path, capsys):
+    with MetricsLogger(tmp_path, tracking=["prometheus"]) as logger:
+        url = capsys.readouterr().out.strip().split()[-1]  # metrics: http://127.0.0.1:N/...
+        logger.log(1, {"collapse/mi": 0.5, "reward/mean": 0.25})
+        logger.log(2, {"collapse/mi": 0.125, "eval/pass@4": 1.0, "note": "text"})
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.headers["content-type"] == CONTENT_TYPE
+            page = response.read().decode()
+        health = json.loads(urllib.request.urlopen(url.replace("/metrics", "/health"),
+                                                   timeout=10).read())
+    values = {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples}
+    assert values["turnrl_step"] == 2 and values["turnrl_collapse_mi"] == 0.125
+    assert values["turnrl_reward_mean"] == 0.25 and values["turnrl_eval_pass_4"] == 1.0
+    assert "turnrl_note" not in values  # text is no gauge
+    assert health["status"] == "ok" and health["step"] == 2
+    with pytest.raises(urllib.error.URLError):  # closed with the logger
+        urllib.request.urlopen(url, timeout=5)

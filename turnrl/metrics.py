@@ -159,7 +159,8 @@ class MetricsLogger:
     """Append per-step metrics to ``run_dir/metrics.jsonl``, optionally mirrored elsewhere.
 
     ``tracking`` names trackers that must work (``turnrl/tracking.py``: trackio, mlflow,
-    tensorboard, wandb; a missing one fails in one line naming the ``tracking`` extra).
+    tensorboard, wandb, prometheus on ``metrics_port``; a missing one fails in one line
+    naming the ``tracking`` extra).
     ``tensorboard`` / ``wandb`` are the softer switches: when requested but not installed,
     one warning line is printed and logging carries on.
     """
@@ -173,6 +174,7 @@ class MetricsLogger:
         wandb_project: str = "turnrl",
         config: dict | None = None,
         tracking: Sequence[str] = (),
+        metrics_port: int = 0,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +184,8 @@ class MetricsLogger:
         self._trackers: list[Tracker] = []
         try:  # the required ones first: a missing one fails before anything is opened
             for name in dict.fromkeys(tracking):
-                self._trackers.append(open_tracker(name, self.run_dir, wandb_project, config))
+                self._trackers.append(open_tracker(name, self.run_dir, wandb_project, config,
+                                                   metrics_port))
         except BaseException:
             self._close_trackers()
             raise

@@ -1,4 +1,5 @@
-"""Experiment trackers that mirror ``metrics.jsonl``: TensorBoard, W&B, Trackio, MLflow.
+"""Experiment trackers that mirror ``metrics.jsonl``: TensorBoard, W&B, Trackio, MLflow, and a
+Prometheus ``/metrics`` of the run's latest numbers.
 
 Each tracker is a small object with ``log(step, scalars)`` and ``close()``; ``MetricsLogger``
 (``metrics.py``) writes its durable line first, then hands the same numbers to each. All of
@@ -11,13 +12,16 @@ environment names one), MLflow into a file store under the run directory unless
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from turnrl.config.types import ConfigError
+from turnrl.prometheus import CONTENT_TYPE, Family, exposition, metric_name
 
 __all__ = ["Tracker", "open_tracker"]
 
@@ -136,13 +140,88 @@ def _mlflow_key(key: str) -> str:
     return "".join(c if c.isalnum() or c in "_-./: " else "_" for c in key)
 
 
-def open_tracker(name: str, run_dir: Path, project: str, config: dict | None) -> Tracker:
+class PrometheusTracker:
+    """``GET /metrics`` (Prometheus text: each logged number as a gauge named after its key,
+    ``reward/mean`` -> ``turnrl_reward_mean``, and ``turnrl_step``) and ``GET /health``
+    on ``127.0.0.1:port`` (0: a free port, printed), served from a thread of the learner's
+    process while the run lasts. Loopback only, as it needs no key; needs no library."""
+
+    def __init__(self, port: int = 0) -> None:
+        from http.server import ThreadingHTTPServer
+
+        self.latest: dict[str, float] = {}
+        self.step, self.logged_at, self.started = 0, 0.0, time.time()
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True,
+                                       name="turnrl-metrics")
+        self.thread.start()
+        print(f"metrics: http://127.0.0.1:{self.port}/metrics", flush=True)
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        with self.lock:
+            self.latest.update(scalars)
+            self.step, self.logged_at = step, time.time()
+
+    def page(self) -> str:
+        """The exposition of the latest value of every key logged so far."""
+        with self.lock:
+            latest, step, logged_at = dict(self.latest), self.step, self.logged_at
+        families: dict[str, Family] = {
+            "turnrl_step": ("turnrl_step", "gauge", "steps logged", [({}, float(step))]),
+            "turnrl_last_log_timestamp_seconds": (
+                "turnrl_last_log_timestamp_seconds", "gauge", "Unix time of the latest step's "
+                "log (0: none yet)", [({}, logged_at)])}
+        for key, value in latest.items():  # two keys one name apart: the first kept
+            families.setdefault(metric_name(key), (metric_name(key), "gauge",
+                                                   f"{key}, latest step", [({}, value)]))
+        return exposition(families.values())
+
+    def health(self) -> dict:
+        return {"status": "ok", "step": self.step,
+                "uptime_s": round(time.time() - self.started, 3)}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _handler(tracker: PrometheusTracker) -> type:
+    from http.server import BaseHTTPRequestHandler
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server name
+            if self.path == "/metrics":
+                body, kind, status = tracker.page().encode(), CONTENT_TYPE, 200
+            elif self.path == "/health":
+                body, kind, status = json.dumps(tracker.health()).encode(), \
+                    "application/json", 200
+            else:
+                body, kind, status = b"GET /metrics or /health\n", "text/plain", 404
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # a scrape every few seconds: no log lines
+            pass
+
+    return Handler
+
+
+def open_tracker(name: str, run_dir: Path, project: str, config: dict | None,
+                 port: int = 0) -> Tracker:
     """The tracker ``name`` (one of ``turnrl.config.core.TRACKERS``) for ``run_dir``; a
-    missing library fails in one line naming the ``tracking`` extra."""
+    missing library fails in one line naming the ``tracking`` extra. ``port``: the
+    prometheus tracker's."""
     if name == "tensorboard":
         return TensorBoardTracker(run_dir)
+    if name == "prometheus":
+        return PrometheusTracker(port)
     makers = {"wandb": WandbTracker, "trackio": TrackioTracker, "mlflow": MlflowTracker}
     if name not in makers:
         raise ConfigError(f"run.tracking: unknown tracker '{name}'; choose from tensorboard, "
-                          "wandb, trackio, mlflow")
+                          "wandb, trackio, mlflow, prometheus")
     return makers[name](run_dir, project, config)

@@ -14,9 +14,9 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.test_serve import USER, tiny_server
+from turnrl.prometheus import CONTENT_TYPE
 from turnrl.samplers import SamplingParams
 from turnrl.serve.app import RunningServer
-from turnrl.serve.monitor import CONTENT_TYPE, exposition
 
 KEY = "sekrit"
 
@@ -102,14 +102,3 @@ def test_queue_depth_counts_choices_waiting_for_the_engine():
         return waiting, waiting_after_cancel
 
     assert asyncio.run(main()) == (5, 3)
-
-
-def test_exposition_escapes_labels_and_help_as_prometheus_reads_them():
-    text = exposition([("x_total", "counter", 'a "help" \\ line',
-                        [({"route": 'a"b\\c\nd'}, 3.0)]),
-                       ("y", "gauge", "plain", [({}, 0.25)]),
-                       ("z", "gauge", "odd", [({}, float("inf"))])])
-    (x,), (y,), (z,) = (f.samples for f in text_string_to_metric_families(text))
-    assert x.labels == {"route": 'a"b\\c\nd'} and x.value == 3.0
-    assert y.value == 0.25 and z.value == float("inf")
-    assert "# TYPE x_total counter" in text and text.endswith("\n")

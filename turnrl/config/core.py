@@ -24,7 +24,7 @@ from turnrl.config.lora_plan import LoraSpec, parse_lora
 from turnrl.config.types import ConfigError, Section
 from turnrl.registry import ESTIMATORS, UnknownName
 
-TRACKERS = ("trackio", "mlflow", "tensorboard", "wandb")
+TRACKERS = ("trackio", "mlflow", "tensorboard", "wandb", "prometheus")
 """The trackers ``run.tracking`` names (tensorboard and wandb there = run.tensorboard and
 run.wandb, with the tracker required rather than used when installed)."""
 
@@ -358,8 +358,12 @@ class RunConfig(Section):
     """project name in Weights & Biases and Trackio, experiment name in MLflow"""
     tracking: str = ""
     """trackers that mirror metrics.jsonl, comma-separated: trackio (its local store under
-    the run directory), mlflow (a file: store under the run directory), tensorboard, wandb;
-    the tracking extra installs them (docs/monitoring.md); '' = none"""
+    the run directory), mlflow (a file: store under the run directory), tensorboard, wandb
+    (the tracking extra installs them), prometheus (GET /metrics and /health of the run on
+    127.0.0.1:run.metrics_port; no library) (docs/monitoring.md); '' = none"""
+    metrics_port: int = 0
+    """with --run.tracking prometheus: the loopback port of the run's /metrics and /health
+    (0 = a free port, printed at start)"""
     collapse_every: int = 1
     """score the template-collapse monitor (collapse/mi and the rest: how much replies depend
     on their input, RAGEN-2) every N updates; 0 = off (docs/monitoring.md)"""
@@ -381,6 +385,7 @@ class RunConfig(Section):
         self._at_least(1, "steps", "keep_checkpoints", "collapse_prompts", "collapse_replies")
         self._at_least(0, "seed", "checkpoint_every", "sample_episodes", "threads",
                        "collapse_every")
+        self._require("metrics_port", 0 <= self.metrics_port <= 65535, "a port in [0, 65535]")
         unknown = [t for t in self.trackers() if t not in TRACKERS]
         if unknown:
             raise ConfigError(f"run.tracking: unknown tracker {', '.join(unknown)}; choose from "

@@ -48,7 +48,7 @@ def step_logging(run: Run, description: str) -> Iterator[tuple[MetricsLogger, Tr
     tensorboard = cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is not None
     logger = MetricsLogger(run.run_dir, tensorboard=tensorboard, wandb=cfg.run.wandb,
                            wandb_project=cfg.run.wandb_project, config=config_to_dict(cfg),
-                           tracking=cfg.run.trackers())
+                           tracking=cfg.run.trackers(), metrics_port=cfg.run.metrics_port)
     (run.run_dir / "episodes").mkdir(exist_ok=True)
     with logger, TrainProgress(cfg.run.steps, start_step=run.start_step,
                                enabled=cfg.run.progress, description=description,
