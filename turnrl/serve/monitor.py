@@ -42,7 +42,8 @@ def families(server: Server, http: HttpCounts) -> list[Family]:
     for (route, _, _), n in http.requests.items():
         per_route[route] += n
     plain = [
-        ("turnrl_completions_total", "counter", "chat completions served", counts["completions"]),
+        ("turnrl_completions_total", "counter", "replies served (chat completions and "
+         "responses)", counts["completions"]),
         ("turnrl_choices_total", "counter", "choices served (n per completion)",
          counts["choices"]),
         ("turnrl_prompt_tokens_total", "counter", "prompt tokens of the completions served",
