@@ -357,8 +357,8 @@ class RunConfig(Section):
     wandb_project: str = "turnrl"
     """project name in Weights & Biases and Trackio, experiment name in MLflow"""
     tracking: str = ""
-    """trackers that mirror metrics.jsonl, comma-separated: trackio (its local store under
-    the run directory), mlflow (a file: store under the run directory), tensorboard, wandb
+    """trackers that mirror metrics.jsonl, comma-separated: trackio (its local store,
+    TRACKIO_DIR), mlflow (a file: store under the run directory), tensorboard, wandb
     (the tracking extra installs them), prometheus (GET /metrics and /health of the run on
     127.0.0.1:run.metrics_port; no library) (docs/monitoring.md); '' = none"""
     metrics_port: int = 0
