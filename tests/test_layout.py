@@ -14,7 +14,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "turnrl"
 LAYERS = [
     {"registry", "types", "config", "stats", "safe_json", "leftovers", "devices", "datafile"},
-    {"models", "gguf_weights", "hub", "lora", "envs", "rewards", "tools", "sandbox", "rollout", "metrics",
+    {"models", "gguf_weights", "hub", "lora", "envs", "rewards", "tools", "sandbox", "rollout", "metrics", "tracking", "prometheus",
      "checkpoint", "demos", "evaluation", "samplers", "learner"},
     {"algorithms", "policy", "selfplay"},
     {"trainer", "sft"},

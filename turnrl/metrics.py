@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -24,7 +24,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from turnrl.config.types import ConfigError
 from turnrl.safe_json import safe_text
+from turnrl.tracking import Tracker, open_tracker
 
 __all__ = [
     "METRICS_FILE",
@@ -142,30 +144,25 @@ def truncate_metrics(path: str | Path, after_step: int) -> None:
     fsync_dir(path.parent)
 
 
-def _open_tensorboard(run_dir: Path) -> Any:
+def _optional_tracker(name: str, run_dir: Path, project: str, config: dict | None
+                      ) -> Tracker | None:
+    """``run.tensorboard`` / ``run.wandb``: the tracker when its package is installed, else
+    one warning line and None (``run.tracking`` names fail instead)."""
     try:
-        # torch ships this module, but importing it fails without the tensorboard package.
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        _warn("tensorboard requested but not installed (pip install tensorboard); skipping it")
+        return open_tracker(name, run_dir, project, config)
+    except ConfigError:
+        _warn(f"{name} requested but not installed (pip install {name}); skipping it")
         return None
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-
-
-def _open_wandb(run_dir: Path, project: str, config: dict | None) -> Any:
-    try:
-        import wandb
-    except ImportError:
-        _warn("wandb requested but not installed (pip install wandb); skipping it")
-        return None
-    return wandb.init(project=project, config=config, dir=str(run_dir))
 
 
 class MetricsLogger:
     """Append per-step metrics to ``run_dir/metrics.jsonl``, optionally mirrored elsewhere.
 
-    TensorBoard (``run_dir/tensorboard``) and Weights & Biases are optional extras: when
-    requested but not installed, one warning line is printed and logging carries on.
+    ``tracking`` names trackers that must work (``turnrl/tracking.py``: trackio, mlflow,
+    tensorboard, wandb, prometheus on ``metrics_port``; a missing one fails in one line
+    naming the ``tracking`` extra).
+    ``tensorboard`` / ``wandb`` are the softer switches: when requested but not installed,
+    one warning line is printed and logging carries on.
     """
 
     def __init__(
@@ -176,14 +173,26 @@ class MetricsLogger:
         wandb: bool = False,
         wandb_project: str = "turnrl",
         config: dict | None = None,
+        tracking: Sequence[str] = (),
+        metrics_port: int = 0,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
+        soft = [name for name, on in (("tensorboard", tensorboard), ("wandb", wandb))
+                if on and name not in tracking]
+        self._trackers: list[Tracker] = []
+        try:  # the required ones first: a missing one fails before anything is opened
+            for name in dict.fromkeys(tracking):
+                self._trackers.append(open_tracker(name, self.run_dir, wandb_project, config,
+                                                   metrics_port))
+        except BaseException:
+            self._close_trackers()
+            raise
+        self._trackers += filter(None, (_optional_tracker(name, self.run_dir, wandb_project,
+                                                          config) for name in soft))
         _drop_torn_tail(self.path)
         self._file: io.TextIOWrapper | None = open(self.path, "a", encoding="utf-8")
-        self._tb = _open_tensorboard(self.run_dir) if tensorboard else None
-        self._wandb = _open_wandb(self.run_dir, wandb_project, config) if wandb else None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Durably append one record; returns only after it has reached the disk."""
@@ -207,23 +216,20 @@ class MetricsLogger:
             for k, v in record.items()
             if k not in _RESERVED and isinstance(v, int | float) and not isinstance(v, bool)
         }
-        if self._tb is not None:
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, step)
-        if self._wandb is not None:
-            self._wandb.log(scalars, step=step)
+        for tracker in self._trackers:
+            tracker.log(step, scalars)
 
     def close(self) -> None:
         """Close the file and any mirrors; safe to call more than once."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+        self._close_trackers()
+
+    def _close_trackers(self) -> None:
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

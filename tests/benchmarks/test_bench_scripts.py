@@ -54,3 +54,16 @@ def test_responses_latency_times_both_apis_and_prints_the_ratio(capsys):
                for seen in runs.values())
     out = capsys.readouterr().out
     assert re.search(r"^ratio: responses / chat first-token seconds = \d+\.\d\d$", out, re.M), out
+
+
+def test_collapse_cost_times_the_monitor_beside_the_update(capsys):
+    """``benchmarks/speed/collapse_cost.py`` on the tiny model, one small round."""
+    import collapse_cost
+
+    assert collapse_cost.main(["--groups", "2", "--prompt", "8", "--policy", "4",
+                               "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    # two turns per episode: 2 first-turn contexts + 16 second-turn ones, capped at 8
+    assert "monitor 8 replies x 8 contexts" in out, out
+    ratio = re.search(r"^ratio: collapse / update cpu = (\S+)$", out, re.M)
+    assert ratio and float(ratio.group(1)) > 0

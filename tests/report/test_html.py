@@ -125,6 +125,19 @@ def test_report_renders_curves_table_and_escaped_conversation_in_chromium(tmp_pa
     assert "pwned" not in dom.find("title")[0]["text"]
 
 
+def test_report_draws_the_template_collapse_curve_beside_entropy_in_chromium(tmp_path):
+    run = tmp_path / "run"
+    with MetricsLogger(run) as logger:  # MI falls while entropy holds: template collapse
+        for step in range(1, 6):
+            logger.log(step, {"reward/mean": 0.5, "entropy": 2.0,
+                              "collapse/mi": 0.8 / step, "collapse/retrieval": 1 / step})
+    dom = _rendered(write_html_report([run]))
+    charts = {c["attrs"]["data-metric"].split(" (")[0]: c for c in dom.find("svg", "chart")}
+    assert list(charts) == ["reward/mean", "entropy", "collapse/mi"]
+    assert "template collapse" in charts["collapse/mi"]["attrs"]["data-metric"]
+    assert float(charts["collapse/mi"]["attrs"]["data-drawn"]) > 100
+
+
 @pytest.mark.slow
 def test_report_of_a_real_run_in_chromium_and_its_screenshot(tmp_path):
     """A real tiny-model run: the trainer's sample transcripts, metrics and evaluations

@@ -289,7 +289,7 @@ def test_report_of_generated_run_directories(tmp_path, seed):
     page = _Page(write_html_report([run]).read_text())
 
     expected = expected_charts(truth["records"])
-    shown = {c["metric"].split(" (squares")[0]: c for c in page.charts}
+    shown = {c["metric"].split(" (")[0]: c for c in page.charts}
     assert set(shown) == set(expected), (truth["fate"], shown.keys(), expected)
     for key, points in expected.items():
         chart = shown[key]

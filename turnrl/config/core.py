@@ -24,6 +24,10 @@ from turnrl.config.lora_plan import LoraSpec, parse_lora
 from turnrl.config.types import ConfigError, Section
 from turnrl.registry import ESTIMATORS, UnknownName
 
+TRACKERS = ("trackio", "mlflow", "tensorboard", "wandb", "prometheus")
+"""The trackers ``run.tracking`` names (tensorboard and wandb there = run.tensorboard and
+run.wandb, with the tracker required rather than used when installed)."""
+
 # Named because the literal is too long to sit beside its field.
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 PolicyLossName = Literal["ppo", "gspo", "cispo"]
@@ -362,7 +366,23 @@ class RunConfig(Section):
     wandb: bool = False
     """log to Weights & Biases"""
     wandb_project: str = "turnrl"
-    """Weights & Biases project name"""
+    """project name in Weights & Biases and Trackio, experiment name in MLflow"""
+    tracking: str = ""
+    """trackers that mirror metrics.jsonl, comma-separated: trackio (its local store,
+    TRACKIO_DIR), mlflow (a file: store under the run directory), tensorboard, wandb
+    (the tracking extra installs them), prometheus (GET /metrics and /health of the run on
+    127.0.0.1:run.metrics_port; no library) (docs/monitoring.md); '' = none"""
+    metrics_port: int = 0
+    """with --run.tracking prometheus: the loopback port of the run's /metrics and /health
+    (0 = a free port, printed at start)"""
+    collapse_every: int = 1
+    """score the template-collapse monitor (collapse/mi and the rest: how much replies depend
+    on their input, RAGEN-2) every N updates; 0 = off (docs/monitoring.md)"""
+    collapse_prompts: int = 8
+    """the collapse monitor's distinct contexts, spread over the batch: it scores
+    collapse_replies x collapse_prompts sequences, forward passes only"""
+    collapse_replies: int = 8
+    """the collapse monitor's replies, taken round-robin over its contexts"""
     progress: bool = True
     """show a rich progress bar"""
     mode: Literal["sync", "async"] = "sync"
@@ -373,5 +393,16 @@ class RunConfig(Section):
     staleness.max_versions behind, decoupled PPO"""
 
     def _check(self) -> None:
-        self._at_least(1, "steps", "keep_checkpoints")
-        self._at_least(0, "seed", "checkpoint_every", "sample_episodes", "threads")
+        self._at_least(1, "steps", "keep_checkpoints", "collapse_prompts", "collapse_replies")
+        self._at_least(0, "seed", "checkpoint_every", "sample_episodes", "threads",
+                       "collapse_every")
+        self._require("metrics_port", 0 <= self.metrics_port <= 65535, "a port in [0, 65535]")
+        unknown = [t for t in self.trackers() if t not in TRACKERS]
+        if unknown:
+            raise ConfigError(f"run.tracking: unknown tracker {', '.join(unknown)}; choose from "
+                              f"{', '.join(TRACKERS)} (comma-separated)")
+
+    def trackers(self) -> list[str]:
+        """``tracking`` as a list of names, each once."""
+        names = [t.strip().lower() for t in self.tracking.split(",") if t.strip()]
+        return list(dict.fromkeys(names))

@@ -26,9 +26,14 @@ from turnrl.report.games import GAME_STYLE, games_section
 from turnrl.report.svg import PALETTE, Series, empty_chart, line_chart
 from turnrl.types import read_episodes
 
-CURVES = ("reward/mean", "success/rate", "entropy", "clip_fraction", "kl", "loss/policy",
-          "sft/loss", "eval/loss", "episode/turns", "grad_norm")
+CURVES = ("reward/mean", "success/rate", "entropy", "collapse/mi", "clip_fraction", "kl",
+          "loss/policy", "sft/loss", "eval/loss", "episode/turns", "grad_norm")
 """Metrics drawn when logged, in this order; held-out success joins ``success/rate``."""
+SUBTITLES = {
+    "success/rate": " (squares: held-out, 95% CI)",
+    "collapse/mi": " (template collapse: how much replies depend on their input, nats/token;"
+                   " falling while entropy holds = collapse)",
+}
 SAMPLES_PER_RUN = 6
 
 
@@ -162,7 +167,7 @@ def _logged(runs: list[RunData], key: str) -> int:
 def _chart(runs: list[RunData], key: str, colors: list[str]) -> str:
     """``key``'s chart; "no data" in its place when nothing finite was logged or it
     cannot be drawn; '' when no run logged ``key`` at all."""
-    title = key + (" (squares: held-out, 95% CI)" if key == "success/rate" else "")
+    title = key + SUBTITLES.get(key, "")
     logged = _logged(runs, key) + (_logged(runs, "eval/success") if key == "success/rate" else 0)
     if not logged:
         return ""

@@ -29,6 +29,7 @@ PREFERRED_METRICS = (
     "eval/loss",
     "kl",
     "entropy",
+    "collapse/mi",
     "episode/turns",
     "episode/tokens",
     "time/step_s",

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from turnrl.serve import messages
+from turnrl.serve.monitor import add_monitor_routes
 from turnrl.serve.protocol import (
     EPISODE_HEADER,
     ApiError,
@@ -54,6 +55,7 @@ def make_app(server: Server) -> FastAPI:
     _add_responses_routes(app, server)
     _add_messages_routes(app, server)
     _add_episode_routes(app, server)
+    add_monitor_routes(app, server)  # /health and /metrics, outside /v1: no key (monitor.py)
     return app
 
 

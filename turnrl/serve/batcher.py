@@ -97,6 +97,11 @@ class Batcher:
         self.last_call_end = 0.0
         """``time.perf_counter()`` when the latest engine call returned."""
 
+    @property
+    def waiting(self) -> int:
+        """Choices queued for the engine and not yet answered (``/metrics``' queue depth)."""
+        return sum(p.n for p in list(self._pending) if not p.future.done())
+
     async def generate(self, prompt: list[int], params: SamplingParams, n: int = 1,
                        stream: asyncio.Queue | None = None
                        ) -> tuple[list[Completion], int | None]:

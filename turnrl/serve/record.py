@@ -141,12 +141,17 @@ class Recorder:
     def __init__(self, record_dir: str = ""):
         self.episodes: dict[str, RecordedEpisode] = {}
         self.record_dir = Path(record_dir) if record_dir else None
+        self.started = 0
+        """Episode ids ever recorded (``episodes`` loses those training takes)."""
+        self.recorded_calls = 0
 
     def segments(self, episode_id: str | None) -> list[Segment]:
         recorded = self.episodes.get(episode_id) if episode_id else None
         return recorded.segments if recorded else []
 
     def record(self, episode_id: str, call: Call) -> int:
+        self.started += episode_id not in self.episodes
+        self.recorded_calls += 1
         recorded = self.episodes.setdefault(episode_id, RecordedEpisode(episode_id))
         recorded.calls += 1
         return merge_call(recorded.segments, call)

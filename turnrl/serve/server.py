@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,8 @@ class Server:
         self.replies = ReplyMemory()
         self.format = call_format(chat)
         self.byte_tokens = byte_token_ids(self.tokenizer)
+        self.counts = Counter()
+        """Completions served, their prompt and completion tokens (``/metrics``)."""
 
     @classmethod
     def from_policy(cls, policy: Policy, cfg: Config) -> Server:
@@ -119,6 +122,8 @@ class Server:
         completions, version = await self.batcher.generate(ids, params, request.n, stream)
         tools = request.tools if request.tool_choice != "none" else None
         choices = [self._choice(c, request, tools, forced) for c in completions]
+        self.counts.update(completions=1, choices=len(choices), prompt_tokens=len(ids),
+                           completion_tokens=sum(len(c.token_ids) for c in choices))
         if request.top_logprobs and version is not None:
             await asyncio.to_thread(self._score_top, ids, choices, request, version)
         for choice in choices:

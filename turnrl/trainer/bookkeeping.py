@@ -1,7 +1,7 @@
 """What follows each step and the run, whatever the source: logs, samples, checkpoints.
 
-``step_logging`` opens the metrics logger (metrics.jsonl, TensorBoard, W&B) and the progress
-bar; ``end_step`` does what follows every step (sample episodes, the periodic held-out
+``step_logging`` opens the metrics logger (metrics.jsonl; TensorBoard, W&B, Trackio, MLflow:
+``turnrl/tracking.py``) and the progress bar; ``end_step`` does what follows every step (sample episodes, the periodic held-out
 evaluation, metrics, progress, an atomic checkpoint of the model, optimiser, every random
 stream, the estimator and exploration state); ``finish_run`` prints (and saves) the
 before/after table. Set-up is ``trainer/run.py``'s; the held-out evaluation itself,
@@ -47,7 +47,8 @@ def step_logging(run: Run, description: str) -> Iterator[tuple[MetricsLogger, Tr
     # run.tensorboard means "when installed": no warning on machines without it.
     tensorboard = cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is not None
     logger = MetricsLogger(run.run_dir, tensorboard=tensorboard, wandb=cfg.run.wandb,
-                           wandb_project=cfg.run.wandb_project, config=config_to_dict(cfg))
+                           wandb_project=cfg.run.wandb_project, config=config_to_dict(cfg),
+                           tracking=cfg.run.trackers(), metrics_port=cfg.run.metrics_port)
     (run.run_dir / "episodes").mkdir(exist_ok=True)
     with logger, TrainProgress(cfg.run.steps, start_step=run.start_step,
                                enabled=cfg.run.progress, description=description,

@@ -29,6 +29,7 @@ from turnrl.evaluation import EvalResult, count_end_reasons, summarize
 from turnrl.learner.share import Share, global_totals, split_rows
 from turnrl.learner.world import World
 from turnrl.selfplay.outcomes import game_step_metrics
+from turnrl.trainer.collapse import CollapseMonitor
 from turnrl.trainer.distill import distill_batch
 from turnrl.trainer.prefix import shared_prefix_split
 from turnrl.trainer.step import (
@@ -62,6 +63,8 @@ class Learner:
     """The learner ranks the model is split over (None: this process alone)."""
     replay: SuccessReplay | None = None
     """Past successes added to all-failed groups (``explore.success_replay_age``; None = off)."""
+    collapse: CollapseMonitor | None = None
+    """The template-collapse monitor (``run.collapse_every``; None = off)."""
 
 
 class StageTimer:
@@ -88,7 +91,9 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
     """Update ``learner.model`` on ``episodes``; return their summary and the step's metrics.
 
     Stages (timed into ``timer``): ``advantages`` (the estimator; a turn-level critic also
-    trains here), ``update`` (``policy_update``: one optimiser step per ``algo.epochs``; with
+    trains here), ``collapse`` (when due: the template-collapse monitor scores a few replies
+    under the batch's other contexts, ``trainer/collapse.py``; not with learner ranks),
+    ``update`` (``policy_update``: one optimiser step per ``algo.epochs``; with
     decoupled PPO and several epochs it first scores the proximal policy), ``log``. With a
     ``distill.teacher``, ``teacher`` (between the two) scores the policy tokens under it and
     adds the per-token reverse-KL advantage (``trainer/distill.py``).
@@ -108,6 +113,12 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
         batch = Batch.from_episodes(episodes, explore.advantages(scored, advantages),
                                     learner.pad_id)
         batch = replace(batch, loss_mask=explore.loss_mask(episodes, batch.loss_mask))
+    collapse_metrics = {}
+    if learner.collapse is not None and learner.world is None and learner.collapse.due():
+        with timer("collapse"):  # this step's own replies (no replayed ones), before the update
+            collapse_metrics = learner.collapse.metrics(
+                learner.model, policy_episodes(played), explore_settings(learner).temperature,
+                learner.pad_id)
     distill_metrics = {}
     if learner.teacher is not None:
         with timer("teacher"):  # the reverse KL to the teacher joins the advantages
@@ -124,6 +135,7 @@ def rl_step(learner: Learner, episodes: list[Episode], timer: StageTimer
         metrics.update(update_metrics)
         metrics.update(replay_metrics)
         metrics.update(distill_metrics)
+        metrics.update(collapse_metrics)
         metrics.update(learner.estimator.metrics())
         metrics.update(explore.end_step(update_metrics))
     return summary, metrics

@@ -42,6 +42,7 @@ from turnrl.metrics import truncate_metrics
 from turnrl.models import configure_torch
 from turnrl.policy import Policy, load_policy, publish
 from turnrl.samplers import chooser
+from turnrl.trainer.collapse import CollapseMonitor
 from turnrl.trainer.distill import load_teacher
 from turnrl.trainer.reference import restore_reference
 from turnrl.trainer.rl_step import Learner
@@ -143,7 +144,9 @@ def learner_for(cfg: Config, model: torch.nn.Module, tokenizer, *, decoupled: bo
                    make_estimator(EstimatorSettings.from_config(cfg, model.config.hidden_size)),
                    tokenizer.pad_token_id, reference, explore,
                    load_teacher(cfg, tokenizer, next(model.parameters()).device),
-                   cfg.distill, world, replay)
+                   cfg.distill, world, replay,
+                   CollapseMonitor(cfg.run.collapse_every, cfg.run.collapse_prompts,
+                                   cfg.run.collapse_replies) if cfg.run.collapse_every else None)
 
 
 def reference_model(model: torch.nn.Module) -> torch.nn.Module:
