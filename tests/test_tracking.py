@@ -99,7 +99,8 @@ def test_a_training_run_logs_to_mlflow(tmp_path, monkeypatch):
                              "--rollout.group_size", "2", "--rollout.groups_per_step", "2",
                              "--rollout.max_new_tokens", "4", "--rollout.max_turns", "2",
                              "--run.progress", "false", "--run.tensorboard", "false",
-                             "--run.tracking", "mlflow", "--run.out_dir", str(run_dir)]))
+                             "--run.tracking", "mlflow", "--run.collapse_every", "1",
+                             "--run.out_dir", str(run_dir)]))
     jsonl = read_metrics(run_dir)
     for key in ("collapse/mi", "reward/mean", "time/update_s"):
         assert mlflow_history(run_dir, key) == [(r["step"], r[key]) for r in jsonl]

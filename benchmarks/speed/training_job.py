@@ -3,7 +3,8 @@ steady-state rate read back from its metrics.
 
 ``step_throughput.py``, ``async_throughput.py``, ``ct2_async.py`` and ``cluster_nodes.py``
 each run the same kind of job (a model, an env, G completions x P groups a step, T tokens a
-turn, a seed; no evaluation, checkpoints, progress bar or TensorBoard inside the timed run):
+turn, a seed; no evaluation, checkpoints, progress bar, TensorBoard or collapse monitor inside
+the timed run):
 ``job_keys`` names it once, as dotted config keys, and each script adds its own keys and
 hands them to TurnRL as command-line overrides (``overrides``) or a config (``config``).
 Not a benchmark itself: imported by the scripts of this folder.
@@ -25,7 +26,8 @@ def job_keys(model: str, env: str, *, group_size: int, groups_per_step: int,
     keys: dict[str, Any] = {
         "model.name": model, "env.name": env, "rollout.group_size": group_size,
         "rollout.groups_per_step": groups_per_step, "run.seed": seed, "eval.episodes": 0, "run.checkpoint_every": 0,
-        "run.progress": False, "run.tensorboard": False}
+        "run.progress": False, "run.tensorboard": False,
+        "run.collapse_every": 0}  # a monitor TRL's step does not run: like for like
     optional = {"rollout.max_new_tokens": max_new_tokens,
                 "env.options": dict(env_options) if env_options else None,
                 "rollout.max_turns": max_turns, "optim.lr": lr, "run.threads": threads}

@@ -375,9 +375,10 @@ class RunConfig(Section):
     metrics_port: int = 0
     """with --run.tracking prometheus: the loopback port of the run's /metrics and /health
     (0 = a free port, printed at start)"""
-    collapse_every: int = 1
+    collapse_every: int = 5
     """score the template-collapse monitor (collapse/mi and the rest: how much replies depend
-    on their input, RAGEN-2) every N updates; 0 = off (docs/monitoring.md)"""
+    on their input, RAGEN-2) every N updates (1: every step, at about a quarter of an
+    update's CPU on SmolLM2); 0 = off (docs/monitoring.md)"""
     collapse_prompts: int = 8
     """the collapse monitor's distinct contexts, spread over the batch: it scores
     collapse_replies x collapse_prompts sequences, forward passes only"""
