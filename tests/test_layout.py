@@ -19,7 +19,7 @@ LAYERS = [
     {"algorithms", "policy", "selfplay"},
     {"trainer", "sft"},
     {"distributed"},
-    {"launch", "cli", "report", "serve", "checkpoint_eval", "export", "__main__"},
+    {"launch", "cli", "report", "serve", "tinker", "checkpoint_eval", "export", "__main__"},
 ]
 LAYER = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 MAX_FUNCTION_LINES = 60

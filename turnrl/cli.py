@@ -1,4 +1,4 @@
-"""``turnrl train | sft | eval | serve | report | envs | samplers``; the options are generated from the config."""
+"""``turnrl train | sft | eval | serve | tinker | report | envs | samplers``; the options are generated from the config."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ turnrl eval   --compare A B [--samples N] [--out FILE.json] ...    (A, B: checkp
 turnrl eval   RUN_DIR [RUN_DIR ...] [--samples N] [--out FILE.json] ...  (seeds of one config)
 turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.port P]
               [--serve.api_key KEY] [--serve.checkpoint DIR] [--section.key VALUE ...]
+turnrl tinker [--model.name M] [--serve.host H] [--serve.port P] [--serve.api_key KEY]
+              [--run.out_dir DIR]    (a Tinker-compatible training service, docs/tinker.md)
 turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] [--html FILE.html]
 turnrl envs   [NAME] [--env.module M]                (every env, or one in full)
 turnrl samplers                                      (every sampler; which this machine runs)
@@ -134,6 +136,20 @@ def cmd_serve(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_tinker(argv: Sequence[str]) -> int:
+    import tempfile
+
+    from turnrl.tinker.app import serve_forever
+    from turnrl.tinker.service import Service
+
+    own, overrides = _split(argv, {"--config": True})
+    cfg = load_config(own.get("--config"), overrides)
+    out_dir = Path(cfg.run.out_dir or tempfile.mkdtemp(prefix="turnrl-tinker-"))
+    service = Service(cfg.model.name, out_dir, cfg.model.dtype, cfg.model.cache_dir)
+    serve_forever(service, cfg.serve.host, cfg.serve.port, cfg.serve.api_key)
+    return 0
+
+
 def cmd_report(argv: Sequence[str]) -> int:
     from turnrl.report import write_html_report, write_report
 
@@ -235,6 +251,7 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "serve": cmd_serve, "report": 
 COMMANDS["sft"] = cmd_sft
 COMMANDS["export"] = cmd_export
 COMMANDS["samplers"] = cmd_samplers
+COMMANDS["tinker"] = cmd_tinker
 
 
 LEFTOVERS_WATCHED = ("train", "eval")
