@@ -93,6 +93,10 @@ def _add_session_routes(app: FastAPI, service: Service) -> None:
         session = await asyncio.to_thread(service.new_sampling_session, target)
         return {"type": "create_sampling_session", "sampling_session_id": session}
 
+    @app.get("/api/v1/samplers/{session}")
+    async def sampler(session: str):
+        return service.sampler_info(session)
+
     @app.post("/api/v1/get_info")
     async def get_info(request: Request):
         return service.get_info((await request.json())["model_id"])

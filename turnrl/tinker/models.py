@@ -133,15 +133,19 @@ class TrainingModel:
 
     def state(self) -> dict:
         """Adapter and optimiser, for save_state."""
-        return {"adapter": self.adapter(), "steps": self.steps,
-                "optimizer": None if self.optimizer is None else self.optimizer.state_dict()}
+        return {"adapter": self.adapter(), "steps": self.steps, "rank": self.spec.r,
+                "targets": self.spec.target_modules,
+                # a deep copy: the live state_dict shares the moment tensors later steps change
+                "optimizer": None if self.optimizer is None
+                else copy.deepcopy(self.optimizer.state_dict())}
 
     def load_state(self, state: dict, with_optimizer: bool) -> None:
         load_adapter_state(self.model, state["adapter"])
         self.optimizer = None
         if with_optimizer and state["optimizer"] is not None:
             self.optimizer = torch.optim.AdamW(trainable_parameters(self.model))
-            self.optimizer.load_state_dict(state["optimizer"])
+            # a copy again: load_state_dict keeps the given tensors, which steps change in place
+            self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
             self.steps = state["steps"]
 
 

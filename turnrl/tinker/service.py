@@ -28,6 +28,11 @@ from turnrl.tinker.wire import FwdBwd, forward_backward_output, sample_response
 ALIASES = {"HuggingFaceTB/SmolLM2-135M-Instruct": SMOLLM2}
 
 
+def model_name(body: dict) -> str:
+    """A new training model's id as the client derives it: SESSION:train:SEQ."""
+    return f"{body['session_id']}:train:{body['model_seq_id']}"
+
+
 class RequestError(Exception):
     """A request the client got wrong: the message names what is missing and the fix."""
 
@@ -108,7 +113,7 @@ class Service:
                                "runs adamw)")
         model = TrainingModel(base.model, base.pad_id, int(lora["rank"]), lora.get("seed"),
                               attn=lora.get("train_attn", True), mlp=lora.get("train_mlp", True))
-        model_id = f"model-{uuid.uuid4().hex[:12]}"
+        model_id = model_name(body)
         self.models[model_id] = (base.name, model)
         return {"model_id": model_id, "type": "create_model"}
 
@@ -171,10 +176,14 @@ class Service:
         path = body["path"]
         if path not in self.saved or self.saved[path][2] is None or "/weights/" not in path:
             raise RequestError(f"no saved state at '{path}' (save_state gives such paths)")
+        name, _, state = self.saved[path]
         model_id = body.get("model_id")
-        if model_id is None:
-            raise RequestError("load_state needs a training client (model_id)")
-        self.training(model_id).load_state(self.saved[path][2], bool(body.get("optimizer")))
+        if model_id is None:  # create_training_client_from_state: a new client from the state
+            base = self.base(name)
+            model_id = model_name(body)
+            self.models[model_id] = (name, TrainingModel(base.model, base.pad_id, state["rank"],
+                                                         0, targets=state["targets"]))
+        self.training(model_id).load_state(state, bool(body.get("optimizer")))
         return {"path": path, "model_id": model_id, "type": "load_weights"}
 
     # --- sampling ---------------------------------------------------------------------------
@@ -184,6 +193,14 @@ class Service:
         session = f"sampler-{uuid.uuid4().hex[:12]}"
         self.sampling_sessions[session] = target
         return session
+
+    def sampler_info(self, session: str) -> dict:
+        if session not in self.sampling_sessions:
+            raise RequestError(f"no sampling session '{session}'")
+        target = self.sampling_sessions[session]
+        saved = self.saved.get(target)
+        return {"sampler_id": session, "base_model": saved[0] if saved else target,
+                "model_path": target if saved else None}
 
     def sampler(self, target: str) -> tuple[Base, torch.nn.Module]:
         """The model a sampling target names: a base model, or a copy of the adapter's
