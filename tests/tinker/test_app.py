@@ -165,3 +165,18 @@ def test_bad_input_gets_the_clients_error_naming_what_is_missing(service):
         client.forward_backward([_datum(ids)], "ppo", {"eps": 0.2}).result()
     with pytest.raises(tinker.RequestFailedError, match="base_model 'no/such-model'"):
         service.create_lora_training_client(base_model="no/such-model", rank=4).result()
+
+
+def test_forward_backward_custom_runs_the_clients_loss(service):
+    client = service.create_lora_training_client(base_model="tiny", rank=4).result()
+    ids = client.get_tokenizer().encode(TEXT)
+    before = _logprobs(client, ids)
+
+    def mean_nll(data, logprobs_list):
+        loss = -torch.stack([lp.mean() for lp in logprobs_list]).mean()
+        return loss, {"nll": loss.item()}
+
+    out = client.forward_backward_custom([_datum(ids)], mean_nll).result()
+    assert out.metrics["nll"] == pytest.approx(-before.mean().item(), rel=1e-5)
+    client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    assert _logprobs(client, ids).mean() > before.mean()
