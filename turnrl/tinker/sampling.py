@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from turnrl.devices import cache_kwargs
 from turnrl.tinker.models import score
 
 
@@ -32,22 +33,31 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
 
 
 @torch.no_grad()
-def draw(model: nn.Module, prompt: list[int], params: dict, stop_ids: set[int],
+def draw(model: nn.Module, prompt: list[int], n: int, params: dict, stop_ids: set[int],
          stop_strings: Sequence[str], decode: Callable[[list[int]], str],
-         generator: torch.Generator) -> tuple[list[int], str]:
-    """One completion of ``prompt`` and why it ended ('stop' or 'length')."""
+         generator: torch.Generator) -> list[tuple[list[int], str]]:
+    """``n`` completions of ``prompt``, drawn together (one prompt: no padding), and why each
+    ended ('stop' or 'length'); a row that ended draws on unseen until all have."""
     device = next(model.parameters()).device
-    x, past, new = torch.tensor([prompt], device=device), None, []
+    x, past = torch.tensor([prompt] * n, device=device), None
+    rows: list[list[int]] = [[] for _ in range(n)]
+    reasons = ["length"] * n
     for _ in range(int(params.get("max_tokens") or 16)):
-        out = model(input_ids=x, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        token = pick(out.logits[0, -1], float(params.get("temperature", 1.0)),
-                     int(params.get("top_k", -1)), float(params.get("top_p", 1.0)), generator)
-        new.append(token)
-        if token in stop_ids or (stop_strings and any(s in decode(new) for s in stop_strings)):
-            return new, "stop"
-        x = torch.tensor([[token]], device=device)
-    return new, "length"
+        out = model(input_ids=x, **cache_kwargs(model, past), use_cache=True)
+        past = out.get("cache", out.get("past_key_values"))
+        tokens = [pick(out.logits[i, -1], float(params.get("temperature", 1.0)),
+                       int(params.get("top_k", -1)), float(params.get("top_p", 1.0)), generator)
+                  for i in range(n)]
+        for i, token in enumerate(tokens):
+            if reasons[i] == "length":
+                rows[i].append(token)
+                if token in stop_ids or (stop_strings
+                                         and any(s in decode(rows[i]) for s in stop_strings)):
+                    reasons[i] = "stop"
+        if all(r == "stop" for r in reasons):
+            break
+        x = torch.tensor([[t] for t in tokens], device=device)
+    return list(zip(rows, reasons, strict=True))
 
 
 def sample(model: nn.Module, prompt: list[int], n: int, params: dict, eos_id: int,
@@ -62,11 +72,10 @@ def sample(model: nn.Module, prompt: list[int], n: int, params: dict, eos_id: in
     seed = params.get("seed")
     generator = torch.Generator().manual_seed(
         int(seed) if seed is not None else int(torch.randint(2**31, ())))
-    drawn = [draw(model, prompt, params, stop_ids, stop_strings, decode, generator)
-             for _ in range(n)]
-    with torch.no_grad():
-        scored = score(model, [prompt + tokens for tokens, _ in drawn]
-                       + ([prompt] if prompt_logprobs else []), pad_id)
+    drawn = draw(model, prompt, n, params, stop_ids, stop_strings, decode, generator)
+    with torch.no_grad():  # row by row: no padding, so each is what forward gives that row
+        scored = [score(model, [row], pad_id)[0] for row in
+                  [prompt + tokens for tokens, _ in drawn] + ([prompt] if prompt_logprobs else [])]
     sequences = [(tokens, scored[i][len(prompt) - 1:].tolist(), reason)
                  for i, (tokens, reason) in enumerate(drawn)]
     prompt_lps = [float("nan")] + scored[-1].tolist() if prompt_logprobs else None
