@@ -180,3 +180,16 @@ def test_forward_backward_custom_runs_the_clients_loss(service):
     assert out.metrics["nll"] == pytest.approx(-before.mean().item(), rel=1e-5)
     client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
     assert _logprobs(client, ids).mean() > before.mean()
+
+
+def test_an_api_key_set_on_the_service_is_required(tmp_path):
+    from starlette.testclient import TestClient
+
+    from turnrl.tinker.app import make_app
+    from turnrl.tinker.service import Service
+
+    http = TestClient(make_app(Service("tiny", tmp_path), api_key="tml-secret"))
+    refused = http.post("/api/v1/create_session", json={})
+    assert refused.status_code == 401 and "TINKER_API_KEY" in refused.json()["error"]
+    assert http.post("/api/v1/create_session", json={},
+                     headers={"X-API-Key": "tml-secret"}).status_code == 200
