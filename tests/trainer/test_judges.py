@@ -125,9 +125,14 @@ def test_sync_training_with_an_endpoint_judge_logs_its_cost(tmp_path, server):
     assert RUBRIC in server.requests[-1]["messages"][0]["content"]
 
 
-def test_sync_training_goes_on_when_the_judge_gives_no_score(tmp_path, server):
-    cfg = load_config(None, TRAIN + ["--judge.base_url", server.base_url, "--judge.model",
-                                     "garbage", "--run.out_dir", str(tmp_path)])
+@pytest.mark.parametrize("where", ["endpoint", "local"])
+def test_sync_training_goes_on_when_the_judge_gives_no_score(tmp_path, server, where):
+    """An endpoint that replies without a score, or the tiny model loaded locally (which
+    never writes one): every episode fails, each step is skipped with the reason, the run
+    ends."""
+    judge = (["--judge.base_url", server.base_url, "--judge.model", "garbage"]
+             if where == "endpoint" else ["--judge.model", "tiny", "--judge.max_chars", "400"])
+    cfg = load_config(None, TRAIN + judge + ["--run.out_dir", str(tmp_path)])
     with pytest.warns(UserWarning, match="judge_error"):
         train(cfg)
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -139,7 +144,46 @@ def test_sync_training_goes_on_when_the_judge_gives_no_score(tmp_path, server):
     (["--judge.base_url", "http://x/v1", "--judge.rubric", "r"], "needs judge.model"),
     (["--judge.base_url", "x", "--judge.model", "m", "--judge.rubric", "r"], "not an http"),
     (["--judge.mode", "best", "--judge.rubric", "r"], "judge.mode"),
+    (["--judge.model", "tiny", "--judge.rubric", "r", "--explore.dynamic_sampling", "true"],
+     "drop explore.dynamic_sampling or the judge"),
 ])
 def test_bad_judge_config_is_one_line(args, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, args)
+
+
+def test_served_training_judges_the_agents_recorded_episodes(tmp_path, server):
+    """train_agent (ServedSource): the judge reads the recorded tokens, the task included."""
+    from turnrl.serve.train import train_agent
+
+    async def rollout(client, task) -> float:
+        await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": task}], max_tokens=3)
+        return 0.0
+
+    before = len(server.requests)
+    cfg = load_config(None, TRAIN[:2] + TRAIN[6:] + [
+        "--judge.base_url", server.base_url, "--judge.model", "strict", "--serve.port", "0",
+        "--rollout.group_size", "2", "--rollout.groups_per_step", "1",
+        "--run.out_dir", str(tmp_path)])
+    train_agent(rollout, ["Capital of France?"], cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["judge/calls"] + r["judge/cached"] for r in records] == [2, 2]
+    asked = server.requests[before]["messages"][1]["content"]
+    assert "Capital of France?" in asked and asked.startswith("<transcript>")
+
+
+@pytest.mark.slow
+def test_async_training_judges_on_the_learner(tmp_path, server):
+    from tests.conftest import local_ray
+    from turnrl.launch import train_async
+
+    cfg = load_config(None, TRAIN + ["--judge.base_url", server.base_url, "--judge.model",
+                                     "strict", "--run.mode", "async", "--ray.num_workers", "1",
+                                     "--run.out_dir", str(tmp_path)])
+    with local_ray():
+        train_async(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(records) == 2
+    assert all(r["judge/calls"] + r["judge/cached"] >= 1 and r["judge/failed"] == 0
+               for r in records)
