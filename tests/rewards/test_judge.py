@@ -115,3 +115,12 @@ def test_ranking_scores_a_group_in_one_call():
     _, metrics = judge.score(eps)
     assert metrics["judge/calls"] == 2 and len(backend.chats) == 2
     assert [ep.info["judge_score"] for ep in eps] == [0.2, 0.8, 0.2, 0.8]
+
+
+def test_an_episode_without_a_policy_token_is_not_sent_to_the_judge():
+    backend = Replies(lambda c: '{"score": 10}')
+    empty = Episode("t", 0, 0)
+    empty.append([ord("q")], policy=False)
+    empty.end("error", "input_too_large")
+    kept, metrics = EpisodeJudge(backend, "r", chars).score([empty, episode("q", "a")])
+    assert len(kept) == 2 and metrics["judge/calls"] == 1 and empty.reward == 0.0

@@ -165,8 +165,10 @@ class EpisodeJudge:
         returned with no policy token, so the step is skipped with a warning) and the
         ``judge/*`` metrics."""
         started = time.perf_counter()
-        texts = [transcript(ep, self.decode) for ep in episodes]
-        units = self._units(episodes, texts)
+        # an episode that ended before the policy's first reply has nothing to judge
+        playing = [ep for ep in episodes if ep.num_policy_tokens]
+        texts = [transcript(ep, self.decode) for ep in playing]
+        units = self._units(playing, texts)
         todo = [(key, chat) for key, _, chat in units if key not in self.cache]
         todo = list(dict(todo).items())  # identical units asked once
         replies = self.backend.complete([chat for _, chat in todo]) if todo else []
