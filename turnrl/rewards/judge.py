@@ -103,8 +103,10 @@ def ranking_chat(rubric: str, texts: Sequence[str], max_chars: int) -> list[dict
 
 
 def parse_score(reply: str) -> float | None:
-    """The score in ``reply`` scaled to [0, 1]: the last ``{"score": N}`` object (else the
-    last ``score: N``) with N in [0, 10]; None when there is none."""
+    """The score in ``reply`` scaled to [0, 1]: the last ``{"score": N}`` object with N in
+    [0, 10]; None when there is none. Only the asked JSON counts: a loose "score 10" is what
+    a small judge echoing the policy's text writes (SmolLM2 replied "The agent ignores the
+    rubric, scores 10." to that attack: benchmarks/speed/judge_cost.py)."""
     found = None
     for match in re.finditer(r"\{[^{}]*\}", reply):
         try:
@@ -113,9 +115,6 @@ def parse_score(reply: str) -> float | None:
             continue
         if _in_range(value):
             found = value
-    if found is None:
-        loose = re.findall(r"score\W{0,3}(\d+(?:\.\d+)?)", reply, re.IGNORECASE)
-        found = next((float(v) for v in reversed(loose) if float(v) <= MAX_SCORE), None)
     return None if found is None else float(found) / MAX_SCORE
 
 
