@@ -72,6 +72,13 @@ def test_bad_input_is_one_line_naming_the_fix(options, message):
     assert "\n" not in str(err.value)
 
 
+def test_a_taskset_whose_dependency_is_missing_names_it(tmp_path):
+    path = tmp_path / "vf_needs_more.py"
+    path.write_text("import not_a_real_dependency_xyz\n")
+    with pytest.raises(ValueError, match="imports 'not_a_real_dependency_xyz', which is not"):
+        make_env("verifiers", env_id=str(path))
+
+
 def test_a_missing_library_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)
     with pytest.raises(ValueError, match=r"not installed; run: pip install 'turnrl\[envs\]'"):

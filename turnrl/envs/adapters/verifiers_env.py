@@ -56,7 +56,12 @@ def _import_path(path: Path) -> Any:
                          "or a package directory")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(name, module)  # pickled tasks refer to their module by name
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except ModuleNotFoundError as err:
+        sys.modules.pop(name, None)
+        raise ValueError(f"verifiers env_id '{path}' imports '{err.name}', which is not "
+                         "installed; pip install it") from None
     return module
 
 
@@ -88,7 +93,11 @@ def _taskset_class(vf: Any, env_id: str) -> type:
         except ModuleNotFoundError:
             try:  # a dotted module on sys.path (tests.envs.external.vf_sums)
                 module = importlib.import_module(env_id)
-            except ModuleNotFoundError:
+            except ModuleNotFoundError as err:
+                wanted = env_id.replace("-", "_")
+                if err.name and not wanted.startswith(err.name.replace("-", "_")):
+                    raise ValueError(f"verifiers env_id '{env_id}' imports '{err.name}', "
+                                     f"which is not installed; pip install it") from None
                 raise ValueError(f"verifiers env_id '{env_id}' not found; install its "
                                  f"package (pip install {env_id}) or give the path of its "
                                  ".py file") from None
