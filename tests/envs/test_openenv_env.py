@@ -54,6 +54,16 @@ def test_a_game_plays_the_same_in_process_and_through_its_server(transport):
         assert server.process.poll() is None and env.url == server.url
 
 
+def test_a_running_server_is_played_by_url_with_the_fields_named():
+    url = openenv_server.server_for(GUESS, {"high": 4}).url
+    env = make_env("openenv", url=url, action_field="message", observation_field="prompt")
+    first, results = play(env, 3, ["1", "2", "3", "4"])
+    assert first.startswith("Guess my number between 1 and 4")
+    assert results[-1].observation == "Correct!" and results[-1].info["success"]
+    with pytest.raises(ValueError, match="set env.options.action_field"):
+        make_env("openenv", url=url)
+
+
 def gone(pid: int, within_s: float = 10.0) -> bool:
     """Whether process ``pid`` has exited (a zombie awaiting its parent counts) in time."""
     deadline = time.monotonic() + within_s
