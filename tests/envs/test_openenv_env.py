@@ -101,6 +101,8 @@ def test_the_server_stops_at_exit_and_with_the_process_that_started_it():
     ({"env": "tests.envs.external.openenv_guess:Nope"}, "has no 'Nope'"),
     ({"env": GUESS, "action_field": "text"}, "GuessAction has fields message"),
     ({"env": GUESS, "transport": "grpc"}, "choose local or http"),
+    ({"env": GUESS, "env_options": {"size": 3}}, "bad env.options for 'openenv'.*'size'"),
+    ({"env": GUESS, "transport": "http", "env_options": {"size": 3}}, "'size'"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(options, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -98,10 +98,14 @@ class OpenEnv:
                 raise ValueError(f"openenv env {env}: it does not declare "
                                  "SUPPORTS_CONCURRENT_SESSIONS = True, so its server takes one "
                                  "episode at a time; use transport local")
-            url = server_for(env, self.options).url
+            # options the constructor rejects fail here, in one line, not in every episode
+            url = server_for(env, self.options, check=self._built_once).url
         self.url = url
-        self.env: Any = None
         self.client: Any = None
+        self.env: Any = None if url else self.env_cls(**self.options)
+
+    def _built_once(self) -> None:
+        self.env_cls(**self.options).close()
 
     async def _close(self) -> None:
         if self.client is not None:
@@ -112,25 +116,30 @@ class OpenEnv:
             env.close()
 
     async def reset(self, seed: int) -> str:
-        await self._close()
         if self.url:
+            await self._close()  # a session per episode
             from openenv.core import GenericEnvClient
             self.client = GenericEnvClient(base_url=self.url)
             result = await self.client.reset(seed=seed)
             return observation_text(result.observation, self.observation_field)
-        self.env = self.env_cls(**self.options)
+        if self.env is None:  # closed when the last episode ended
+            self.env = self.env_cls(**self.options)
         observation = await self.env.reset_async(seed=seed)
         return observation_text(observation, self.observation_field)
 
+    async def _step(self, action: str) -> tuple[Any, Any, bool, dict]:
+        """(observation, reward, done, metadata) of one step, over HTTP or in process."""
+        if self.client is not None:
+            result = await self.client.step({self.action_field: action})
+            observation = result.observation
+            metadata = observation.get("metadata", {}) if isinstance(observation, dict) else {}
+            return observation, result.reward, result.done, metadata
+        observation = await self.env.step_async(self.action_cls(**{self.action_field: action}))
+        return observation, observation.reward, observation.done, observation.metadata
+
     async def step(self, action: str) -> StepResult:
         try:
-            if self.client is not None:
-                result = await self.client.step({self.action_field: action})
-                observation, reward, done = result.observation, result.reward, result.done
-                metadata = observation.get("metadata", {}) if isinstance(observation, dict) else {}
-            else:
-                observation = await self.env.step_async(self.action_cls(**{self.action_field: action}))
-                reward, done, metadata = observation.reward, observation.done, observation.metadata
+            observation, reward, done, metadata = await self._step(action)
         except BaseException:
             await self._close()
             raise

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, get_args
@@ -121,11 +122,14 @@ SERVERS: dict[str, LocalServer] = {}
 _LOCK = threading.Lock()
 
 
-def server_for(spec: str, options: dict) -> LocalServer:
-    """This process's server for ``spec`` with ``options``, started on first use."""
+def server_for(spec: str, options: dict, check: Callable[[], Any] | None = None) -> LocalServer:
+    """This process's server for ``spec`` with ``options``, started on first use, after
+    ``check`` (which raises for options the server would fail every session on)."""
     key = json.dumps([spec, options], sort_keys=True)
     with _LOCK:
         if key not in SERVERS:
+            if check is not None:
+                check()
             SERVERS[key] = LocalServer(spec, options)
         return SERVERS[key]
 
