@@ -52,7 +52,7 @@ def run_args(args: argparse.Namespace) -> list[str]:
             "--env.options", json.dumps(options),
             "--rollout.max_new_tokens", str(args.max_new_tokens),
             "--rollout.group_size", "8", "--rollout.groups_per_step", "4",
-            "--run.steps", str(args.steps), "--eval.episodes", str(args.episodes),
+            "--run.steps", str(args.steps), "--optim.lr", str(args.lr), "--eval.episodes", str(args.episodes),
             "--eval.temperature", "0", "--run.seed", str(args.seed),
             "--run.progress", "false", "--run.tensorboard", "false",
             "--run.checkpoint_every", "0", "--run.out_dir", args.out]
@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--held-out", choices=sorted(HELD_OUT), default="rows")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=4e-5, help="optim.lr (4e-5: the default)")
     parser.add_argument("--out", default="runs/verifiers-env")
     args = parser.parse_args()
     load_start = os.getloadavg()[0]
