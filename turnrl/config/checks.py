@@ -86,6 +86,15 @@ def check_distill(cfg: Config) -> None:
                           "student's); use run.mode sync or drop distill.teacher")
 
 
+def check_judge(cfg: Config) -> None:
+    """The judge scores a step's episodes after they are collected, so nothing that picks
+    episodes by their reward while collecting may run with it."""
+    if cfg.judge.enabled and cfg.explore.dynamic_sampling:
+        raise ConfigError("explore.dynamic_sampling keeps groups by the env's reward before "
+                          "the judge has scored them; drop explore.dynamic_sampling or the "
+                          "judge")
+
+
 def check_self_play(cfg: Config) -> None:
     """An outside opponent needs its player. In async mode each rollout worker builds its own
     (self-play: its engine in every seat; a local model; an endpoint) or, for the pool,
@@ -136,6 +145,7 @@ def check_across(cfg: Config) -> None:
     check_explore(cfg)
     check_self_seeds(cfg)
     check_distill(cfg)
+    check_judge(cfg)
     check_self_play(cfg)
     check_weight_sync(cfg)
     check_learner(cfg)

@@ -18,6 +18,7 @@ from turnrl.config.core import (
 from turnrl.config.critic import CriticConfig
 from turnrl.config.distill import DistillConfig
 from turnrl.config.explore import ExploreConfig
+from turnrl.config.judge import JudgeConfig
 from turnrl.config.learner import LearnerConfig
 from turnrl.config.sampler import SamplerConfig
 from turnrl.config.serve import ServeConfig
@@ -62,6 +63,9 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     """on-policy distillation: a teacher scores the sampled tokens (reverse KL), off by
     default"""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """an LLM judge scoring each training episode against a rubric (a local model or an
+    OpenAI-compatible endpoint), off by default"""
 
     def __post_init__(self) -> None:
         check_across(self)

@@ -1,6 +1,7 @@
 """THE learner loop: ``learn(cfg, source)``, for every way episodes arrive.
 
-    collect -> update (rl_step) -> publish -> metrics -> end_step
+    collect -> judge (judge.*: off by default) -> update (rl_step) -> publish -> metrics
+    -> end_step
 
 Where the episodes come from is a ``RolloutSource``; the loop never knows which:
 
@@ -32,6 +33,7 @@ from turnrl.policy import publish
 from turnrl.trainer.bookkeeping import TrainResult, end_step, finish_run, step_logging
 from turnrl.trainer.curriculum import held_out_title
 from turnrl.trainer.evaluation import evaluate_env
+from turnrl.trainer.judges import build_judge
 from turnrl.trainer.reference import reset_reference
 from turnrl.trainer.rl_step import Learner, StageTimer, rl_step
 from turnrl.trainer.run import Run, start_run
@@ -160,6 +162,7 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
     ``resume`` continues the run in ``run.out_dir`` from its last checkpoint."""
     run = start_run(cfg, resume, threads=source.learner_threads, decoupled=source.off_policy)
     cfg, model = run.cfg, run.learner.model
+    judge = build_judge(cfg, run.policy.chat.tokenizer)  # None unless judge.* is set
     source.open(run)
     try:
         source.publish(run.start_step, model)
@@ -172,12 +175,17 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
                     episodes = source.collect(step)
                 if episodes is None:  # nothing more to train on
                     break
+                judged = {}
+                if judge is not None:  # on the learner, every mode alike (docs/judges.md)
+                    with timer("judge"):
+                        episodes, judged = judge.score(episodes)
                 with source.updating():
                     summary, metrics = source.update(run.learner, episodes, timer)
                 metrics.update(reset_reference(run.learner, step + 1,
                                                cfg.algo.reference_reset_every))
                 with timer("publish"):
                     source.publish(step + 1, model)
+                metrics.update(judged)
                 metrics.update(source.step_metrics(step, episodes, metrics))
                 end_step(run, step, episodes, summary, metrics, timer, logger, progress,
                          checkpoint_extra=source.state_dict(),
@@ -186,3 +194,5 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
         return source.result(finish_run(run, before, after, source.held_out(cfg)))
     finally:
         source.close()
+        if judge is not None:
+            judge.close()
