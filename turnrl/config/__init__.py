@@ -8,6 +8,7 @@ Modules, by topic:
 - ``serve``     the OpenAI-compatible endpoint
 - ``explore``   exploration and stability options
 - ``distill``   on-policy distillation from a teacher
+- ``reward``    a reward model scoring episodes; turnrl rm's preference data
 - ``root``      ``Config``: the sections in order
 - ``checks``    every check that reads more than one section
 - ``renames``   keys that moved, and translating stored configs written with them
@@ -55,6 +56,7 @@ from turnrl.config.load import (
 )
 from turnrl.config.lora_plan import LoraSpec
 from turnrl.config.renames import MOVED, translate_stored
+from turnrl.config.reward import RewardConfig
 from turnrl.config.root import Config, sections
 from turnrl.config.sampler import SamplerConfig
 from turnrl.config.serve import ServeConfig
@@ -94,6 +96,7 @@ __all__ = [
     "RayConfig",
     "RolloutConfig",
     "RunConfig",
+    "RewardConfig",
     "SamplerConfig",
     "Section",
     "ServeConfig",

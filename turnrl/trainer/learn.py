@@ -14,6 +14,9 @@ Where the episodes come from is a ``RolloutSource``; the loop never knows which:
 - ``DemonstrationSource`` (sft/train.py, ``turnrl sft``): each step's batch of demonstrations,
   its ``update`` the token NLL of supervised fine-tuning instead of ``rl_step``.
 
+With ``reward.model``, a reward model scores every source's episodes before the update
+(trainer/reward_model.py), so it works alike in every mode.
+
 A new way (self-play games, ...) is one more class with these methods; the loop does not
 change. Sources that hand over episodes sampled by older weights say so
 (``off_policy``): the update then always uses decoupled PPO (``trainer/step.py``).
@@ -33,6 +36,7 @@ from turnrl.trainer.bookkeeping import TrainResult, end_step, finish_run, step_l
 from turnrl.trainer.curriculum import held_out_title
 from turnrl.trainer.evaluation import evaluate_env
 from turnrl.trainer.reference import reset_reference
+from turnrl.trainer.reward_model import RewardScorer
 from turnrl.trainer.rl_step import Learner, StageTimer, rl_step
 from turnrl.trainer.run import Run, start_run
 from turnrl.types import Episode
@@ -160,6 +164,7 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
     ``resume`` continues the run in ``run.out_dir`` from its last checkpoint."""
     run = start_run(cfg, resume, threads=source.learner_threads, decoupled=source.off_policy)
     cfg, model = run.cfg, run.learner.model
+    scorer = RewardScorer.for_run(run)  # a bad reward model stops before any source starts
     source.open(run)
     try:
         source.publish(run.start_step, model)
@@ -172,8 +177,13 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
                     episodes = source.collect(step)
                 if episodes is None:  # nothing more to train on
                     break
+                scores = {}
+                if scorer is not None:  # every source's episodes, before the update
+                    with timer("reward_model"):
+                        scores = scorer.apply(episodes)
                 with source.updating():
                     summary, metrics = source.update(run.learner, episodes, timer)
+                metrics.update(scores)
                 metrics.update(reset_reference(run.learner, step + 1,
                                                cfg.algo.reference_reset_every))
                 with timer("publish"):
