@@ -53,7 +53,8 @@ def score_head_model(cfg: Config):
     from transformers import AutoModelForSequenceClassification
     lm, tokenizer = load_model(cfg.model.name, cache_dir=cfg.model.cache_dir or None,
                                revision=cfg.model.revision)
-    config = lm.config.__class__.from_dict({**lm.config.to_dict(), "num_labels": 1,
+    facts = {k: v for k, v in lm.config.to_dict().items() if k not in ("id2label", "label2id")}
+    config = lm.config.__class__.from_dict({**facts, "num_labels": 1,
                                             "pad_token_id": tokenizer.pad_token_id})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.run.seed)
