@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
 
+
+@pytest.mark.slow  # four tiny runs and a reward model: ~30 s on an idle 2-core machine
 def test_the_overoptimisation_benchmark_prints_both_curves_and_its_ratio(capsys, tmp_path):
     import overoptimisation
 
