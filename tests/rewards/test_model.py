@@ -86,3 +86,13 @@ def test_a_tokenizer_changed_since_training_is_refused(tmp_path):
 def test_not_a_model_directory(tmp_path):
     with pytest.raises(RewardModelError, match="is not a Hugging Face model directory"):
         RewardModel.load(str(tmp_path))
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
+    path = save_rm(tmp_path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(RewardModelError, match="has no chat template"):
+        RewardModel.load(str(path))
