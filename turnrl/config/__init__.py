@@ -8,6 +8,7 @@ Modules, by topic:
 - ``serve``     the OpenAI-compatible endpoint
 - ``explore``   exploration and stability options
 - ``distill``   on-policy distillation from a teacher
+- ``judge``     an LLM judge scoring episodes against a rubric
 - ``reward``    a reward model scoring episodes; turnrl rm's preference data
 - ``root``      ``Config``: the sections in order
 - ``checks``    every check that reads more than one section
@@ -45,6 +46,7 @@ from turnrl.config.distill import DistillConfig
 from turnrl.config.env_plan import Curriculum, EnvModule, MixEntry, parse_env_module
 from turnrl.config.explore import ExploreConfig
 from turnrl.config.help import config_help, section_help, sections_help
+from turnrl.config.judge import JudgeConfig
 from turnrl.config.learner import LearnerConfig
 from turnrl.config.load import (
     changed_keys,
@@ -85,6 +87,7 @@ __all__ = [
     "EnvModule",
     "EvalConfig",
     "ExploreConfig",
+    "JudgeConfig",
     "LearnerConfig",
     "LossAgg",
     "PolicyLossName",

@@ -81,6 +81,15 @@ def check_distill(cfg: Config) -> None:
                           "student's); use run.mode sync or drop distill.teacher")
 
 
+def check_judge(cfg: Config) -> None:
+    """The judge scores a step's episodes after they are collected, so nothing that picks
+    episodes by their reward while collecting may run with it."""
+    if cfg.judge.enabled and cfg.explore.dynamic_sampling:
+        raise ConfigError("explore.dynamic_sampling keeps groups by the env's reward before "
+                          "the judge has scored them; drop explore.dynamic_sampling or the "
+                          "judge")
+
+
 def check_env_plan(cfg: Config) -> None:
     """A curriculum or a mix needs the sync trainer: it builds every env from the step's plan
     (the async rollout workers build theirs from env.name and env.options alone)."""
@@ -139,6 +148,7 @@ def check_across(cfg: Config) -> None:
     check_explore(cfg)
     check_self_seeds(cfg)
     check_distill(cfg)
+    check_judge(cfg)
     check_env_plan(cfg)
     check_self_play(cfg)
     check_weight_sync(cfg)

@@ -18,6 +18,7 @@ from turnrl.config.core import (
 from turnrl.config.critic import CriticConfig
 from turnrl.config.distill import DistillConfig
 from turnrl.config.explore import ExploreConfig
+from turnrl.config.judge import JudgeConfig
 from turnrl.config.learner import LearnerConfig
 from turnrl.config.reward import RewardConfig
 from turnrl.config.sampler import SamplerConfig
@@ -63,6 +64,9 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     """on-policy distillation: a teacher scores the sampled tokens (reverse KL), off by
     default"""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """an LLM judge scoring each training episode against a rubric (a local model or an
+    OpenAI-compatible endpoint), off by default"""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """a reward model scoring episodes (reward.model), and turnrl rm's preference data"""
 
