@@ -9,6 +9,7 @@ Modules, by topic:
 - ``explore``   exploration and stability options
 - ``distill``   on-policy distillation from a teacher
 - ``judge``     an LLM judge scoring episodes against a rubric
+- ``reward``    a reward model scoring episodes; turnrl rm's preference data
 - ``root``      ``Config``: the sections in order
 - ``checks``    every check that reads more than one section
 - ``renames``   keys that moved, and translating stored configs written with them
@@ -57,6 +58,7 @@ from turnrl.config.load import (
 )
 from turnrl.config.lora_plan import LoraSpec
 from turnrl.config.renames import MOVED, translate_stored
+from turnrl.config.reward import RewardConfig
 from turnrl.config.root import Config, sections
 from turnrl.config.sampler import SamplerConfig
 from turnrl.config.serve import ServeConfig
@@ -97,6 +99,7 @@ __all__ = [
     "RayConfig",
     "RolloutConfig",
     "RunConfig",
+    "RewardConfig",
     "SamplerConfig",
     "Section",
     "ServeConfig",
