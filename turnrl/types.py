@@ -35,6 +35,8 @@ END_REASONS = {
     "env_error": "an env reset or step raised, or returned a malformed value (a reward "
                  "that is not a finite number, or that makes the return not finite: "
                  "REWARD_LIMIT)",
+    "judge_error": "the LLM judge (judge.*) failed, timed out or replied with no score; the "
+                   "episode is left out of the update",
 }
 """``Episode.end_reason`` values: why an episode ended (details in ``info["reason"]``)."""
 

@@ -237,8 +237,8 @@ def test_adaptive_coefficient_is_used_and_updated_by_the_stage():
 def test_explore_config_checks():
     with pytest.raises(ConfigError, match="explore.top_entropy_fraction"):
         load_config(None, ["--explore.top_entropy_fraction", "0"])
-    with pytest.raises(ConfigError, match="sync only"):
-        load_config(None, ["--explore.temperature_schedule", "linear", "--run.mode", "async"])
+    # async too: each group carries its step's temperature (distributed/plan.py)
+    load_config(None, ["--explore.temperature_schedule", "linear", "--run.mode", "async"])
     load_config(None, ["--explore.dynamic_sampling", "true", "--run.mode", "async"])  # async too
     with pytest.raises(ConfigError, match="exceeds rollout.group_size"):
         load_config(None, ["--explore.pass_k", "9"])

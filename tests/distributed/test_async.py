@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import groups_within
 from turnrl.config import load_config
-from turnrl.distributed.book import AssignmentBook, in_flight_groups
+from turnrl.distributed.book import AssignmentBook, GroupPlan, in_flight_groups
 from turnrl.distributed.source import RaySource
 from turnrl.envs import StepResult, make_env
 from turnrl.policy import group_seed, training_seeds
@@ -398,7 +398,8 @@ def test_a_revived_worker_takes_its_share_at_its_first_report_and_the_donor_with
     fleet.reconcile(1, fleet._next_seq(), WorkerReport(1, "b", [], set(), -1, -1))
     assert [a.id for a in book.at(1)] == [3, 4, 5] and [a.id for a in book.at(0)] == [0, 1, 2]
     assert ("withdraw", ([5, 4, 3],)) in survivor.calls
-    assert ("assign", ([(5, 105), (4, 104), (3, 103)],)) in revived.calls
+    none = GroupPlan()  # no schedule, mix or curriculum: the worker's own settings
+    assert ("assign", ([(5, 105, none), (4, 104, none), (3, 103, none)],)) in revived.calls
     assert fleet.reissued == [5, 4, 3]
     fleet.reconcile(1, fleet._next_seq(), WorkerReport(1, "b", [], {3, 4, 5}, -1, -1))
     assert len(book.at(1)) == 3 and fleet.reissued == [5, 4, 3]  # once, at its first report

@@ -57,11 +57,20 @@ def test_async_mode_refuses_the_pool_on_vllm_workers_in_one_line(tmp_path, env):
 
 
 @pytest.mark.parametrize("opponent", ["self", "pool"])
-def test_mixes_of_games_refuse_async_mode(opponent):
-    with pytest.raises(ConfigError, match="env.mix works in run.mode sync only"):
-        load_config(None, ["--env.name", "mix", "--run.mode", "async", "--env.mix",
-                           f'[{{"name": "tictactoe-selfplay", "options": {{"opponent": '
-                           f'"{opponent}"}}}}, {{"name": "tictactoe"}}]'])
+def test_mixes_of_games_run_in_async_mode(opponent):
+    """A mix's game entry in async mode (tests/distributed/test_plan.py plays one): groups
+    are sized by the entry with the most seats, and an entry against the pool gives the
+    learner a pool to keep, as a run of that game alone does."""
+    from turnrl.distributed.book import episodes_per_group
+    from turnrl.distributed.source import RaySource
+
+    cfg = load_config(None, ["--env.name", "mix", "--run.mode", "async", "--env.mix",
+                             f'[{{"name": "tictactoe-selfplay", "options": {{"opponent": '
+                             f'"{opponent}"}}}}, {{"name": "tictactoe"}}]'])
+    alone = load_config(None, ["--env.name", "tictactoe-selfplay", "--run.mode", "async",
+                               "--env.options.opponent", opponent])
+    assert episodes_per_group(cfg) == episodes_per_group(alone)
+    assert RaySource(cfg).pool_versions == ([] if opponent == "pool" else None)
 
 
 # ---- the worker's side: its env, its pool, the versions of each seat --------------------------

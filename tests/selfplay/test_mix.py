@@ -191,13 +191,13 @@ def test_a_mix_takes_one_kind_of_outside_opponent_and_checks_its_settings():
     assert load_config(None, mix("{name: guess-number}")).env.outside_opponent() == ""
 
 
-def test_a_mix_takes_self_play_entries_in_sync_mode_only():
+def test_a_mix_takes_self_play_entries_in_both_modes():
     for entry in ("{name: tictactoe-selfplay}", "{name: tictactoe, options: {opponent: self}}",
                   "{name: textarena-selfplay}"):
-        load_config(None, ["--env.name", "mix", "--env.mix", f"[{entry}, {{name: guess-number}}]"])
-    with pytest.raises(ConfigError, match="env.mix works in run.mode sync only"):
-        load_config(None, ["--env.name", "mix", "--run.mode", "async", "--env.mix",
-                           "[{name: tictactoe-selfplay}]"])
+        for mode in ("sync", "async"):  # async: the workers play each entry's seats
+            cfg = load_config(None, ["--env.name", "mix", "--run.mode", mode, "--env.mix",
+                                     f"[{entry}, {{name: guess-number}}]"])
+            assert cfg.env.mix_plan()[0].name in entry
 
 
 def test_turnrl_eval_refuses_a_mix_with_a_self_play_entry_and_names_the_fix():

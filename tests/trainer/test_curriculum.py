@@ -99,8 +99,6 @@ CURRICULUM = ["--env.name", "test-knob", "--env.curriculum.option", "difficulty"
      "unknown key 'step'"),
     (CURRICULUM + ["--env.curriculum.levels", "[0, 2]", "--env.options.difficulty", "1"],
      "env.options.difficulty is set by env.curriculum"),
-    (CURRICULUM + ["--env.curriculum.levels", "[0, 2]", "--run.mode", "async"],
-     "env.curriculum works in run.mode sync only"),
     (["--env.name", "mix", "--env.mix", "[{name: test-always, weight: 0}]"], "weight must be"),
     (["--env.name", "mix", "--env.mix", "[{name: test-always, weight: 0}, "
       "{name: test-never, weight: 0}]"], "env.mix[0].weight must be a finite number > 0"),
@@ -130,8 +128,6 @@ CURRICULUM = ["--env.name", "test-knob", "--env.curriculum.option", "difficulty"
     (["--env.mix", "[{name: test-always}]"], "set --env.name mix"),
     (["--env.name", "mix", "--env.mix", "[{name: test-always}]", "--env.options.x", "1"],
      "env.options is unused with env.mix"),
-    (["--env.name", "mix", "--env.mix", "[{name: test-always}]", "--run.mode", "async"],
-     "env.mix works in run.mode sync only"),
 ])
 def test_a_bad_curriculum_or_mix_fails_in_one_line(args, says):
     with pytest.raises(ConfigError) as err:

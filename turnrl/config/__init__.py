@@ -8,6 +8,8 @@ Modules, by topic:
 - ``serve``     the OpenAI-compatible endpoint
 - ``explore``   exploration and stability options
 - ``distill``   on-policy distillation from a teacher
+- ``judge``     an LLM judge scoring episodes against a rubric
+- ``reward``    a reward model scoring episodes; turnrl rm's preference data
 - ``root``      ``Config``: the sections in order
 - ``checks``    every check that reads more than one section
 - ``renames``   keys that moved, and translating stored configs written with them
@@ -44,6 +46,7 @@ from turnrl.config.distill import DistillConfig
 from turnrl.config.env_plan import Curriculum, EnvModule, MixEntry, parse_env_module
 from turnrl.config.explore import ExploreConfig
 from turnrl.config.help import config_help, section_help, sections_help
+from turnrl.config.judge import JudgeConfig
 from turnrl.config.learner import LearnerConfig
 from turnrl.config.load import (
     changed_keys,
@@ -55,6 +58,7 @@ from turnrl.config.load import (
 )
 from turnrl.config.lora_plan import LoraSpec
 from turnrl.config.renames import MOVED, translate_stored
+from turnrl.config.reward import RewardConfig
 from turnrl.config.root import Config, sections
 from turnrl.config.sampler import SamplerConfig
 from turnrl.config.serve import ServeConfig
@@ -83,6 +87,7 @@ __all__ = [
     "EnvModule",
     "EvalConfig",
     "ExploreConfig",
+    "JudgeConfig",
     "LearnerConfig",
     "LossAgg",
     "PolicyLossName",
@@ -94,6 +99,7 @@ __all__ = [
     "RayConfig",
     "RolloutConfig",
     "RunConfig",
+    "RewardConfig",
     "SamplerConfig",
     "Section",
     "ServeConfig",

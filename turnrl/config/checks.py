@@ -23,11 +23,11 @@ VLLM_TEMPERATURES = (0.01, 2.0)
 """vLLM raises a temperature in (0, 0.01) to 0.01 and rejects one above 2."""
 
 
-def check_vllm_temperature(temperature: float) -> None:
+def check_vllm_temperature(temperature: float, key: str = "rollout.temperature") -> None:
     """The sampler and the learner must agree on the temperature: refuse what vLLM changes."""
     low, high = VLLM_TEMPERATURES
     if 0 < temperature < low or temperature > high:
-        raise ConfigError(f"rollout.temperature {temperature} with rollout.sampler vllm: vLLM "
+        raise ConfigError(f"{key} {temperature} with rollout.sampler vllm: vLLM "
                           f"samples only at 0 (greedy) or in [{low}, {high}] (it would silently "
                           "change the value, and the learner would score another policy); "
                           "choose a temperature in that range")
@@ -59,9 +59,14 @@ def check_critic_options(advantage: str, critic: CriticConfig) -> None:
 def check_explore(cfg: Config) -> None:
     """``explore`` options the run's mode, group size or estimator cannot honour."""
     e = cfg.explore
-    if cfg.run.mode == "async" and e.temperature_schedule != "constant":
-        raise ConfigError("explore.temperature_schedule works in run.mode sync only (rollout "
-                          "workers sample at rollout.temperature); turn it off or use sync mode")
+    scheduled = e.temperature_schedule != "constant"
+    if scheduled and cfg.run.mode == "async" and cfg.rollout.sampler == "ct2":
+        raise ConfigError("explore.temperature_schedule with rollout.sampler ct2 in run.mode "
+                          "async: a ct2 worker converts each version per temperature, and a "
+                          "schedule gives each step its own, converted on the sampling path; "
+                          "use --rollout.sampler hf, or a constant temperature")
+    if scheduled and cfg.rollout.sampler == "vllm":
+        check_vllm_temperature(e.temperature_end, "explore.temperature_end")
     if e.pass_k > cfg.rollout.group_size:
         raise ConfigError(f"explore.pass_k {e.pass_k} exceeds rollout.group_size "
                           f"{cfg.rollout.group_size}; lower it or raise the group size")
@@ -81,12 +86,13 @@ def check_distill(cfg: Config) -> None:
                           "student's); use run.mode sync or drop distill.teacher")
 
 
-def check_env_plan(cfg: Config) -> None:
-    """A curriculum or a mix needs the sync trainer: it builds every env from the step's plan
-    (the async rollout workers build theirs from env.name and env.options alone)."""
-    used = [key for key in ("curriculum", "mix") if getattr(cfg.env, key)]
-    if cfg.run.mode == "async" and used:
-        raise ConfigError(f"env.{used[0]} works in run.mode sync only; use --run.mode sync")
+def check_judge(cfg: Config) -> None:
+    """The judge scores a step's episodes after they are collected, so nothing that picks
+    episodes by their reward while collecting may run with it."""
+    if cfg.judge.enabled and cfg.explore.dynamic_sampling:
+        raise ConfigError("explore.dynamic_sampling keeps groups by the env's reward before "
+                          "the judge has scored them; drop explore.dynamic_sampling or the "
+                          "judge")
 
 
 def check_self_play(cfg: Config) -> None:
@@ -139,7 +145,7 @@ def check_across(cfg: Config) -> None:
     check_explore(cfg)
     check_self_seeds(cfg)
     check_distill(cfg)
-    check_env_plan(cfg)
+    check_judge(cfg)
     check_self_play(cfg)
     check_weight_sync(cfg)
     check_learner(cfg)

@@ -87,11 +87,12 @@ class EnvConfig(Section):
     """keyword arguments for the environment's constructor, e.g. --env.options.high 20"""
     curriculum: dict[str, Any] = field(default_factory=dict)
     """a difficulty knob that follows training success: {option, levels, band, window}, e.g.
-    --env.curriculum.option high --env.curriculum.levels '[10, 100]' (docs/curriculum.md);
-    {} = off"""
+    --env.curriculum.option high --env.curriculum.levels '[10, 100]' (docs/curriculum.md;
+    async mode: each group at the learner's level when issued); {} = off"""
     mix: list[dict[str, Any]] = field(default_factory=list)
     """several envs in one run, with env.name mix: [{name, options, weight}, ...], each group's
-    env drawn by weight (docs/curriculum.md); [] = the one env env.name"""
+    env drawn by weight (docs/curriculum.md; sync and async modes); [] = the one env
+    env.name"""
     opponent_pool_size: int = 3
     """with --env.options.opponent pool: how many frozen past policies the pool keeps (the
     newest); each game's opponent is drawn uniformly from them (docs/selfplay.md)"""

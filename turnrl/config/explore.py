@@ -44,7 +44,8 @@ class ExploreConfig(Section):
     """the adaptive coefficient stays in [0, this]"""
     temperature_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """sampling temperature over training steps, from rollout.temperature to
-    temperature_end (sync mode)"""
+    temperature_end; async mode: each group at the learner's step when it was issued
+    (rollout.sampler hf or vllm; docs/async.md)"""
     temperature_end: float = 1.0
     """temperature at the last step for the linear and cosine schedules"""
     positive_weight: float = 1.0

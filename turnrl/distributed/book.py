@@ -21,14 +21,29 @@ from turnrl.rollout.loop import Group
 def episodes_per_group(cfg: Config) -> int:
     """Episodes one group delivers: ``rollout.group_size`` games, each one episode per seat
     of a multi-seat game (self-play: envs/contract.py ``seats``), one otherwise. Read from one
-    env built here, as the learner's start-up builds it (policy.env_factories)."""
-    return cfg.rollout.group_size * max(1, len(seats(make_env(cfg.env.name,
-                                                               **cfg.env.options))))
+    env built here, as the learner's start-up builds it (policy.env_factories); a mix: its
+    entry with the most seats."""
+    built = ([make_env(e.name, **e.options) for e in cfg.env.mix_plan()]
+             or [make_env(cfg.env.name, **cfg.env.options)])
+    return cfg.rollout.group_size * max(max(1, len(seats(env))) for env in built)
 
 
 def in_flight_groups(cfg: Config) -> int:
     """Groups the workers play at once: ``overprovision`` times a step's need."""
     return math.ceil(cfg.pool.overprovision * cfg.rollout.groups_per_step)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """What the worker must use for one group, decided by the learner when it issues it
+    (distributed/plan.py): None leaves the worker's own setting."""
+
+    temperature: float | None = None
+    """The sampling temperature of the step it was issued at (``explore.temperature_schedule``)."""
+    entry: int | None = None
+    """The ``env.mix`` entry it plays (the learner's draw for its seed)."""
+    level: int | None = None
+    """The ``env.curriculum`` level it plays (the learner's level when it was issued)."""
 
 
 @dataclass
@@ -39,6 +54,8 @@ class Assignment:
     seq: int
     """Submission order of the call that sent it (see ``Fleet.seq``)."""
     reissues: int = 0
+    plan: GroupPlan = field(default_factory=GroupPlan)
+    """Temperature, env and level the worker plays it with (re-sent with it unchanged)."""
 
 
 @dataclass
@@ -57,17 +74,23 @@ class AssignmentBook:
     next_id: int = 0
     outstanding: dict[int, Assignment] = field(default_factory=dict)
     seeds: dict[int, int] = field(default_factory=dict)
+    plans: dict[int, GroupPlan] = field(default_factory=dict)
+    """Assignment -> its plan, kept after delivery: the learner labels and counts by it."""
     outcome: dict[int, str] = field(default_factory=dict)
     duplicates: int = 0
+
+    plan_of: Callable[[int], GroupPlan] = lambda seed: GroupPlan()  # noqa: E731
+    """Seed -> the plan of a group issued now (``GroupPlanner.plan``; default: none)."""
 
     def issue(self, worker: int, seq: int, seed: int | None = None) -> Assignment:
         if seed is None:
             seed = self.seed_of(self.next_index)
             self.next_index += 1
-        assignment = Assignment(self.next_id, seed, worker, seq)
+        assignment = Assignment(self.next_id, seed, worker, seq, plan=self.plan_of(seed))
         self.next_id += 1
         self.outstanding[assignment.id] = assignment
         self.seeds[assignment.id] = seed
+        self.plans[assignment.id] = assignment.plan
         return assignment
 
     def deliver(self, group: Group) -> bool:

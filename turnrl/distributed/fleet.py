@@ -146,7 +146,7 @@ class Fleet:
             self._call(w, "resize", pool_size)
 
     def assign(self, w: int, assignments: list[Assignment]) -> None:
-        self._call(w, "assign", [(a.id, a.seed) for a in assignments])
+        self._call(w, "assign", [(a.id, a.seed, a.plan) for a in assignments])
 
     def revive(self) -> None:
         """Start a fresh actor for each given-up worker the cluster has room for again (a node

@@ -44,11 +44,11 @@ from turnrl.distributed.placement import (
     release_placement,
     worker_group,
 )
+from turnrl.distributed.plan import GroupPlanner
 from turnrl.distributed.pool_sizing import PoolSizing
 from turnrl.distributed.pool_state import frozen_members, pool_state, saved_members, seed_fleet
 from turnrl.distributed.refresh_stats import refresh_metrics
-from turnrl.distributed.workers import spawn_workers, worker_needs
-from turnrl.envs import ENVS
+from turnrl.distributed.workers import run_env_factories, spawn_workers, worker_needs
 from turnrl.policy import group_seed, publish
 from turnrl.rollout.loop import Group
 from turnrl.selfplay.pool import pool_after_offer
@@ -110,8 +110,10 @@ class RaySource(SourceDefaults):
         self.guided: dict[str, float] = {}
         """The step's ``dynamic/*`` and ``guide/*`` metrics."""
         self.pool_versions: list[int] | None = (
-            [] if cfg.env.options.get("opponent") == "pool" else None)
+            [] if cfg.env.outside_opponent() == "pool" else None)
         """The opponent pool's versions (``opponent: pool``): workers hold frozen copies."""
+        self.planner = GroupPlanner(cfg)
+        """Each group's temperature, mix entry and curriculum level (plan.py)."""
         self.seat: LearnerSeat | None = None
         self.group = None
         """The learner's reservation and the workers' placement group (placement.py)."""
@@ -126,7 +128,8 @@ class RaySource(SourceDefaults):
             return
         cfg, resume_state = run.cfg, run.checkpoint_state
         self.cfg, self.sizing.cfg, self.version = cfg, cfg, run.start_step
-        self.book = book = AssignmentBook(partial(group_seed, cfg))
+        self.planner = GroupPlanner(cfg, run.learner.explore.temperature, resume_state)
+        self.book = book = AssignmentBook(partial(group_seed, cfg), plan_of=self.planner.plan)
         # Work outstanding when the last run stopped is not re-played: its seeds are skipped.
         book.next_index = resume_state.get("seed_index", 0)
         book.next_id = resume_state.get("next_assignment", 0)
@@ -149,7 +152,7 @@ class RaySource(SourceDefaults):
         except BaseException:
             release_placement(self.seat, None)
             raise
-        spawn = partial(spawn_workers, cfg, env_factory=ENVS.get(cfg.env.name),
+        spawn = partial(spawn_workers, cfg, env_factory=run_env_factories(cfg),
                         pool_size=self.sizing.worker_pool(in_flight_groups(cfg)),
                         name_prefix=f"turnrl-{os.getpid()}-{int(time.time())}-rollout",
                         group=self.group)
@@ -213,10 +216,13 @@ class RaySource(SourceDefaults):
             for group in left:
                 self.book.resolve(group.assignment, "filtered")
             self.ledger.step_events["filtered"] = [g.assignment for g in left]
+            self.planner.record(left, self.book.plans)
+        self.planner.record(self.taken, self.book.plans)  # a mix's labels, before guidance
         episodes = [ep for g in self.taken for ep in g.episodes]
         if self.guidance is not None:  # the workers' all-failed groups, guided on the learner
             episodes, guided = self.guidance.apply(
-                episodes, self.run, lambda seeds, make: play_seeds(self.run, seeds, make))
+                episodes, self.run, lambda seeds, make: play_seeds(self.run, seeds, make),
+                self.planner.make())
             self.guided.update(guided)
         return episodes
 
@@ -266,7 +272,8 @@ class RaySource(SourceDefaults):
                      update_metrics: dict[str, float]) -> dict[str, float]:
         pool = ({"game/pool_versions": float(len(self.pool_versions))}
                 if self.pool_versions is not None else {})
-        return {**self.group_metrics(step, self.taken, update_metrics), **self.guided, **pool}
+        return {**self.group_metrics(step, self.taken, update_metrics), **self.guided, **pool,
+                **self.planner.step_metrics()}
 
     def group_metrics(self, step: int, groups: list[Group],
                       update_metrics: dict[str, float]) -> dict[str, float]:
@@ -276,7 +283,7 @@ class RaySource(SourceDefaults):
         worker_versions = [fleet.version[w] for w in fleet.alive()
                            if fleet.version.get(w, -1) >= 0]
         dropped = list(self.buffer.step_dropped)
-        weights = getattr(fleet, "weights", None)  # the publisher (a test's fleet: none)
+        shipping, pulled = weight_metrics(fleet, self.version)
         metrics = {
             **self.buffer.step_metrics(step, groups, self.sizing.max_versions),
             "async/regenerated_groups": len(events["regenerated"]),
@@ -284,19 +291,11 @@ class RaySource(SourceDefaults):
             "async/duplicate_groups": book.duplicates,
             "async/worker_restarts": fleet.restarts,
             "async/version_lag": step - min(worker_versions) if worker_versions else 0,
-            # What one version costs to ship to each worker (LoRA: the adapter alone).
-            "async/weight_bytes_per_version": getattr(weights, "version_bytes", 0),
-            # 1: this version went through the weight group (ray.weight_sync broadcast).
-            "async/weights_broadcast": float(
-                self.version in getattr(weights, "broadcast_versions", ())),
+            **shipping,
         }
         worker_stats = dict(getattr(fleet, "stats", {}))
         metrics.update(refresh_metrics(worker_stats, self.refresh_totals))
         self.refresh_totals = worker_stats
-        pulled = fleet.take_pulled() if hasattr(fleet, "take_pulled") else {}
-        if pulled:  # Ray pulls a version into a node once; every worker there shares it
-            metrics["async/weights_mb_per_node"] = sum(pulled.values()) / len(pulled) / 1e6
-            metrics["async/weights_mb_max_node"] = max(pulled.values()) / 1e6
         metrics.update(self.sizing.after_step(
             update_metrics, len(dropped) + len(events["regenerated"]),
             len(book.outstanding) + len(self.buffer), self.buffer, self.version, fleet))
@@ -313,7 +312,8 @@ class RaySource(SourceDefaults):
                 draws.get(w, 0) for w in range(self.cfg.ray.num_workers)])}
         return {"seed_index": self.book.next_index, "next_assignment": self.book.next_id,
                 "max_versions": self.sizing.max_versions,
-                **(self.guidance.state_dict() if self.guidance is not None else {}), **pool}
+                **(self.guidance.state_dict() if self.guidance is not None else {}), **pool,
+                **self.planner.state_dict()}
 
     def frozen_weights(self) -> dict:
         """The pool members' weights by checkpoint name: the newest version is the learner's
@@ -381,3 +381,19 @@ class RaySource(SourceDefaults):
                 self.book.resolve(group.assignment, "dropped")
                 self.buffer.drop([group])
 
+
+def weight_metrics(fleet, version: int) -> tuple[dict[str, float], dict[str, int]]:
+    """(what shipping ``version`` to the workers cost, weight bytes pulled per node since
+    the last step); a test's fleet without a publisher gives zeros."""
+    weights = getattr(fleet, "weights", None)
+    metrics = {
+        # What one version costs to ship to each worker (LoRA: the adapter alone).
+        "async/weight_bytes_per_version": getattr(weights, "version_bytes", 0),
+        # 1: this version went through the weight group (ray.weight_sync broadcast).
+        "async/weights_broadcast": float(version in getattr(weights, "broadcast_versions", ())),
+    }
+    pulled = fleet.take_pulled() if hasattr(fleet, "take_pulled") else {}
+    if pulled:  # Ray pulls a version into a node once; every worker there shares it
+        metrics["async/weights_mb_per_node"] = sum(pulled.values()) / len(pulled) / 1e6
+        metrics["async/weights_mb_max_node"] = max(pulled.values()) / 1e6
+    return metrics, pulled

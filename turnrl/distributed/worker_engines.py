@@ -17,7 +17,7 @@ from turnrl.config import Config
 from turnrl.distributed.weight_sync import TIED_KEYS
 from turnrl.envs.base import Env, make_env
 from turnrl.models import model_directory
-from turnrl.policy import load_policy, use_chat_template
+from turnrl.policy import env_factories, load_policy, use_chat_template
 from turnrl.rollout import ChatFormat
 from turnrl.selfplay.endpoint import EndpointOpponent
 from turnrl.selfplay.opponents import ModelOpponent, attach_player
@@ -49,29 +49,53 @@ def load_player(cfg: Config) -> Player:
     use_chat_template(tokenizer, cfg.model.chat_template)
     chat = ChatFormat(tokenizer)
     chat.check()
-    make_env(cfg.env.name, **cfg.env.options)
+    env_factories(cfg)  # the env (a mix's entries, a curriculum's levels) builds
     max_context = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust),
                           "max_position_embeddings", None)
     return Player(tokenizer, chat, max_context)
 
 
-def worker_env_factory(cfg: Config, pool: OpponentPool | None = None) -> Callable[[], Env]:
-    """The worker's env: a multi-seat game's seats are all played by the worker's own engine
+def worker_env_factory(cfg: Config, pool: OpponentPool | None = None, name: str | None = None,
+                       options: dict[str, Any] | None = None,
+                       players: dict[str, Any] | None = None) -> Callable[[], Env]:
+    """The worker's env (``name`` and ``options``: default ``env.name``'s and
+    ``env.options``): a multi-seat game's seats are all played by the worker's own engine
     (self-play); an outside opponent the worker can build itself (another local model, an
-    endpoint: frozen, the same in every worker) is handed to each new env; a pool opponent is
-    drawn from ``pool``, the worker's copy of the learner's (``set_pool``), when the game
-    first needs it (the learner sends the pool with the weights, before any work), waiting for it
-    less than the env call it is drawn in lasts (``pool_wait_s``)."""
-    make = partial(make_env, cfg.env.name, **cfg.env.options)
-    opponent = cfg.env.options.get("opponent")
+    endpoint: frozen, the same in every worker; built once per ``players``, which the envs of
+    a mix or a curriculum share) is handed to each new env; a pool opponent is drawn from
+    ``pool``, the worker's copy of the learner's (``set_pool``), when the game first needs it
+    (the learner sends the pool with the weights, before any work), waiting for it less than
+    the env call it is drawn in lasts (``pool_wait_s``)."""
+    options = cfg.env.options if options is None else options
+    make = partial(make_env, name or cfg.env.name, **options)
+    opponent = options.get("opponent")
+    players = {} if players is None else players
     if opponent == "pool" and pool is not None:
         wait_s = pool_wait_s(cfg.rollout.env_timeout_s)
         return attach_player(make, partial(PoolDraw, pool, wait_s))
     if opponent == "model":
-        return ModelOpponent.load(cfg.env.opponent_model, cfg).attach(make)
+        if opponent not in players:
+            players[opponent] = ModelOpponent.load(cfg.env.opponent_model, cfg)
+        return players[opponent].attach(make)
     if opponent == "endpoint":
-        return EndpointOpponent.from_config(cfg).attach(make)
+        if opponent not in players:
+            players[opponent] = EndpointOpponent.from_config(cfg)
+        return players[opponent].attach(make)
     return make
+
+
+def planned_env_factories(cfg: Config, pool: OpponentPool | None = None,
+                          players: dict[str, Any] | None = None
+                          ) -> tuple[list[Callable[[], Env]], list[Callable[[], Env]]]:
+    """(each ``env.mix`` entry's env, each ``env.curriculum`` level's env) as the worker
+    builds them: the learner names one of either in each assignment (``GroupPlan``)."""
+    players = {} if players is None else players
+    entries = [worker_env_factory(cfg, pool, e.name, e.options, players)
+               for e in cfg.env.mix_plan()]
+    plan = cfg.env.curriculum_plan()
+    levels = [worker_env_factory(cfg, pool, cfg.env.name, {**cfg.env.options, plan.option: v},
+                                 players) for v in plan.levels] if plan else []
+    return entries, levels
 
 
 def sampling_seed(run_seed: int, worker: int) -> int:

@@ -80,6 +80,7 @@ from turnrl.distributed.worker_engines import (
     ct2_refresh,
     fetched_state,
     load_player,
+    planned_env_factories,
     sampling_seed,
     with_tied_weights,
     worker_env_factory,
@@ -128,8 +129,8 @@ class WorkerReport:
 class RolloutWorker:
     """One rollout worker; a plain class, made a Ray actor by ``spawn_workers``.
 
-    ``env_factory`` is the learner's ``ENVS[cfg.env.name]``, registered here under the same
-    name: environments registered at run time in the driver (a script, a test's conftest)
+    ``env_factory`` is the learner's ``ENVS[cfg.env.name]`` (a mix: ``{name: factory}`` of
+    its entries, ``run_env_factories``), registered here under the same name: environments registered at run time in the driver (a script, a test's conftest)
     then exist in the worker too. Ray pickles it, by reference for an importable module and
     by value for ``__main__``; the worker must be able to import whatever it references.
     """
@@ -147,7 +148,9 @@ class RolloutWorker:
         # oversubscribe the cores the learner and the other workers run on.
         configure_torch(threads or max(1, int(cfg.ray.worker_cpus)))
         load_env_module(cfg.env.module, shipped=True)  # by name: its file came in py_modules
-        if env_factory is not None:
+        if isinstance(env_factory, dict):
+            ENVS.update({k: f for k, f in env_factory.items() if f is not None})
+        elif env_factory is not None:
             ENVS[cfg.env.name] = env_factory
         policy, self.model, self.engine, self.refresh = worker_sampler(cfg, index, pool_size)
         """``refresh`` (ct2): the ``BackgroundRefresh`` converting each version while the
@@ -168,14 +171,17 @@ class RolloutWorker:
         self.pool = (OpponentPool(policy.chat, params, size=cfg.env.opponent_pool_size,
                                   every=cfg.env.opponent_pool_every,
                                   seed=sampling_seed(cfg.run.seed, index))
-                     if cfg.env.options.get("opponent") == "pool" else None)
+                     if cfg.env.outside_opponent() == "pool" else None)
+        players: dict[str, Any] = {}  # an outside opponent built once, for every env
         self.rollout = TurnLoop(
-            worker_env_factory(cfg, self.pool), self.engine, policy.chat,
+            worker_env_factory(cfg, self.pool, players=players), self.engine, policy.chat,
             params, group_size=cfg.rollout.group_size, pool_size=pool_size,
             env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
             max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s,
             before_generate=self._load_newest_weights,
             partial_rollouts=cfg.staleness.partial_rollouts, worker=index)
+        self.planned = planned_env_factories(cfg, self.pool, players)
+        """(mix entries' envs, curriculum levels' envs): what an assignment's plan names."""
         self.rollout.seats.record_versions = True  # which weights played each seat of a game
         self._thread = threading.Thread(target=self._serve, name=f"rollout-{index}",
                                         daemon=True)
@@ -241,9 +247,20 @@ class RolloutWorker:
                                                      states[version]))
         return self.pool.versions()
 
-    def assign(self, assignments: list[tuple[int, int]]) -> int:
-        for assignment, seed in assignments:
-            self.rollout.submit(assignment, seed)
+    def assign(self, assignments: list[tuple]) -> int:
+        """Queue ``(assignment, seed)`` or ``(assignment, seed, GroupPlan)`` groups: a plan's
+        temperature, mix entry and curriculum level are the learner's for that group."""
+        entries, levels = self.planned
+        for assignment, seed, *planned in assignments:
+            plan = planned[0] if planned else None
+            make = temperature = None
+            if plan is not None:
+                temperature = plan.temperature
+                if plan.entry is not None:
+                    make = entries[plan.entry]
+                elif plan.level is not None:
+                    make = levels[plan.level]
+            self.rollout.submit(assignment, seed, make=make, temperature=temperature)
         return len(assignments)
 
     def withdraw(self, assignments: list[int]) -> list[int]:
@@ -453,7 +470,8 @@ def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None
 
     actor = ray.remote(RolloutWorker)
     sent, setup = WorkerSetup.of(cfg)
-    shipped = [env_factory, module_of(cfg.env.module)]  # the env, and env.module's envs
+    factories = env_factory.values() if isinstance(env_factory, dict) else [env_factory]
+    shipped = [*factories, module_of(cfg.env.module)]  # the env(s), and env.module's envs
     runtime_env = uploaded(worker_runtime_env(cfg, shipped))
     handles = []
     for index in range(cfg.ray.num_workers) if indices is None else indices:
@@ -466,6 +484,16 @@ def spawn_workers(cfg: Config, *, env_factory: Any = None, pool_size: int | None
         handles.append(actor.options(**options).remote(sent, index, env_factory, pool_size,
                                                         threads, setup))
     return handles
+
+
+def run_env_factories(cfg: Config) -> Any:
+    """What ``spawn_workers`` ships of the learner's registry: ``ENVS[env.name]``, or a mix's
+    ``{name: factory}`` of its entries (registered at run time in the driver, they exist in
+    the workers too)."""
+    mix = cfg.env.mix_plan()
+    if mix:
+        return {e.name: ENVS.get(e.name) for e in mix}
+    return ENVS.get(cfg.env.name)
 
 
 def worker_needs(cfg: Config) -> dict[str, float]:

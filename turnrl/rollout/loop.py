@@ -46,6 +46,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from turnrl import leftovers
 from turnrl.envs import contract
@@ -143,14 +144,16 @@ class TurnLoop:
     # ---- thread-safe interface -------------------------------------------------------------
 
     def submit(self, assignment: int, seed: int, *, group: int | None = None,
-               episodes: int | None = None) -> None:
+               episodes: int | None = None, make: Callable[[], Env] | None = None,
+               temperature: float | None = None) -> None:
         """Queue one group: ``episodes`` (default ``group_size``) episodes of ``seed``,
-        delivered as ``assignment``; ``Episode.group`` is ``group`` (default the assignment)."""
+        delivered as ``assignment``; ``Episode.group`` is ``group`` (default the assignment);
+        ``make``, ``temperature``: its own env and sampling temperature (None: the loop's)."""
         with self.lock:
             if assignment in self._groups or assignment in self._feed:
                 return  # already here: a re-sent assignment must not be played twice
             self._feed.push(assignment, seed, assignment if group is None else group,
-                            episodes or self.group_size)
+                            episodes or self.group_size, (make, temperature))
         self._poke()
 
     def withdraw(self, assignments: Sequence[int]) -> list[int]:
@@ -249,10 +252,12 @@ class TurnLoop:
             while self._feed and (not self._slots or self.pool_size is None
                                   or len(self._slots) + self.group_size * self.seats.per_game
                                   <= self.pool_size):
-                assignment, seed, group, count = self._feed.pop()
+                assignment, seed, group, count, (make, temperature) = self._feed.pop()
                 episodes = []
                 for _ in range(count):
-                    slots = self._start(assignment, seed, group)
+                    slots = self._start(assignment, seed, group, make)
+                    for slot in slots:
+                        slot.temperature = temperature
                     self._slots += slots
                     episodes += [slot.episode for slot in slots]
                 self._groups[assignment] = _GroupState(seed, episodes, len(episodes),
@@ -260,10 +265,10 @@ class TurnLoop:
                 self.stats.episodes_started += len(episodes)
         self.stats.max_live = max(self.stats.max_live, len(self._slots))
 
-    def _start(self, assignment: int, seed: int, group: int) -> list[_Slot]:
-        """The slots of one new env, its reset launched: one slot, or one per seat of a
-        multi-seat game (sharing the env and its thread; the reset runs on the first)."""
-        env = contract.chosen_for_seed(self.make(), seed)  # a mix: seats after its draw
+    def _start(self, assignment: int, seed: int, group: int, make=None) -> list[_Slot]:
+        """The slots of one new env (from ``make``, default the loop's), its reset launched:
+        one slot, or one per seat of a multi-seat game (sharing the env and its thread)."""
+        env = contract.chosen_for_seed((make or self.make)(), seed)  # a mix: seats after its draw
         runner = self._threads.runner(env)
         seats = contract.seats(env)
         if seats:
@@ -288,21 +293,23 @@ class TurnLoop:
         return asyncio.ensure_future(call())
 
     async def _generate(self, waiting: list[_Slot]) -> None:
-        """One batched generate call for every waiting episode; launch their env steps."""
+        """One batched generate call for every waiting episode (one per sampling temperature
+        when groups carry their own); launch their env steps."""
         # Weights may only change when no live episode has policy tokens, without partial
         # rollouts; in waves that is exactly the start of each wave.
         may_swap = self.partial_rollouts or not any(s.episode.num_policy_tokens
                                                     for s in self._slots)
         env_running = any(s.phase == _ENV for s in self._slots)
-        prompts = [s.episode.token_ids for s in waiting]
+        parts = by_temperature(waiting, self.params)
+        calls = [([s.episode.token_ids for s in slots], params) for slots, params in parts]
         started = time.perf_counter()
         if self.lockstep:
             # Nothing runs beside a lock-step generate call (no env call is in flight), so it
             # runs on the loop's own thread: handing it to a worker thread cost ~0.3 s of a
             # 1.1 s G=4 collection of SmolLM2 on 2 cores (benchmarks/speed/step_throughput.py).
-            completions, version = self._generate_batch(prompts, may_swap)
+            completions, version = self._generate_batch(calls, may_swap)
         else:
-            completions, version = await asyncio.to_thread(self._generate_batch, prompts,
+            completions, version = await asyncio.to_thread(self._generate_batch, calls,
                                                            may_swap)
         if self._stopping:
             return  # stopped while generating (maybe before any weights came): drop it
@@ -310,12 +317,13 @@ class TurnLoop:
         self.call_costs.append((len(waiting), seconds))  # drained by another thread
         self.stats.count_call(len(waiting), seconds, len(self._slots), len(self._groups),
                               env_running)
-        for slot, completion in zip(waiting, completions, strict=True):
-            text = self.turns.reply(slot, completion, version)
-            slot.task = self._env_call(slot, "step", text)
+        for (slots, _), done in zip(parts, completions, strict=True):
+            for slot, completion in zip(slots, done, strict=True):
+                text = self.turns.reply(slot, completion, version)
+                slot.task = self._env_call(slot, "step", text)
 
-    def _generate_batch(self, prompts: list[list[int]], may_swap: bool
-                        ) -> tuple[list[Completion], int]:
+    def _generate_batch(self, calls: list[tuple[list[list[int]], SamplingParams]],
+                        may_swap: bool) -> tuple[list[list[Completion]], int]:
         with self.lock:
             ended, self._ended = self._ended, []
         if ended and hasattr(self.engine, "release"):
@@ -325,7 +333,7 @@ class TurnLoop:
             self.before_generate()
             self.stats.version_swaps += self.engine.version != before
         version = self.engine.version  # tokens carry the version that sampled them
-        return self.engine.generate(prompts, self.params), version
+        return [self.engine.generate(prompts, params) for prompts, params in calls], version
 
     def _harvest(self) -> None:
         """Apply every finished reset and env step; move ended episodes out of the pool (a
@@ -365,6 +373,18 @@ class TurnLoop:
                                         self.worker, state.started_at, time.time()))
             self.stats.groups_finished += 1
             self._ready.notify_all()
+
+
+def by_temperature(waiting: list[_Slot], params: SamplingParams
+                   ) -> list[tuple[list[_Slot], SamplingParams]]:
+    """``waiting`` split by its groups' sampling temperatures (``Slot.temperature``; None:
+    ``params``'), in order of first appearance: one part, in the given order, when every
+    group samples at ``params``'."""
+    parts: dict[float | None, list[_Slot]] = {}
+    for slot in waiting:
+        parts.setdefault(slot.temperature, []).append(slot)
+    return [(slots, params if t is None else replace(params, temperature=t))
+            for t, slots in parts.items()]
 
 
 def run_sync(coro):

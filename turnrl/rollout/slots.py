@@ -18,12 +18,13 @@ RESET, POLICY, ENV, WAIT = "reset", "policy", "env", "wait"
 
 
 class Feed:
-    """Groups waiting to start, oldest first: (assignment, seed, group label, episodes). The
+    """Groups waiting to start, oldest first: (assignment, seed, group label, episodes, play:
+    the group's own (env factory, temperature), either None for the loop's). The
     assignments are kept in a set too: a scan of the feed on each submit made a long feed (an
     evaluation's episodes, submitted at once) quadratic. The loop's lock guards it."""
 
     def __init__(self) -> None:
-        self._items: deque[tuple[int, int, int, int]] = deque()
+        self._items: deque[tuple[int, int, int, int, tuple]] = deque()
         self._queued: set[int] = set()
 
     def __contains__(self, assignment: int) -> bool:
@@ -32,11 +33,12 @@ class Feed:
     def __bool__(self) -> bool:
         return bool(self._items)
 
-    def push(self, assignment: int, seed: int, group: int, episodes: int) -> None:
-        self._items.append((assignment, seed, group, episodes))
+    def push(self, assignment: int, seed: int, group: int, episodes: int,
+             play: tuple = (None, None)) -> None:
+        self._items.append((assignment, seed, group, episodes, play))
         self._queued.add(assignment)
 
-    def pop(self) -> tuple[int, int, int, int]:
+    def pop(self) -> tuple[int, int, int, int, tuple]:
         """The oldest group waiting."""
         item = self._items.popleft()
         self._queued.discard(item[0])
@@ -77,6 +79,8 @@ class Slot:
     seat: str = ""
     pending_reward: float = 0.0
     """Reward the env gave this seat's open turn (a mid-game step's reward)."""
+    temperature: float | None = None
+    """Its group's sampling temperature (None: the loop's ``params``)."""
 
 
 @dataclass

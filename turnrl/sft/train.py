@@ -222,7 +222,9 @@ def sft(cfg: Config, *, resume: bool = False) -> SftResult:
     # a malformed file stops before anything starts
     demos = read_demonstrations(cfg.sft.data) if cfg.sft.data else []
     # no teacher: distillation is an RL signal (a warm-up would load it for nothing)
-    cfg = replace(without_env_eval(cfg), distill=type(cfg.distill)())
+    # nor a reward model: demonstrations are trained on as they are
+    cfg = replace(without_env_eval(cfg), distill=type(cfg.distill)(),
+                  reward=replace(cfg.reward, model=""))
     return learn(cfg, DemonstrationSource(demos), resume=resume)
 
 

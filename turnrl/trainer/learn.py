@@ -1,6 +1,7 @@
 """THE learner loop: ``learn(cfg, source)``, for every way episodes arrive.
 
-    collect -> update (rl_step) -> publish -> metrics -> end_step
+    collect -> judge (judge.*) -> reward model (reward.model) -> update (rl_step) -> publish
+    -> metrics -> end_step          (judge and reward model: off by default)
 
 Where the episodes come from is a ``RolloutSource``; the loop never knows which:
 
@@ -13,6 +14,9 @@ Where the episodes come from is a ``RolloutSource``; the loop never knows which:
   ``turnrl serve``; lock-step or continuous (``run.mode``).
 - ``DemonstrationSource`` (sft/train.py, ``turnrl sft``): each step's batch of demonstrations,
   its ``update`` the token NLL of supervised fine-tuning instead of ``rl_step``.
+
+With ``reward.model``, a reward model scores every source's episodes before the update
+(trainer/reward_model.py), so it works alike in every mode.
 
 A new way (self-play games, ...) is one more class with these methods; the loop does not
 change. Sources that hand over episodes sampled by older weights say so
@@ -32,7 +36,9 @@ from turnrl.policy import publish
 from turnrl.trainer.bookkeeping import TrainResult, end_step, finish_run, step_logging
 from turnrl.trainer.curriculum import held_out_title
 from turnrl.trainer.evaluation import evaluate_env
+from turnrl.trainer.judges import build_judge
 from turnrl.trainer.reference import reset_reference
+from turnrl.trainer.reward_model import RewardScorer
 from turnrl.trainer.rl_step import Learner, StageTimer, rl_step
 from turnrl.trainer.run import Run, start_run
 from turnrl.types import Episode
@@ -155,11 +161,28 @@ class SourceDefaults:
         return result
 
 
+def scored_episodes(judge, scorer: RewardScorer | None, episodes: list[Episode],
+                    timer: StageTimer) -> tuple[list[Episode], dict[str, float]]:
+    """The step's episodes rewarded by the judge (``judge.*``), then the reward model
+    (``reward.model``, its ``env_weight`` applying to the judged reward), on the learner,
+    every mode alike; their metrics. Both off by default: the episodes as they came."""
+    metrics: dict[str, float] = {}
+    if judge is not None:  # docs/judges.md
+        with timer("judge"):
+            episodes, metrics = judge.score(episodes)
+    if scorer is not None:  # docs/reward_models.md
+        with timer("reward_model"):
+            metrics = {**metrics, **scorer.apply(episodes)}
+    return episodes, metrics
+
+
 def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainResult:
     """Train ``cfg``'s policy for ``run.steps`` steps on the episodes ``source`` delivers;
     ``resume`` continues the run in ``run.out_dir`` from its last checkpoint."""
     run = start_run(cfg, resume, threads=source.learner_threads, decoupled=source.off_policy)
     cfg, model = run.cfg, run.learner.model
+    scorer = RewardScorer.for_run(run)  # a bad reward model stops before any source starts
+    judge = build_judge(cfg, run.policy.chat.tokenizer)  # None unless judge.* is set
     source.open(run)
     try:
         source.publish(run.start_step, model)
@@ -172,12 +195,14 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
                     episodes = source.collect(step)
                 if episodes is None:  # nothing more to train on
                     break
+                episodes, judged = scored_episodes(judge, scorer, episodes, timer)
                 with source.updating():
                     summary, metrics = source.update(run.learner, episodes, timer)
                 metrics.update(reset_reference(run.learner, step + 1,
                                                cfg.algo.reference_reset_every))
                 with timer("publish"):
                     source.publish(step + 1, model)
+                metrics.update(judged)
                 metrics.update(source.step_metrics(step, episodes, metrics))
                 end_step(run, step, episodes, summary, metrics, timer, logger, progress,
                          checkpoint_extra=source.state_dict(),
@@ -186,3 +211,5 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
         return source.result(finish_run(run, before, after, source.held_out(cfg)))
     finally:
         source.close()
+        if judge is not None:
+            judge.close()

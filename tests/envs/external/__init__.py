@@ -1,0 +1,1 @@
+"""Environments written in other libraries' own formats (verifiers, OpenEnv), for the adapters' tests."""
