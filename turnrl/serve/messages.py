@@ -18,6 +18,7 @@ from urllib.parse import quote
 
 from turnrl.serve.protocol import EPISODE_FIELD, EPISODE_HEADER, ChatRequest, _number, bad, new_id
 from turnrl.serve.server import Choice, Server
+from turnrl.serve.stream import live_text
 
 PATH = "/v1/messages"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -251,7 +252,7 @@ async def message_events(server: Server, request: ChatRequest, prepared: tuple):
         "usage": {"input_tokens": len(prepared[1]), "output_tokens": 0}}})
     stream = server.reply_stream(request, prepared[3])
     opened = False
-    async for text in _live_text(tokens, stream):
+    async for text in live_text(tokens, stream):
         if not opened:
             yield _block("content_block_start", 0, content_block={"type": "text", "text": ""})
             opened = True
@@ -268,21 +269,6 @@ async def message_events(server: Server, request: ChatRequest, prepared: tuple):
                                   "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                   "usage": {"output_tokens": len(choice.token_ids)}})
     yield event("message_stop", {"type": "message_stop"})
-
-
-async def _live_text(tokens: asyncio.Queue, stream):
-    """The text that can be sent as tokens arrive (``None`` on the queue: the reply ended)."""
-    done = False
-    while not done:
-        events = [await tokens.get()]
-        while not tokens.empty():  # everything sampled meanwhile: one delta
-            events.append(tokens.get_nowait())
-        done = events[-1] is None
-        for _, token, logprob in filter(None, events):
-            stream.add(token, logprob)
-        text, _, _ = stream.take()
-        if text:
-            yield text
 
 
 def _final_blocks(choice: Choice, rest: str, opened: bool) -> list[str]:

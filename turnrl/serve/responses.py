@@ -57,7 +57,7 @@ from turnrl.serve.protocol import (
     check_tools,
 )
 from turnrl.serve.server import Choice, Server
-from turnrl.serve.stream import ReplyStream
+from turnrl.serve.stream import ReplyStream, live_text
 
 TEXT_PARTS = ("input_text", "output_text")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -359,22 +359,6 @@ class Events:
         data = json.dumps({"type": kind, "sequence_number": self.sequence, **fields})
         self.sequence += 1
         return f"event: {kind}\ndata: {data}\n\n"
-
-
-async def live_text(tokens: asyncio.Queue, stream: ReplyStream) -> AsyncIterator[str]:
-    """The text of a reply as its tokens arrive (``Batcher.generate``'s queue: ``(choice,
-    token, logprob)``, then None), what of it ``stream`` can already send."""
-    done = False
-    while not done:
-        events = [await tokens.get()]
-        while not tokens.empty():  # everything sampled meanwhile: one delta
-            events.append(tokens.get_nowait())
-        done = events[-1] is None
-        for _, token, logprob in filter(None, events):
-            stream.add(token, logprob)
-        text, _, _ = stream.take()
-        if text:
-            yield text
 
 
 # ---- the API over a Server ------------------------------------------------------------------

@@ -20,8 +20,9 @@ The rest of the content, the calls and the finish reason follow when the choice 
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 CALL_TAG = "<tool_call>"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -105,3 +106,19 @@ class ReplyStream:
     def rest(self, content: str) -> str:
         """What is left to send of the final ``content`` (it starts with what was sent)."""
         return content[len(self.sent):] if content.startswith(self.sent) else ""
+
+
+async def live_text(tokens: asyncio.Queue, stream: ReplyStream) -> AsyncIterator[str]:
+    """The text of a reply as its tokens arrive (``Batcher.generate``'s queue: ``(choice,
+    token, logprob)``, then None), what of it ``stream`` can already send."""
+    done = False
+    while not done:
+        events = [await tokens.get()]
+        while not tokens.empty():  # everything sampled meanwhile: one delta
+            events.append(tokens.get_nowait())
+        done = events[-1] is None
+        for _, token, logprob in filter(None, events):
+            stream.add(token, logprob)
+        text, _, _ = stream.take()
+        if text:
+            yield text
