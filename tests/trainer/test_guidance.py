@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import local_ray
+from turnrl.algorithms.replay import failed_groups
 from turnrl.config import ConfigError, load_config
 from turnrl.envs import StepResult, register_env
 from turnrl.metrics import read_metrics
@@ -20,7 +21,6 @@ from turnrl.trainer.guidance import (
     Guidance,
     HintLevels,
     derived_hint,
-    failed_groups,
     next_hint_level,
 )
 from turnrl.types import Episode, read_episodes

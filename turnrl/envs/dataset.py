@@ -147,6 +147,7 @@ def prompt_of(row: dict, prompt: str, messages: str) -> tuple[str | None, str | 
 
 
 _LOADED: dict[tuple, tuple[list[dict], list[dict]]] = {}
+_CHECKED: set[tuple] = set()  # (the loaded rows' id, columns, reward) that passed check_rows
 
 
 def load_splits(path: str, eval_path: str, split_column: str, fraction: float
@@ -191,7 +192,10 @@ class DatasetEnv:
         self.columns = {"prompt": prompt, "messages": messages, "answer": answer, "tests": tests}
         self.shuffle_seed, self.row = shuffle_seed, {}
         self.eval_options = {"split": "eval"}  # what evaluation builds (policy.env_factories)
-        check_rows(self.rows, f"{path} ({split} split)", self.columns, reward)
+        checked = (id(self.rows), tuple(self.columns.values()), reward)
+        if checked not in _CHECKED:  # an env is built per episode: check the rows once
+            check_rows(self.rows, f"{path} ({split} split)", self.columns, reward)
+            _CHECKED.add(checked)
         self.system_prompt: str | None = None
 
     async def reset(self, seed: int) -> str:
