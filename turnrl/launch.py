@@ -47,9 +47,14 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
 def _train(cfg: Config, resume: bool) -> TrainResult:
     cfg = launched_world_size(cfg)
     if cfg.learner.world_size > 1:
-        from turnrl.trainer.ranks import run_as_rank0
+        from turnrl.trainer.ranks import child_ranks, run_as_rank0
 
-        return run_as_rank0(cfg, lambda: _train_here(cfg, resume))
+        launcher = child_ranks
+        if cfg.learner.launcher == "ray":
+            if importlib.util.find_spec("ray") is None:
+                raise ConfigError("learner.launcher ray needs Ray: pip install 'turnrl[ray]'")
+            from turnrl.distributed.learner_ranks import ray_ranks as launcher
+        return run_as_rank0(cfg, lambda: _train_here(cfg, resume), launcher)
     return _train_here(cfg, resume)
 
 

@@ -37,7 +37,15 @@ class LearnerConfig(Section):
     """the longest any collective may wait for the other ranks before the run stops, naming
     the rank that did not answer (a dead rank is noticed at once)"""
     port: int = 0
-    """the rendezvous port on 127.0.0.1 for ranks turnrl train starts (0: a free one)"""
+    """the rendezvous port on rank 0's node for ranks turnrl train starts (0: a free one)"""
+    launcher: Literal["local", "ray"] = "local"
+    """who starts ranks 1..N-1: local = child processes on this machine; ray = Ray actors on
+    the cluster at ray.address (else a local one), one placement-group bundle per rank of
+    ray.learner_cpus (at least 1) and ray.learner_gpus (auto: 1 on CUDA); rank 0 stays this
+    process either way (docs/learner.md)"""
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
+    """launcher ray: how the ranks' bundles are placed (pack: on as few nodes as possible,
+    spread: across nodes; strict_*: that or refused); rank 0's bundle is on its own node"""
 
     def _check(self) -> None:
         self._at_least(1, "world_size")

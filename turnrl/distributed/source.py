@@ -146,7 +146,9 @@ class RaySource(SourceDefaults):
             check_architecture(run.learner.model.config, "rollout.sampler")
         device = next(run.learner.model.parameters()).device
         # The learner's seat first: its GPU is then taken before a worker could be put on it.
-        self.seat = LearnerSeat.take(cfg, device.type == "cuda", device.index or 0)
+        if not (cfg.learner.world_size > 1 and cfg.learner.launcher == "ray"):
+            # (Ray-actor ranks hold rank 0's seat in their placement group: learner_ranks.py)
+            self.seat = LearnerSeat.take(cfg, device.type == "cuda", device.index or 0)
         try:
             self.group = worker_group(cfg)
         except BaseException:

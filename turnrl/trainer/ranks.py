@@ -1,8 +1,9 @@
 """Learner ranks: starting them, and what ranks > 0 do.
 
 ``turnrl train --learner.world_size N`` makes this process rank 0 and starts ranks 1..N-1 as
-child processes on this machine (``start_ranks``); ``torchrun --nproc-per-node N -m turnrl
-train ...`` starts them all itself (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are read).
+child processes on this machine (``child_ranks``), or with ``--learner.launcher ray`` as Ray
+actors placed on a cluster (distributed/learner_ranks.py); ``torchrun --nproc-per-node N -m
+turnrl train ...`` starts them all itself (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are read).
 Rank 0 then runs the one learner loop (trainer/learn.py); every other rank runs ``follow``:
 it builds its share of the learner from the config rank 0 sends, then does what rank 0 says
 until told to stop: update on the step's episodes (``rl_step``, each on its share), gather the
@@ -13,7 +14,8 @@ alone, which sends each step's episodes to every rank (docs/learner.md says why)
 
 A rank that dies is noticed at the next collective (its socket closes): the run stops with
 one line naming it, and ``--resume`` continues from the last whole checkpoint. A rank that
-hangs stops the run after ``learner.timeout_s``. Children die with rank 0 (PDEATHSIG).
+hangs stops the run after ``learner.timeout_s``. Children die with rank 0 (PDEATHSIG), Ray
+actors with its driver.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 import torch
@@ -40,7 +42,23 @@ from turnrl.trainer.run import learner_for, restore_learner, seed_run
 
 T = TypeVar("T")
 LEARNER_ENV = "TURNRL_LEARNER"
-"""The ``learner`` section, as JSON, for the ranks ``start_ranks`` starts."""
+"""The ``learner`` section, as JSON, for the ranks ``child_ranks`` starts."""
+
+
+@dataclass
+class Started:
+    """Ranks 1..N-1 as a launcher started them: where rank 0 meets them, and how it names the
+    ones that died (``dead``; ``wait``: give a dying rank a moment to be seen) and stops them."""
+
+    address: str
+    port: int
+    threads: int
+    """rank 0's torch threads"""
+    dead: Callable[[bool], str]
+    kill: Callable[[], None]
+
+
+Launcher = Callable[[Config], AbstractContextManager[Started]]
 
 
 def follow(world: World) -> None:
@@ -119,10 +137,12 @@ def _die_with_parent() -> None:
 
 
 @contextmanager
-def child_ranks(cfg: Config, port: int) -> Iterator[list[subprocess.Popen]]:
+def child_ranks(cfg: Config) -> Iterator[Started]:
     """Ranks 1..N-1 of ``cfg.learner.world_size`` as child processes of this one, stopped
     (killed after a grace period) when the block ends."""
     size = cfg.learner.world_size
+    check_capacity(cfg, size)
+    port = cfg.learner.port or free_port()
     learner = {**asdict(cfg.learner), "backend": device_for(cfg.learner, cfg.model.device, 0)[0]}
     env = {**os.environ, LEARNER_ENV: json.dumps(learner), "WORLD_SIZE": str(size),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -130,8 +150,14 @@ def child_ranks(cfg: Config, port: int) -> Iterator[list[subprocess.Popen]]:
                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
                 for rank in range(1, size)]
+
+    def kill() -> None:
+        for child in children:
+            child.kill()
+
     try:
-        yield children
+        yield Started("127.0.0.1", port, rank_threads(cfg, size),
+                      lambda wait: dead_ranks(children), kill)
     finally:
         for child in children:
             try:
@@ -152,39 +178,37 @@ def dead_ranks(children: list[subprocess.Popen]) -> str:
     return ", ".join(dead)
 
 
-def run_as_rank0(cfg: Config, train: Callable[[], T]) -> T:
-    """``train()`` as rank 0 of ``cfg.learner.world_size`` ranks this process starts (or that
-    torchrun started: RANK is set). In a torchrun rank > 0, ``follow`` instead (returns None)."""
-    launched = "RANK" in os.environ
-    size = int(os.environ.get("WORLD_SIZE", cfg.learner.world_size))
-    rank = int(os.environ.get("RANK", 0))
-    if not launched:
-        check_capacity(cfg, size)
-    backend, device = device_for(cfg.learner, cfg.model.device,
-                                 int(os.environ.get("LOCAL_RANK", rank)))
-    torch.set_num_threads(rank_threads(cfg, size))
-    if launched:
+def run_as_rank0(cfg: Config, train: Callable[[], T], launcher: Launcher = child_ranks) -> T:
+    """``train()`` as rank 0 of ``cfg.learner.world_size`` ranks that ``launcher`` starts (or
+    that torchrun started: RANK is set). In a torchrun rank > 0, ``follow`` instead (returns
+    None)."""
+    if "RANK" in os.environ:
+        size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        backend, device = device_for(cfg.learner, cfg.model.device,
+                                     int(os.environ.get("LOCAL_RANK", rank)))
+        torch.set_num_threads(rank_threads(cfg, size))
         address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
         world = join(rank, size, cfg.learner.strategy, backend, device, cfg.learner.timeout_s,
                      address, port)
         return _lead(world, train) if rank == 0 else _follow_then_leave(world)
-    port = cfg.learner.port or free_port()
-    with child_ranks(cfg, port) as children:
-        world = join(0, size, cfg.learner.strategy, backend, device, cfg.learner.timeout_s,
-                     "127.0.0.1", port)
-        return _lead(world, train, children)
+    backend, device = device_for(cfg.learner, cfg.model.device, 0)
+    with launcher(cfg) as ranks:  # refuses, in one line, a world it cannot hold
+        torch.set_num_threads(ranks.threads)
+        world = join(0, cfg.learner.world_size, cfg.learner.strategy, backend, device,
+                     cfg.learner.timeout_s, ranks.address, ranks.port)
+        return _lead(world, train, ranks)
 
 
-def _lead(world: World, train: Callable[[], T],
-          children: list[subprocess.Popen] | None = None) -> T:
+def _lead(world: World, train: Callable[[], T], ranks: Started | None = None) -> T:
     """Rank 0: ``train()``, then stop the other ranks. On an error the ranks this process
     started are killed first: they may sit in a collective rank 0 will never join."""
     try:
         result = train()
-    except BaseException:
-        dead = dead_ranks(children or [])  # before killing: the ones that died on their own
-        for child in children or []:
-            child.kill()
+    except BaseException as err:
+        # before killing: the ones that died on their own (a failed collective: maybe one)
+        dead = ranks.dead(isinstance(err, RuntimeError)) if ranks else ""
+        if ranks:
+            ranks.kill()
         leave()
         if dead:
             raise RankLost(f"learner {dead} died; the run stopped: resume it with --resume "
@@ -204,17 +228,23 @@ def _follow_then_leave(world: World) -> None:
         leave()
 
 
+def serve_rank(learner: LearnerConfig, rank: int, size: int, address: str, port: int,
+               threads: int, local_rank: int) -> None:
+    """A rank > 0 a launcher started: join rank 0 at ``address:port``, then follow it."""
+    torch.set_num_threads(threads)
+    backend, device = device_for(learner, "cuda" if learner.backend == "nccl" else "cpu",
+                                 local_rank)
+    world = join(rank, size, learner.strategy, backend, device, learner.timeout_s, address, port)
+    _follow_then_leave(world)
+
+
 def main() -> int:
-    """A rank > 0 that ``start_ranks`` started: join, then follow rank 0."""
+    """A rank > 0 that ``child_ranks`` started."""
     learner = LearnerConfig(**json.loads(os.environ[LEARNER_ENV]))
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    backend, device = device_for(learner, "cuda" if learner.backend == "nccl" else "cpu",
-                                 int(os.environ.get("LOCAL_RANK", rank)))
-    world = join(rank, size, learner.strategy, backend, device, learner.timeout_s,
-                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     try:
-        _follow_then_leave(world)
+        serve_rank(learner, rank, size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                   max(1, (os.cpu_count() or 1) // size), int(os.environ.get("LOCAL_RANK", rank)))
     except RankLost as err:
         print(f"learner rank {rank}: {err}", file=sys.stderr)
         return 1

@@ -49,7 +49,7 @@ from turnrl.trainer.rl_step import Learner
 from turnrl.trainer.step import UpdateSettings, activation_bytes_per_token, make_optimizer
 
 RESUMABLE = ("run.steps", "run.progress", "learner.world_size", "learner.timeout_s",
-             "learner.port")
+             "learner.port", "learner.launcher", "learner.placement")
 """Config keys a resumed run may change; anything else would silently change the run."""
 _PER_RUN_FILES = ("metrics.jsonl", "eval_before.json", "eval_before.jsonl", "eval_before.rng",
                   "eval_after.json", "eval_after.jsonl", "summary.txt")

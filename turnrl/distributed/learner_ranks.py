@@ -1,0 +1,217 @@
+"""Learner ranks as Ray actors (``--learner.launcher ray``): ranks 1..N-1 of a multi-rank
+learner started on a Ray cluster, so the learner spans several machines without torchrun.
+
+Rank 0 stays this (driver) process: it owns the run directory, the progress bar, metrics and
+the rollout source, as with child processes (trainer/ranks.py). Each rank reserves one bundle
+of a placement group (``learner.placement``: pack, spread, strict_*): ``ray.learner_cpus``
+(at least 1) and ``ray.learner_gpus`` (-1: one GPU on CUDA, none on the CPU), the seat that
+``LearnerSeat`` holds for a one-process learner. Bundle 0 is pinned to this process's node by
+its node-id label and held by a placeholder actor; bundles 1..N-1 carry the ``LearnerRank``
+actors. The rendezvous is rank 0's node address (``ray.util.get_node_ip_address``) and a free
+port; the backend is chosen as for local ranks (gloo on the CPU, NCCL on CUDA).
+
+A cluster that cannot hold the bundles is refused in one line before any actor starts
+(``missing_room``, from the nodes' totals), and again when the group is not placed within
+``PLACE_WAIT_S`` (busy nodes). A rank actor that dies is noticed at rank 0's next collective
+(its sockets close; a hung one after ``learner.timeout_s``) and named by its rank and node.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Any
+
+from turnrl.config import Config, ConfigError, LearnerConfig
+from turnrl.distributed.cluster import connect
+from turnrl.distributed.placement import PLACE_WAIT_S, STRATEGIES, free_resources
+from turnrl.trainer.ranks import Started, device_for, free_port, serve_rank
+
+NODE_LABEL = "ray.io/node-id"
+"""The label Ray gives every node: pins rank 0's bundle to the driver's node."""
+DEAD_WAIT_S = 5.0
+"""After a failed collective, how long Ray may take to report the rank actor that died."""
+log = logging.getLogger("turnrl.learner")
+
+
+def rank_bundle(cfg: Config, on_cuda: bool) -> dict[str, float]:
+    """One rank's reservation: ``ray.learner_cpus`` (at least 1: a bundle cannot be empty)
+    and ``ray.learner_gpus`` (-1: one GPU on CUDA, none on the CPU). On CUDA each rank needs
+    a whole GPU of its own (NCCL does not share one between ranks)."""
+    gpus = cfg.ray.learner_gpus if cfg.ray.learner_gpus >= 0 else float(on_cuda)
+    if on_cuda and gpus != 1:
+        raise ConfigError(f"learner.launcher ray on CUDA: every rank needs one whole GPU, and "
+                          f"ray.learner_gpus is {gpus:g}; use --ray.learner_gpus 1 (or -1)")
+    bundle = {"CPU": max(1.0, float(cfg.ray.learner_cpus)), "GPU": gpus}
+    return {name: amount for name, amount in bundle.items() if amount > 0}
+
+
+def holds(node: dict[str, float], bundle: dict[str, float]) -> int:
+    """How many ``bundle``s fit in ``node``'s resources."""
+    return min(math.floor(node.get(name, 0.0) / amount + 1e-9) for name, amount in bundle.items())
+
+
+def missing_room(nodes: dict[str, dict[str, float]], home: str, bundle: dict[str, float],
+                 count: int, placement: str) -> str:
+    """Why ``count`` bundles (the first on node ``home``) cannot be placed with ``placement``
+    on ``nodes`` (id -> total resources), even empty; '' when they can."""
+    each = {node: holds(resources, bundle) for node, resources in nodes.items()}
+    want = ", ".join(f"{name} {amount:g}" for name, amount in bundle.items())
+    if each.get(home, 0) < 1:
+        return f"rank 0's node (this process's) has no room for its bundle of {want}"
+    if placement == "strict_pack" and each[home] < count:
+        return (f"strict_pack puts all {count} bundles of {want} on rank 0's node, which "
+                f"holds {each[home]}")
+    if placement == "strict_spread":
+        fit = sum(1 for n in each.values() if n > 0)
+        if fit < count:
+            return (f"strict_spread puts each of the {count} bundles of {want} on its own "
+                    f"node, and {fit} of the cluster's {len(nodes)} nodes hold one")
+    total = sum(each.values())
+    if total < count:
+        return f"{count} bundles of {want} are needed, and the whole cluster holds {total}"
+    return ""
+
+
+def cluster_nodes() -> dict[str, dict[str, float]]:
+    """The live nodes' total resources, by node id."""
+    import ray
+
+    return {node["NodeID"]: node.get("Resources", {}) for node in ray.nodes() if node["Alive"]}
+
+
+def check_room(cfg: Config, bundle: dict[str, float]) -> None:
+    """Refuse, in one line and before any actor starts, a cluster that cannot hold the ranks."""
+    import ray
+
+    size, placement = cfg.learner.world_size, cfg.learner.placement
+    why = missing_room(cluster_nodes(), ray.get_runtime_context().get_node_id(), bundle, size,
+                       placement)
+    if why:
+        raise ConfigError(f"learner.world_size {size} as Ray actors (learner.placement "
+                          f"{placement}): {why}; lower the world size, ray.learner_cpus or "
+                          "ray.learner_gpus, loosen learner.placement, or add nodes "
+                          "(`ray status`)")
+
+
+def rank_group(cfg: Config, bundle: dict[str, float], wait_s: float = PLACE_WAIT_S):
+    """The ranks' placement group, bundle 0 on this process's node, once Ray placed it."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    size = cfg.learner.world_size
+    home = {NODE_LABEL: ray.get_runtime_context().get_node_id()}
+    group = placement_group([bundle] * size, strategy=STRATEGIES[cfg.learner.placement],
+                            bundle_label_selector=[home] + [{}] * (size - 1))
+    if not group.wait(timeout_seconds=wait_s):
+        remove_placement_group(group)
+        raise ConfigError(f"learner.world_size {size} as Ray actors: {size} bundles of "
+                          f"{bundle} ({cfg.learner.placement}) were not free within {wait_s:g} s "
+                          f"(free now: {free_resources(ray)}); wait for room or lower them")
+    return group
+
+
+class LearnerRank:
+    """A learner rank > 0 in a Ray actor: joins rank 0's process group, then follows it."""
+
+    def where(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), os.getpid()
+
+    def run(self, learner: dict, rank: int, size: int, address: str, port: int,
+            threads: int) -> None:
+        serve_rank(LearnerConfig(**learner), rank, size, address, port, threads, 0)
+
+
+class _Seat:
+    """Holds rank 0's bundle in Ray's books (rank 0 is the driver, which Ray does not count)."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def rank_actors(cfg: Config, group: Any, bundle: dict[str, float]) -> list:
+    """The seat in bundle 0 and the ``LearnerRank`` actors 1..N-1, named
+    ``turnrl-<pid>-learner-rank-<r>`` in namespace ``turnrl``, each in its own bundle."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    def options(index: int, **more) -> dict:
+        return {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0),
+                "max_restarts": 0, **more, "scheduling_strategy":
+                PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+
+    runtime_env = cfg.ray.runtime_env or None
+    return [ray.remote(_Seat).options(**options(0)).remote()] + [
+        ray.remote(LearnerRank).options(**options(
+            r, name=f"turnrl-{os.getpid()}-learner-rank-{r}", namespace="turnrl",
+            runtime_env=runtime_env)).remote()
+        for r in range(1, cfg.learner.world_size)]
+
+
+def dead_actors(runs: list, places: list[str], wait: bool) -> str:
+    """``rank 1 (Ray actor on 10.0.0.2, pid 7: died ...)`` for the ranks whose ``run`` ended
+    with an error (``wait``: up to ``DEAD_WAIT_S`` for the first)."""
+    import ray
+
+    ready, _ = ray.wait(runs, num_returns=1, timeout=DEAD_WAIT_S if wait else 0)
+    if ready:  # one ended: give the others no extra time
+        ready, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+    dead = []
+    for rank, (ref, place) in enumerate(zip(runs, places), start=1):
+        if ref not in ready:
+            continue
+        try:
+            ray.get(ref, timeout=0)
+        except Exception as err:  # noqa: BLE001 - the actor's death, or what it raised
+            text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            dead.append(f"rank {rank} (Ray actor on {place}: {type(err).__name__}: "
+                        f"{text[:200]})")
+    return ", ".join(dead)
+
+
+@contextmanager
+def ray_ranks(cfg: Config) -> Iterator[Started]:
+    """Ranks 1..N-1 of ``cfg.learner.world_size`` as Ray actors (see the module docstring),
+    stopped with their placement group when the block ends; a Ray cluster this started is
+    shut down after."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    started_ray = connect(cfg)
+    actors, group = [], None
+    try:
+        backend, device = device_for(cfg.learner, cfg.model.device, 0)
+        bundle = rank_bundle(cfg, device.type == "cuda")
+        check_room(cfg, bundle)
+        group = rank_group(cfg, bundle)
+        actors = rank_actors(cfg, group, bundle)
+        places = [f"{ip}, pid {pid}" for ip, pid in ray.get(
+            [a.where.remote() for a in actors[1:]], timeout=PLACE_WAIT_S)]
+        log.info("learner ranks 1..%d as Ray actors: %s", len(places), "; ".join(places))
+        address, port = ray.util.get_node_ip_address(), cfg.learner.port or free_port()
+        threads = cfg.run.threads or int(bundle["CPU"])
+        learner = {**asdict(cfg.learner), "backend": backend}
+        size = cfg.learner.world_size
+        runs = [actor.run.remote(learner, r, size, address, port, threads)
+                for r, actor in enumerate(actors[1:], start=1)]
+
+        def kill() -> None:
+            for actor in actors:
+                ray.kill(actor)
+
+        yield Started(address, port, threads, lambda wait: dead_actors(runs, places, wait),
+                      kill)
+        ray.get(runs, timeout=30)  # they return on rank 0's stop
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        if group is not None:
+            remove_placement_group(group)
+        if started_ray:
+            ray.shutdown()
