@@ -126,16 +126,19 @@ def turnrl_train(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_turnrl_train_with_ray_actor_ranks_checkpoints_as_local_ranks(cluster, tmp_path):
+def test_an_async_run_with_ray_actor_ranks_checkpoints_as_local_ranks(cluster, tmp_path):
+    """Rollouts from a Ray worker too: the 3 CPUs hold the worker and the 2 ranks' bundles
+    (ray.learner_cpus 1 each) only if rank 0's bundle is its seat, not a second one."""
     run = tmp_path / "run"
     proc = turnrl_train(*TINY, "--ray.address", cluster.address, "--run.steps", "2",
+                        "--run.mode", "async", "--ray.learner_cpus", "1",
                         "--run.checkpoint_every", "1", "--run.out_dir", str(run))
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0, err[-3000:]
     for step in (1, 2):
         names = {p.name for p in (run / "checkpoints" / f"step-{step:06d}").iterdir()}
-        # a DCP directory written by both ranks, as local ranks write it
-        assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= names, names
+        # a DCP directory written by both ranks, beside the files every checkpoint has
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "state.json"} <= names, names
     wait_free_cpus(3.0)
 
 
@@ -154,5 +157,6 @@ def test_a_killed_rank_actor_stops_the_run_naming_it(cluster, tmp_path):
     assert time.monotonic() - killed < TIMEOUT_S
     assert proc.returncode == 1, err[-3000:]
     line = err.strip().splitlines()[-1]
+    print(line, f"(stopped {time.monotonic() - killed:.1f} s after the kill)")
     assert "rank 1" in line and "Ray actor" in line and "--resume" in line, err[-2000:]
     wait_free_cpus(3.0)

@@ -163,7 +163,7 @@ def dead_actors(runs: list, places: list[str], wait: bool) -> str:
     if ready:  # one ended: give the others no extra time
         ready, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
     dead = []
-    for rank, (ref, place) in enumerate(zip(runs, places), start=1):
+    for rank, (ref, place) in enumerate(zip(runs, places, strict=True), start=1):
         if ref not in ready:
             continue
         try:
@@ -201,17 +201,23 @@ def ray_ranks(cfg: Config) -> Iterator[Started]:
         runs = [actor.run.remote(learner, r, size, address, port, threads)
                 for r, actor in enumerate(actors[1:], start=1)]
 
-        def kill() -> None:
-            for actor in actors:
-                ray.kill(actor)
-
         yield Started(address, port, threads, lambda wait: dead_actors(runs, places, wait),
-                      kill)
+                      lambda: stop(actors))
         ray.get(runs, timeout=30)  # they return on rank 0's stop
     finally:
-        for actor in actors:
-            ray.kill(actor)
+        stop(actors)
         if group is not None:
             remove_placement_group(group)
         if started_ray:
             ray.shutdown()
+
+
+def stop(actors: list) -> None:
+    """Kill the rank actors and the seat (safe when they are gone)."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 - already gone, or the cluster is
+            pass

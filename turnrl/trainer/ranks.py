@@ -190,19 +190,22 @@ def run_as_rank0(cfg: Config, train: Callable[[], T], launcher: Launcher = child
         address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
         world = join(rank, size, cfg.learner.strategy, backend, device, cfg.learner.timeout_s,
                      address, port)
-        return _lead(world, train) if rank == 0 else _follow_then_leave(world)
+        return _lead(lambda: world, train) if rank == 0 else _follow_then_leave(world)
     backend, device = device_for(cfg.learner, cfg.model.device, 0)
     with launcher(cfg) as ranks:  # refuses, in one line, a world it cannot hold
         torch.set_num_threads(ranks.threads)
-        world = join(0, cfg.learner.world_size, cfg.learner.strategy, backend, device,
-                     cfg.learner.timeout_s, ranks.address, ranks.port)
-        return _lead(world, train, ranks)
+        return _lead(lambda: join(0, cfg.learner.world_size, cfg.learner.strategy, backend,
+                                  device, cfg.learner.timeout_s, ranks.address, ranks.port),
+                     train, ranks)
 
 
-def _lead(world: World, train: Callable[[], T], ranks: Started | None = None) -> T:
-    """Rank 0: ``train()``, then stop the other ranks. On an error the ranks this process
-    started are killed first: they may sit in a collective rank 0 will never join."""
+def _lead(joined: Callable[[], World], train: Callable[[], T],
+          ranks: Started | None = None) -> T:
+    """Rank 0: join, ``train()``, then stop the other ranks. On an error the ranks a launcher
+    started are killed first: they may sit in a collective rank 0 will never join (or never
+    came to the rendezvous)."""
     try:
+        world = joined()
         result = train()
     except BaseException as err:
         # before killing: the ones that died on their own (a failed collective: maybe one)
