@@ -29,12 +29,10 @@ from typing import Any
 from turnrl.config import Config, ConfigError, LearnerConfig
 from turnrl.distributed.cluster import connect
 from turnrl.distributed.placement import PLACE_WAIT_S, STRATEGIES, free_resources
-from turnrl.trainer.ranks import Started, device_for, free_port, serve_rank
+from turnrl.trainer.ranks import DEAD_WAIT_S, Started, device_for, free_port, serve_rank
 
 NODE_LABEL = "ray.io/node-id"
 """The label Ray gives every node: pins rank 0's bundle to the driver's node."""
-DEAD_WAIT_S = 5.0
-"""After a failed collective, how long Ray may take to report the rank actor that died."""
 log = logging.getLogger("turnrl.learner")
 
 

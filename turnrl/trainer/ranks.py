@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
@@ -41,6 +42,8 @@ from turnrl.trainer.rl_step import StageTimer, rl_step
 from turnrl.trainer.run import learner_for, restore_learner, seed_run
 
 T = TypeVar("T")
+DEAD_WAIT_S = 5.0
+"""After a failed collective, how long a rank that died may take to be seen as ended."""
 LEARNER_ENV = "TURNRL_LEARNER"
 """The ``learner`` section, as JSON, for the ranks ``child_ranks`` starts."""
 
@@ -157,7 +160,7 @@ def child_ranks(cfg: Config) -> Iterator[Started]:
 
     try:
         yield Started("127.0.0.1", port, rank_threads(cfg, size),
-                      lambda wait: dead_ranks(children), kill)
+                      lambda wait: dead_ranks(children, DEAD_WAIT_S if wait else 0), kill)
     finally:
         for child in children:
             try:
@@ -167,8 +170,12 @@ def child_ranks(cfg: Config) -> Iterator[Started]:
                 child.wait()
 
 
-def dead_ranks(children: list[subprocess.Popen]) -> str:
-    """``rank 1 (exit -9, SIGKILL)``... for the children that have ended abnormally."""
+def dead_ranks(children: list[subprocess.Popen], wait_s: float = 0) -> str:
+    """``rank 1 (exit -9, SIGKILL)``... for the children that have ended abnormally, waiting
+    up to ``wait_s`` for one to end (a dying process closes its sockets before it exits)."""
+    deadline = time.monotonic() + wait_s
+    while all(child.poll() is None for child in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
     dead = []
     for rank, child in enumerate(children, start=1):
         code = child.poll()
