@@ -18,6 +18,7 @@ from turnrl.config import ConfigError, load_config
 from turnrl.distributed.cluster import (
     WorkerSetup,
     check_reachable,
+    local_cluster_cpus,
     module_to_ship,
     worker_runtime_env,
 )
@@ -112,6 +113,18 @@ def test_runtime_env_ships_user_modules_and_caches_but_not_installed_code(shippe
     assert module_to_ship(torch.nn.Linear) is None
     assert module_to_ship(turnrl.envs.make_env) is None
     assert module_to_ship(type("Here", (), {"__module__": "__main__"})) is None
+
+
+def test_a_local_cluster_counts_the_workers_and_every_ray_actor_learner_rank():
+    def cpus(*args: str) -> int:
+        return local_cluster_cpus(load_config(None, ["--model.name", "tiny", *args]), 2)
+
+    assert cpus() == 2  # 1 worker: the machine's 2 cores
+    assert cpus("--ray.num_workers", "2", "--ray.learner_cpus", "1") == 3
+    ranks = ["--learner.world_size", "2", "--learner.launcher", "ray"]
+    assert cpus(*ranks) == 3  # 1 worker + 2 ranks of 1 CPU (each rank's bundle needs one)
+    assert cpus(*ranks, "--ray.learner_cpus", "2") == 5
+    assert cpus("--learner.world_size", "2", "--ray.learner_cpus", "2") == 3  # local ranks
 
 
 def test_an_unreachable_address_is_one_clear_line():

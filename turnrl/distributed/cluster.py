@@ -76,14 +76,22 @@ def connect(cfg: Config) -> bool:
                               ) from None
         return True
     # Workers' own CPUs are reserved logically; on a small machine they may oversubscribe.
-    cpus = max(os.cpu_count() or 1,
-               math.ceil(cfg.ray.num_workers * cfg.ray.worker_cpus + cfg.ray.learner_cpus))
+    cpus = local_cluster_cpus(cfg, os.cpu_count() or 1)
     # log_to_driver=False: worker start-up chatter would break the progress bar; worker
     # warnings reach the learner in their reports (Fleet.reconcile), errors as exceptions.
     # address="local": a new cluster even where another one runs on this host (a plain
     # ray.init would join it, and then refuses num_cpus).
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return True
+
+
+def local_cluster_cpus(cfg: Config, cores: int) -> int:
+    """The CPUs a local cluster declares: this machine's cores, or what the workers and the
+    learner reserve when more (Ray-actor learner ranks: a bundle of at least 1 CPU each)."""
+    learner = cfg.ray.learner_cpus
+    if cfg.learner.launcher == "ray" and cfg.learner.world_size > 1:
+        learner = cfg.learner.world_size * max(1.0, learner)
+    return max(cores, math.ceil(cfg.ray.num_workers * cfg.ray.worker_cpus + learner))
 
 
 def auth_hint() -> str:
