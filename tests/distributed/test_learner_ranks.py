@@ -1,10 +1,11 @@
 """Learner ranks as Ray actors (``--learner.launcher ray``, issue 52) on one real local Ray
-cluster shared by the module (``ray.cluster_utils.Cluster``, a head of 3 logical CPUs): rank
-1 is a ``LearnerRank`` actor, rank 0 this process or a ``turnrl train`` subprocess joining the
-cluster by address. Gloo, the tiny model."""
+cluster shared by the module (``ray.cluster_utils.Cluster``: a head of 3 logical CPUs and a
+node of 1): rank 1 is a ``LearnerRank`` actor, rank 0 this process or a ``turnrl train``
+subprocess joining the cluster by address. Gloo, the tiny model."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from ray.cluster_utils import Cluster  # noqa: E402 - after the skip
 
 WAIT_S = 900  # loose: a hang fails the test rather than the suite
 TIMEOUT_S = 60  # the collective timeout of the killed-rank run
+CPUS = 4.0  # the cluster's
 TINY = ["--model.name", "tiny", "--rollout.group_size", "4", "--rollout.groups_per_step", "2",
         "--rollout.max_turns", "2", "--rollout.max_new_tokens", "6", "--run.threads", "1",
         "--run.progress", "false", "--eval.episodes", "0", "--learner.world_size", "2",
@@ -52,12 +54,20 @@ def test_what_a_cluster_can_hold_is_read_from_its_nodes(nodes, bundle, count, pl
 
 @pytest.fixture(scope="module")
 def cluster():
+    # Ray's OOM killer would take a rank actor (0.15 GB) when other jobs fill this machine
+    memory_monitor = os.environ.get("RAY_memory_monitor_refresh_ms")
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
+    nodes.add_node(num_cpus=1)
     nodes.wait_for_nodes()
     ray.init(address=nodes.address, log_to_driver=False)
     yield nodes
     ray.shutdown()
     nodes.shutdown()
+    if memory_monitor is None:
+        os.environ.pop("RAY_memory_monitor_refresh_ms")
+    else:
+        os.environ["RAY_memory_monitor_refresh_ms"] = memory_monitor
 
 
 def tiny(cluster, tmp_path, *extra: str):
@@ -74,20 +84,25 @@ def wait_free_cpus(cpus: float, timeout_s: float = 60) -> None:
 
 
 def test_a_cluster_too_small_is_refused_before_any_rank_starts(cluster, tmp_path):
-    for extra, why in ((["--learner.placement", "strict_spread"], "1 of the cluster's 1"),
-                       (["--ray.learner_cpus", "2"], "whole cluster holds 1")):
+    for extra, why in ((["--learner.placement", "strict_spread", "--learner.world_size", "3"],
+                        "2 of the cluster's 2 nodes"),
+                       (["--ray.learner_cpus", "3"], "whole cluster holds 1")):
         with pytest.raises(ConfigError, match=why) as refused:
             with ray_ranks(tiny(cluster, tmp_path, *extra)):
                 pytest.fail("started")
         assert "\n" not in str(refused.value)
         assert not ray.util.list_named_actors(all_namespaces=True)
-        wait_free_cpus(3.0)
+        wait_free_cpus(CPUS)
 
 
 def first_step(cfg, launcher, episodes) -> tuple[dict, dict]:
     """Rank 0 here, rank 1 started by ``launcher``: rank 0's gradient (its FSDP shard) and the
     whole weights after one ``rl_step``."""
     with launcher(cfg) as ranks:
+        if launcher is ray_ranks:  # rank 0's bundle on this node, strict_spread: rank 1 not
+            (group,) = ray.util.placement_group_table().values()
+            home = ray.get_runtime_context().get_node_id()
+            assert group["bundles_to_node_id"][0] == home != group["bundles_to_node_id"][1]
         world = join(0, 2, "fsdp", "gloo", torch.device("cpu"), 120, ranks.address, ranks.port)
         try:
             world.command("start", (cfg, None, False))
@@ -103,11 +118,12 @@ def first_step(cfg, launcher, episodes) -> tuple[dict, dict]:
 
 
 def test_a_ray_actor_rank_updates_as_local_ranks_and_one_process(cluster, tmp_path):
-    cfg = tiny(cluster, tmp_path, "--learner.timeout_s", "120")
+    cfg = tiny(cluster, tmp_path, "--learner.timeout_s", "120", "--learner.placement",
+               "strict_spread")
     single = replace(cfg, learner=replace(cfg.learner, world_size=1))
     episodes = play(single, steps=1)[0]
     grads, state = first_step(cfg, ray_ranks, episodes)
-    wait_free_cpus(3.0)  # the actors and their placement group are given back
+    wait_free_cpus(CPUS)  # the actors and their placement group are given back
     local_grads_, local_state = first_step(cfg, child_ranks, episodes)
     assert max_difference(grads, local_grads_) < 1e-6
     assert max_difference(state, local_state) < 1e-6
@@ -128,10 +144,10 @@ def turnrl_train(*args: str) -> subprocess.Popen:
 
 def test_an_async_run_on_ray_actor_ranks_checkpoints_and_stops_when_a_rank_is_killed(
         cluster, tmp_path):
-    """``turnrl train`` with a Ray rollout worker and Ray-actor ranks: the 3 CPUs hold the
-    worker and the 2 ranks' bundles (ray.learner_cpus 1 each) only if rank 0's bundle is its
-    seat, not a second one. It writes the checkpoints local ranks write; then rank 1's actor
-    is killed and the run stops within the collective timeout, naming it."""
+    """``turnrl train`` with a Ray rollout worker and Ray-actor ranks (ray.learner_cpus 1
+    each) holds 3 CPUs: rank 0's bundle is its seat, not a second one. It writes the
+    checkpoints local ranks write; then rank 1's actor is killed and the run stops within
+    the collective timeout, naming it."""
     run = tmp_path / "run"
     proc = turnrl_train(*TINY, "--ray.address", cluster.address, "--run.steps", "8",
                         "--run.mode", "async", "--ray.learner_cpus", "1",
@@ -141,6 +157,7 @@ def test_an_async_run_on_ray_actor_ranks_checkpoints_and_stops_when_a_rank_is_ki
     while not (run / "checkpoints" / "step-000002").is_dir():  # 2 steps trained
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == CPUS - 3  # 1 worker, 2 ranks
     for step in (1, 2):
         names = {p.name for p in (run / "checkpoints" / f"step-{step:06d}").iterdir()}
         # a DCP directory written by both ranks, beside the files every checkpoint has
@@ -154,4 +171,4 @@ def test_an_async_run_on_ray_actor_ranks_checkpoints_and_stops_when_a_rank_is_ki
     print(line, f"(stopped {time.monotonic() - killed:.1f} s after the kill)")
     assert "rank 1" in line and "Ray actor" in line and "--resume" in line, err[-2000:]
     assert not (run / "checkpoints" / "step-000008").is_dir()
-    wait_free_cpus(3.0)  # the worker, the actors and the placement group are given back
+    wait_free_cpus(CPUS)  # the worker, the actors and the placement group are given back

@@ -29,6 +29,7 @@ from typing import Any
 from turnrl.config import Config, ConfigError, LearnerConfig
 from turnrl.distributed.cluster import connect
 from turnrl.distributed.placement import PLACE_WAIT_S, STRATEGIES, free_resources
+from turnrl.learner.world import RankLost
 from turnrl.trainer.ranks import DEAD_WAIT_S, Started, device_for, free_port, serve_rank
 
 NODE_LABEL = "ray.io/node-id"
@@ -152,6 +153,20 @@ def rank_actors(cfg: Config, group: Any, bundle: dict[str, float]) -> list:
         for r in range(1, cfg.learner.world_size)]
 
 
+def started_places(ranks: list) -> list[str]:
+    """``10.0.0.2, pid 7`` for each rank actor once it runs; one line if one never does."""
+    import ray
+
+    try:
+        return [f"{ip}, pid {pid}" for ip, pid in ray.get(
+            [actor.where.remote() for actor in ranks], timeout=PLACE_WAIT_S)]
+    except (ray.exceptions.RayError, TimeoutError) as err:
+        text = (str(err).strip().splitlines() or [""])[0]
+        raise RankLost(f"a learner rank's Ray actor did not start within {PLACE_WAIT_S:g} s "
+                       f"({type(err).__name__}: {text[:200]}); see `ray status` and the "
+                       "actor's log (`ray logs`), then start the run again") from None
+
+
 def dead_actors(runs: list, places: list[str], wait: bool) -> str:
     """``rank 1 (Ray actor on 10.0.0.2, pid 7: died ...)`` for the ranks whose ``run`` ended
     with an error (``wait``: up to ``DEAD_WAIT_S`` for the first)."""
@@ -189,8 +204,7 @@ def ray_ranks(cfg: Config) -> Iterator[Started]:
         check_room(cfg, bundle)
         group = rank_group(cfg, bundle)
         actors = rank_actors(cfg, group, bundle)
-        places = [f"{ip}, pid {pid}" for ip, pid in ray.get(
-            [a.where.remote() for a in actors[1:]], timeout=PLACE_WAIT_S)]
+        places = started_places(actors[1:])
         log.info("learner ranks 1..%d as Ray actors: %s", len(places), "; ".join(places))
         address, port = ray.util.get_node_ip_address(), cfg.learner.port or free_port()
         threads = cfg.run.threads or int(bundle["CPU"])
