@@ -18,7 +18,6 @@ A cluster that cannot hold the bundles is refused in one line before any actor s
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from collections.abc import Iterator
@@ -34,7 +33,6 @@ from turnrl.trainer.ranks import DEAD_WAIT_S, Started, device_for, free_port, se
 
 NODE_LABEL = "ray.io/node-id"
 """The label Ray gives every node: pins rank 0's bundle to the driver's node."""
-log = logging.getLogger("turnrl.learner")
 
 
 def rank_bundle(cfg: Config, on_cuda: bool) -> dict[str, float]:
@@ -205,7 +203,7 @@ def ray_ranks(cfg: Config) -> Iterator[Started]:
         group = rank_group(cfg, bundle)
         actors = rank_actors(cfg, group, bundle)
         places = started_places(actors[1:])
-        log.info("learner ranks 1..%d as Ray actors: %s", len(places), "; ".join(places))
+        print(f"learner ranks 1..{len(places)} as Ray actors: {'; '.join(places)}", flush=True)
         address, port = ray.util.get_node_ip_address(), cfg.learner.port or free_port()
         threads = cfg.run.threads or int(bundle["CPU"])
         learner = {**asdict(cfg.learner), "backend": backend}
