@@ -49,12 +49,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from turnrl import leftovers
+from turnrl.config.branch import BranchPlan
 from turnrl.envs import contract
 from turnrl.envs.base import Env
+from turnrl.rollout.branch import Forks
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.env_calls import EnvThreads, checked_observation, checked_step
 from turnrl.rollout.loop_stats import LoopStats
 from turnrl.rollout.seats import Seats
+from turnrl.rollout.slots import BRANCH as _BRANCH
 from turnrl.rollout.slots import ENV as _ENV
 from turnrl.rollout.slots import POLICY as _POLICY
 from turnrl.rollout.slots import RESET as _RESET
@@ -102,6 +105,7 @@ class TurnLoop:
         partial_rollouts: bool = True,
         worker: int = -1,
         lockstep: bool = False,
+        branch: BranchPlan | None = None,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -136,6 +140,9 @@ class TurnLoop:
         in the generation thread (the engine is not safe to touch from this one mid-call)."""
         self._stopping = False
         self._threads = EnvThreads(env_name)
+        self.forks = None if branch is None else Forks(branch, self._threads, env_name,
+                                                       env_timeout_s)
+        """Tree rollouts (``rollout.branch``): who forks, and the forks' replays (branch.py)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.error: BaseException | None = None
@@ -276,7 +283,7 @@ class TurnLoop:
                                      group=group)
         else:
             slots = [_Slot(Episode(env=self.env_name, seed=seed, group=group), assignment, env,
-                           runner)]
+                           runner, make=make or self.make)]
         slots[0].task = self._env_call(slots[0], "reset", seed)
         return slots
 
@@ -345,6 +352,8 @@ class TurnLoop:
                 result = None if error else task.result()
                 if slot.game is not None:
                     self.seats.after_call(slot, error, result)
+                elif slot.phase == _BRANCH:
+                    self.forks.after_replay(slot, error)
                 elif slot.phase == _RESET:
                     self.turns.after_reset(slot, error, result)
                 else:
@@ -353,9 +362,22 @@ class TurnLoop:
         for slot in self._slots:
             if slot.episode.status == "running":
                 still.append(slot)
+                if self.forks is not None and self.forks.due(slot):
+                    still += self._fork(slot)
             else:
                 self._episode_ended(slot)
         self._slots = still
+
+    def _fork(self, slot: _Slot) -> list[_Slot]:
+        """``slot``'s siblings (branch.py), counted in its group, which now ends when they
+        have ended too."""
+        siblings = self.forks.fork(slot, slot.make or self.make)
+        with self.lock:
+            state = self._groups[slot.assignment]
+            state.episodes += [s.episode for s in siblings]
+            state.open += len(siblings)
+            self.stats.episodes_started += len(siblings)
+        return siblings
 
     def _episode_ended(self, slot: _Slot) -> None:
         if slot.game is not None:
@@ -410,12 +432,15 @@ async def run_episodes(
     max_turns: int = 8,
     max_context: int | None = None,
     env_timeout_s: float = 30.0,
+    branch: BranchPlan | None = None,
 ) -> list[Episode]:
     """Play one episode per ``(seed, group)`` pair to the end, all turns of all episodes
-    batched (the loop in lock-step); episodes come back in the order of ``seeds``."""
+    batched (the loop in lock-step); episodes come back in the order of ``seeds``. With
+    ``branch`` (tree rollouts) each pair's leaves come back in its place, the first one the
+    episode that trains the shared turns."""
     loop = TurnLoop(make, engine, chat, params, group_size=1, env_name=env_name,
                     max_turns=max_turns, max_context=max_context, env_timeout_s=env_timeout_s,
-                    lockstep=True)
+                    lockstep=True, branch=branch)
     for index, (seed, group) in enumerate(seeds):
         loop.submit(index, seed, group=group)
     await loop.run(until_drained=True)
