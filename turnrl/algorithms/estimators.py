@@ -231,15 +231,16 @@ class TreeGRPO(Stateless):
                    pad_id: int = 0) -> Tensor:
         rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
         trees = [ep.info.get("branch") or {} for ep in episodes]
+        groups = episode_group_ids(episodes)
+        roots = [t.get("root", -1 - b) for b, t in enumerate(trees)]  # unforked: its own root
         per_turn = tree_grpo_advantages(
-            rewards, episode_group_ids(episodes), [t.get("root", b) for b, t in enumerate(trees)],
-            [tuple(tuple(fork) for fork in t.get("path", ())) for t in trees],
-            [len(ep.turns) for ep in episodes])
+            rewards, groups, roots, [tuple(tuple(fork) for fork in t.get("path", ()))
+                                     for t in trees], [len(ep.turns) for ep in episodes])
         width = _width(episodes)
         tokens = turn_to_token_advantages(episodes, per_turn, width)
-        roots = {(ep.group, t.get("root", b)) for b, (ep, t) in enumerate(zip(episodes, trees))}
         self._metrics = {
-            "tree/leaves_per_root": len(episodes) / max(len(roots), 1),
+            "tree/leaves_per_root": len(episodes) / max(len(set(zip(groups.tolist(), roots,
+                                                                    strict=True))), 1),
             "tree/turn_adv_abs_mean": _abs_mean(torch.cat([*per_turn, torch.zeros(0)])),
         }
         return tokens

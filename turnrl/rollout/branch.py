@@ -31,7 +31,8 @@ from dataclasses import replace
 from turnrl.config.branch import BranchPlan
 from turnrl.envs import contract
 from turnrl.rollout.env_calls import EnvThreads, checked_observation, checked_step, fail_episode
-from turnrl.rollout.slots import BRANCH, POLICY
+from turnrl.rollout.loop_stats import LoopStats
+from turnrl.rollout.slots import BRANCH, POLICY, GroupState
 from turnrl.rollout.slots import Slot as _Slot
 from turnrl.types import Episode
 
@@ -57,8 +58,8 @@ class Forks:
     replays, and what a replay's end does to its sibling."""
 
     def __init__(self, plan: BranchPlan, threads: EnvThreads, env_name: str,
-                 env_timeout_s: float) -> None:
-        self.plan, self.threads = plan, threads
+                 env_timeout_s: float, make: Callable) -> None:
+        self.plan, self.threads, self.make = plan, threads, make
         self.env_name, self.env_timeout_s = env_name, env_timeout_s
         self.forked = 0
         """Siblings started so far."""
@@ -71,12 +72,14 @@ class Forks:
         path = (slot.episode.info.get("branch") or {}).get("path") or [[0, 0]]
         return path[-1][0] < played
 
-    def fork(self, slot: _Slot, make: Callable) -> list[_Slot]:
-        """``k - 1`` siblings of ``slot``, their replays launched; ``slot`` becomes child 0."""
+    def fork(self, slot: _Slot, group: GroupState, stats: LoopStats) -> list[_Slot]:
+        """``k - 1`` siblings of ``slot``, their replays launched, counted in its ``group``
+        (which now ends when they have ended too); ``slot`` becomes child 0. Called on the
+        loop's thread, the only one that touches a group's state."""
         if slot.game is not None:
             raise NotReplayable(f"env '{self.env_name}' has seats: rollout.branch forks "
                                 "single-agent episodes only")
-        turn, episode = len(slot.episode.turns), slot.episode
+        turn, episode, make = len(slot.episode.turns), slot.episode, slot.make or self.make
         tree = episode.info.setdefault("branch", {"root": slot.assignment, "path": []})
         tree["path"].append([turn, 0])
         siblings = []
@@ -90,6 +93,9 @@ class Forks:
             sibling.task = asyncio.ensure_future(self._replay(sibling))
             siblings.append(sibling)
         self.forked += len(siblings)
+        group.episodes += [s.episode for s in siblings]
+        group.open += len(siblings)
+        stats.episodes_started += len(siblings)
         return siblings
 
     async def _replay(self, slot: _Slot) -> None:

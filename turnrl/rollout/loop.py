@@ -110,20 +110,15 @@ class TurnLoop:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         self.make, self.engine, self.chat, self.params = make, engine, chat, params
-        self.group_size = group_size
-        self.pool_size = pool_size
-        self.env_name = env_name
+        self.group_size, self.pool_size, self.env_name = group_size, pool_size, env_name
         leftovers.ENVS_PLAYED.add(env_name)  # named if it leaves threads or processes behind
         self.turns = TurnRule(chat, params, env_name=env_name, max_turns=max_turns,
                               max_context=max_context)
         """What a reset or step does to its episode (turns.py)."""
         self.seats = Seats(self.turns)
         """The seats of multi-seat games (seats.py)."""
-        self.env_timeout_s = env_timeout_s
-        self.before_generate = before_generate
-        self.partial_rollouts = partial_rollouts
-        self.worker = worker
-        self.lockstep = lockstep
+        self.env_timeout_s, self.before_generate = env_timeout_s, before_generate
+        self.partial_rollouts, self.worker, self.lockstep = partial_rollouts, worker, lockstep
         self.stats = LoopStats()
         self.env_latencies: deque[float] = deque(maxlen=1024)  # step seconds, newest last
         self.reset_latencies: deque[float] = deque(maxlen=256)  # reset seconds
@@ -140,9 +135,7 @@ class TurnLoop:
         in the generation thread (the engine is not safe to touch from this one mid-call)."""
         self._stopping = False
         self._threads = EnvThreads(env_name)
-        self.forks = None if branch is None else Forks(branch, self._threads, env_name,
-                                                       env_timeout_s)
-        """Tree rollouts (``rollout.branch``): who forks, and the forks' replays (branch.py)."""
+        self.forks = Forks(branch, self._threads, env_name, env_timeout_s, make) if branch else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.error: BaseException | None = None
@@ -283,7 +276,7 @@ class TurnLoop:
                                      group=group)
         else:
             slots = [_Slot(Episode(env=self.env_name, seed=seed, group=group), assignment, env,
-                           runner, make=make or self.make)]
+                           runner, make=make)]
         slots[0].task = self._env_call(slots[0], "reset", seed)
         return slots
 
@@ -362,22 +355,11 @@ class TurnLoop:
         for slot in self._slots:
             if slot.episode.status == "running":
                 still.append(slot)
-                if self.forks is not None and self.forks.due(slot):
-                    still += self._fork(slot)
+                if self.forks is not None and self.forks.due(slot):  # tree rollouts
+                    still += self.forks.fork(slot, self._groups[slot.assignment], self.stats)
             else:
                 self._episode_ended(slot)
         self._slots = still
-
-    def _fork(self, slot: _Slot) -> list[_Slot]:
-        """``slot``'s siblings (branch.py), counted in its group, which now ends when they
-        have ended too."""
-        siblings = self.forks.fork(slot, slot.make or self.make)
-        with self.lock:
-            state = self._groups[slot.assignment]
-            state.episodes += [s.episode for s in siblings]
-            state.open += len(siblings)
-            self.stats.episodes_started += len(siblings)
-        return siblings
 
     def _episode_ended(self, slot: _Slot) -> None:
         if slot.game is not None:
