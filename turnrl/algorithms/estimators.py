@@ -242,6 +242,8 @@ class TreeGRPO(Stateless):
             "tree/leaves_per_root": len(episodes) / max(len(set(zip(groups.tolist(), roots,
                                                                     strict=True))), 1),
             "tree/turn_adv_abs_mean": _abs_mean(torch.cat([*per_turn, torch.zeros(0)])),
+            # each token counted once, by the leaf that sampled it (a copy's prefix is masked)
+            "tree/sampled_tokens": float(sum(ep.num_policy_tokens for ep in episodes)),
         }
         return tokens
 
