@@ -37,8 +37,9 @@ from turnrl.rollout.slots import Slot as _Slot
 from turnrl.types import Episode
 
 
-class NotReplayable(RuntimeError):
-    """An env that did not replay its episode from seed and actions: tree rollouts refuse it."""
+class NotReplayable(ValueError):
+    """An env that did not replay its episode from seed and actions (or has seats): tree
+    rollouts refuse it; a ``ValueError``, so ``turnrl train`` says so in one line."""
 
 
 def branch_episode(trunk: Episode, turn: int, child: int) -> Episode:
