@@ -16,9 +16,9 @@ Arms (same lr, groups per step, evaluation; compared at equal sampled tokens):
 
 Both use ``--algo.advantage tree_grpo``; without forks it is outcome GRPO on every turn
 (tests/algorithms/test_tree.py), so the plain arm is GRPO. The tree arm samples fewer tokens
-a step, so it runs ``TREE_STEP_FACTOR`` times the steps; each run evaluates every
-``eval_every`` steps, and the arms are compared at the largest sampled-token count both
-reached: each run's held-out success at its last evaluation within that budget. Sampled
+a step, so it runs 8/7 of the steps and evaluates every 8/7 as many steps (``TREE_STEPS``):
+both arms are evaluated at the same sampled-token counts, and compared at the largest one
+every run reached (each run's last evaluation within that budget). Sampled
 tokens are counted once each (a sibling's copy of the shared prefix is not sampled):
 ``tree/sampled_tokens``. Throughput: sampled tokens / wall seconds of the collect stage, and
 of the whole step.
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -44,13 +43,16 @@ ARMS = {
     "tree": ("--rollout.group_size", "4", "--rollout.branch.turns", "1",
              "--rollout.branch.k", "2"),
 }
-TREE_STEP_FACTOR = 1.25
-"""The tree arm's steps over the plain arm's: with 4-turn episodes it samples 7/8 of the
-plain arm's tokens a step, so this lets it reach the plain arm's token budget."""
+TREE_STEPS = (8, 7)
+"""The tree arm's steps (and steps between evaluations) over the plain arm's: key-corridor
+episodes always play 4 turns of 2 tokens, so a plain step samples 4 x 8 x 8 = 256 tokens and
+a tree step 4 x 4 x (2 + 2 x 6) = 224; 8 tree steps and 7 plain steps both sample 1792, so
+the arms are evaluated at the same sampled-token counts."""
 HORIZON = 4
 
 
-def run_args(arm: str, seed: int, steps: int, a: argparse.Namespace, run_dir: str) -> list[str]:
+def run_args(arm: str, seed: int, steps: int, every: int, a: argparse.Namespace,
+             run_dir: str) -> list[str]:
     return [
         "--model.name", "tiny", "--model.device", "cpu",
         "--env.name", "key-corridor", "--env.options",
@@ -58,7 +60,7 @@ def run_args(arm: str, seed: int, steps: int, a: argparse.Namespace, run_dir: st
         "--rollout.groups_per_step", str(a.groups), "--rollout.max_turns", str(HORIZON),
         "--rollout.max_new_tokens", "2", *ARMS[arm],
         "--algo.advantage", "tree_grpo", "--optim.lr", str(a.lr),
-        "--eval.episodes", str(a.eval_episodes), "--eval.every", str(a.eval_every),
+        "--eval.episodes", str(a.eval_episodes), "--eval.every", str(every),
         "--eval.seed_offset", str(1_000_000 + 100_000 * seed),
         "--run.steps", str(steps), "--run.seed", str(seed), "--run.out_dir", run_dir,
         "--run.threads", "1", "--run.checkpoint_every", "0", "--run.keep_checkpoints", "1",
@@ -72,10 +74,11 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
     from turnrl.metrics import read_metrics
     from turnrl.trainer import train
 
-    steps = a.steps if arm == "plain" else math.ceil(a.steps * TREE_STEP_FACTOR)
+    times, over = TREE_STEPS if arm == "tree" else (1, 1)
+    steps, every = a.steps * times // over, a.eval_every * times // over
     run_dir = out / f"{arm}-seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(None, run_args(arm, seed, steps, a, str(run_dir)))
+    cfg = load_config(None, run_args(arm, seed, steps, every, a, str(run_dir)))
     with open(run_dir / "train.log", "w") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
         result = train(cfg)
@@ -95,9 +98,14 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
             "step_tokens_per_s": tokens / step_s if step_s else 0.0}
 
 
+BUDGET_SLACK = 1.02
+"""A reply that stops early samples a token less, so evaluations meant for the same count
+land a few tokens apart: an evaluation within 2% of the budget counts as at it."""
+
+
 def at_budget(run: dict, budget: float) -> tuple[int, int]:
     """(successes, episodes) of the run's last evaluation within ``budget`` sampled tokens."""
-    within = [point for point in run["curve"] if point[0] <= budget + 1e-9]
+    within = [point for point in run["curve"] if point[0] <= budget * BUDGET_SLACK]
     return within[-1][1], within[-1][2]
 
 
@@ -105,7 +113,8 @@ def report(runs: list[dict]) -> str:
     from turnrl.stats import t_interval, wilson_interval
 
     budget = min(r["tokens"] for r in runs)
-    lines = [f"held-out success at {budget:.0f} sampled tokens (the least any run reached):",
+    lines = [f"held-out success at {budget:.0f} sampled tokens (the least any run reached; "
+             "each run's last evaluation within it):",
              "arm    seeds  before            at budget         per-seed mean [95% t]     "
              "tokens/s collect  tokens/s step"]
     for arm in ARMS:
@@ -129,15 +138,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=16, help="the plain arm's steps")
+    parser.add_argument("--steps", type=int, default=28,
+                        help="the plain arm's steps (a multiple of 7)")
     parser.add_argument("--groups", type=int, default=4, help="rollout.groups_per_step")
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--eval-every", type=int, default=7, help="a multiple of 7")
     parser.add_argument("--eval-episodes", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 steps, 8 eval episodes")
     a = parser.parse_args()
     if a.quick:
-        a.seeds, a.steps, a.eval_every, a.eval_episodes = 1, 2, 1, 8
+        a.seeds, a.steps, a.eval_every, a.eval_episodes = 1, 7, 7, 8
+    if a.steps % TREE_STEPS[1] or a.eval_every % TREE_STEPS[1]:
+        parser.error("--steps and --eval-every must be multiples of 7 (TREE_STEPS)")
     out = Path(a.out)
     sys.path.insert(0, str(Path(__file__).parent))
     from credit_assignment import measure_right_key
