@@ -16,9 +16,10 @@ service), since siblings of another state would be compared as if they shared on
 
 Sampling shares the prefix without anything here: the siblings' next prompts are equal, and
 the HF sampler prefills equal prompts of one call once, continuing the KV cache the original
-kept for its own tokens (samplers/hf.py). In the update the siblings' rows share that prefix
-through the shared-prefix pass (trainer/prefix.py; rows whose first trained token follows
-the same prompt); the original's row runs it again, since its own tokens are in it.
+kept for its own tokens (samplers/hf.py). In the update all ``k`` rows share it through the
+shared-prefix pass (trainer/prefix.py): the siblings' rows cut where their own tokens begin,
+and the original's row, whose shared turns are trained, joins their prefix and has those
+turns scored from the prefix's one pass.
 """
 
 from __future__ import annotations
