@@ -14,7 +14,7 @@ from turnrl.envs import StepResult, make_env
 from turnrl.rollout import ChatFormat, run_episodes
 from turnrl.rollout.branch import NotReplayable
 from turnrl.samplers import HFEngine, SamplingParams
-from turnrl.trainer.prefix import shared_prefix_split
+from turnrl.trainer.prefix import scored_in_prefix, shared_prefix_split
 from turnrl.types import Batch
 
 GUESS = partial(make_env, "guess-number", low=1, high=1000, max_turns=3)
@@ -72,16 +72,18 @@ def test_two_fork_levels_grow_k_squared_leaves(tiny):
                       [False, False, True]]  # every turn of the tree is trained once
 
 
-def test_the_update_shares_the_siblings_prefix(tiny):
-    """Rows whose first trained token follows the same tokens share one prefix in the update
-    (trainer/prefix.py): the siblings that did not play the trunk."""
+def test_the_update_runs_a_fork_s_prefix_once_for_all_its_leaves(tiny):
+    """All k rows of a fork share one prefix in the update (trainer/prefix.py): the siblings
+    cut where their own tokens begin, the first leaf joins them, its shared turn scored from
+    the prefix."""
     episodes, _ = play(tiny, BranchPlan((1,), 3), seeds=((0, 0),))
     mb = Batch.from_episodes(episodes, torch.zeros(len(episodes)), 0)
     split = shared_prefix_split(mb)
-    assert split is not None
-    owner = split.owner.tolist()
-    assert owner[1] == owner[2] != owner[0]
-    assert split.cut[1] == episodes[1].turns[1].start - 1
+    assert split is not None and split.owner.tolist() == [0, 0, 0]
+    assert split.cut.tolist() == [episodes[1].turns[1].start - 1] * 3
+    rows, _ = scored_in_prefix(mb, split)
+    turn = episodes[0].turns[0]
+    assert rows.tolist() == [0] * (turn.end - turn.start)
 
 
 class Unreplayable:
