@@ -27,6 +27,7 @@ Usage::
 
     python benchmarks/learning/tree_rollouts.py --out DIR            # 3 seeds x 2 arms
     python benchmarks/learning/tree_rollouts.py --quick --out DIR    # smoke test
+    python benchmarks/learning/tree_rollouts.py --report-only --out DIR
 """
 
 from __future__ import annotations
@@ -131,7 +132,26 @@ def report(runs: list[dict]) -> str:
         lines.append(f"{arm:6} {len(mine):5}  {b_s:3}/{b_n:<4} {b_s / b_n:6.1%}    "
                      f"{a_s:3}/{a_n:<4} {a_s / a_n:6.1%} [{lo:.1%}, {hi:.1%}]  "
                      f"{mean:6.1%} [{t_lo:.1%}, {t_hi:.1%}]  {collect:14.0f}  {step:13.0f}")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *by_evaluation(runs)])
+
+
+def by_evaluation(runs: list[dict]) -> list[str]:
+    """Pooled held-out success of each arm at each evaluation (the arms' n-th evaluations
+    are at the same sampled-token counts, ``TREE_STEPS``)."""
+    from turnrl.stats import wilson_interval
+
+    points = min(len(r["curve"]) for r in runs)
+    lines = ["eval  tokens (mean)  " + "  ".join(f"{arm:>26}" for arm in ARMS)]
+    for k in range(points):
+        cells = []
+        for arm in ARMS:
+            mine = [r["curve"][k] for r in runs if r["arm"] == arm]
+            s, n = sum(p[1] for p in mine), sum(p[2] for p in mine)
+            lo, hi = wilson_interval(s, n)
+            cells.append(f"{s:3}/{n:<3} {s / n:6.1%} [{lo:.1%}, {hi:.1%}]")
+        tokens = sum(r["curve"][k][0] for r in runs) / len(runs)
+        lines.append(f"{k:4}  {tokens:13.0f}  " + "  ".join(f"{c:>26}" for c in cells))
+    return lines
 
 
 def main() -> None:
@@ -144,8 +164,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--eval-every", type=int, default=7, help="a multiple of 7")
     parser.add_argument("--eval-episodes", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="1 seed, 2 steps, 8 eval episodes")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 7 steps, 8 eval episodes")
+    parser.add_argument("--report-only", action="store_true",
+                        help="recompute the tables from --out/results.json")
     a = parser.parse_args()
+    if a.report_only:
+        print(report(json.loads((Path(a.out) / "results.json").read_text())))
+        return
     if a.quick:
         a.seeds, a.steps, a.eval_every, a.eval_episodes = 1, 7, 7, 8
     if a.steps % TREE_STEPS[1] or a.eval_every % TREE_STEPS[1]:
