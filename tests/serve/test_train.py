@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from turnrl.config import load_config
+from turnrl.config import ConfigError, load_config
 from turnrl.models import tiny_model
 from turnrl.serve import load_server
 from turnrl.serve.train import train_agent
@@ -108,3 +109,9 @@ def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path):
     assert len(result.rewards) == 1 and versions == {1}  # step 2 only, by step 1's weights
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
+
+
+def test_tree_rollouts_are_refused_for_agents_behind_the_endpoint():
+    cfg = load_config(None, ["--rollout.branch.turns", "1", "--algo.advantage", "tree_grpo"])
+    with pytest.raises(ConfigError, match="drop it for train_agent"):
+        train_agent(None, ["Say a digit."], cfg)

@@ -15,7 +15,7 @@ from turnrl.trainer.prefix import (
     packing_pays,
     shared_prefix_split,
 )
-from turnrl.types import Batch
+from turnrl.types import Batch, Episode
 
 
 def _plain_hidden(model, mb):
@@ -65,7 +65,54 @@ def test_packed_and_cached_prefixes_give_the_plain_hidden_states_and_gradients(m
     assert layout.piece.shape[0] == 2 and bool((layout.piece == -2).any())  # a padded row
     decoder = model.get_decoder()
     plain, plain_grads = _with_grads(model, lambda: _plain_hidden(model, mb))
-    for fn in (lambda: packed_prefix_hidden(decoder, mb, layout),
+    for fn in (lambda: packed_prefix_hidden(decoder, mb, layout, split),
+               lambda: cached_prefix_hidden(decoder, mb, split)):
+        hidden, grads = _with_grads(model, fn)
+        torch.testing.assert_close(hidden, plain, atol=1e-5, rtol=1e-5)
+        for a, b in zip(plain_grads, grads, strict=True):
+            assert (b - a).norm() <= 1e-5 * a.norm() + 1e-6, float((b - a).norm() / a.norm())
+
+
+def _tree_episodes(k: int = 3, seed: int = 5) -> list[Episode]:
+    """One fork (rollout/branch.py): a prompt, a shared turn (trained in the first leaf only)
+    and the env's answer, then each leaf's own turns; and a plain group of two beside it."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def draw(n):
+        return torch.randint(3, 60, (n,), generator=rng).tolist()
+
+    trunk = Episode(env="toy", seed=0, group=0)
+    trunk.append(draw(6), policy=False)
+    trunk.append(draw(3), policy=True, logprobs=[-1.0] * 3, version=0)
+    trunk.append(draw(4), policy=False)
+    leaves = []
+    for child in range(k):
+        leaf = Episode(env="toy", seed=0, group=0, token_ids=list(trunk.token_ids),
+                       loss_mask=[m if child == 0 else 0 for m in trunk.loss_mask],
+                       logprobs=list(trunk.logprobs), versions=list(trunk.versions))
+        for _turn in range(1 + child % 2):
+            leaf.append(draw(2 + child), policy=True, logprobs=[-1.0] * (2 + child), version=0)
+            leaf.append(draw(2), policy=False)
+        leaves.append(leaf)
+    plain = _grouped_episodes(groups=1, size=2, seed=seed + 1)  # its own prompt
+    return [plain[0], *leaves, plain[1]]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_fork_s_prefix_runs_once_its_shared_turn_scored_from_it(attention):
+    """Tree rollouts: the first leaf trains the shared turn, its siblings do not; all k rows
+    share the prefix up to the siblings' first own token, and both paths give the plain
+    pass's hidden states and gradients (the shared turn's tokens scored from the prefix)."""
+    model = _tiny_of("llama", attention)
+    mb = _batch(_tree_episodes())
+    split = shared_prefix_split(mb)
+    assert split.owner.tolist() == [0, 1, 1, 1, 0]
+    assert split.cut[1] == split.cut[2] == 6 + 3 + 4 - 1
+    assert len(prefix.scored_in_prefix(mb, split)[0]) == 3  # the shared turn, in row 1 only
+    decoder = model.get_decoder()
+    plain, plain_grads = _with_grads(model, lambda: _plain_hidden(model, mb))
+    layout = PackedLayout.of(mb, split)
+    for fn in (lambda: packed_prefix_hidden(decoder, mb, layout, split),
                lambda: cached_prefix_hidden(decoder, mb, split)):
         hidden, grads = _with_grads(model, fn)
         torch.testing.assert_close(hidden, plain, atol=1e-5, rtol=1e-5)

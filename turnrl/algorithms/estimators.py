@@ -66,6 +66,7 @@ from turnrl.algorithms.critic import (
     extract_turn_features,
     value_regression_step,
 )
+from turnrl.algorithms.tree import tree_grpo_advantages
 from turnrl.config import AlgoConfig, Config, CriticConfig, check_critic_options
 from turnrl.registry import ESTIMATORS
 from turnrl.types import Episode
@@ -209,6 +210,40 @@ class GiGPO(Stateless):
             "credit/anchor_fraction": anchor_fraction(turn_anchor_ids(episodes)),
             "credit/turn_adv_abs_mean": _abs_mean(torch.cat([*per_turn, torch.zeros(0)])),
             "credit/adv_abs_mean": _abs_mean(tokens[_policy_tokens(episodes, width)]),
+        }
+        return tokens
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+
+@ESTIMATORS.register("tree_grpo", level="turn")
+class TreeGRPO(Stateless):
+    """Tree-GRPO over tree rollouts (``rollout.branch``; ``tree.py``): each turn's node value
+    against its siblings under the same fork, plus against the whole group. The tree is read
+    from ``info["branch"]`` (rollout/branch.py); episodes without it are one-node trees, so
+    without forks this is outcome GRPO per turn."""
+
+    def __init__(self, settings: EstimatorSettings | None = None) -> None:
+        self._metrics: dict[str, float] = {}
+
+    def advantages(self, episodes: Sequence[Episode], model: nn.Module | None = None,
+                   pad_id: int = 0) -> Tensor:
+        rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
+        trees = [ep.info.get("branch") or {} for ep in episodes]
+        groups = episode_group_ids(episodes)
+        roots = [t.get("root", -1 - b) for b, t in enumerate(trees)]  # unforked: its own root
+        per_turn = tree_grpo_advantages(
+            rewards, groups, roots, [tuple(tuple(fork) for fork in t.get("path", ()))
+                                     for t in trees], [len(ep.turns) for ep in episodes])
+        width = _width(episodes)
+        tokens = turn_to_token_advantages(episodes, per_turn, width)
+        self._metrics = {
+            "tree/leaves_per_root": len(episodes) / max(len(set(zip(groups.tolist(), roots,
+                                                                    strict=True))), 1),
+            "tree/turn_adv_abs_mean": _abs_mean(torch.cat([*per_turn, torch.zeros(0)])),
+            # each token counted once, by the leaf that sampled it (a copy's prefix is masked)
+            "tree/sampled_tokens": float(sum(ep.num_policy_tokens for ep in episodes)),
         }
         return tokens
 

@@ -149,6 +149,7 @@ def check_across(cfg: Config) -> None:
     check_self_play(cfg)
     check_weight_sync(cfg)
     check_learner(cfg)
+    check_branch(cfg)
 
 
 def check_sampler(cfg: Config) -> None:
@@ -255,3 +256,23 @@ def check_learner(cfg: Config) -> None:
         if bad:
             raise ConfigError(f"{key} does not work with learner.world_size "
                               f"{learner.world_size} yet; {fix}")
+
+
+TREE_ESTIMATOR = "tree_grpo"
+"""The estimator that reads a tree's shape (turnrl/algorithms/tree.py)."""
+
+
+def check_branch(cfg: Config) -> None:
+    """Tree rollouts fork inside the learner's lock-step turn loop, and their copies train
+    only their own turns, so only the estimator that credits the shared turns once reads
+    them right."""
+    if cfg.rollout.branch_plan() is None:
+        return
+    if cfg.run.mode != "sync":
+        raise ConfigError(f"rollout.branch forks episodes in the learner's lock-step turn loop "
+                          f"(run.mode sync); run.mode {cfg.run.mode} plays elsewhere; use "
+                          "--run.mode sync or drop rollout.branch")
+    if cfg.algo.advantage != TREE_ESTIMATOR:
+        raise ConfigError(f"rollout.branch needs --algo.advantage {TREE_ESTIMATOR} (it credits "
+                          f"the shared turns once, over the tree); algo.advantage "
+                          f"{cfg.algo.advantage} would read each leaf as a separate episode")

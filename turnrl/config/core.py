@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from turnrl.config.branch import BranchPlan, parse_branch
 from turnrl.config.env_plan import (
     MIX_NAME,
     OUTSIDE_OPPONENTS,
@@ -210,11 +211,19 @@ class RolloutConfig(Section):
     only, checked at start-up); int8 and int8_float32 are ct2's. A lower precision samples
     faster with a log-prob mismatch the mismatch/* metrics measure (docs/mismatch.md)"""
 
+    branch: dict[str, Any] = field(default_factory=dict)
+    """tree rollouts (Tree-GRPO), off when empty: ``turns`` (an int or a list) forks every
+    episode after those turns, once the env has answered, into ``k`` (default 2)
+    continuations sharing its tokens so far, e.g. --rollout.branch.turns 1
+    --rollout.branch.k 2; run.mode sync and algo.advantage tree_grpo only; envs must replay
+    exactly from seed and actions (docs/tree_rollouts.md)"""
+
     def _check(self) -> None:
         self._at_least(1, "group_size", "groups_per_step", "max_new_tokens", "max_turns")
         self._at_least(0, "temperature")
         self._require("top_p", 0 < self.top_p <= 1, "in (0, 1]")
         self._require("env_timeout_s", self.env_timeout_s > 0, "> 0")
+        self.branch_plan()  # refuses a bad rollout.branch in one line
         if self.sampler == "auto" and self.sampler_dtype != "auto":
             raise ConfigError(f"rollout.sampler auto picks the precision too; drop "
                               f"rollout.sampler_dtype {self.sampler_dtype} or name the sampler")
@@ -224,6 +233,10 @@ class RolloutConfig(Section):
         if self.sampler_dtype == "float16" and self.sampler != "vllm":
             raise ConfigError("rollout.sampler_dtype float16 is for vllm on GPUs: use it with "
                               "--rollout.sampler vllm, or bfloat16/float32")
+
+    def branch_plan(self) -> BranchPlan | None:
+        """``branch`` parsed (None: no tree rollouts)."""
+        return parse_branch(self.branch, self.max_turns)
 
 
 @dataclass(frozen=True)

@@ -49,12 +49,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from turnrl import leftovers
+from turnrl.config.branch import BranchPlan
 from turnrl.envs import contract
 from turnrl.envs.base import Env
+from turnrl.rollout.branch import Forks
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.env_calls import EnvThreads, checked_observation, checked_step
 from turnrl.rollout.loop_stats import LoopStats
 from turnrl.rollout.seats import Seats
+from turnrl.rollout.slots import BRANCH as _BRANCH
 from turnrl.rollout.slots import ENV as _ENV
 from turnrl.rollout.slots import POLICY as _POLICY
 from turnrl.rollout.slots import RESET as _RESET
@@ -102,24 +105,20 @@ class TurnLoop:
         partial_rollouts: bool = True,
         worker: int = -1,
         lockstep: bool = False,
+        branch: BranchPlan | None = None,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         self.make, self.engine, self.chat, self.params = make, engine, chat, params
-        self.group_size = group_size
-        self.pool_size = pool_size
-        self.env_name = env_name
+        self.group_size, self.pool_size, self.env_name = group_size, pool_size, env_name
         leftovers.ENVS_PLAYED.add(env_name)  # named if it leaves threads or processes behind
         self.turns = TurnRule(chat, params, env_name=env_name, max_turns=max_turns,
                               max_context=max_context)
         """What a reset or step does to its episode (turns.py)."""
         self.seats = Seats(self.turns)
         """The seats of multi-seat games (seats.py)."""
-        self.env_timeout_s = env_timeout_s
-        self.before_generate = before_generate
-        self.partial_rollouts = partial_rollouts
-        self.worker = worker
-        self.lockstep = lockstep
+        self.env_timeout_s, self.before_generate = env_timeout_s, before_generate
+        self.partial_rollouts, self.worker, self.lockstep = partial_rollouts, worker, lockstep
         self.stats = LoopStats()
         self.env_latencies: deque[float] = deque(maxlen=1024)  # step seconds, newest last
         self.reset_latencies: deque[float] = deque(maxlen=256)  # reset seconds
@@ -136,6 +135,7 @@ class TurnLoop:
         in the generation thread (the engine is not safe to touch from this one mid-call)."""
         self._stopping = False
         self._threads = EnvThreads(env_name)
+        self.forks = Forks(branch, self._threads, env_name, env_timeout_s, make) if branch else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.error: BaseException | None = None
@@ -276,7 +276,7 @@ class TurnLoop:
                                      group=group)
         else:
             slots = [_Slot(Episode(env=self.env_name, seed=seed, group=group), assignment, env,
-                           runner)]
+                           runner, make=make)]
         slots[0].task = self._env_call(slots[0], "reset", seed)
         return slots
 
@@ -345,6 +345,8 @@ class TurnLoop:
                 result = None if error else task.result()
                 if slot.game is not None:
                     self.seats.after_call(slot, error, result)
+                elif slot.phase == _BRANCH:
+                    self.forks.after_replay(slot, error)
                 elif slot.phase == _RESET:
                     self.turns.after_reset(slot, error, result)
                 else:
@@ -353,6 +355,8 @@ class TurnLoop:
         for slot in self._slots:
             if slot.episode.status == "running":
                 still.append(slot)
+                if self.forks is not None and self.forks.due(slot):  # tree rollouts
+                    still += self.forks.fork(slot, self._groups[slot.assignment], self.stats)
             else:
                 self._episode_ended(slot)
         self._slots = still
@@ -410,12 +414,15 @@ async def run_episodes(
     max_turns: int = 8,
     max_context: int | None = None,
     env_timeout_s: float = 30.0,
+    branch: BranchPlan | None = None,
 ) -> list[Episode]:
     """Play one episode per ``(seed, group)`` pair to the end, all turns of all episodes
-    batched (the loop in lock-step); episodes come back in the order of ``seeds``."""
+    batched (the loop in lock-step); episodes come back in the order of ``seeds``. With
+    ``branch`` (tree rollouts) each pair's leaves come back in its place, the first one the
+    episode that trains the shared turns."""
     loop = TurnLoop(make, engine, chat, params, group_size=1, env_name=env_name,
                     max_turns=max_turns, max_context=max_context, env_timeout_s=env_timeout_s,
-                    lockstep=True)
+                    lockstep=True, branch=branch)
     for index, (seed, group) in enumerate(seeds):
         loop.submit(index, seed, group=group)
     await loop.run(until_drained=True)

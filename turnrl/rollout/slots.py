@@ -8,13 +8,15 @@ import asyncio
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from turnrl.envs.base import Env
 from turnrl.rollout.env_calls import EnvRunner
 from turnrl.types import ENV_VERSION, Episode
 
-# Where a live episode stands (_WAIT: a seat of a game waiting for the other seats' moves).
-RESET, POLICY, ENV, WAIT = "reset", "policy", "env", "wait"
+# Where a live episode stands (_WAIT: a seat of a game waiting for the other seats' moves;
+# BRANCH: a fork's new env replaying its trunk, rollout/branch.py).
+RESET, POLICY, ENV, WAIT, BRANCH = "reset", "policy", "env", "wait", "branch"
 
 
 class Feed:
@@ -81,6 +83,10 @@ class Slot:
     """Reward the env gave this seat's open turn (a mid-game step's reward)."""
     temperature: float | None = None
     """Its group's sampling temperature (None: the loop's ``params``)."""
+    first: str = ""
+    """The env's first observation (a fork's replay checks its own against it)."""
+    make: Any = None
+    """The factory its env came from (a fork builds its siblings' envs with it)."""
 
 
 @dataclass

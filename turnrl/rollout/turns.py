@@ -59,6 +59,7 @@ class TurnRule:
             return fail_episode(slot.episode, err, "reset")
         if reason := self.bound.start_refused(first, system_prompt):
             return slot.episode.end("truncated", "input_too_large", reason)
+        slot.first = first
         slot.messages, slot.rendered, ids = self.chat.start(first, system_prompt, slot.tools)
         if self._overflows(slot.episode, ids):
             return

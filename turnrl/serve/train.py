@@ -35,6 +35,9 @@ def train_agent(rollout: Rollout, tasks: Sequence, cfg: Config, *,
         raise ConfigError(f"explore.guidance {cfg.explore.guidance} works with turnrl train's envs "
                           "only (it replays an env's seed with its reference player); set it "
                           "off for train_agent")
+    if cfg.rollout.branch:  # forks replay an env; agent code behind the endpoint has none
+        raise ConfigError("rollout.branch forks turnrl train's env episodes (it replays the "
+                          "env); drop it for train_agent")
     source = ServedSource(rollout, tasks, cfg, eval_tasks=eval_tasks, success_at=success_at,
                           judge=judge)
     return learn(served_config(cfg), source, resume=resume)

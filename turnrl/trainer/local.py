@@ -32,13 +32,14 @@ from turnrl.types import Episode
 
 def play_seeds(run: Run, seeds: list[tuple[int, int]], make) -> list[Episode]:
     """Play ``(seed, group)`` pairs to the end on the learner's own engine (its current
-    weights) at the step's (scheduled) temperature, on envs from ``make``."""
+    weights) at the step's (scheduled) temperature, on envs from ``make``; with
+    ``rollout.branch``, each pair grows into a tree of episodes (rollout/branch.py)."""
     cfg, policy = run.cfg, run.policy
     params = replace(policy.params, temperature=run.learner.explore.temperature())
     return run_sync(run_episodes(
         make, seeds, policy.engine, policy.chat, params, env_name=cfg.env.name,
         max_turns=cfg.rollout.max_turns, max_context=policy.max_context,
-        env_timeout_s=cfg.rollout.env_timeout_s))
+        env_timeout_s=cfg.rollout.env_timeout_s, branch=cfg.rollout.branch_plan()))
 
 
 class LocalSource(SourceDefaults):

@@ -42,6 +42,11 @@ class PrefixSplit:
     token except the last prompt token, which stays with the suffix because its hidden
     state scores the first policy token. ``owner[b]`` indexes ``prefixes``, the distinct
     prefixes (all equal for the rows of one GRPO group).
+
+    Tree rollouts (rollout/branch.py): the row that trains a fork's shared turns holds its
+    siblings' whole prefix, its own policy tokens inside it; it joins that prefix (``cut`` =
+    the prefix's length), and its tokens there are scored from the prefix's pass, so the
+    prefix runs once for all ``k`` continuations.
     """
 
     cut: torch.Tensor  # [B]
@@ -55,15 +60,39 @@ def shared_prefix_split(mb: Batch) -> PrefixSplit | None:
     has_policy = mb.loss_mask.bool().any(dim=1)
     if not bool(has_policy.any()):
         return None
-    cut = torch.where(has_policy, mb.loss_mask.argmax(dim=1) - 1, 0).clamp(min=0)
+    cut = torch.where(has_policy, mb.loss_mask.argmax(dim=1) - 1, 0).clamp(min=0).tolist()
     ids = mb.input_ids.tolist()
+    keys = {tuple(row[:c]) for row, c in zip(ids, cut, strict=True)}
+    for b, row in enumerate(ids):  # a fork's first continuation joins its siblings' prefix
+        held = [len(key) for key in keys if len(key) > cut[b] and tuple(row[:len(key)]) == key]
+        cut[b] = max(held, default=cut[b])
     index: dict[tuple[int, ...], int] = {}
-    owner = [index.setdefault(tuple(row[:c]), len(index)) for row, c in zip(ids, cut.tolist(),
-                                                                            strict=True)]
-    if len(index) == len(owner) or int(cut.min()) == 0:
+    owner = [index.setdefault(tuple(row[:c]), len(index)) for row, c in zip(ids, cut, strict=True)]
+    if len(index) == len(owner) or min(cut) == 0:
         return None  # nothing shared, or a row with no prompt to share
     prefixes = [list(key) for key in index]
-    return PrefixSplit(cut, torch.tensor(owner), prefixes)
+    return PrefixSplit(torch.tensor(cut), torch.tensor(owner), prefixes)
+
+
+def scored_in_prefix(mb: Batch, split: PrefixSplit) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, columns)`` of the prefix positions whose hidden state scores a policy token
+    of that row (only a fork's first continuation has any): column ``c`` scores token
+    ``c + 1``, which is in the prefix or is the suffix's first token."""
+    columns = torch.arange(mb.input_ids.shape[1], device=mb.input_ids.device)
+    following = mb.loss_mask.bool().roll(-1, dims=1)
+    following[:, -1] = False
+    inside = following & (columns[None, :] < split.cut.to(columns.device)[:, None])
+    return inside.nonzero(as_tuple=True)
+
+
+def _in_row_order(prefix_part: torch.Tensor, prefix_keys: torch.Tensor,
+                  suffix_part: torch.Tensor, suffix_keys: torch.Tensor) -> torch.Tensor:
+    """Hidden states scored in the prefix and in the suffixes, row-major (keys: row x width +
+    column), as a plain pass gives them."""
+    if not len(prefix_keys):
+        return suffix_part[suffix_keys.argsort()]
+    order = torch.cat([prefix_keys, suffix_keys]).argsort()
+    return torch.cat([prefix_part, suffix_part])[order]
 
 
 def shared_prefix_hidden(model: nn.Module, mb: Batch, split: PrefixSplit) -> torch.Tensor:
@@ -73,7 +102,7 @@ def shared_prefix_hidden(model: nn.Module, mb: Batch, split: PrefixSplit) -> tor
     if _mask_format(decoder) is not None:
         layout = PackedLayout.of(mb, split)
         if packing_pays(decoder.config, layout, split, mb):
-            return packed_prefix_hidden(decoder, mb, layout)
+            return packed_prefix_hidden(decoder, mb, layout, split)
     return cached_prefix_hidden(decoder, mb, split)
 
 
@@ -167,7 +196,8 @@ def _mask_format(decoder: nn.Module) -> str | None:
     return {"sdpa": "bool", "eager": "float"}.get(getattr(config, "_attn_implementation", None))
 
 
-def packed_prefix_hidden(decoder: nn.Module, mb: Batch, layout: PackedLayout) -> torch.Tensor:
+def packed_prefix_hidden(decoder: nn.Module, mb: Batch, layout: PackedLayout,
+                         split: PrefixSplit) -> torch.Tensor:
     """One forward pass over the packed sequences (see the module docstring)."""
     device = mb.input_ids.device
     piece, source, column = (t.to(device) for t in (layout.piece, layout.source, layout.column))
@@ -182,10 +212,12 @@ def packed_prefix_hidden(decoder: nn.Module, mb: Batch, layout: PackedLayout) ->
                      position_ids=column, use_cache=False).last_hidden_state
     # Suffix token (b, c) scores token c + 1 of row b when the policy wrote that one.
     lengths = mb.attention_mask.sum(dim=1)
-    following = (column + 1).clamp(max=mb.input_ids.shape[1] - 1)
+    width = mb.input_ids.shape[1]
+    following = (column + 1).clamp(max=width - 1)
     scores = (piece >= 0) & mb.loss_mask.bool()[source, following] & (column + 1 < lengths[source])
-    order = (source * mb.input_ids.shape[1] + column)[scores].argsort()
-    return hidden[scores][order]
+    rows, columns = scored_in_prefix(mb, split)  # a prefix's column c sits at packed place c
+    return _in_row_order(hidden[split.owner.to(device)[rows], columns], rows * width + columns,
+                         hidden[scores], (source * width + column)[scores])
 
 
 def cached_prefix_hidden(decoder: nn.Module, mb: Batch, split: PrefixSplit) -> torch.Tensor:
@@ -203,8 +235,8 @@ def cached_prefix_hidden(decoder: nn.Module, mb: Batch, split: PrefixSplit) -> t
         prefix_ids[u, :len(prefix)] = torch.tensor(prefix, device=device)
         prefix_mask[u, :len(prefix)] = 1
     cache = DynamicCache()
-    decoder(input_ids=prefix_ids, attention_mask=prefix_mask, **cache_kwargs(decoder, cache),
-            use_cache=True)
+    prefix_hidden = decoder(input_ids=prefix_ids, attention_mask=prefix_mask,
+                            **cache_kwargs(decoder, cache), use_cache=True).last_hidden_state
     owner = split.owner.to(device)
     cache.batch_select_indices(owner)
 
@@ -221,4 +253,8 @@ def cached_prefix_hidden(decoder: nn.Module, mb: Batch, split: PrefixSplit) -> t
     # Suffix position k holds token cut + k; it scores token cut + k + 1.
     scores_next = mb.loss_mask.gather(1, (columns + 1).clamp(max=mb.input_ids.shape[1] - 1))
     scores_next = scores_next.bool() & ((columns + 1) < lengths[:, None])
-    return hidden[scores_next]
+    rows, at = scored_in_prefix(mb, split)
+    row_of = torch.arange(len(cut), device=device)[:, None].expand_as(columns)
+    return _in_row_order(prefix_hidden[owner[rows], at], rows * mb.input_ids.shape[1] + at,
+                         hidden[scores_next],
+                         (row_of * mb.input_ids.shape[1] + columns)[scores_next])
