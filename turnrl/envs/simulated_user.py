@@ -76,9 +76,9 @@ def redact(text: str, phrases: list[str]) -> tuple[str, int]:
 
 def scripted_reply(question: str, facts: set[str], vocabulary: set[str]) -> str:
     """The scripted user's answer: yes/no when ``question`` names exactly one fact word (a
-    plural or -s form counts), else a request to ask about one thing."""
+    plural -s or -es form counts), else a request to ask about one thing."""
     asked = {w for word in words(question)
-             for w in (word, word[:-1] if word.endswith("s") else "") if w in vocabulary}
+             for w in (word, word.removesuffix("s"), word.removesuffix("es")) if w in vocabulary}
     if len(asked) != 1:
         return ("Sorry, I don't follow. Ask me about one thing." if not asked
                 else "One thing at a time, please.")
