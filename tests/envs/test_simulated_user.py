@@ -203,3 +203,27 @@ def test_turnrl_train_two_steps_with_a_simulated_user(tmp_path, capsys, user):
     assert {ep["info"]["user"] for ep in played} == {expected}  # evaluation has its user
     capsys.readouterr()
     assert main(["envs"]) == 0 and "simulated-user" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_an_async_run_with_a_model_user(tmp_path):
+    from tests.conftest import local_ray
+    from turnrl.config import load_config
+    from turnrl.launch import train_async
+    from turnrl.types import read_episodes
+
+    cfg = load_config(None, [
+        "--model.name", "tiny", "--env.name", "simulated-user", "--env.options.opponent",
+        "model", "--env.opponent_model", "tiny", "--env.options.max_turns", "2",
+        "--rollout.max_new_tokens", "4", "--rollout.group_size", "2",
+        "--rollout.groups_per_step", "2", "--run.steps", "1", "--eval.episodes", "2",
+        "--run.mode", "async", "--ray.num_workers", "1", "--run.progress", "false",
+        "--run.tensorboard", "false", "--run.out_dir", str(tmp_path)])
+    with local_ray():
+        train_async(cfg)
+    (path,) = (tmp_path / "episodes").glob("step-*.jsonl")
+    trained, evaluated = read_episodes(path), read_episodes(tmp_path / "eval_after.jsonl")
+    assert len(trained) == 4 and len(evaluated) == 2
+    # the worker's user and the learner's evaluation user: both the model, both replied
+    assert all(ep.status == "done" and ep.info["user"] == "model:tiny" and ep.info["turns"] == 2
+               for ep in (*trained, *evaluated))
