@@ -179,6 +179,13 @@ def test_bad_options_and_tasks_are_refused_in_one_line(tmp_path):
             make_env("simulated-user", **options)
         assert "\n" not in str(err.value)
     assert make_env("simulated-user", path=nofacts, opponent="model").rows  # a model needs none
+    from turnrl.config import ConfigError, load_config
+
+    for args, message in [(["--env.options.opponent", "model"], "needs env.opponent_model"),
+                          (["--env.options.reward", "judge"], "the judge section, which is off")]:
+        with pytest.raises(ConfigError, match=message) as err:
+            load_config(None, ["--env.name", "simulated-user", *args])
+        assert "\n" not in str(err.value)
     env = make_env("simulated-user", opponent="model")
     asyncio.run(env.reset(0))
     with pytest.raises(RuntimeError, match="has no player"):
