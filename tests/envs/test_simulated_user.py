@@ -234,3 +234,29 @@ def test_an_async_run_with_a_model_user(tmp_path):
     # the worker's user and the learner's evaluation user: both the model, both replied
     assert all(ep.status == "done" and ep.info["user"] == "model:tiny" and ep.info["turns"] == 2
                for ep in (*trained, *evaluated))
+
+
+def test_a_judged_run_tells_the_judge_the_hidden_goal_and_never_the_policy(tmp_path):
+    from tests.helpers.judge_server import JudgeServer
+    from turnrl.config import load_config
+    from turnrl.trainer import train
+
+    server = JudgeServer()
+    try:
+        cfg = load_config(None, [
+            "--model.name", "tiny", "--env.name", "simulated-user", "--env.options.reward",
+            "judge", "--env.options.max_turns", "2", "--rollout.max_new_tokens", "4",
+            "--rollout.group_size", "2", "--rollout.groups_per_step", "2", "--run.steps", "1",
+            "--eval.episodes", "0", "--run.progress", "false", "--run.tensorboard", "false",
+            "--judge.base_url", server.base_url, "--judge.model", "strict",
+            "--judge.rubric", "The agent names the diagnosis. REQUIRED: answer",
+            "--run.out_dir", str(tmp_path)])
+        train(cfg)
+    finally:
+        server.close()
+    assert len(server.requests) >= 1
+    goals = {r["goal"] for r in make_env("simulated-user").rows}
+    for request in server.requests:
+        system, transcript = (m["content"] for m in request["messages"])
+        assert "The right answer:" in system and any(g in system for g in goals)
+        assert "right answer" not in transcript and not any(g in transcript for g in goals)
