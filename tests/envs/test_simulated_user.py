@@ -172,6 +172,9 @@ def test_bad_options_and_tasks_are_refused_in_one_line(tmp_path):
               ({"path": tasks("nogoal.jsonl", [{"answer": "keys", "facts": [], "split": s}
                                                for s in ("train", "eval")])},
                "row 0: no 'goal' text"),
+              ({"path": tasks("alias.jsonl", [{**row, "aliases": "key", "split": s}
+                                              for s in ("train", "eval")]),
+                "opponent": "model"}, "row 0: 'aliases' must be a list"),
               ({"path": tasks("train.jsonl", [{**row, "facts": [], "split": "train"}])},
                "eval split.* has no rows")]
     for options, message in cases:

@@ -108,6 +108,9 @@ def check_tasks(rows: list[dict], where: str, scripted: bool) -> None:
         for field in ("goal", "answer"):
             if not isinstance(row.get(field), str) or not row[field].strip():
                 raise DatasetError(f"{where} row {number}: no '{field}' text")
+        aliases = row.get("aliases", [])
+        if not (isinstance(aliases, list) and all(isinstance(a, str) for a in aliases)):
+            raise DatasetError(f"{where} row {number}: 'aliases' must be a list of names")
         facts = row.get("facts")
         if scripted and not (isinstance(facts, list) and all(isinstance(f, str) for f in facts)):
             raise DatasetError(f"{where} row {number}: no 'facts' list, which the scripted "
