@@ -72,6 +72,19 @@ def test_the_scripted_user_answers_by_rule_and_the_goal_is_checked():
     assert step.reward == 0.0 and step.info["success"]  # the judge's score is the reward
 
 
+def test_the_reference_player_solves_every_task_against_the_scripted_user():
+    for split in ("train", "eval"):
+        env = make_env("simulated-user", split=split)
+        for seed in range(len(env.rows)):
+            observation = asyncio.run(env.reset(seed))
+            player = env.reference_player()
+            player.reset(observation)
+            step = asyncio.run(env.step(player.act(observation)))
+            while not step.done:
+                step = asyncio.run(env.step(player.act(step.observation)))
+            assert step.info["success"] and step.info["turns"] <= 5, env.row
+
+
 def test_a_local_model_user_is_called_in_batches_across_episodes(tiny):
     model, tok = tiny
     chat = ChatFormat(tok)

@@ -143,6 +143,9 @@ class SimulatedUser:
         self.rows = train if split == "train" else held
         self.choices = sorted({r["answer"] for r in (*train, *held)})
         self.vocabulary = sorted({f for r in (*train, *held) for f in r.get("facts", [])})
+        self.table: dict[str, frozenset[str]] = {}  # answer -> its facts: public knowledge
+        for row in (*train, *held):
+            self.table.setdefault(row["answer"], frozenset(row.get("facts", [])))
         self.opponent_option, self.split, self.reward_mode = opponent, split, reward
         self.shuffle_seed, self.max_turns, self.turn_cost = shuffle_seed, max_turns, turn_cost
         self.eval_options = {"split": "eval"}  # held-out evaluation plays the eval rows
@@ -154,6 +157,12 @@ class SimulatedUser:
         self.row: dict = {}
         self.dialogue: list[tuple[str, str]] = []
         self.turn = self.redacted = 0
+
+    def reference_player(self) -> Questioner:
+        """Asks the fact that best splits the answers still possible, then names the last
+        one (scripted demonstrations, guidance; it reads only what the policy reads and the
+        file's public table of which facts go with which answer)."""
+        return Questioner(self.table)
 
     def set_opponent(self, player: Any) -> None:
         """The model or endpoint user (``act(system_prompt, observation) -> str``, ``name``),
@@ -220,3 +229,27 @@ def user_chat(row: dict, dialogue: list[tuple[str, str]]) -> tuple[str, str]:
                                 goal=row["goal"])
     lines = [f"{'You' if who == 'user' else 'Assistant'}: {text}" for who, text in dialogue]
     return system, "\n".join(lines) + "\nYou:"
+
+
+class Questioner:
+    """The scripted user's reference player: bisects the answers whose facts agree with
+    every reply so far, asking the fact closest to splitting them in half."""
+
+    def __init__(self, table: dict[str, frozenset[str]]) -> None:
+        self.table = table
+        self.facts = sorted(set().union(*table.values()))
+
+    def reset(self, first_observation: str) -> None:
+        self.possible, self.asked = set(self.table), ""
+
+    def act(self, observation: str) -> str:
+        if self.asked and observation in ("Yes.", "No."):
+            said = observation == "Yes."
+            self.possible = {a for a in self.possible if (self.asked in self.table[a]) == said}
+        unasked = [f for f in self.facts if 0 < sum(f in self.table[a] for a in self.possible)
+                   < len(self.possible)]
+        if len(self.possible) <= 1 or not unasked:
+            return f"answer: {min(self.possible) if self.possible else 'unknown'}"
+        self.asked = min(unasked, key=lambda f: abs(2 * sum(
+            f in self.table[a] for a in self.possible) - len(self.possible)))
+        return f"{self.asked}?"
