@@ -61,11 +61,12 @@ def main() -> None:
                              str(args.steps), "--run.checkpoint_every", str(args.steps),
                              "--run.out_dir", args.out])
     result = train(cfg)
-    rows = [["base", "scripted", *result.before.row("")[1:]],
-            ["trained", "scripted", *result.after.row("")[1:]]]
+    start = "after warm-up" if args.warmup_steps else "base"  # what RL started from
+    rows = [[start, "scripted", *result.before.row("")[1:]],
+            ["after RL", "scripted", *result.after.row("")[1:]]]
     user = ["--env.options.opponent", "model", "--env.opponent_model", args.model]
     trained = str(latest_checkpoint(result.run_dir))
-    for label, name in (("base", args.model), ("trained", trained)):
+    for label, name in (("base", args.model), ("after RL", trained)):
         model_cfg = load_config(None, ["--model.name", name, *common, *user])
         measured, _ = held_out_eval(model_cfg, load_policy(model_cfg))
         rows.append([label, f"model ({args.model})", *measured.row("")[1:]])
