@@ -124,3 +124,19 @@ def test_an_episode_without_a_policy_token_is_not_sent_to_the_judge():
     empty.end("error", "input_too_large")
     kept, metrics = EpisodeJudge(backend, "r", chars).score([empty, episode("q", "a")])
     assert len(kept) == 2 and metrics["judge/calls"] == 1 and empty.reward == 0.0
+
+
+def test_the_judge_is_told_a_task_s_hidden_reference_in_its_system_message_only():
+    backend = Replies(lambda chat: '{"score": 10}')
+    judge = EpisodeJudge(backend, "Did the agent name the right diagnosis?", chars)
+    told, plain = episode("I feel ill.", "answer: flu"), episode("I feel ill.", "answer: flu")
+    told.info["judge_reference"] = "The right answer: flu."  # a simulated user's hidden goal
+    judge.score([told, plain])
+    (system, user), (plain_system, _) = backend.chats
+    assert "The right answer: flu." in system["content"]
+    assert "right answer" not in user["content"] and "right answer" not in plain_system["content"]
+    assert len(backend.chats) == 2  # the same transcript, told otherwise: judged apart
+    ranked = EpisodeJudge(Replies(lambda chat: '{"scores": [10, 0]}'), "rubric", chars,
+                          mode="ranking")
+    ranked.score([told, episode("I feel ill.", "answer: cold")])
+    assert "The right answer: flu." in ranked.backend.chats[0][0]["content"]

@@ -88,7 +88,12 @@ def check_distill(cfg: Config) -> None:
 
 def check_judge(cfg: Config) -> None:
     """The judge scores a step's episodes after they are collected, so nothing that picks
-    episodes by their reward while collecting may run with it."""
+    episodes by their reward while collecting may run with it; an env told to leave its
+    reward to the judge (``reward: judge``, a simulated user) needs one."""
+    if cfg.env.options.get("reward") == "judge" and not cfg.judge.enabled:
+        raise ConfigError("env.options.reward judge leaves the reward to the judge section, "
+                          "which is off: set --judge.model (and --judge.rubric), or use "
+                          "--env.options.reward check")
     if cfg.judge.enabled and cfg.explore.dynamic_sampling:
         raise ConfigError("explore.dynamic_sampling keeps groups by the env's reward before "
                           "the judge has scored them; drop explore.dynamic_sampling or the "

@@ -10,6 +10,7 @@ from turnrl.envs import latency as _latency  # noqa: F401
 from turnrl.envs import maze as _maze  # noqa: F401
 from turnrl.envs import mcp_env as _mcp_env  # noqa: F401
 from turnrl.envs import search as _search  # noqa: F401
+from turnrl.envs import simulated_user as _simulated_user  # noqa: F401
 from turnrl.envs import sokoban as _sokoban  # noqa: F401
 from turnrl.envs import tictactoe as _tictactoe  # noqa: F401
 from turnrl.envs import tool_env as _tool_env  # noqa: F401

@@ -137,6 +137,16 @@ def _in_range(value: object) -> bool:
             and 0 <= value <= MAX_SCORE)
 
 
+def with_reference(rubric: str, episode: Episode) -> str:
+    """``rubric`` and what the env told the judge about the episode's task that the policy
+    never saw (``info["judge_reference"]``: a simulated user's hidden goal and answer,
+    envs/simulated_user.py); it joins the system message, out of the policy's reach."""
+    reference = str(episode.info.get("judge_reference") or "").strip()
+    if not reference:
+        return rubric
+    return f"{rubric.strip()}\n\nHidden from the agent, true about this task: {reference}"
+
+
 def reply_problem(reply: str | BaseException, timeout_s: float) -> str:
     """Why a judge call gave nothing to parse, in one line ("" when it gave a reply)."""
     if isinstance(reply, TimeoutError):
@@ -199,20 +209,25 @@ class EpisodeJudge:
     def _units(self, episodes: list[Episode], texts: list[str]
                ) -> list[tuple[str, list[Episode], list[dict]]]:
         """(cache key, its episodes, the judge's chat) per call: an episode (pointwise) or a
-        group (ranking)."""
+        group (ranking, one task: its first episode's reference)."""
         if self.mode == "pointwise":
-            return [(self._key(t), [ep], pointwise_chat(self.rubric, t, self.max_chars))
-                    for ep, t in zip(episodes, texts, strict=True)]
+            rubrics = [with_reference(self.rubric, ep) for ep in episodes]
+            return [(self._key(r, t), [ep], pointwise_chat(r, t, self.max_chars))
+                    for ep, r, t in zip(episodes, rubrics, texts, strict=True)]
         groups: dict[int, list[int]] = {}
         for i, ep in enumerate(episodes):
             groups.setdefault(ep.group, []).append(i)
-        return [(self._key(*(texts[i] for i in idx)), [episodes[i] for i in idx],
-                 ranking_chat(self.rubric, [texts[i] for i in idx], self.max_chars))
-                for idx in groups.values()]
+        units = []
+        for idx in groups.values():
+            rubric = with_reference(self.rubric, episodes[idx[0]])
+            units.append((self._key(rubric, *(texts[i] for i in idx)),
+                          [episodes[i] for i in idx],
+                          ranking_chat(rubric, [texts[i] for i in idx], self.max_chars)))
+        return units
 
-    def _key(self, *texts: str) -> str:
+    def _key(self, rubric: str, *texts: str) -> str:
         digest = hashlib.blake2b(digest_size=16)
-        for part in (self.mode, self.rubric, *texts):
+        for part in (self.mode, rubric, *texts):
             digest.update(part.encode("utf-8", "surrogatepass") + b"\x00")
         return digest.hexdigest()
 

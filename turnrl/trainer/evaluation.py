@@ -38,7 +38,7 @@ from turnrl.evaluation import (
 )
 from turnrl.policy import Policy
 from turnrl.rollout.chat import sampling_params
-from turnrl.selfplay.evaluation import with_outcome_metrics
+from turnrl.selfplay.evaluation import with_outcome_metrics, with_outside_player
 from turnrl.trainer.run import Run
 from turnrl.types import Episode, write_episodes
 
@@ -59,16 +59,18 @@ def play_options(cfg: Config, policy: Policy) -> dict:
 
 def play_tasks(cfg: Config, policy: Policy, make: Callable[[], Env], seeds: Sequence[int],
                env_name: str) -> tuple[EvalResult, list[Episode]]:
-    """One episode per seed on envs from ``make``, played as ``play_options`` says."""
-    return evaluate(make, seeds, policy.engine, policy.chat, env_name=env_name,
-                    **play_options(cfg, policy))
+    """One episode per seed on envs from ``make`` (with the run's simulated user, if it has
+    one), played as ``play_options`` says."""
+    return evaluate(with_outside_player(make, cfg), seeds, policy.engine, policy.chat,
+                    env_name=env_name, **play_options(cfg, policy))
 
 
 def held_out_eval(cfg: Config, policy: Policy) -> tuple[EvalResult, list[Episode]]:
     """The held-out seeds played once with the current weights on ``policy.eval_envs`` (a mix:
     each env, a row each in ``per_env``); the result with the env's ``policy_metrics`` (the
     policy scored as it samples) and a game's per-role outcomes, and the episodes."""
-    makes, seeds = policy.eval_envs, held_out_seeds(cfg)
+    makes = {label: with_outside_player(make, cfg) for label, make in policy.eval_envs.items()}
+    seeds = held_out_seeds(cfg)
     first, options = next(iter(makes.values())), play_options(cfg, policy)
     if len(makes) > 1:  # a mix: each env on the held-out seeds, a row each
         result, episodes = evaluate_each(makes, seeds, policy.engine, policy.chat, **options)
