@@ -77,6 +77,8 @@ def group_means(log_dir: Path, key: str) -> list[list[float]]:
     over its episodes, read from the recipe's own rollout summaries."""
     steps = []
     for it in sorted(log_dir.glob("iteration_*")):
+        if not (it / "train_rollout_summaries.jsonl").is_file():
+            continue  # a step still running
         groups: dict[int, list[float]] = {}
         for line in (it / "train_rollout_summaries.jsonl").read_text().splitlines():
             row = json.loads(line)
