@@ -19,7 +19,7 @@ turnrl eval   RUN_DIR [RUN_DIR ...] [--samples N] [--out FILE.json] ...  (seeds 
 turnrl serve  [--config FILE.yaml] [--model.name M] [--serve.host H] [--serve.port P]
               [--serve.api_key KEY] [--serve.checkpoint DIR] [--section.key VALUE ...]
 turnrl tinker [--model.name M] [--serve.host H] [--serve.port P] [--serve.api_key KEY]
-              [--run.out_dir DIR]    (a Tinker-compatible training service, docs/tinker.md)
+              [--run.out_dir DIR] [--run.threads N]  (a Tinker-compatible service, docs/tinker.md)
 turnrl report RUN_DIR [RUN_DIR ...] [--out FILE.png] [--html FILE.html]
 turnrl envs   [NAME] [--env.module M]                (every env, or one in full)
 turnrl samplers                                      (every sampler; which this machine runs)
@@ -152,11 +152,13 @@ def cmd_serve(argv: Sequence[str]) -> int:
 def cmd_tinker(argv: Sequence[str]) -> int:
     import tempfile
 
+    from turnrl.devices import configure_torch
     from turnrl.tinker.app import serve_forever
     from turnrl.tinker.service import Service
 
     own, overrides = _split(argv, {"--config": True})
     cfg = load_config(own.get("--config"), overrides)
+    configure_torch(cfg.run.threads)  # before the worker thread starts: it inherits the mode
     out_dir = Path(cfg.run.out_dir or tempfile.mkdtemp(prefix="turnrl-tinker-"))
     service = Service(cfg.model.name, out_dir, cfg.model.dtype, cfg.model.cache_dir)
     serve_forever(service, cfg.serve.host, cfg.serve.port, cfg.serve.api_key)

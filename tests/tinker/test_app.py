@@ -26,7 +26,7 @@ def base_url(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "turnrl", "tinker", "--model.name", "tiny", "--serve.port", "0",
-         "--run.out_dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+         "--run.threads", "1", "--run.out_dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env=env)
     line = proc.stdout.readline()
     match = re.search(r"http://[\d.]+:\d+", line)
