@@ -11,8 +11,9 @@ question shares its numbers with a training row, let alone the row itself.
 The runs are ``cold_start.py``'s (one ``turnrl train`` command line each, printed before it
 runs; figures from the run's ``eval_before.json``/``eval_after.json``, the eval split only):
 ``rl`` (RL alone), ``warmup`` (SFT on the env's reference player's answers to training rows,
-then RL) and ``guided`` (``--explore.guidance demo``). The table gives held-out success with
-95% Wilson intervals, before and after, and each run's wall time.
+then RL at ``--rl-lr``, 4e-6: the default 4e-5 undid the warm-up) and ``guided``
+(``--explore.guidance demo``). The table gives held-out success, base, at RL start and after
+(95% intervals: Wilson for one seed, Student t over seeds for several) and the wall time.
 
     python benchmarks/learning/dataset_task.py                      # warmup and guided, 1 seed
     python benchmarks/learning/dataset_task.py --methods rl,warmup,guided --seeds 3
