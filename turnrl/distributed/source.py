@@ -87,10 +87,7 @@ class RaySource(SourceDefaults):
     only ``cfg``, ``open`` spawns the workers; tests hand in a fleet and a book instead."""
 
     off_policy = True
-    versioned_eval = True
-    """Held-out rows per weight version, the base model first (``eval.every``): played on the
-    learner's engine while the workers keep generating with the versions they hold; version
-    0's while they start (``open`` spawns them before the "before" evaluation)."""
+    versioned_eval = True  # held-out rows per version, base first: learner's engine, workers go on
 
     def __init__(self, cfg: Config, fleet=None, book: AssignmentBook | None = None,
                  adaptive: AdaptiveStaleness | None = None, ledger: TextIO | None = None,
