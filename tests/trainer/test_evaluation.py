@@ -9,7 +9,7 @@ import pytest
 
 from turnrl.config import load_config
 from turnrl.evaluation import EvalResult
-from turnrl.metrics import read_metrics
+from turnrl.metrics import MetricsLogger, read_metrics
 from turnrl.trainer import LocalSource, learn
 from turnrl.trainer.evaluation import base_row, eval_metrics
 
@@ -28,17 +28,20 @@ def test_eval_metrics_carry_the_interval_and_the_version():
     assert 0 < lo < 0.3 < hi < 1
 
 
-def test_the_base_row_is_version_zero_only_with_a_schedule_and_only_once():
+def test_the_base_row_is_version_zero_only_with_a_schedule_and_only_once(tmp_path):
     before = EvalResult(episodes=4, successes=1, mean_reward=0.25, mean_turns=1.0, failed=0)
 
     def run(every: int, start_step: int):
         return SimpleNamespace(cfg=load_config(None, TINY + ["--eval.every", str(every)]),
-                               start_step=start_step)
+                               start_step=start_step, run_dir=tmp_path)
 
     assert base_row(run(2, 0), before) == eval_metrics(before, 0)
     assert base_row(run(0, 0), before) == {}  # no schedule: eval_before.json alone
     assert base_row(run(2, 3), before) == {}  # resumed: the row is in metrics.jsonl already
     assert base_row(run(2, 0), None) == {}  # eval.episodes 0
+    with MetricsLogger(tmp_path) as logger:  # resumed before the first checkpoint
+        logger.log(0, base_row(run(2, 0), before))
+    assert base_row(run(2, 0), before) == {}
 
 
 @pytest.mark.slow

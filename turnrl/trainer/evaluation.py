@@ -41,6 +41,7 @@ from turnrl.evaluation import (
     reply_scorer,
     with_env_metrics,
 )
+from turnrl.metrics import METRICS_FILE, read_metrics
 from turnrl.policy import Policy
 from turnrl.rollout.chat import sampling_params
 from turnrl.selfplay.evaluation import with_outcome_metrics
@@ -156,8 +157,12 @@ def base_row(run: Run, before: EvalResult | None) -> dict[str, float]:
     """The base model's row of a per-version schedule (``RolloutSource.versioned_eval``:
     async runs): the "before" evaluation as ``eval/*`` metrics of version 0, logged at step 0
     ahead of the first update; {} without a schedule (``eval.every`` 0), without an
-    evaluation, or on a resumed run (its metrics.jsonl holds the row already)."""
+    evaluation, or on a resumed run (its metrics.jsonl holds the row already, even one
+    resumed before its first checkpoint)."""
     if before is None or not run.cfg.eval.every or run.start_step:
+        return {}
+    path = run.run_dir / METRICS_FILE
+    if path.exists() and any(r["step"] == 0 for r in read_metrics(path)):
         return {}
     return eval_metrics(before, 0)
 
