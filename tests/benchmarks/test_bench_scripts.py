@@ -67,3 +67,18 @@ def test_collapse_cost_times_the_monitor_beside_the_update(capsys):
     assert "monitor 8 replies x 8 contexts" in out, out
     ratio = re.search(r"^ratio: collapse / update cpu = (\S+)$", out, re.M)
     assert ratio and float(ratio.group(1)) > 0
+
+
+@pytest.mark.slow
+def test_ragen_frozenlake_prints_each_protocol_beside_ragens_quoted_figure(capsys, tmp_path):
+    """``benchmarks/learning/ragen_frozenlake.py`` on the tiny model, two seeds a protocol."""
+    import ragen_frozenlake
+
+    assert ragen_frozenlake.main(["--model", "tiny", "--episodes", "2", "--tokens", "3",
+                                  "--also-plain",
+                                  "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^(ragen|plain 4x4)\s+tiny\s+([\d.]+)% \[", out, re.M)
+    assert [name for name, _ in rows] == ["ragen", "plain 4x4"], out
+    assert re.search(r"^ragen\s+18-21%\s+<- RAGEN .*not run here$", out, re.M), out
+    assert "--env.options.protocol ragen" in out

@@ -652,6 +652,36 @@ def test_async_training_on_a_local_ray_cluster(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_an_async_run_evaluates_the_base_model_first_then_every_n_versions(ray_cluster,
+                                                                           tmp_path):
+    """With ``eval.every 2`` over 5 steps, metrics.jsonl holds version 0's held-out row at
+    step 0, written before the first update's row, then versions 2 and 4 at their steps; the
+    final version is the "after" evaluation. Each row names its weight version, which is the
+    learner's version at that step (the version the workers are sent next)."""
+    from turnrl.launch import train_async
+    from turnrl.metrics import read_metrics
+
+    cfg = load_config(None, TINY + ["--run.steps", "5", "--eval.episodes", "3",
+                                    "--eval.every", "2", "--run.checkpoint_every", "0",
+                                    "--run.out_dir", str(tmp_path)])
+    result = train_async(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+    evals = [r for r in records if "eval/success" in r]
+    assert [(r["step"], r["eval/version"]) for r in evals] == [(0, 0), (2, 2), (4, 4)]
+    base = records[0]
+    assert "loss/policy" not in base and "eval/learner_s" not in base  # no update yet
+    before = json.loads((tmp_path / "eval_before.json").read_text())
+    assert base["eval/success"] == before["success_rate"]  # the "before" evaluation itself
+    for r in evals:
+        assert 0 <= r["eval/success_lo"] <= r["eval/success"] <= r["eval/success_hi"] <= 1
+    for r in evals[1:]:
+        assert r["eval/learner_s"] > 0 and "loss/policy" in r
+    assert result.after.episodes == 3
+    _books_balance(result)
+
+
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_its_work_reissued(ray_cluster, tmp_path):
     from turnrl.distributed import LEDGER_FILE
     from turnrl.launch import train_async

@@ -87,6 +87,7 @@ class RaySource(SourceDefaults):
     only ``cfg``, ``open`` spawns the workers; tests hand in a fleet and a book instead."""
 
     off_policy = True
+    versioned_eval = True  # held-out rows per version, base first: learner's engine, workers go on
 
     def __init__(self, cfg: Config, fleet=None, book: AssignmentBook | None = None,
                  adaptive: AdaptiveStaleness | None = None, ledger: TextIO | None = None,

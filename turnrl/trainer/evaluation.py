@@ -10,7 +10,11 @@ this module decides what a policy is evaluated on and keeps the result:
   (``play_tasks``).
 - ``evaluate_env``: the before/after evaluation a run's source calls
   (``RolloutSource.evaluate``; SFT too), written to ``eval_before.*`` / ``eval_after.*``;
-  ``periodic_eval``: the ``eval/*`` metrics every ``eval.every`` steps (``end_step``).
+  ``periodic_eval``: the ``eval/*`` metrics every ``eval.every`` steps (``end_step``), each
+  naming the weight version it evaluated (``eval/version``); async runs log the "before"
+  evaluation as version 0's row at step 0 (``base_row``), so their schedule starts with the
+  base model. Every one of them plays on the learner's engine (hf, the learner's own
+  tensors: no weight transfer, always the newest version).
 
 Exact resume: evaluating draws from the engine's sampler, so the "before" evaluation stores
 the streams as it left them; a run killed before its first checkpoint restores them.
@@ -19,6 +23,7 @@ the streams as it left them; a run killed before its first checkpoint restores t
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -36,6 +41,7 @@ from turnrl.evaluation import (
     reply_scorer,
     with_env_metrics,
 )
+from turnrl.metrics import METRICS_FILE, read_metrics
 from turnrl.policy import Policy
 from turnrl.rollout.chat import sampling_params
 from turnrl.selfplay.evaluation import with_outcome_metrics, with_outside_player
@@ -124,17 +130,43 @@ def evaluate_after(run: Run) -> EvalResult:
 
 
 def periodic_eval(run: Run, step: int) -> dict[str, float]:
-    """Held-out metrics every ``eval.every`` steps (the last step gets the 'after' table)."""
+    """Held-out metrics every ``eval.every`` steps (the last step gets the 'after' table),
+    with the weight version evaluated (``eval/version``: the learner's engine has just taken
+    version ``step + 1``) and the learner's seconds spent on it (``eval/learner_s``: its
+    update waits that long; async workers keep generating meanwhile)."""
     cfg = run.cfg
     if not cfg.eval.every or (step + 1) % cfg.eval.every or step + 1 >= cfg.run.steps:
         return {}
+    start = time.perf_counter()
     result, _ = held_out_eval(cfg, run.policy)
+    return {**eval_metrics(result, run.policy.engine.version),
+            "eval/learner_s": time.perf_counter() - start}
+
+
+def eval_metrics(result: EvalResult, version: int) -> dict[str, float]:
+    """A held-out evaluation as ``eval/*`` metrics: success with its interval, reward, a
+    mix's per-env rows, what the env measured, and the weight ``version`` it evaluated."""
     lo, hi = result.interval
     per_env = {f"eval/{label}/{key}": value for label, r in (result.per_env or {}).items()
                for key, value in (("success", r.success_rate), ("reward", r.mean_reward))}
     return {"eval/success": result.success_rate, "eval/success_lo": lo,
             "eval/success_hi": hi, "eval/reward": result.mean_reward, **per_env,
-            **{f"eval/{k}": v for k, v in (result.env_metrics or {}).items()}}
+            **{f"eval/{k}": v for k, v in (result.env_metrics or {}).items()},
+            "eval/version": float(version)}
+
+
+def base_row(run: Run, before: EvalResult | None) -> dict[str, float]:
+    """The base model's row of a per-version schedule (``RolloutSource.versioned_eval``:
+    async runs): the "before" evaluation as ``eval/*`` metrics of version 0, logged at step 0
+    ahead of the first update; {} without a schedule (``eval.every`` 0), without an
+    evaluation, or on a resumed run (its metrics.jsonl holds the row already, even one
+    resumed before its first checkpoint)."""
+    if before is None or not run.cfg.eval.every or run.start_step:
+        return {}
+    path = run.run_dir / METRICS_FILE
+    if path.exists() and any(r["step"] == 0 for r in read_metrics(path)):
+        return {}
+    return eval_metrics(before, 0)
 
 
 def write_transcripts(run: Run, name: str, episodes: list[Episode]) -> None:

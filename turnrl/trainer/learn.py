@@ -35,7 +35,7 @@ from turnrl.evaluation import EvalResult
 from turnrl.policy import publish
 from turnrl.trainer.bookkeeping import TrainResult, end_step, finish_run, step_logging
 from turnrl.trainer.curriculum import held_out_title
-from turnrl.trainer.evaluation import evaluate_env
+from turnrl.trainer.evaluation import base_row, evaluate_env
 from turnrl.trainer.judges import build_judge
 from turnrl.trainer.reference import reset_reference
 from turnrl.trainer.reward_model import RewardScorer
@@ -54,6 +54,9 @@ class RolloutSource(Protocol):
     """Episodes may come from older weights: the update uses decoupled PPO."""
     learner_threads: int | None
     """Torch threads for the learner (None: ``run.threads``)."""
+    versioned_eval: bool
+    """With ``eval.every``, the held-out schedule starts with the base model: the "before"
+    evaluation is logged as version 0's row at step 0 (async runs; trainer/evaluation.py)."""
 
     def open(self, run: Run) -> None:
         """Start what the source needs (workers, a server), where a resumed run left off
@@ -112,6 +115,7 @@ class SourceDefaults:
 
     off_policy = False
     learner_threads: int | None = None
+    versioned_eval = False
 
     def open(self, run: Run) -> None:
         self.run = run
@@ -189,6 +193,8 @@ def learn(cfg: Config, source: RolloutSource, *, resume: bool = False) -> TrainR
         before = source.evaluate(run, "before")  # while the workers start
         source.wait_ready()
         with step_logging(run, source.label(cfg)) as (logger, progress):
+            if source.versioned_eval and (row := base_row(run, before)):
+                logger.log(0, row)  # version 0, before the first update
             for step in range(run.start_step, cfg.run.steps):
                 timer = StageTimer()
                 with timer("collect"):

@@ -6,6 +6,9 @@ the passenger waits and where it goes (their colours told that), Blackjack is a 
 reply must name one legal action, listed in the system prompt with the legend. An unreadable reply is a wasted turn whose
 observation says what is legal. ``state_key`` is the discrete gymnasium observation, the anchor
 state GiGPO groups on.
+
+FrozenLake's further options (a new map per seed, chained moves, RAGEN's text, ``protocol
+ragen``) are frozen_lake.py's; without them the game is gymnasium's, as before.
 """
 
 from __future__ import annotations
@@ -14,6 +17,14 @@ import asyncio
 import re
 from typing import Any
 
+from turnrl.envs.adapters.frozen_lake import (
+    LakeSettings,
+    chained_actions,
+    lake_prompt,
+    lake_settings,
+    ragen_text,
+    random_lake,
+)
 from turnrl.envs.base import StepResult, register_env
 
 ACTIONS = {
@@ -135,7 +146,7 @@ class PlannerPlayer:
             return bool(done) and (cliff or reward > 0)
 
         transitions = env.env.unwrapped.P
-        key = f"{env.game}:{env.make_options}"
+        key = f"{env.game}:{env.make_options}:{env.lake_map}"  # a drawn map: its own table
         if key not in _VALUES:
             _VALUES[key] = goal_values(transitions, is_goal)
         actions = transitions[int(env.obs)]
@@ -145,20 +156,40 @@ class PlannerPlayer:
 
 @register_env("gymnasium")
 class GymnasiumText:
-    """Multi-turn: a gymnasium toy-text game (game=FrozenLake-v1|Taxi-v4|CliffWalking-v1|Blackjack-v1)."""
+    """Multi-turn: a gymnasium toy-text game (game=FrozenLake-v1|Taxi-v4|CliffWalking-v1|Blackjack-v1);
+    FrozenLake also takes size, frozen, ends, actions_per_turn, max_actions, render and
+    protocol (ragen) (frozen_lake.py)."""
 
-    def __init__(self, game: str = "FrozenLake-v1", max_turns: int = 30, **make_options: Any):
+    def __init__(self, game: str = "FrozenLake-v1", max_turns: int | None = None,
+                 protocol: str = "", **make_options: Any):
         if game not in ACTIONS:
             raise ValueError(f"unknown gymnasium game '{game}'; choose one of: {', '.join(ACTIONS)}")
-        gym = require_gymnasium()
-        self.game, self.names, self.max_turns = game, ACTIONS[game], max_turns
-        self.make_options = make_options
-        render = {} if game == "Blackjack-v1" else {"render_mode": "ansi"}
-        self.env = gym.make(game, **render, **make_options)
+        if protocol and game != "FrozenLake-v1":
+            raise ValueError("gymnasium: 'protocol' is a FrozenLake-v1 option")
+        require_gymnasium()  # the one-line install hint before anything else
+        self.lake = LakeSettings(max_turns=30 if max_turns is None else max_turns)
+        if game == "FrozenLake-v1":
+            self.lake, make_options = lake_settings(protocol, max_turns, make_options)
+        self.game, self.names, self.max_turns = game, ACTIONS[game], self.lake.max_turns
+        self.make_options, self.lake_map = make_options, ""
+        """``lake_map``: the drawn map of this episode (``size``), '' on a fixed map."""
+        self.render_mode = {} if game == "Blackjack-v1" else {"render_mode": "ansi"}
+        self.env = self._make(0)
         self.system_prompt = (f"You are playing {game.split('-')[0]}. {LEGENDS[game]} Reply with "
                               f"one action: {'/'.join(self.names)}.").replace(".  ", ". ")
+        if not self.lake.plain:
+            self.system_prompt = lake_prompt(self.lake, make_options.get("is_slippery", True))
         self.obs: Any = None
-        self.turn = 0
+        self.turn = self.moves = 0
+
+    def _make(self, seed: int) -> Any:
+        """The gymnasium env; with ``size``, on the map drawn from ``seed``."""
+        drawn = {}
+        if self.lake.size:
+            rows = random_lake(self.lake.size, self.lake.frozen, seed, self.lake.ends)
+            drawn, self.lake_map = {"desc": rows}, "/".join(rows)
+        gym = require_gymnasium()
+        return gym.make(self.game, **self.render_mode, **self.make_options, **drawn)
 
     @property
     def state_key(self) -> str:
@@ -169,6 +200,8 @@ class GymnasiumText:
             total, dealer, ace = self.obs
             return (f"Your hand totals {total}{' with a usable ace' if ace else ''}; "
                     f"the dealer shows {dealer}. Hit or stick?")
+        if self.lake.render == "ragen":
+            return ragen_text(self.env.unwrapped.desc.tolist(), int(self.obs))
         text = plain_text(str(self.env.render())).lstrip("\n")
         if self.game == "Taxi-v4":
             _, _, passenger, destination = self.env.unwrapped.decode(self.obs)
@@ -180,19 +213,30 @@ class GymnasiumText:
         return PlannerPlayer(self)
 
     async def reset(self, seed: int) -> str:
+        if self.lake.size:  # a new map for every seed
+            self.env = self._make(seed)
         self.obs, _ = await asyncio.to_thread(self.env.reset, seed=seed)
-        self.turn = 0
+        self.turn = self.moves = 0
         return self.describe()
 
     async def step(self, action: str) -> StepResult:
         self.turn += 1
-        index = parse_action(action, self.names)
+        lake = self.lake
+        indices = ([i] if (i := parse_action(action, self.names)) is not None else []) \
+            if lake.plain else chained_actions(action, self.names, lake.actions_per_turn)
         out_of_turns = self.turn >= self.max_turns
-        if index is None:
+        if not indices:
             return StepResult(f"Reply with one of: {', '.join(self.names)}.", 0.0, out_of_turns,
                               {"success": False, "state_key": self.state_key})
-        self.obs, reward, terminated, truncated, _ = await asyncio.to_thread(self.env.step, index)
-        done = bool(terminated or truncated) or out_of_turns
+        reward = 0.0
+        for index in indices:  # one move, or a chain played until the episode ends
+            self.obs, gained, terminated, truncated, _ = await asyncio.to_thread(
+                self.env.step, index)
+            reward, self.moves = reward + gained, self.moves + 1
+            out_of_moves = bool(lake.max_actions) and self.moves >= lake.max_actions
+            if terminated or truncated or out_of_moves:
+                break
+        done = bool(terminated or truncated) or out_of_turns or out_of_moves
         # CliffWalking pays -1 a step, the last one too: reaching the target is its success
         reached = reward > 0 or self.game == "CliffWalking-v1"
         info = {"success": bool(terminated) and reached, "state_key": self.state_key}
