@@ -276,3 +276,16 @@ def test_a_judged_run_tells_the_judge_the_hidden_goal_and_never_the_policy(tmp_p
         system, transcript = (m["content"] for m in request["messages"])
         assert "The right answer:" in system and any(g in system for g in goals)
         assert "right answer" not in transcript and not any(g in transcript for g in goals)
+
+
+def test_options_of_the_wrong_type_are_refused_by_name():
+    """turn_cost 'abc' was accepted and failed every correct answer at step time (1.0 - 'abc'
+    * 0); max_turns and eval_fraction of the wrong type were refused with Python's own '<'
+    error, naming neither option."""
+    for options, name in [({"turn_cost": "abc"}, "turn_cost"), ({"turn_cost": -0.5}, "turn_cost"),
+                          ({"max_turns": "abc"}, "max_turns"), ({"max_turns": 2.5}, "max_turns"),
+                          ({"eval_fraction": "x"}, "eval_fraction"),
+                          ({"show_choices": "no"}, "show_choices")]:
+        with pytest.raises(ValueError, match=f"simulated-user: {name} must be") as err:
+            make_env("simulated-user", **options)
+        assert "\n" not in str(err.value)

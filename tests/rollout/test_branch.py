@@ -48,8 +48,9 @@ def test_siblings_share_the_prefix_tokens_and_only_the_first_trains_them(tiny):
     assert len(episodes) == 9  # 3 roots x 3 leaves (1..1000 is not guessed in one turn)
     for root in range(3):
         leaves = episodes[3 * root:3 * root + 3]
+        tree = leaves[0].info["branch"]["tree"]
         assert [ep.info["branch"] for ep in leaves] == [
-            {"root": root, "path": [[1, child]]} for child in range(3)]
+            {"root": root, "tree": tree, "path": [[1, child]]} for child in range(3)]
         fork = leaves[0].turns[1].start  # the first token of turn 2: the prefix ends here
         assert all(ep.token_ids[:fork] == leaves[0].token_ids[:fork] for ep in leaves)
         assert all(ep.turns[1].start == fork for ep in leaves)
@@ -119,3 +120,16 @@ def test_a_tree_run_trains_end_to_end(tmp_path):
     steps = [row for row in rows if "tree/leaves_per_root" in row]
     assert len(steps) == 2
     assert all(1 < row["tree/leaves_per_root"] <= 2 for row in steps)
+
+
+def test_trees_from_two_plays_of_one_group_stay_apart(tiny):
+    """Guidance's hinted attempts play a failed group's seed again in a second turn loop
+    (trainer/guidance.py): their trees must not merge with the group's own, whose roots were
+    numbered from 0 in the first loop too (a merged node would average both trees' returns)."""
+    from turnrl.algorithms.estimators import TreeGRPO
+
+    first, _ = play(tiny, BranchPlan((1,), 3), seeds=((0, 0),))
+    again, _ = play(tiny, BranchPlan((1,), 3), seeds=((0, 0),))
+    estimator = TreeGRPO()
+    estimator.advantages(first + again)
+    assert estimator.metrics()["tree/leaves_per_root"] == 3  # two trees of 3 leaves, not one of 6

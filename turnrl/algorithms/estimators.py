@@ -232,7 +232,9 @@ class TreeGRPO(Stateless):
         rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
         trees = [ep.info.get("branch") or {} for ep in episodes]
         groups = episode_group_ids(episodes)
-        roots = [t.get("root", -1 - b) for b, t in enumerate(trees)]  # unforked: its own root
+        # a tree's id, unique across turn loops (``root`` is only unique within one); unforked:
+        # its own tree
+        roots = [t.get("tree", -1 - b) for b, t in enumerate(trees)]
         per_turn = tree_grpo_advantages(
             rewards, groups, roots, [tuple(tuple(fork) for fork in t.get("path", ()))
                                      for t in trees], [len(ep.turns) for ep in episodes])

@@ -32,7 +32,7 @@ Departures:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -48,13 +48,13 @@ def _std(values: Tensor) -> float:
     return float(values.std()) if values.numel() > 1 else 0.0
 
 
-def tree_grpo_advantages(rewards: Tensor, group_ids: Tensor, roots: Sequence[int],
+def tree_grpo_advantages(rewards: Tensor, group_ids: Tensor, roots: Sequence[Hashable],
                          paths: Sequence[Path], turn_counts: Sequence[int],
                          eps: float = 1e-6) -> list[Tensor]:
     """Per-turn advantages of each leaf (see the module docstring).
 
     rewards ``[N]`` (each leaf's return), group_ids ``[N]``, roots (the tree each leaf grew
-    from: one id per root episode of its group), paths (its forks), turn_counts (its turns)
+    from: one id per tree of its group), paths (its forks), turn_counts (its turns)
     -> one ``[turn_counts[i]]`` float32 tensor per leaf. Without forks (every path empty)
     every turn gets its episode's GRPO advantage.
     """

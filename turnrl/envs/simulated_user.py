@@ -117,6 +117,22 @@ def check_tasks(rows: list[dict], where: str, scripted: bool) -> None:
                                "user answers from; add one or use --env.options.opponent model")
 
 
+def check_numbers(eval_fraction: Any, max_turns: Any, turn_cost: Any, show_choices: Any) -> None:
+    """One line naming the first option of the wrong type or range (a string turn_cost would
+    otherwise fail every correct answer at step time)."""
+    number = (int, float)
+    for name, value, ok, want in [
+            ("eval_fraction", eval_fraction, isinstance(eval_fraction, number)
+             and not isinstance(eval_fraction, bool) and 0 < eval_fraction < 1, "in (0, 1)"),
+            ("max_turns", max_turns, isinstance(max_turns, int) and not isinstance(max_turns, bool)
+             and max_turns >= 1, "an int >= 1"),
+            ("turn_cost", turn_cost, isinstance(turn_cost, number)
+             and not isinstance(turn_cost, bool) and turn_cost >= 0, "a number >= 0"),
+            ("show_choices", show_choices, isinstance(show_choices, bool), "true or false")]:
+        if not ok:
+            raise ValueError(f"simulated-user: {name} must be {want}, got {value!r}")
+
+
 @register_env("simulated-user")
 class SimulatedUser:
     """Dialogue with a simulated user (persona + hidden goal): ask, then 'answer: NAME'; the
@@ -132,8 +148,7 @@ class SimulatedUser:
         if split not in ("train", "eval") or reward not in ("check", "judge"):
             raise ValueError(f"simulated-user: split must be train or eval and reward check or "
                              f"judge, got {split!r} and {reward!r}")
-        if not 0 < eval_fraction < 1 or max_turns < 1:
-            raise ValueError("simulated-user: eval_fraction must be in (0, 1) and max_turns >= 1")
+        check_numbers(eval_fraction, max_turns, turn_cost, show_choices)
         path = path or shipped_tasks()
         train, held = load_splits(path, eval_path, split_column, eval_fraction)
         if (id(train), opponent == "scripted") not in _CHECKED:  # built per episode: once

@@ -6,7 +6,9 @@ turn loop (loop.py) gives it ``k - 1`` siblings. Each sibling is a copy of the e
 its own tokens identical, with one difference: its loss mask is 0 on the shared tokens, which
 the original (continuation 0) keeps, so the prefix is trained once (algorithms/tree.py says
 what advantage it gets). ``info["branch"]`` records the tree: ``root`` (the episode it grew
-from) and ``path`` (its forks, ``[turn, child]`` each, root first).
+from, numbered within its turn loop), ``tree`` (an id unique across loops: a failed group's
+hinted replays, trainer/guidance.py, play the group's seed again in a second loop whose roots
+are numbered from 0 as well) and ``path`` (its forks, ``[turn, child]`` each, root first).
 
 A sibling needs an env in the same state. Envs are deterministic under ``reset(seed)``
 (the Env protocol), so a fresh env from the same factory is reset with the seed and stepped
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -82,7 +85,8 @@ class Forks:
             raise NotReplayable(f"env '{self.env_name}' has seats: rollout.branch forks "
                                 "single-agent episodes only")
         turn, episode, make = len(slot.episode.turns), slot.episode, slot.make or self.make
-        tree = episode.info.setdefault("branch", {"root": slot.assignment, "path": []})
+        tree = episode.info.setdefault("branch", {"root": slot.assignment,
+                                                  "tree": uuid.uuid4().hex, "path": []})
         tree["path"].append([turn, 0])
         siblings = []
         for child in range(1, self.plan.k):
