@@ -104,8 +104,7 @@ class RaySource(SourceDefaults):
                                       on_stale=self._stale)
         self.taken: list[Group] = []
         """The groups of the step being trained."""
-        self.version = version
-        self.closed = False
+        self.version, self.closed = version, False
         self.run: Run | None = None
         self.guidance: Guidance | None = None
         self.guided: dict[str, float] = {}
