@@ -213,7 +213,12 @@ def ray_ranks(cfg: Config) -> Iterator[Started]:
 
         yield Started(address, port, threads, lambda wait: dead_actors(runs, places, wait),
                       lambda: stop(actors))
-        ray.get(runs, timeout=30)  # they return on rank 0's stop
+        # They return on rank 0's stop; a slow one is stopped below, the run's work is saved.
+        ready, late = ray.wait(runs, num_returns=len(runs), timeout=cfg.learner.timeout_s)
+        ray.get(ready)
+        if late:
+            print(f"learner ranks: {len(late)} rank actor(s) had not returned "
+                  f"{cfg.learner.timeout_s:g} s after the run ended; stopping them", flush=True)
     finally:
         stop(actors)
         if group is not None:
