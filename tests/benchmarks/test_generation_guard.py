@@ -355,11 +355,13 @@ def _step_ratio(out: str) -> float:
 @pytest.mark.slow
 def test_whole_step_head_against_head_passes_and_a_slowed_tree_fails(capsys):
     """The whole step (collect + update) of the working tree against HEAD on the tiny model,
-    in fresh processes (2 rounds x 2 trees): a ratio near 1 and a pass; then one round with
+    in fresh processes (2 rounds x 2 trees): a ratio near 1 and exit 0; then one round with
     this tree's steps held to 2x their time (``--slow-this 2``): a measured ratio near 2 and
-    exit 1. CPU seconds at 1 thread, which a busy machine disturbs far less than wall time."""
+    exit 1 at the default threshold (1.10). CPU seconds at 1 thread, which a busy machine
+    disturbs far less than wall time; still, the same tree twice measured 1.23 and 0.97 in
+    two rounds at load 25, so the same-tree run is judged at 1.5, above such noise."""
     before = _worktrees()
-    code = guard.main([*STEP_RUN, "--rounds", "2"])
+    code = guard.main([*STEP_RUN, "--rounds", "2", "--threshold", "1.5"])
     out = capsys.readouterr().out
     assert "whole GRPO steps" in out.splitlines()[0]
     rounds = [line for line in out.splitlines() if line.startswith("round ")]
