@@ -438,7 +438,8 @@ def report(figures: dict[str, dict[str, list[float]]], threshold: float, confide
         bound = f"{verdict.lower_bound:.3f} ({verdict.confidence:.0%})"
         print(f"{workload:<9}{statistics.median(base):>8.3f}{statistics.median(this):>8.3f}  "
               f"{verdict.median:<25.3f}{bound:<19}{verdict.outcome}", file=out)
-    print(ratio_prefix(what) + ", ".join(f"{v.workload} {v.median:.3f}" for v in verdicts), file=out)
+    print(ratio_prefix(what) + ", ".join(f"{v.workload} {v.median:.3f}" for v in verdicts),
+          file=out)
     regressed = [v.workload for v in verdicts if v.outcome == REGRESSION]
     unsure = [v.workload for v in verdicts if v.outcome == INCONCLUSIVE]
     if regressed:
@@ -457,8 +458,9 @@ def report(figures: dict[str, dict[str, list[float]]], threshold: float, confide
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/guards/generation_guard.py",
-        description="Fail when this checkout's lock-step generation is slower than a base "
-                    "checkout's, measured side by side in alternating rounds.")
+        description="Fail when this checkout's lock-step generation (with --whole-step: its "
+                    "whole RL step) is slower than a base checkout's, measured side by side "
+                    "in alternating rounds.")
     parser.add_argument("--whole-step", action="store_true",
                         help="time the whole RL step (collect + update, as benchmarks/speed/"
                              "step_throughput.py times it) instead of generation")
