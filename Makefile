@@ -1,7 +1,8 @@
 # Two documented targets, each doing its own set-up on a fresh machine:
 #   make train   RL of the offline SmolLM2-135M-Instruct on the embedded default task
 #   make test    the whole test suite (what CI runs)
-# and `make bench-guard`, which fails when generation got slower than a base checkout's.
+# and `make bench-guard`, which fails when generation got slower than a base checkout's
+# (`make bench-guard ARGS=--whole-step`: the whole RL step, collect + update).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.turnrl-installed

@@ -168,14 +168,17 @@ def machine_line(cpu: str, cores: int, threads: int | None, load_start: float,
             f"{load_end:.2f}, {date}")
 
 
-def machine(load_start: float) -> str:
-    """The machine line of this machine now, with ``load_start`` from ``load_average()``."""
+def machine(load_start: float, threads: int | None = None) -> str:
+    """The machine line of this machine now, with ``load_start`` from ``load_average()``;
+    ``threads``: the torch threads of processes this one started (default: its own torch's,
+    where loaded)."""
     try:
         cpu = cpu_model(Path("/proc/cpuinfo").read_text())
     except OSError:
         cpu = "unknown CPU"
     torch = sys.modules.get("torch")  # torch's thread count, without importing it
-    threads = torch.get_num_threads() if torch is not None else None
+    if threads is None and torch is not None:
+        threads = torch.get_num_threads()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return machine_line(cpu, os.cpu_count() or 1, threads, load_start, load_average(), date)
 

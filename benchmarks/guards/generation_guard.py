@@ -24,11 +24,24 @@ separate the slow tree from the fast one. This guard compares two checkouts side
   (a sign-test bound: the k-th smallest ratio; with 5 rounds or fewer, the smallest) exceeds
   ``--threshold`` (default 1.10): a noisy round on a busy machine cannot fail it alone.
 
+``--whole-step`` times the whole RL step instead (issue 57 item 4): collect + update, exactly
+as ``benchmarks/speed/step_throughput.py`` times TurnRL's step (its ``TurnRLSession`` and
+``turnrl_step``: the sync trainer's loop body, ``rl_step``, the weights published), one
+warm-up then ``--collections`` timed steps per G in each fresh process, the fastest counting,
+the same rounds and verdict; the base defaults to ``step_guard_base.txt``. That harness
+needs the base to have ``rl_step``, ``build_learner``, ``publish`` and the ``rollout.sampler``
+keys (2670619 and later). The per-stage seconds (collect, update) of each tree's fastest step
+are printed beside the verdict, which judges the step alone.
+
+``--slow-this F`` (for the guard's own tests) holds each of this tree's timed collections or
+steps until it has taken F times as long: a real, measured slowdown of one side.
+
 Exit status: 0 no regression (a median ratio over the threshold whose bound is not is
 reported as inconclusive), 1 regression, 2 bad input or a failed measurement.
 
-Usage: ``python benchmarks/guards/generation_guard.py [--base REF] [--this REF] [--model tiny]
-[--rounds 5] [--groups 4 16]``; ``make bench-guard ARGS='--base HEAD~3'``.
+Usage: ``python benchmarks/guards/generation_guard.py [--whole-step] [--base REF] [--this REF]
+[--model tiny] [--rounds 5] [--groups 4 16]``; ``make bench-guard ARGS='--base HEAD~3'``,
+``make bench-guard ARGS=--whole-step``.
 """
 
 from __future__ import annotations
@@ -48,12 +61,24 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 BASE_FILE = Path(__file__).resolve().with_name("generation_guard_base.txt")
+STEP_BASE_FILE = BASE_FILE.with_name("step_guard_base.txt")
+SPEED = BASE_FILE.parents[1] / "speed"  # step_throughput.py: the step the guard times
 RESULT_PREFIX = "generation_guard-result: "
-RATIO_LINE = "ratio: this/base generation seconds, median of rounds = "
 SIDES = ("base", "this")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 REGRESSION, PASS, INCONCLUSIVE = "REGRESSION", "pass", "inconclusive"
+
+
+def ratio_prefix(what: str) -> str:
+    """The ratio line up to its figures; ``what``: generation or step."""
+    return f"ratio: this/base {what} seconds, median of rounds = "
+
+
+RATIO_LINE = ratio_prefix("generation")
 
 
 class GuardError(RuntimeError):
@@ -131,21 +156,32 @@ def round_order(index: int) -> tuple[str, str]:
     return SIDES if index % 2 == 0 else SIDES[::-1]
 
 
-def recorded_base(text: str) -> str:
-    """The ref recorded in ``generation_guard_base.txt``: its first line that is neither
-    blank nor a ``#`` comment, up to the first space."""
+def recorded_base(text: str, source: Path = BASE_FILE) -> str:
+    """The ref recorded in a base file (``generation_guard_base.txt``,
+    ``step_guard_base.txt``): its first line that is neither blank nor a ``#`` comment, up to
+    the first space."""
     for line in text.splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             return line.split()[0]
-    raise GuardError(f"{BASE_FILE} names no commit; write one on a line of its own or pass "
+    raise GuardError(f"{source} names no commit; write one on a line of its own or pass "
                      "--base REF")
 
 
 # ---- the measurement (run in a fresh process per tree and round) ------------------------------
 
 
+def stretch(start: float, clock: str, factor: float) -> None:
+    """Hold the call timed since ``start`` until it has taken ``factor`` times as long on
+    ``clock`` (``--slow-this``): the wall clock waits, the CPU clock can only be spent."""
+    timer = CLOCKS[clock]
+    target = start + (timer() - start) * factor
+    while (now := timer()) < target:
+        if clock == "wall":
+            time.sleep(target - now)
+
+
 def measure(model_dir: str, groups: Sequence[int], collections: int, warmup: int, length: int,
-            threads: int, seed: int, clock: str = "wall") -> dict:
+            threads: int, seed: int, clock: str = "wall", slow: float = 1.0) -> dict:
     """Seconds of each timed lock-step collection per group size, with whatever ``turnrl``
     this process imports (the tree on ``PYTHONPATH``). Only long-lived public calls are used,
     so older trees run the same harness. ``clock``: ``wall`` seconds or ``cpu`` seconds of
@@ -186,6 +222,7 @@ def measure(model_dir: str, groups: Sequence[int], collections: int, warmup: int
             episodes = run_sync(run_episodes(
                 policy.make_env, training_seeds(cfg, index), policy.engine, policy.chat, params,
                 env_name=cfg.env.name, max_turns=1, max_context=policy.max_context))
+            stretch(start, clock, slow)
             times.append(timer() - start)
             learner_pass(policy.model, episodes)
         seconds[f"G={group}"] = times[warmup:]
@@ -193,6 +230,42 @@ def measure(model_dir: str, groups: Sequence[int], collections: int, warmup: int
         del policy, episodes
     return {"turnrl": str(Path(turnrl.__file__).resolve()), "seconds": seconds,
             "tokens": tokens}
+
+
+def measure_steps(model_dir: str, groups: Sequence[int], collections: int, warmup: int,
+                  length: int, threads: int, seed: int, clock: str = "wall",
+                  slow: float = 1.0) -> dict:
+    """Seconds of each timed whole step (collect + update) per group size, with whatever
+    ``turnrl`` this process imports: ``step_throughput``'s session and step (this checkout's
+    harness), so the two trees run the same code around their own ``turnrl``. Also the
+    stages (collect, update; wall seconds) of each timed step, for the report."""
+    sys.path.insert(0, str(SPEED))
+    from step_throughput import TurnRLSession, Workload, turnrl_config, turnrl_step
+
+    import turnrl
+
+    timer = CLOCKS[clock]
+    seconds: dict[str, list[float]] = {}
+    stages: dict[str, dict[str, list[float]]] = {}
+    tokens: dict[str, int] = {}
+    for group in groups:
+        workload = Workload(model_dir, group_size=group, completion_length=length,
+                            threads=threads, seed=seed)
+        session = TurnRLSession.build(turnrl_config(workload))
+        times, records = [], []
+        for _ in range(warmup + collections):
+            start = timer()
+            records.append(turnrl_step(session))
+            stretch(start, clock, slow)
+            times.append(timer() - start)
+        name = f"G={group}"
+        seconds[name] = times[warmup:]
+        stages[name] = {"collect": [r["gen_s"] for r in records[warmup:]],
+                        "update": [r["update_s"] for r in records[warmup:]]}
+        tokens[name] = records[-1]["completion_tokens"]
+        del session
+    return {"turnrl": str(Path(turnrl.__file__).resolve()), "seconds": seconds,
+            "stages": stages, "tokens": tokens}
 
 
 def learner_pass(model, episodes) -> None:
@@ -213,8 +286,10 @@ def learner_pass(model, episodes) -> None:
 
 
 def child_main(spec: str) -> int:
-    """Entry of a measuring process: ``spec`` is ``measure``'s keyword arguments as JSON."""
-    result = measure(**json.loads(spec))
+    """Entry of a measuring process: ``spec`` is ``measure``'s keyword arguments as JSON, and
+    ``whole_step`` (true: ``measure_steps``)."""
+    kwargs = json.loads(spec)
+    result = (measure_steps if kwargs.pop("whole_step", False) else measure)(**kwargs)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 
@@ -306,20 +381,27 @@ def load_average() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
 
 
-def run_rounds(trees: dict[str, Path], spec: dict, rounds: int, timeout_s: float,
-               out=None) -> dict[str, dict[str, list[float]]]:
-    """``rounds`` rounds of one fresh measurement per tree, alternating which goes first;
-    each round's line is printed as it ends. Returns {side: {workload: median per round}}."""
+def run_rounds(trees: dict[str, Path], specs: dict[str, dict], rounds: int, timeout_s: float,
+               out=None) -> tuple[dict, dict]:
+    """``rounds`` rounds of one fresh measurement per tree (``specs[side]``: the same but for
+    ``slow``), alternating which goes first; each round's line is printed as it ends.
+    Returns {side: {workload: figure per round}} and, where the measurement times stages
+    (``--whole-step``), {side: {workload: {stage: seconds in the round's fastest call}}}."""
     figures: dict[str, dict[str, list[float]]] = {side: {} for side in SIDES}
+    stages: dict[str, dict[str, dict[str, list[float]]]] = {side: {} for side in SIDES}
     tokens: dict[str, dict[str, int]] = {}
     for index in range(rounds):
         order, load = round_order(index), load_average()
         for side in order:
-            result = run_child(trees[side], spec, timeout_s)
+            result = run_child(trees[side], specs[side], timeout_s)
             tokens[side] = result["tokens"]
             for workload, times in result["seconds"].items():
-                # The fastest collection: a busy machine only ever adds time to one.
-                figures[side].setdefault(workload, []).append(min(times))
+                # The fastest call: a busy machine only ever adds time to one.
+                fastest = times.index(min(times))
+                figures[side].setdefault(workload, []).append(times[fastest])
+                for stage, values in result.get("stages", {}).get(workload, {}).items():
+                    stages[side].setdefault(workload, {}).setdefault(stage, []).append(
+                        values[fastest])
         cells = [f"{w} base {figures['base'][w][-1]:.3f} this {figures['this'][w][-1]:.3f} "
                  f"(x{figures['this'][w][-1] / figures['base'][w][-1]:.3f})"
                  for w in figures["base"]]
@@ -328,11 +410,23 @@ def run_rounds(trees: dict[str, Path], spec: dict, rounds: int, timeout_s: float
     if tokens["base"] != tokens["this"]:  # different work: the ratio would mean nothing
         raise GuardError(f"the trees generated different token counts ({tokens}); they do not "
                          "run the same workload")
-    return figures
+    return figures, stages
+
+
+def print_stages(stages: dict[str, dict[str, dict[str, list[float]]]], out=None) -> None:
+    """Per workload, each tree's stage seconds (medians of rounds) and their ratio: where a
+    step's time went, not judged (the verdict is the whole step's)."""
+    for workload, base in stages["base"].items():
+        this = stages["this"][workload]
+        cells = [f"{stage} base {statistics.median(base[stage]):.3f} this "
+                 f"{statistics.median(this[stage]):.3f} "
+                 f"(x{harness.ratio_of_medians(this[stage], base[stage]):.3f})" for stage in base]
+        print(f"{workload} stages, wall s of each tree's fastest step, medians of rounds: "
+              + "  ".join(cells), file=out)
 
 
 def report(figures: dict[str, dict[str, list[float]]], threshold: float, confidence: float,
-           out=None) -> list[Verdict]:
+           out=None, what: str = "generation") -> list[Verdict]:
     """Medians, the median of per-round ratios and the verdict per workload, printed."""
     verdicts = []
     print(f"\n{'workload':<9}{'base s':>8}{'this s':>8}  {'ratio (median of rounds)':<25}"
@@ -344,11 +438,12 @@ def report(figures: dict[str, dict[str, list[float]]], threshold: float, confide
         bound = f"{verdict.lower_bound:.3f} ({verdict.confidence:.0%})"
         print(f"{workload:<9}{statistics.median(base):>8.3f}{statistics.median(this):>8.3f}  "
               f"{verdict.median:<25.3f}{bound:<19}{verdict.outcome}", file=out)
-    print(RATIO_LINE + ", ".join(f"{v.workload} {v.median:.3f}" for v in verdicts), file=out)
+    print(ratio_prefix(what) + ", ".join(f"{v.workload} {v.median:.3f}" for v in verdicts),
+          file=out)
     regressed = [v.workload for v in verdicts if v.outcome == REGRESSION]
     unsure = [v.workload for v in verdicts if v.outcome == INCONCLUSIVE]
     if regressed:
-        line = (f"verdict: REGRESSION in {', '.join(regressed)}: this tree's generation is over "
+        line = (f"verdict: REGRESSION in {', '.join(regressed)}: this tree's {what} is over "
                 f"{threshold:.2f}x the base's in (nearly) every round")
     elif unsure:
         line = (f"verdict: inconclusive in {', '.join(unsure)}: the median ratio is over "
@@ -363,11 +458,16 @@ def report(figures: dict[str, dict[str, list[float]]], threshold: float, confide
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/guards/generation_guard.py",
-        description="Fail when this checkout's lock-step generation is slower than a base "
-                    "checkout's, measured side by side in alternating rounds.")
+        description="Fail when this checkout's lock-step generation (with --whole-step: its "
+                    "whole RL step) is slower than a base checkout's, measured side by side "
+                    "in alternating rounds.")
+    parser.add_argument("--whole-step", action="store_true",
+                        help="time the whole RL step (collect + update, as benchmarks/speed/"
+                             "step_throughput.py times it) instead of generation")
     parser.add_argument("--base", default=None,
                         help="the reference tree: a branch, tag or commit (default: the commit "
-                             "in benchmarks/guards/generation_guard_base.txt)")
+                             "in benchmarks/guards/generation_guard_base.txt, with --whole-step "
+                             "step_guard_base.txt)")
     parser.add_argument("--this", default=None,
                         help="the tree under test as a ref (default: this working tree as is)")
     parser.add_argument("--model", default="smollm2-135m-instruct",
@@ -378,8 +478,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds, each measuring both trees (default 5)")
     parser.add_argument("--collections", type=int, default=5,
-                        help="timed collections per G in each measurement, the fastest counts "
-                             "(default 5)")
+                        help="timed collections (steps with --whole-step) per G in each "
+                             "measurement, the fastest counts (default 5)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed collections per G before them (default 1)")
     parser.add_argument("--length", type=int, default=16,
@@ -395,6 +495,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="confidence of the ratio's lower bound (default 0.9)")
     parser.add_argument("--child-timeout", type=float, default=900,
                         help="seconds one measurement may take (default 900)")
+    parser.add_argument("--slow-this", type=float, default=1.0, metavar="F",
+                        help="for the guard's own tests: hold each of this tree's timed calls "
+                             "until it took F times as long, a slowdown it must catch (default 1)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("rounds", "collections", "length", "threads"):
@@ -404,6 +507,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--warmup must be >= 0")
     if min(args.groups) < 1:
         parser.error("--groups must be >= 1")
+    if not args.slow_this >= 1:
+        parser.error("--slow-this must be >= 1 (1: off)")
     if not args.threshold > 0:
         parser.error("--threshold must be > 0 (a ratio this/base, e.g. 1.10)")
     if not 0 < args.confidence < 1:
@@ -411,19 +516,36 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def headline(args: argparse.Namespace, groups: Sequence[int]) -> str:
+    """The first line: what each fresh process times, how often, on which clock."""
+    if args.whole_step:
+        what = (f"generation_guard --whole-step: {args.model}, whole GRPO steps (collect + "
+                f"update) of one arithmetic prompt x G in {list(groups)}")
+        calls = "steps"
+    else:
+        what = (f"generation_guard: {args.model}, lock-step arithmetic collections of G in "
+                f"{list(groups)}")
+        calls = "collections"
+    return (f"{what} completions x {args.length} tokens, {args.threads} thread(s); per tree and "
+            f"round a fresh process: {args.warmup} warm-up + {args.collections} timed {calls} "
+            f"per G (the fastest, {args.clock} clock); {args.rounds} rounds")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
         return child_main(args.child)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speed"))
+    sys.path.insert(0, str(SPEED))
     from step_throughput import BenchError, resolve_model_dir  # benchmarks/speed/
 
     spec = {"groups": list(dict.fromkeys(args.groups)), "collections": args.collections,
             "warmup": args.warmup, "length": args.length, "threads": args.threads,
-            "seed": args.seed, "clock": args.clock}
+            "seed": args.seed, "clock": args.clock, "whole_step": args.whole_step}
+    base_file = STEP_BASE_FILE if args.whole_step else BASE_FILE
+    load = harness.load_average()
     try:
         root = repo_root()
-        base_ref = args.base or recorded_base(BASE_FILE.read_text())
+        base_ref = args.base or recorded_base(base_file.read_text(), base_file)
         base_commit = resolve_commit(root, base_ref, "--base")
         this_commit = None if args.this is None else resolve_commit(root, args.this, "--this")
         with contextlib.ExitStack() as stack:
@@ -432,21 +554,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             trees = {"base": stack.enter_context(temporary_worktree(root, base_commit)),
                      "this": root if this_commit is None
                      else stack.enter_context(temporary_worktree(root, this_commit))}
-            print(f"generation_guard: {args.model}, lock-step arithmetic collections of "
-                  f"G in {spec['groups']} completions x {args.length} tokens, {args.threads} "
-                  f"thread(s); per tree and round a fresh process: {args.warmup} warm-up + "
-                  f"{args.collections} timed collections per G (the fastest, {args.clock} clock); "
-                  f"{args.rounds} rounds")
+            print(headline(args, spec["groups"]))
             print(f"base: {describe(root, base_commit)}")
-            print(f"this: {describe(root, this_commit)}", flush=True)
-            figures = run_rounds(trees, spec, args.rounds, args.child_timeout)
+            slowed = f" (slowed to {args.slow_this:g}x on purpose: --slow-this)"
+            print(f"this: {describe(root, this_commit)}" + (slowed if args.slow_this != 1 else ""),
+                  flush=True)
+            specs = {"base": spec, "this": {**spec, "slow": args.slow_this}}
+            figures, stages = run_rounds(trees, specs, args.rounds, args.child_timeout)
     except (GuardError, BenchError, OSError) as err:
         print(f"generation_guard: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the measuring process is killed, the worktrees removed
         print("generation_guard: interrupted; no verdict", file=sys.stderr)
         return 130
-    return exit_code(report(figures, args.threshold, args.confidence))
+    print_stages(stages)
+    print(harness.machine(load, threads=args.threads))
+    what = "step" if args.whole_step else "generation"
+    return exit_code(report(figures, args.threshold, args.confidence, what=what))
 
 
 def _interrupt(signum, frame) -> None:

@@ -1,5 +1,6 @@
 """``benchmarks/guards/generation_guard.py``: the verdict on hand-made round figures, its git and
-process plumbing, and one real HEAD-vs-HEAD run on the tiny model."""
+process plumbing, one real HEAD-vs-HEAD run on the tiny model, and the whole-step guard
+(``--whole-step``) passing against HEAD and failing on a tree slowed for real."""
 
 from __future__ import annotations
 
@@ -285,3 +286,97 @@ def test_kill_cleans_up_as_ctrl_c_does():
     children = subprocess.run(["pgrep", "-f", "generation_guard.py --child"],
                               capture_output=True, text=True).stdout.split()
     assert not children
+
+
+# ---- the whole-step guard (--whole-step, issue 57 item 4) --------------------------------------
+
+
+def test_the_recorded_step_base_is_a_commit_of_this_repository():
+    ref = guard.recorded_base(guard.STEP_BASE_FILE.read_text(), guard.STEP_BASE_FILE)
+    assert re.fullmatch(r"[0-9a-f]{40}", guard.resolve_commit(ROOT, ref, "--base"))
+
+
+def test_whole_step_and_slow_this_options():
+    args = guard.parse_args(["--whole-step", "--slow-this", "2.5"])
+    assert args.whole_step and args.slow_this == 2.5
+    plain = guard.parse_args([])
+    assert not plain.whole_step and plain.slow_this == 1.0
+    assert "whole GRPO steps (collect + update)" in guard.headline(args, [4, 16])
+    assert "timed steps per G" in guard.headline(args, [4])
+    assert "lock-step arithmetic collections" in guard.headline(plain, [4])
+
+
+def test_slow_this_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        guard.parse_args(["--slow-this", "0.5"])
+    assert "--slow-this must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_stretch_holds_a_call_to_the_factor_on_its_clock(clock):
+    timer = guard.CLOCKS[clock]
+    start = timer()
+    while timer() - start < 0.02:  # 20 ms of work on either clock
+        pass
+    worked = timer() - start
+    guard.stretch(start, clock, 3.0)
+    assert timer() - start >= 3.0 * worked
+    start = timer()
+    guard.stretch(start, clock, 1.0)  # off: returns at once
+    assert timer() - start < 0.01
+
+
+def test_report_names_the_step_and_prints_stages():
+    figures = {"base": {"G=4": [1.0, 1.0, 1.0]}, "this": {"G=4": [1.3, 1.25, 1.2]}}
+    out = io.StringIO()
+    verdicts = guard.report(figures, 1.10, 0.9, out=out, what="step")
+    assert verdicts[0].outcome == guard.REGRESSION
+    assert guard.ratio_prefix("step") + "G=4 1.250" in out.getvalue()
+    assert "this tree's step is over 1.10x" in out.getvalue().splitlines()[-1]
+    stages = {"base": {"G=4": {"collect": [0.5, 0.7, 0.6], "update": [0.4, 0.4, 0.4]}},
+              "this": {"G=4": {"collect": [0.6, 0.6, 0.6], "update": [0.8, 0.7, 0.6]}}}
+    out = io.StringIO()
+    guard.print_stages(stages, out=out)
+    assert out.getvalue() == ("G=4 stages, wall s of each tree's fastest step, medians of rounds: "
+                              "collect base 0.600 this 0.600 (x1.000)  "
+                              "update base 0.400 this 0.700 (x1.750)\n")
+
+
+STEP_RUN = ["--whole-step", "--base", "HEAD", "--model", "tiny", "--groups", "4", "--collections",
+            "3", "--length", "8", "--threads", "1", "--clock", "cpu"]
+
+
+def _step_ratio(out: str) -> float:
+    match = re.search(r"^" + re.escape(guard.ratio_prefix("step")) + r"G=4 (\S+)$", out, re.M)
+    assert match, out
+    return float(match.group(1))
+
+
+@pytest.mark.slow
+def test_whole_step_head_against_head_passes_and_a_slowed_tree_fails(capsys):
+    """The whole step (collect + update) of the working tree against HEAD on the tiny model,
+    in fresh processes (2 rounds x 2 trees): a ratio near 1 and exit 0; then one round with
+    this tree's steps held to 3x their time (``--slow-this 3``): a measured ratio near 3 and
+    exit 1 at the default threshold (1.10). CPU seconds at 1 thread, which a busy machine
+    disturbs far less than wall time; still, the same tree twice measured 1.23 and 0.97 in
+    two rounds at load 25, so the same-tree run is judged at 1.5, above such noise."""
+    before = _worktrees()
+    code = guard.main([*STEP_RUN, "--rounds", "2", "--threshold", "1.5"])
+    out = capsys.readouterr().out
+    assert "whole GRPO steps" in out.splitlines()[0]
+    rounds = [line for line in out.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 2 and all(re.search(r"G=4 base \S+ this \S+ \(x\S+\)$", r)
+                                    for r in rounds), out
+    assert re.search(r"^G=4 stages, .* collect base \S+ this \S+ \(x\S+\)  update base", out,
+                     re.M), out
+    assert re.search(r"^machine: .*torch 1 threads", out, re.M), out
+    assert code == 0 and 0.67 < _step_ratio(out) < 1.5, out
+    assert out.splitlines()[-1].startswith(("verdict: pass", "verdict: inconclusive")), out
+
+    code = guard.main([*STEP_RUN, "--rounds", "1", "--slow-this", "3"])
+    out = capsys.readouterr().out
+    assert "slowed to 3x on purpose" in out.splitlines()[2], out
+    assert code == 1 and _step_ratio(out) > 1.5, out
+    assert out.splitlines()[-1].startswith("verdict: REGRESSION in G=4: this tree's step"), out
+    # The guard's own worktrees are gone (others may add theirs to a shared repository meanwhile).
+    assert not [tree for tree in _worktrees() - before if "turnrl-guard-" in tree]
