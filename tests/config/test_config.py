@@ -376,11 +376,3 @@ def test_pool_options_have_their_own_section():
 def test_cross_section_checks_run_when_the_config_is_built(overrides, message):
     error = _error(overrides)
     assert message in error
-
-
-def test_ray_launched_ranks_need_more_than_one_rank():
-    """``learner.launcher ray`` starts ranks 1..N-1: with one rank it would be ignored unsaid."""
-    with pytest.raises(ConfigError, match="learner.launcher must be 'local' with learner.world_size 1"):
-        load_config(None, ["--learner.launcher", "ray"])
-    assert load_config(None, ["--learner.launcher", "ray", "--learner.world_size", "2"]
-                       ).learner.launcher == "ray"

@@ -51,7 +51,3 @@ class LearnerConfig(Section):
         self._at_least(1, "world_size")
         self._require("timeout_s", self.timeout_s > 0, "> 0")
         self._require("port", 0 <= self.port < 65536, "a port number (0: a free one)")
-        # One rank has no ranks 1..N-1 to start: "ray" would be ignored without a word.
-        self._require("launcher", self.launcher == "local" or self.world_size > 1,
-                      "'local' with learner.world_size 1 (ray starts ranks 1..N-1; "
-                      "pass --learner.world_size N)")
