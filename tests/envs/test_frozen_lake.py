@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from tests.envs.test_adapters import play
 from turnrl.envs import make_env
 from turnrl.envs.adapters.frozen_lake import (
     LakeSettings,
@@ -22,17 +23,6 @@ from turnrl.envs.reference import reference_player
 from turnrl.rollout import run_sync
 
 gymnasium = pytest.importorskip("gymnasium")
-
-
-def play(env, seed, replies):
-    async def run():
-        obs, results = await env.reset(seed), []
-        for reply in replies:
-            results.append(await env.step(reply))
-            if results[-1].done:
-                break
-        return obs, results
-    return asyncio.run(run())
 
 
 @pytest.mark.parametrize("options", [{}, {"is_slippery": False}, {"map_name": "8x8"}])
