@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tests.conftest import MovesEngine
+from tests.helpers.judge_server import ChatServer
 from turnrl.envs import make_env
 from turnrl.envs.simulated_user import REDACTED, is_correct, names, redact, scripted_reply
 from turnrl.rollout import ChatFormat, run_episodes, run_sync
@@ -106,45 +105,15 @@ def test_a_local_model_user_is_called_in_batches_across_episodes(tiny):
         assert not [w for w in hidden(env) if f" {w}" in text]
 
 
-class LeakyUser:
-    """A real HTTP chat-completions endpoint whose user blurts out every diagnosis it knows
-    (as a careless user model might); keeps what it was asked."""
-
-    def __init__(self, reply: str) -> None:
-        self.requests: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                outer.requests.append(json.loads(self.rfile.read(
-                    int(self.headers["Content-Length"]))))
-                data = json.dumps({"choices": [{"message": {"role": "assistant",
-                                                            "content": reply}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_the_policy_never_sees_the_hidden_answer_and_the_user_never_sees_the_scoring(tiny):
     _, tok = tiny
     env = make_env("simulated-user", show_choices=False)
     every = hidden(env)
-    server = LeakyUser("I bet it is " + ", ".join(every) + ". Influenza? FLU!")
+    # a careless user model: it blurts out every diagnosis it knows
+    blurt = "I bet it is " + ", ".join(every) + ". Influenza? FLU!"
+    server = ChatServer(lambda body: blurt)
     try:
-        user = EndpointOpponent(server.url, "leaky", timeout_s=10)
+        user = EndpointOpponent(server.base_url, "leaky", timeout_s=10)
         make = user.attach(partial(make_env, "simulated-user", opponent="endpoint",
                                    show_choices=False))
         episodes = play(make, tok, QUESTIONS, range(6))

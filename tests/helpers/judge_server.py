@@ -12,6 +12,7 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -26,8 +27,11 @@ def grade(system: str, user: str) -> str:
     return json.dumps({"score": 10 if word in inside else 0})
 
 
-class JudgeServer:
-    def __init__(self) -> None:
+class ChatServer:
+    """A real HTTP chat-completions endpoint on a free port: answers every request with
+    ``reply(body)`` and keeps the request bodies (``requests``)."""
+
+    def __init__(self, reply: Callable[[dict], str]) -> None:
         self.requests: list[dict] = []
         outer = self
 
@@ -38,15 +42,11 @@ class JudgeServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append(body)
-                messages = body["messages"]
-                if body["model"] == "hang":
-                    time.sleep(5)
-                content = ("I think it is fine." if body["model"] == "garbage"
-                           else grade(messages[0]["content"], messages[1]["content"]))
                 data = json.dumps({
-                    "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                    "id": "x", "object": "chat.completion", "created": 0,
+                    "model": body.get("model", ""),
                     "choices": [{"index": 0, "finish_reason": "stop",
-                                 "message": {"role": "assistant", "content": content}}],
+                                 "message": {"role": "assistant", "content": reply(body)}}],
                 }).encode()
                 try:
                     self.send_response(200)
@@ -65,3 +65,18 @@ class JudgeServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def judge_reply(body: dict) -> str:
+    """The judge's answer: ``grade`` for ``strict``, no score for ``garbage``, late for ``hang``."""
+    if body["model"] == "hang":
+        time.sleep(5)
+    if body["model"] == "garbage":
+        return "I think it is fine."
+    messages = body["messages"]
+    return grade(messages[0]["content"], messages[1]["content"])
+
+
+class JudgeServer(ChatServer):
+    def __init__(self) -> None:
+        super().__init__(judge_reply)

@@ -63,6 +63,11 @@ def test_packed_and_cached_prefixes_give_the_plain_hidden_states_and_gradients(m
     assert prefix._mask_format(model.get_decoder()) is not None
     layout = PackedLayout.of(mb, split)
     assert layout.piece.shape[0] == 2 and bool((layout.piece == -2).any())  # a padded row
+    _assert_both_paths_match_the_plain_pass(model, mb, split, layout)
+
+
+def _assert_both_paths_match_the_plain_pass(model, mb, split, layout) -> None:
+    """The packed and the cached prefix pass give the plain pass's hidden states and gradients."""
     decoder = model.get_decoder()
     plain, plain_grads = _with_grads(model, lambda: _plain_hidden(model, mb))
     for fn in (lambda: packed_prefix_hidden(decoder, mb, layout, split),
@@ -109,15 +114,7 @@ def test_a_fork_s_prefix_runs_once_its_shared_turn_scored_from_it(attention):
     assert split.owner.tolist() == [0, 1, 1, 1, 0]
     assert split.cut[1] == split.cut[2] == 6 + 3 + 4 - 1
     assert len(prefix.scored_in_prefix(mb, split)[0]) == 3  # the shared turn, in row 1 only
-    decoder = model.get_decoder()
-    plain, plain_grads = _with_grads(model, lambda: _plain_hidden(model, mb))
-    layout = PackedLayout.of(mb, split)
-    for fn in (lambda: packed_prefix_hidden(decoder, mb, layout, split),
-               lambda: cached_prefix_hidden(decoder, mb, split)):
-        hidden, grads = _with_grads(model, fn)
-        torch.testing.assert_close(hidden, plain, atol=1e-5, rtol=1e-5)
-        for a, b in zip(plain_grads, grads, strict=True):
-            assert (b - a).norm() <= 1e-5 * a.norm() + 1e-6, float((b - a).norm() / a.norm())
+    _assert_both_paths_match_the_plain_pass(model, mb, split, PackedLayout.of(mb, split))
 
 
 def test_the_layout_puts_each_prefix_once_before_the_suffixes_that_share_it():

@@ -105,6 +105,16 @@ def held_out(row: dict, fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < fraction
 
 
+def check_split(env: str, split: object, eval_fraction: object) -> None:
+    """One line naming a split that is neither train nor eval, or a held-out fraction that is
+    not a number in (0, 1) (a string would otherwise fail later with Python's own '<')."""
+    if split not in ("train", "eval"):
+        raise DatasetError(f"{env}: split {split!r}: use train or eval")
+    if (isinstance(eval_fraction, bool) or not isinstance(eval_fraction, int | float)
+            or not 0 < eval_fraction < 1):
+        raise DatasetError(f"{env}: eval_fraction must be in (0, 1), got {eval_fraction!r}")
+
+
 def split_rows(by_split: dict[str, list[dict]], eval_rows: list[dict] | None,
                split_column: str, fraction: float) -> tuple[list[dict], list[dict]]:
     """(training rows, eval rows) by the precedence in the module docstring."""
@@ -182,10 +192,7 @@ class DatasetEnv:
         if reward not in (*REWARDS, "code_tests"):
             raise DatasetError(f"dataset reward '{reward}' is unknown; choose one of: "
                                f"{', '.join([*REWARDS, 'code_tests'])}")
-        if split not in ("train", "eval"):
-            raise DatasetError(f"dataset split '{split}': use train or eval")
-        if not 0 < eval_fraction < 1:
-            raise DatasetError(f"dataset eval_fraction {eval_fraction}: must be in (0, 1)")
+        check_split("dataset", split, eval_fraction)
         train, held = load_splits(path, eval_path, split_column, eval_fraction)
         self.rows = train if split == "train" else held
         self.split, self.reward_name, self.instruction = split, reward, instruction

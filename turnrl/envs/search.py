@@ -27,6 +27,7 @@ import random
 import re
 
 from turnrl.envs.base import register_env
+from turnrl.envs.dataset import check_split
 from turnrl.envs.tool_env import Task, ToolEnv
 from turnrl.rewards import final_answer
 from turnrl.tools import render_call
@@ -178,10 +179,7 @@ def search_env(hops: int = 2, docs: int = 80, top_k: int = 3, world_seed: int = 
     if docs < 20:
         raise ValueError(f"search docs must be >= 20 (a world needs a few of each kind), "
                          f"got {docs}")
-    if split not in ("train", "eval"):
-        raise ValueError(f"search split '{split}': use train or eval")
-    if not 0.0 < eval_fraction < 1.0:
-        raise ValueError(f"search eval_fraction must be in (0, 1), got {eval_fraction}")
+    check_split("search", split, eval_fraction)
     questions = all_questions(world_seed, docs, hops)
     held = [t for t in questions if held_out(t.prompt, eval_fraction)]
     train = [t for t in questions if not held_out(t.prompt, eval_fraction)]

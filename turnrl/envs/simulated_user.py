@@ -36,7 +36,7 @@ from importlib import resources
 from typing import Any
 
 from turnrl.envs.base import StepResult, register_env
-from turnrl.envs.dataset import DatasetError, load_splits, row_order
+from turnrl.envs.dataset import DatasetError, check_split, load_splits, row_order
 
 USERS = ("scripted", "model", "endpoint")
 REDACTED = "[...]"
@@ -117,13 +117,11 @@ def check_tasks(rows: list[dict], where: str, scripted: bool) -> None:
                                "user answers from; add one or use --env.options.opponent model")
 
 
-def check_numbers(eval_fraction: Any, max_turns: Any, turn_cost: Any, show_choices: Any) -> None:
+def check_numbers(max_turns: Any, turn_cost: Any, show_choices: Any) -> None:
     """One line naming the first option of the wrong type or range (a string turn_cost would
     otherwise fail every correct answer at step time)."""
     number = (int, float)
     for name, value, ok, want in [
-            ("eval_fraction", eval_fraction, isinstance(eval_fraction, number)
-             and not isinstance(eval_fraction, bool) and 0 < eval_fraction < 1, "in (0, 1)"),
             ("max_turns", max_turns, isinstance(max_turns, int) and not isinstance(max_turns, bool)
              and max_turns >= 1, "an int >= 1"),
             ("turn_cost", turn_cost, isinstance(turn_cost, number)
@@ -145,10 +143,10 @@ class SimulatedUser:
         if opponent not in USERS:
             raise ValueError(f"simulated-user opponent must be one of {', '.join(USERS)} (who "
                              f"plays the user), got {opponent!r}")
-        if split not in ("train", "eval") or reward not in ("check", "judge"):
-            raise ValueError(f"simulated-user: split must be train or eval and reward check or "
-                             f"judge, got {split!r} and {reward!r}")
-        check_numbers(eval_fraction, max_turns, turn_cost, show_choices)
+        if reward not in ("check", "judge"):
+            raise ValueError(f"simulated-user: use reward check or judge, got {reward!r}")
+        check_split("simulated-user", split, eval_fraction)
+        check_numbers(max_turns, turn_cost, show_choices)
         path = path or shipped_tasks()
         train, held = load_splits(path, eval_path, split_column, eval_fraction)
         if (id(train), opponent == "scripted") not in _CHECKED:  # built per episode: once
