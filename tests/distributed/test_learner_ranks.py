@@ -112,9 +112,10 @@ def first_step(cfg, launcher, episodes) -> tuple[dict, dict]:
             rl_step(learner, episodes, StageTimer())
             state = {k: v.clone() for k, v in published_state(model).items()}
             world.command("stop")
+            leave(together=True)
             return local_grads(model), state
         finally:
-            leave()
+            leave()  # after an error (a no-op once left)
 
 
 def test_a_ray_actor_rank_updates_as_local_ranks_and_one_process(cluster, tmp_path):

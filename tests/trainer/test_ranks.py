@@ -126,7 +126,7 @@ def drive(work: Path) -> None:
     state = {k: v.clone() for k, v in published_state(model).items()}
     held = held_bytes(model, learner.optimizer)
     world.command("stop")
-    leave()
+    leave(together=True)
     torch.save({"state": state, "metrics": metrics, "bytes": held, "grads": first_grads},
                work / "out.pt")
 
@@ -207,3 +207,6 @@ def whole_bytes(cfg: Config) -> int:
 
 if __name__ == "__main__":
     drive(Path(sys.argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as turnrl.trainer.ranks does: no interpreter finalisation after gloo

@@ -106,11 +106,20 @@ def current() -> World | None:
     return _CURRENT[0] if _CURRENT else None
 
 
-def leave() -> None:
-    """Leave the process group (safe when never joined)."""
+def leave(together: bool = False) -> None:
+    """Leave the process group (safe when never joined). ``together``: every rank leaves after
+    ``stop``, so first wait for all of them (within ``timeout_s``): a rank that tore its
+    sockets down while a peer still read the last message could abort that peer (SIGABRT,
+    "terminate called without an active exception", seen once in CI at world size 3)."""
     if _CURRENT:
-        _CURRENT.clear()
+        world = _CURRENT.pop()
         if dist.is_initialized():
+            if together:
+                try:
+                    dist.monitored_barrier(world.commands,
+                                           datetime.timedelta(seconds=world.timeout_s))
+                except RuntimeError:
+                    pass  # a peer already gone: nothing left to wait for
             dist.destroy_process_group()
 
 

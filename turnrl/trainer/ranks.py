@@ -226,16 +226,20 @@ def _lead(joined: Callable[[], World], train: Callable[[], T],
         raise
     try:
         world.command("stop")
-    finally:
+    except BaseException:
         leave()
+        raise
+    leave(together=True)
     return result
 
 
 def _follow_then_leave(world: World) -> None:
     try:
         follow(world)
-    finally:
+    except BaseException:
         leave()
+        raise
+    leave(together=True)
 
 
 def serve_rank(learner: LearnerConfig, rank: int, size: int, address: str, port: int,
@@ -262,4 +266,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalisation: objects gloo's threads still hold may be torn down there
+    # in any order (pytorch#179291 describes a SIGABRT of that kind); the work is done.
+    os._exit(code)
