@@ -40,14 +40,29 @@ def test_a_ray_without_the_upload_step_gets_one_line(monkeypatch, tmp_path):
     assert "\n" not in message and ray.__version__ in message and "py_modules" in message
 
 
-def test_free_resources_fall_back_to_the_cluster_total(monkeypatch):
+@pytest.fixture(scope="module")
+def local_cluster():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        node = ray.get_runtime_context().get_node_id()
-        per_node = ray_internals.node_available(node)
-        assert per_node.get("CPU") == 2.0
-        _without(monkeypatch, "ray._private.state")
-        assert ray_internals.node_available(node).get("CPU") == 2.0
-        assert ray_internals.node_available("no-such-node") != {}  # the cluster's total
-    finally:
-        ray.shutdown()
+    yield
+    ray.shutdown()
+
+
+def test_free_resources_fall_back_to_the_cluster_total(local_cluster, monkeypatch):
+    node = ray.get_runtime_context().get_node_id()
+    per_node = ray_internals.node_available(node)
+    assert per_node.get("CPU") == 2.0
+    _without(monkeypatch, "ray._private.state")
+    assert ray_internals.node_available(node).get("CPU") == 2.0
+    assert ray_internals.node_available("no-such-node") != {}  # the cluster's total
+
+
+def test_an_upload_leaves_no_scratch_directory_behind(local_cluster, monkeypatch, tmp_path):
+    module = tmp_path / "my_envs"
+    module.mkdir()
+    (module / "__init__.py").write_text("X = 1\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    env = ray_internals.upload_runtime_env({"py_modules": [str(module)]})
+    (uri,) = env["py_modules"]
+    assert uri.startswith("gcs://") and list(scratch.iterdir()) == []

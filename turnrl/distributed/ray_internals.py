@@ -39,10 +39,11 @@ def upload_runtime_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
             "install the Ray version of TurnRL's tests (ray==2.60.*) or install the env's "
             "module on every node and leave ray.runtime_env's py_modules/working_dir empty"
         ) from err
-    scratch = tempfile.mkdtemp(prefix="turnrl-runtime-env-")
-    env = upload_py_modules_if_needed(dict(runtime_env), include_gitignore=True,
-                                      scratch_dir=scratch)
-    env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    # the packages are built here, then sit in the cluster's object store: scratch goes after
+    with tempfile.TemporaryDirectory(prefix="turnrl-runtime-env-") as scratch:
+        env = upload_py_modules_if_needed(dict(runtime_env), include_gitignore=True,
+                                          scratch_dir=scratch)
+        env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
     env.pop("excludes", None)
     return env
 
