@@ -42,7 +42,8 @@ class LearnerConfig(Section):
     """who starts ranks 1..N-1: local = child processes on this machine; ray = Ray actors on
     the cluster at ray.address (else a local one), one placement-group bundle per rank of
     ray.learner_cpus (at least 1) and ray.learner_gpus (auto: 1 on CUDA); rank 0 stays this
-    process either way (docs/learner.md)"""
+    process either way; at world_size 1 there are no other ranks and it does nothing (so a
+    run saved with launcher ray resumes at world size 1 unchanged) (docs/learner.md)"""
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
     """launcher ray: how the ranks' bundles are placed (pack: on as few nodes as possible,
     spread: across nodes; strict_*: that or refused); rank 0's bundle is on its own node"""
