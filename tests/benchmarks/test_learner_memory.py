@@ -38,7 +38,7 @@ def test_one_process_fails_under_the_derived_limit_and_two_fsdp_ranks_train():
                            "--no-publish"], capture_output=True, text=True, timeout=1800)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-2000:]
-    limit = re.search(r"^world_size 1 +under (\d+) MB .*-> failed \(exit [-\d]+, 0 steps\): "
+    limit = re.search(r"^world_size 1 +under (\d+) MB .*-> failed \(exit [-\d]+, \d+ steps\): "
                       r"(.*)$", out, re.M)
     assert limit, out
     assert re.search("memory", limit.group(2), re.I), out  # what failed was an allocation
