@@ -176,7 +176,7 @@ def test_a_placement_that_cannot_fit_is_one_clear_line(connected):
                   "--ray.worker_labels.pool", "z"]):
         with pytest.raises(RuntimeError, match=r"ray.placement \w+: \d worker bundles of "
                                                r"\{'CPU': 1.0\}.* did not fit the cluster"):
-            worker_group(config(*args), wait_s=3)
+            worker_group(config(*args), wait_s=1)  # none can ever fit: no need to wait
     wait_free_cpus(5)  # the failed groups were removed
 
 
@@ -200,7 +200,7 @@ def test_the_learners_seat_holds_its_gpu_and_cpus_on_its_own_node(connected):
     assert LearnerSeat.take(config(), on_cuda=False).handle is None  # nothing to hold
     with pytest.raises(RuntimeError, match=r"the learner's reservation \(ray.learner_cpus 2, "
                                            r"ray.learner_gpus 0\) is not free on its node"):
-        LearnerSeat.take(config("--ray.learner_cpus", "2"), on_cuda=False, wait_s=3)
+        LearnerSeat.take(config("--ray.learner_cpus", "2"), on_cuda=False, wait_s=1)
 
 
 @pytest.mark.slow
