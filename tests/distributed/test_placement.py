@@ -108,15 +108,29 @@ def wait_free_cpus(cpus: float, timeout_s: float = 60) -> None:
         time.sleep(0.2)
 
 
+def leased_node(handle, timeout_s: float = 300) -> str:
+    """The node whose raylet gave ``handle``'s actor a worker process: in Ray's actor table,
+    its address once a pid is there (before that the node may still be a forwarding one)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = ray._private.state.actors(handle._actor_id.hex())
+        assert info.get("State") != "DEAD", info
+        if info.get("Pid"):
+            return info["Address"]["NodeID"]
+        assert time.monotonic() < deadline, info
+        time.sleep(0.1)
+
+
 def placed(cfg, group=None) -> list[str]:
-    """Start ``cfg``'s workers and return the node each landed on; then stop them."""
+    """Start ``cfg``'s workers and return the node each landed on; then stop them, once
+    each has its process: the seconds a worker then spends importing torch and building its
+    model say nothing of where it went (spawn_workers' actors start in every async test)."""
     from turnrl.distributed.workers import spawn_workers
     from turnrl.envs import ENVS
 
     handles = spawn_workers(cfg, env_factory=ENVS["say-digit"], pool_size=2, group=group)
     try:
-        ids = ray.get([h.__ray_call__.remote(
-            lambda self: ray.get_runtime_context().get_node_id()) for h in handles], timeout=300)
+        ids = [leased_node(handle) for handle in handles]
     finally:
         for handle in handles:
             ray.kill(handle)
@@ -162,7 +176,7 @@ def test_a_placement_that_cannot_fit_is_one_clear_line(connected):
                   "--ray.worker_labels.pool", "z"]):
         with pytest.raises(RuntimeError, match=r"ray.placement \w+: \d worker bundles of "
                                                r"\{'CPU': 1.0\}.* did not fit the cluster"):
-            worker_group(config(*args), wait_s=3)
+            worker_group(config(*args), wait_s=1)  # none can ever fit: no need to wait
     wait_free_cpus(5)  # the failed groups were removed
 
 
@@ -186,7 +200,7 @@ def test_the_learners_seat_holds_its_gpu_and_cpus_on_its_own_node(connected):
     assert LearnerSeat.take(config(), on_cuda=False).handle is None  # nothing to hold
     with pytest.raises(RuntimeError, match=r"the learner's reservation \(ray.learner_cpus 2, "
                                            r"ray.learner_gpus 0\) is not free on its node"):
-        LearnerSeat.take(config("--ray.learner_cpus", "2"), on_cuda=False, wait_s=3)
+        LearnerSeat.take(config("--ray.learner_cpus", "2"), on_cuda=False, wait_s=1)
 
 
 @pytest.mark.slow

@@ -28,9 +28,13 @@ def turnrl(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 def exported(tmp_path: Path, run: Path, name: str) -> dict:
+    """The run's newest (sharded) checkpoint exported as ``turnrl export`` does, in this
+    process: a fresh one would pay seconds of imports (the command's own tests are
+    tests/test_export.py)."""
+    from turnrl.export import export_model
+
     out = tmp_path / name
-    done = turnrl("export", str(run), str(out))
-    assert done.returncode == 0, done.stderr
+    export_model(run, out)
     return load_file(out / "model.safetensors")
 
 
