@@ -36,13 +36,16 @@ import cold_start  # noqa: E402  (the sibling script: the run and table machiner
 TASK = cold_start.ColdTask(("--env.name", "sokoban", "--env.options.protocol", "ragen"), 5, 100,
                            "RAGEN's SimpleSokoban: carved 6x6, one box, 5 turns x 5 moves, "
                            "10 moves in all")
-RAGEN_EVAL = ("--eval.temperature", "0.5")
+RAGEN_EVAL = ("--optim.micro_batch_size", "2", "--eval.temperature", "0.5")
+"""RAGEN's validation temperature; two sequences a backward pass, as the base model's
+100-token replies over five turns made the default eight outgrow a 23 GB machine"""
 METHODS = ("rl", "warmup", "guided")
 LABELS = {"rl": "RL alone (as RAGEN)", "warmup": "warm-up on the solver's demos, then RL "
           "(TurnRL cold start; RAGEN uses no expert)", "guided": "guided RL from the solver "
           "(TurnRL cold start; RAGEN uses no expert)"}
-RAGEN_QUOTED = ("RAGEN (Wang et al. 2025, arXiv:2504.20073), Qwen2.5-0.5B-Instruct after their "
-                "RL; quoted, not run here", "see docs/ragen.md")
+RAGEN_QUOTED = ("RAGEN (Wang et al. 2025, arXiv:2504.20073; RAGEN.pdf at 5eb79b8, Table 2 at 16 "
+                "responses a prompt, Table 4 StarPO-S), Qwen2.5-0.5B-Instruct after their RL; "
+                "quoted, not run here", "20.3-21.5%")
 BUDGET = cold_start.Budget(steps=4, group_size=8, groups_per_step=2, eval_episodes=32,
                            sft_steps=16, sft_demos=64, threads=1)
 """What a 2-core machine shared with other jobs allows (docs/ragen.md); RAGEN trains 200 steps

@@ -20,7 +20,7 @@ def test_a_quick_run_trains_each_method_on_ragens_protocol_and_prints_the_table(
     commands = re.findall(r"^\$ (turnrl train .*)$", out, re.M)
     assert len(commands) == 2, out
     assert all("--env.name sokoban --env.options.protocol ragen" in c
-               and c.endswith("--eval.temperature 0.5") and "--rollout.max_turns 5" in c
+               and c.endswith("--optim.micro_batch_size 2 --eval.temperature 0.5") and "--rollout.max_turns 5" in c
                for c in commands), commands
     assert "--sft.env_demos" in commands[1] and "--sft" not in commands[0]
     before = json.loads((tmp_path / "rl" / "seed-0" / "eval_before.json").read_text())
@@ -29,7 +29,8 @@ def test_a_quick_run_trains_each_method_on_ragens_protocol_and_prints_the_table(
     rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("sokoban ")}
     assert set(rows) == {"rl", "warmup"} and all(base in row for row in rows.values()), out
     assert re.search(r"^  warmup: .*RAGEN uses no expert\)$", out, re.M)
-    assert re.search(r"^ragen .*Qwen2\.5-0\.5B-Instruct .*quoted, not run here$", out, re.M)
+    assert re.search(r"^ragen  20\.3-21\.5%  <- RAGEN .*Qwen2\.5-0\.5B-Instruct .*quoted, not run "
+                     r"here$", out, re.M), out
     assert before["episodes"] == 2
 
     assert ragen_sokoban.main(["--quick", "--methods", "rl", "--out", str(tmp_path)]) == 0
