@@ -99,11 +99,11 @@ def main() -> None:
     parser.add_argument("--memory-limit-gb", type=float, default=0.0)
     args = parser.parse_args()
     load = harness.load_average()
-    work = Path(tempfile.mkdtemp(prefix="learner-ranks-"))
-    count = iter(range(10**6))
-    variants = {f"world_size {n}": (lambda n=n: train(args, n, work / f"run{next(count)}"))
-                for n in (1, args.ranks)}
-    rounds = harness.alternate(variants, args.rounds, warmup=0)
+    with tempfile.TemporaryDirectory(prefix="learner-ranks-") as scratch:  # runs' checkpoints
+        work, count = Path(scratch), iter(range(10**6))
+        variants = {f"world_size {n}": (lambda n=n: train(args, n, work / f"run{next(count)}"))
+                    for n in (1, args.ranks)}
+        rounds = harness.alternate(variants, args.rounds, warmup=0)
     print(f"{'variant':<14} {'step s':>8} {'update s':>9} {'publish s':>10}  peak MB per rank")
     medians = {}
     for name, results in rounds.results.items():
