@@ -78,6 +78,7 @@ class Run:
     vm_peak: dict[int, int] = field(default_factory=dict)  # rank -> bytes
     rss_peak: dict[int, int] = field(default_factory=dict)  # rank -> bytes
     publish_s: float | None = None
+    rows: list[dict] = field(default_factory=list)  # metrics.jsonl, a dict a step
 
 
 def process_peaks(pid: int, root: int) -> tuple[int | None, int, int, list[int]]:
@@ -111,13 +112,16 @@ def watch(root: int, run: Run, done: threading.Event) -> None:
 
 
 def train(model: str, ranks: int, out: Path, steps: int, limit: int | None = None,
-          extra: tuple[str, ...] = (), timeout_s: float = 3600) -> Run:
-    """``turnrl train`` for ``steps`` steps at world size ``ranks`` (fsdp), every process under
-    RLIMIT_AS ``limit`` bytes if given."""
-    argv = [sys.executable, "-m", "turnrl", "train", "--model.name", model, *SMALL, *extra,
+          extra: tuple[str, ...] = (), timeout_s: float = 3600, strategy: str = "fsdp",
+          settings: tuple[str, ...] = tuple(SMALL), malloc: dict | None = None) -> Run:
+    """``turnrl train`` for ``steps`` steps at world size ``ranks`` with ``settings`` (the
+    smallest generation ones unless given; benchmarks/speed/learner_ranks.py passes none),
+    every process under RLIMIT_AS ``limit`` bytes if given, with ``malloc`` (``ENV`` unless
+    given) in its environment."""
+    argv = [sys.executable, "-m", "turnrl", "train", "--model.name", model, *settings, *extra,
             "--run.steps", str(steps), "--eval.episodes", "0", "--run.progress", "false",
             "--run.checkpoint_every", "0", "--run.out_dir", str(out),
-            "--learner.world_size", str(ranks), "--learner.strategy", "fsdp",
+            "--learner.world_size", str(ranks), "--learner.strategy", strategy,
             "--run.threads", str(max(1, (os.cpu_count() or 1) // ranks))]
 
     def cap() -> None:  # in the child, before exec: rank 0, and the ranks it starts, inherit it
@@ -125,7 +129,7 @@ def train(model: str, ranks: int, out: Path, steps: int, limit: int | None = Non
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **ENV}, preexec_fn=cap, start_new_session=True)
+                            env={**os.environ, **(ENV if malloc is None else malloc)}, preexec_fn=cap, start_new_session=True)
     run, done = Run(0, "", 0), threading.Event()
     watcher = threading.Thread(target=watch, args=(proc.pid, run, done), daemon=True)
     watcher.start()
@@ -140,7 +144,7 @@ def train(model: str, ranks: int, out: Path, steps: int, limit: int | None = Non
     run.code = proc.returncode
     run.last = (err.strip().splitlines() or ["(no stderr)"])[-1][:300]
     metrics = out / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] \
+    run.rows = rows = [json.loads(line) for line in metrics.read_text().splitlines()] \
         if metrics.is_file() else []
     run.steps = len(rows)
     publish = [r["time/publish_s"] for r in rows if "time/publish_s" in r]

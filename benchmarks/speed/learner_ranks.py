@@ -4,88 +4,39 @@ sharing them out (one thread each on a 2-core machine), in alternating rounds.
 
 Per run: the medians over its steps (the first left out: start-up) of ``time/step_s``,
 ``time/update_s`` and ``time/publish_s`` (gathering FSDP shards into rank 0's sampler), and
-the peak resident memory of each learner process (VmHWM of the run's process tree, polled).
-``--memory-limit-gb G`` caps every process's address space (RLIMIT_AS, inherited by the
-ranks): a run that outgrows it fails, which is what shows a model that one process cannot
-hold but N shards can (reported per variant, not raised).
+the peak resident memory of each learner rank (VmHWM, polled). A model one process cannot hold
+and N shards can: ``benchmarks/speed/learner_memory.py`` (a memory limit derived at run time).
 
 Usage: ``python benchmarks/speed/learner_ranks.py [--ranks 2] [--strategy fsdp] [--steps 4]
-[--rounds 2] [--model smollm2-135m-instruct] [--memory-limit-gb G]``.
+[--rounds 2] [--model smollm2-135m-instruct]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
-import harness  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).parent)]
+import harness  # noqa: E402  (benchmarks/)
+import learner_memory  # noqa: E402  (its runner: RLIMIT_AS, per-rank peaks from /proc)
 
 STAGES = ("step", "update", "publish")
 
 
-def tree_peaks(root: int) -> dict[int, int]:
-    """pid -> VmHWM (kB) of ``root`` and every descendant alive now."""
-    peaks, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                peaks[pid] = int(line.split()[1])
-        todo += [int(c) for c in children]
-    return peaks
-
-
 def train(args: argparse.Namespace, ranks: int, out: Path) -> dict:
-    """One ``turnrl train`` run; its stage medians and per-process peak memory (MB)."""
-    cores = os.cpu_count() or 1
-    argv = [sys.executable, "-m", "turnrl", "train", "--model.name", args.model,
-            "--run.steps", str(args.steps), "--eval.episodes", "0", "--run.progress", "false",
-            "--run.checkpoint_every", "0", "--run.out_dir", str(out),
-            "--learner.world_size", str(ranks), "--learner.strategy", args.strategy,
-            "--run.threads", str(max(1, cores // ranks))]
-    limit = int(args.memory_limit_gb * 2**30) if args.memory_limit_gb else None
-
-    def cap() -> None:
-        if limit:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=cap)
-    peaks: dict[int, int] = {}
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(0.5):
-            for pid, kb in tree_peaks(proc.pid).items():
-                peaks[pid] = max(peaks.get(pid, 0), kb)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    _, err = proc.communicate()
-    done.set()
-    watcher.join()
-    if proc.returncode:
-        last = (err.strip().splitlines() or ["(no stderr)"])[-1]
-        return {"failed": last[:200]}
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = rows[1:] or rows  # the first step pays start-up
+    """One ``turnrl train`` run (learner_memory's runner, the default job's settings); its
+    stage medians and per-rank peak memory (MB), or why it failed."""
+    run = learner_memory.train(args.model, ranks, out, args.steps, strategy=args.strategy,
+                               settings=(), malloc={})  # glibc's defaults: times as users run
+    if run.code:
+        return {"failed": run.last[:200]}
+    rows = run.rows[1:] or run.rows  # the first step pays start-up
     figures = {stage: statistics.median(r.get(f"time/{stage}_s", 0.0) for r in rows)
                for stage in STAGES}
-    figures["peak_mb"] = sorted(round(kb / 1024) for kb in peaks.values())[::-1][:ranks]
+    figures["peak_mb"] = [run.rss_peak.get(r, 0) // 2**20 for r in range(ranks)]
     return figures
 
 
@@ -96,7 +47,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--memory-limit-gb", type=float, default=0.0)
     args = parser.parse_args()
     load = harness.load_average()
     with tempfile.TemporaryDirectory(prefix="learner-ranks-") as scratch:  # runs' checkpoints
