@@ -175,7 +175,7 @@ def test_the_loop_reports_its_waits_for_env_steps_as_idle_time(tiny):
 
 def test_a_stuck_env_times_out_and_a_raising_env_fails_with_its_reason(tiny):
     rollout, _ = _loop(tiny, partial(LatencyEnv, [], stuck_seed=7, error_seed=8),
-                       group_size=1, env_timeout_s=0.3)
+                       group_size=1, env_timeout_s=2.0)  # seed 9's steps: far within it
     for assignment, seed in enumerate([7, 8, 9]):
         rollout.submit(assignment, seed)
     started = time.monotonic()
