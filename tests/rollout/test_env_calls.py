@@ -193,7 +193,7 @@ def test_a_cooperative_env_that_blocks_stalls_only_its_loop_mates_and_then_loses
     try:
         with pytest.warns(UserWarning, match="'where' declares cooperative = True but blocked"):
             # 5 s: the later episodes' calls, on threads of their own, are answered within it
-            # on a busy machine (1.5 s was close); far below the 30 s block
+            # on a busy machine (1.5 s left little slack); far below the 30 s block
             episodes, seconds = _where(tiny, True, groups=4, pool_size=4, timeout_s=5.0)
     finally:
         Where.release.set()  # the blocked thread goes on, and ends, before other tests
