@@ -100,7 +100,7 @@ def node_names() -> dict[str, str]:
     return names
 
 
-def wait_free_cpus(cpus: float, timeout_s: float = 60) -> None:
+def wait_free_cpus(cpus: float, timeout_s: float = 180) -> None:
     """Ray frees a killed actor's resources a moment later."""
     deadline = time.monotonic() + timeout_s
     while ray.available_resources().get("CPU", 0.0) != cpus:

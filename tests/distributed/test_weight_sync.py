@@ -216,7 +216,7 @@ def test_a_group_that_cannot_form_stops_the_run_in_one_line_within_the_timeout(
     assert "\n" not in message
     # The workers' start on a busy machine dominates; a hang would be the test's own timeout.
     assert time.monotonic() - started < 300
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # ray.kill returns before the actor is down: loose
     while ray_cluster.util.list_named_actors() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not ray_cluster.util.list_named_actors()  # the workers were stopped
