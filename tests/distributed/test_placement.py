@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.conftest import no_ray_oom_killer
 from turnrl.config import ConfigError, load_config
 from turnrl.distributed.placement import (
     LearnerSeat,
@@ -72,9 +73,10 @@ def test_learner_threads_follow_its_own_reservation(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cluster():
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1})
-    nodes.add_node(num_cpus=2, resources={"rollout": 2}, labels={"pool": "a"})
-    nodes.add_node(num_cpus=2, num_gpus=1, labels={"pool": "b"})
+    with no_ray_oom_killer():
+        nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1})
+        nodes.add_node(num_cpus=2, resources={"rollout": 2}, labels={"pool": "a"})
+        nodes.add_node(num_cpus=2, num_gpus=1, labels={"pool": "b"})
     nodes.wait_for_nodes()
     yield nodes
     if ray.is_initialized():
