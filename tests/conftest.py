@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,23 @@ def groups_within(worker, seconds: float) -> list:
 
 
 @contextlib.contextmanager
+def no_ray_oom_killer():
+    """Ray clusters started inside run without Ray's memory monitor: it kills actors (a test's
+    workers, its members) once the node's memory is 95% used, which other jobs on the machine
+    can bring about (a test failed so beside SmolLM2 runs: 22.6 of 23.5 GB used). A real
+    shortage still meets the kernel's OOM killer."""
+    before = os.environ.get("RAY_memory_monitor_refresh_ms")
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+        else:
+            os.environ["RAY_memory_monitor_refresh_ms"] = before
+
+
+@contextlib.contextmanager
 def local_ray(*modules):
     """A Ray cluster of the test's own, with ``modules`` (which define envs the workers cannot
     import) shipped by value. ``address="local"``: never one another process on this machine
@@ -103,7 +121,8 @@ def local_ray(*modules):
     ray = pytest.importorskip("ray")
     for module in modules:
         ray.cloudpickle.register_pickle_by_value(module)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with no_ray_oom_killer():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

@@ -175,7 +175,7 @@ def test_the_loop_reports_its_waits_for_env_steps_as_idle_time(tiny):
 
 def test_a_stuck_env_times_out_and_a_raising_env_fails_with_its_reason(tiny):
     rollout, _ = _loop(tiny, partial(LatencyEnv, [], stuck_seed=7, error_seed=8),
-                       group_size=1, env_timeout_s=0.3)
+                       group_size=1, env_timeout_s=2.0)  # seed 9's steps: far within it
     for assignment, seed in enumerate([7, 8, 9]):
         rollout.submit(assignment, seed)
     started = time.monotonic()
@@ -645,7 +645,7 @@ def test_async_training_on_a_local_ray_cluster(ray_cluster, tmp_path):
     assert len(result.trained) == 3 * 2 and result.after.episodes == 4
     assert "after 3 steps" in result.table
     _books_balance(result)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # ray.kill returns before the actor is down: loose
     while ray_cluster.util.list_named_actors() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not ray_cluster.util.list_named_actors()  # the workers are gone

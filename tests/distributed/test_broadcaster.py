@@ -78,7 +78,8 @@ def members(ray):
     """Four started members (threaded: a silent call does not block the next test)."""
     actor = ray.remote(Member).options(num_cpus=0, max_concurrency=8)
     handles = [actor.remote() for _ in range(4)]
-    ray.get([h.set_mode.remote("joins") for h in handles], timeout=300)
+    # loose: at load 9-14 on 2 cores this fixture took 289 s (four actors importing torch)
+    ray.get([h.set_mode.remote("joins") for h in handles], timeout=900)
     return handles
 
 
@@ -94,14 +95,14 @@ def _kill(ray, handle) -> None:
     actor is down, and a call sent meanwhile can still be answered (CI saw a killed member
     say where it keeps weights)."""
     ray.kill(handle, no_restart=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
             ray.get(handle.weights_device.remote(), timeout=60)
         except ray.exceptions.RayActorError:
             return
         time.sleep(0.05)
-    raise AssertionError("a killed actor still answered after 120 s")
+    raise AssertionError("a killed actor still answered after 300 s")
 
 
 def _closed_groups(monkeypatch) -> list:
@@ -133,19 +134,21 @@ def test_members_that_join_form_a_group_that_carries_a_version(ray, members):
         sender.close()
 
 
-@pytest.mark.parametrize("modes, reason", [
-    (("joins", "refuses"), "worker 1: refused after joining"),  # the answers, after the check
-    (("half",), "(RuntimeError: "),  # the group's first broadcast times out
+@pytest.mark.parametrize("modes, reason, timeout_s", [
+    # the answers, after the check: the group forms first (30 s: a busy machine's gloo
+    # rendezvous of three processes may take over 5 s, and the refusal would go unheard)
+    (("joins", "refuses"), "worker 1: refused after joining", 30),
+    (("half",), "(RuntimeError: ", 5),  # the group's first broadcast times out
 ])
 def test_a_group_formed_but_refused_is_closed_before_the_error(ray, members, monkeypatch,
-                                                               modes, reason):
+                                                               modes, reason, timeout_s):
     closed = _closed_groups(monkeypatch)
-    sender = WeightBroadcaster(timeout_s=5, address="127.0.0.1")
+    sender = WeightBroadcaster(timeout_s=timeout_s, address="127.0.0.1")
     with pytest.raises(WeightGroupError) as err:
         sender.form(ray, _with_modes(ray, members, *modes), dict.fromkeys(range(len(modes)),
                                                                          "x"), CPU)
     message = str(err.value)
-    assert "\n" not in message and "did not form within 5 s" in message
+    assert "\n" not in message and f"did not form within {timeout_s} s" in message
     assert reason in message, message
     formed = [g for g in closed if g is not None]
     assert len(formed) == 1, closed  # the group made in this formation, closed (not leaked)
@@ -182,7 +185,7 @@ def test_join_answers_are_waited_for_together(ray, members):
 def test_a_dead_worker_is_left_out_and_a_group_of_none_says_why_it_sent_nothing(ray, members):
     handles = _with_modes(ray, members, "joins")
     dead = ray.remote(Member).options(num_cpus=0).remote()
-    ray.get(dead.set_mode.remote("joins"), timeout=300)
+    ray.get(dead.set_mode.remote("joins"), timeout=900)  # loose: the test took 140 s at load 9
     _kill(ray, dead)
     sender = WeightBroadcaster(timeout_s=30, address="127.0.0.1")
     try:

@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+from tests.conftest import no_ray_oom_killer
 from turnrl.config import ConfigError, load_config
 from turnrl.distributed.cluster import (
     WorkerSetup,
@@ -57,8 +58,9 @@ class ShippedDigit:
 @pytest.fixture(scope="module")
 def cluster():
     """A head that runs nothing (0 CPUs, as a cluster's head often is) and one 1-CPU node."""
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes.add_node(num_cpus=1)
+    with no_ray_oom_killer():
+        nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        nodes.add_node(num_cpus=1)
     nodes.wait_for_nodes()
     yield nodes
     nodes.shutdown()
@@ -88,7 +90,8 @@ def joined(cluster, monkeypatch):
 
 def _ensure_worker_node(cluster) -> None:
     if not cluster.worker_nodes:
-        cluster.add_node(num_cpus=1)
+        with no_ray_oom_killer():
+            cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
 
 

@@ -7,6 +7,8 @@ import builtins
 
 import pytest
 
+from tests.conftest import no_ray_oom_killer
+
 ray = pytest.importorskip("ray")
 
 from turnrl.distributed import ray_internals  # noqa: E402
@@ -42,7 +44,8 @@ def test_a_ray_without_the_upload_step_gets_one_line(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def local_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with no_ray_oom_killer():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -214,9 +214,10 @@ def test_a_group_that_cannot_form_stops_the_run_in_one_line_within_the_timeout(
     assert "worker 0:" in message  # the worker's own reason
     assert "--ray.weight_sync_address" in message and "object_store" in message
     assert "\n" not in message
-    # The workers' start on a busy machine dominates; a hang would be the test's own timeout.
-    assert time.monotonic() - started < 300
-    deadline = time.monotonic() + 10
+    # The workers' start on a busy machine dominates (200 s at load 8-14 on 2 cores); a hang
+    # would be the test's own timeout.
+    assert time.monotonic() - started < 600
+    deadline = time.monotonic() + 120  # ray.kill returns before the actor is down: loose
     while ray_cluster.util.list_named_actors() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not ray_cluster.util.list_named_actors()  # the workers were stopped

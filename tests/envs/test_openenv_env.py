@@ -64,7 +64,7 @@ def test_a_running_server_is_played_by_url_with_the_fields_named():
         make_env("openenv", url=url)
 
 
-def gone(pid: int, within_s: float = 10.0) -> bool:
+def gone(pid: int, within_s: float = 60.0) -> bool:
     """Whether process ``pid`` has exited (a zombie awaiting its parent counts) in time."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import multiprocessing
+import os
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -111,18 +113,26 @@ OPERATIONS = {"train_save": train_save, "load": load}
 
 
 def rank_main(rank: int, size: int, port: int, operations: list, errors: str) -> None:
+    """One spawned rank. It leaves as the real ranks do (turnrl.trainer.ranks): together,
+    then without interpreter finalisation. A plain barrier and destroy, then a normal exit,
+    let one rank tear its sockets down while a peer still read the barrier's last message,
+    and finalisation may free what gloo's threads still hold: the peer aborts (SIGABRT),
+    as a world-size-3 learner rank did in CI."""
     torch.set_num_threads(1)
+    code = 0
     try:
         world = join(rank, size, "fsdp", "gloo", torch.device("cpu"), TIMEOUT_S,
                      "127.0.0.1", port)
         for name, *args in operations:
             OPERATIONS[name](world, *args)
-        dist.barrier()
+        leave(together=True)
     except BaseException:
         Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
-        raise SystemExit(1) from None
-    finally:
         leave()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def free_port() -> int:

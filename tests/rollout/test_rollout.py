@@ -158,8 +158,8 @@ def test_stuck_or_broken_env_fails_the_episode_not_the_run(tiny):
                                     (BrokenEnv, "error", "tool crashed")]:
         started = time.monotonic()
         [episode] = run_sync(run_episodes(env_cls, [(0, 0)], engine, ChatFormat(tok),
-                                          SamplingParams(), env_timeout_s=0.2))
-        assert time.monotonic() - started < 5
+                                          SamplingParams(), env_timeout_s=2.0))
+        assert time.monotonic() - started < 15  # the stubborn env's 30 s were not waited for
         assert episode.status == status and reason in episode.info["reason"]
         assert episode.reward == 0.0 and not episode.success
 

@@ -162,6 +162,14 @@ def endpoint_cases(rng: random.Random) -> dict[str, tuple[Behave, str]]:
 
 
 FIXES = ("check", "set ", "give ", "raise ")
+TIMES_OUT = ("stall", "trickle")
+
+
+def limit_s(case: str) -> float:
+    """1 s for the cases whose phrase is that timeout; a loose one for the others (a 33 MiB
+    answer read or a client built on a busy machine may take over 1 s, and would then time
+    out instead of showing what the case tests); the elapsed bounds stay below it."""
+    return 1.0 if case in TIMES_OUT else 30.0
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -169,12 +177,12 @@ def test_an_endpoint_opponent_fails_every_bad_answer_in_one_line_naming_it(seed)
     threads = threading.active_count()
     for case, (behave, phrase) in endpoint_cases(random.Random(seed)).items():
         with misbehaving(behave) as url:
-            opponent = EndpointOpponent(url, "fuzz", timeout_s=1.0)
+            opponent = EndpointOpponent(url, "fuzz", timeout_s=limit_s(case))
             started = time.monotonic()
             with pytest.raises(EndpointError) as caught:
                 opponent.act("You play O.", "the board")
         message = str(caught.value)
-        assert time.monotonic() - started < 15, case  # loose: the bound is 1 s
+        assert time.monotonic() - started < 15, case  # loose: below the 30 s limit
         assert message.startswith(f"opponent endpoint:fuzz at {url}/v1/chat/completions "), \
             (case, message)
         assert phrase in message and "\n" not in message, (case, message)
@@ -273,12 +281,12 @@ def test_an_mcp_server_that_answers_badly_fails_its_start_in_one_line(seed):
     for case, (behave, phrase) in mcp_cases(random.Random(seed)).items():
         with misbehaving(behave) as base:
             url = f"{base}/mcp"
-            client = MCPHttpServer(url, start_timeout_s=1)
+            client = MCPHttpServer(url, start_timeout_s=limit_s(case))
             started = time.monotonic()
             with pytest.raises(MCPServerError) as caught:
                 client.start()
         message = str(caught.value)
-        assert time.monotonic() - started < 15, case  # loose: the bound is 1 s
+        assert time.monotonic() - started < 15, case  # loose: below the 30 s limit
         assert message.startswith(f"MCP server '{base[7:]}' ({url}) did not start: "), \
             (case, message)
         assert phrase in message and "\n" not in message, (case, message)
@@ -521,7 +529,7 @@ def test_a_judge_endpoint_that_fails_raises_one_line_naming_it(seed):
 
     for case, (behave, phrase) in judge_cases(random.Random(seed)).items():
         with misbehaving(behave) as url:
-            judge = self_judge(f"{url}/v1", "j", timeout_s=1.0)
+            judge = self_judge(f"{url}/v1", "j", timeout_s=limit_s(case))
             started = time.monotonic()
             if not phrase:
                 assert asyncio.run(judge("task", ["a", "b"])) is None, case
@@ -529,7 +537,7 @@ def test_a_judge_endpoint_that_fails_raises_one_line_naming_it(seed):
             with pytest.raises(JudgeError) as caught:
                 asyncio.run(judge("task", ["a", "b"]))
         message = str(caught.value)
-        assert time.monotonic() - started < 15, case  # loose: the bound is 1 s a call
+        assert time.monotonic() - started < 15, case  # loose: below the 30 s limit
         assert message.startswith(f"the judge 'j' at {url}/v1 {phrase}"), (case, message)
         assert "\n" not in message and "check that it is running" in message, (case, message)
 

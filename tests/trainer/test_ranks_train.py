@@ -68,11 +68,15 @@ def test_a_killed_rank_stops_the_run_in_one_line_and_resume_continues(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + WAIT_S
     while not (run / "checkpoints" / "step-000001").is_dir():  # killed mid-run, not at start
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()  # a bare communicate() would wait for a hung run forever
+            _, err = proc.communicate(timeout=60)
+            pytest.fail(f"no checkpoint (exit {proc.returncode}): {err[-3000:]}")
         time.sleep(0.2)
+    # rank 1, by its command: the run's first child need not be it (a helper process)
     child = next(int(line.split()[0]) for line in subprocess.run(
-        ["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
-        text=True).stdout.splitlines())
+        ["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True,
+        text=True).stdout.splitlines() if "turnrl.trainer.ranks" in line)
     os.kill(child, signal.SIGKILL)
     _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 1
