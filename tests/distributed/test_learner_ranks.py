@@ -28,8 +28,9 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402 - after the skip
 
 WAIT_S = 900  # loose: a hang fails the test rather than the suite
-TIMEOUT_S = 120  # the collective timeout of the killed-rank run: it stops before it (a
-# busy machine's Ray teardown after the stop takes seconds; 60 left less room for them)
+TIMEOUT_S = 300  # the collective timeout of the killed-rank run: it stops before it (a
+# busy machine's Ray teardown after the stop takes seconds); also how long its rank actors
+# may take to start (at load 10 one took over 120 s)
 CPUS = 4.0  # the cluster's
 TINY = ["--model.name", "tiny", "--rollout.group_size", "4", "--rollout.groups_per_step", "2",
         "--rollout.max_turns", "2", "--rollout.max_new_tokens", "6", "--run.threads", "1",

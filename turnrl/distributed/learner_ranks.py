@@ -151,16 +151,17 @@ def rank_actors(cfg: Config, group: Any, bundle: dict[str, float]) -> list:
         for r in range(1, cfg.learner.world_size)]
 
 
-def started_places(ranks: list) -> list[str]:
-    """``10.0.0.2, pid 7`` for each rank actor once it runs; one line if one never does."""
+def started_places(ranks: list, wait_s: float) -> list[str]:
+    """``10.0.0.2, pid 7`` for each rank actor once it runs; one line if one never does
+    within ``wait_s``."""
     import ray
 
     try:
         return [f"{ip}, pid {pid}" for ip, pid in ray.get(
-            [actor.where.remote() for actor in ranks], timeout=PLACE_WAIT_S)]
+            [actor.where.remote() for actor in ranks], timeout=wait_s)]
     except (ray.exceptions.RayError, TimeoutError) as err:
         text = (str(err).strip().splitlines() or [""])[0]
-        raise RankLost(f"a learner rank's Ray actor did not start within {PLACE_WAIT_S:g} s "
+        raise RankLost(f"a learner rank's Ray actor did not start within {wait_s:g} s "
                        f"({type(err).__name__}: {text[:200]}); see `ray status` and the "
                        "actor's log (`ray logs`), then start the run again") from None
 
@@ -202,7 +203,9 @@ def ray_ranks(cfg: Config) -> Iterator[Started]:
         check_room(cfg, bundle)
         group = rank_group(cfg, bundle)
         actors = rank_actors(cfg, group, bundle)
-        places = started_places(actors[1:])
+        # A rank actor starts a Python that imports torch: on a busy node that can take
+        # minutes, as long as a rank may take to join (learner.timeout_s).
+        places = started_places(actors[1:], max(PLACE_WAIT_S, cfg.learner.timeout_s))
         print(f"learner ranks 1..{len(places)} as Ray actors: {'; '.join(places)}", flush=True)
         address, port = ray.util.get_node_ip_address(), cfg.learner.port or free_port()
         threads = cfg.run.threads or int(bundle["CPU"])
