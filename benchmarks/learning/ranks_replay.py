@@ -97,14 +97,15 @@ def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 def drive(work: Path, name: str, strategy: str, save_after: int) -> None:
     """Rank 0: start the other ranks' learners, update on the played episodes, compare."""
     from turnrl.learner.checkpoints import save_sharded
-    from turnrl.learner.world import join, leave
+    from turnrl.learner.world import join, leave, store_client
     from turnrl.policy import policy_model
 
     size = int(os.environ["WORLD_SIZE"])
     cfg = job(work, name)
     cfg = replace(cfg, learner=replace(cfg.learner, world_size=size, strategy=strategy))
+    port = int(os.environ["MASTER_PORT"])
     world = join(0, size, strategy, "gloo", torch.device("cpu"), cfg.learner.timeout_s,
-                 "127.0.0.1", int(os.environ["MASTER_PORT"]))
+                 "127.0.0.1", port, store_client("127.0.0.1", port, size, cfg.learner.timeout_s))
     world.command("start", (cfg, None, False))
     seed_run(cfg)
     model, tokenizer = policy_model(cfg, torch.device("cpu"))
@@ -126,17 +127,19 @@ def drive(work: Path, name: str, strategy: str, save_after: int) -> None:
 
 def ranks(work: Path, model: str, size: int, strategy: str, save_after: int) -> list[dict]:
     """``drive`` as rank 0 in a child process, ranks 1.. as ``turnrl train`` starts them."""
-    from turnrl.trainer.ranks import LEARNER_ENV, free_port
+    from turnrl.learner.world import rendezvous_store
+    from turnrl.trainer.ranks import LEARNER_ENV
 
     learner = replace(job(work, model).learner, world_size=size, strategy=strategy, backend="gloo")
+    store = rendezvous_store(size, learner.timeout_s)  # served here, bound before any rank starts
     env = {**os.environ, "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), LEARNER_ENV: json.dumps(asdict(learner))}
+           "MASTER_PORT": str(store.port), LEARNER_ENV: json.dumps(asdict(learner))}
     procs = [subprocess.Popen([sys.executable, __file__, "--drive", str(work), "--model", model, "--strategy",
                                strategy, "--save-after", str(save_after)],
                               env={**env, "RANK": "0"})]
     procs += [subprocess.Popen([sys.executable, "-m", "turnrl.trainer.ranks"],
                                env={**env, "RANK": str(rank)}) for rank in range(1, size)]
-    codes = [p.wait() for p in procs]
+    codes = [p.wait(timeout=2 * learner.timeout_s + 3600) for p in procs]  # a hung rank ends
     if codes != [0] * size:
         raise SystemExit(f"ranks ended with {codes}")
     return json.loads((work / "ranks.json").read_text())

@@ -105,7 +105,8 @@ def first_step(cfg, launcher, episodes) -> tuple[dict, dict]:
             (group,) = ray.util.placement_group_table().values()
             home = ray.get_runtime_context().get_node_id()
             assert group["bundles_to_node_id"][0] == home != group["bundles_to_node_id"][1]
-        world = join(0, 2, "fsdp", "gloo", torch.device("cpu"), 120, ranks.address, ranks.port)
+        world = join(0, 2, "fsdp", "gloo", torch.device("cpu"), 120, ranks.address, ranks.port,
+                     ranks.store)
         try:
             world.command("start", (cfg, None, False))
             seed_run(cfg)

@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import multiprocessing
 import os
-import socket
 import sys
 import time
 import traceback
@@ -25,7 +24,7 @@ from turnrl.config import LearnerConfig, OptimConfig
 from turnrl.config.lora_plan import LoraSpec
 from turnrl.learner.checkpoints import save_sharded
 from turnrl.learner.shard import shard
-from turnrl.learner.world import join, leave
+from turnrl.learner.world import join, leave, rendezvous_store, store_client
 from turnrl.lora import add_adapter, is_lora
 from turnrl.models import tiny_model
 from turnrl.trainer.step import make_optimizer
@@ -121,8 +120,8 @@ def rank_main(rank: int, size: int, port: int, operations: list, errors: str) ->
     torch.set_num_threads(1)
     code = 0
     try:
-        world = join(rank, size, "fsdp", "gloo", torch.device("cpu"), TIMEOUT_S,
-                     "127.0.0.1", port)
+        world = join(rank, size, "fsdp", "gloo", torch.device("cpu"), TIMEOUT_S,  # at the
+                     "127.0.0.1", port, store_client("127.0.0.1", port, size, TIMEOUT_S))  # store
         for name, *args in operations:
             OPERATIONS[name](world, *args)
         leave(together=True)
@@ -135,19 +134,14 @@ def rank_main(rank: int, size: int, port: int, operations: list, errors: str) ->
     os._exit(code)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(size: int, operations: list, errors: Path, timeout_s: float = 300.0) -> None:
     """``operations`` on ``size`` spawned ranks; an AssertionError with the ranks' tracebacks
     if any fails, or when they are not done within ``timeout_s`` (then they are killed)."""
     errors.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
-    port = free_port()
-    ranks = [context.Process(target=rank_main, args=(r, size, port, operations, str(errors)))
+    store = rendezvous_store(size, TIMEOUT_S)  # bound before any rank starts: no port race
+    ranks = [context.Process(target=rank_main, args=(r, size, store.port, operations,
+                                                      str(errors)))
              for r in range(size)]
     for process in ranks:
         process.start()

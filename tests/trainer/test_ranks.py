@@ -82,14 +82,15 @@ def local_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def ranks(cfg: Config, batches: list[list], size: int, tmp_path: Path) -> dict:
     """Run the update on ``size`` ranks; rank 0's gathered weights and metrics."""
-    from turnrl.trainer.ranks import LEARNER_ENV, free_port
+    from turnrl.learner.world import rendezvous_store
+    from turnrl.trainer.ranks import LEARNER_ENV
 
     work = tmp_path / f"ranks{size}-{cfg.learner.strategy}"
     work.mkdir()
     (work / "job.pkl").write_bytes(pickle.dumps((cfg, batches)))
-    port = free_port()
+    store = rendezvous_store(size, cfg.learner.timeout_s)  # served here, bound before any rank starts
     env = {**os.environ, "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), LEARNER_ENV: json.dumps(asdict(cfg.learner)),
+           "MASTER_PORT": str(store.port), LEARNER_ENV: json.dumps(asdict(cfg.learner)),
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs = [subprocess.Popen([sys.executable, __file__, str(work)], env={**env, "RANK": "0"})]
     procs += [subprocess.Popen([sys.executable, "-m", "turnrl.trainer.ranks"],
@@ -106,15 +107,16 @@ def ranks(cfg: Config, batches: list[list], size: int, tmp_path: Path) -> dict:
 def drive(work: Path) -> None:
     """Rank 0 of ``ranks``: tell the others to start, update, gather, stop."""
     from turnrl.learner.weights import published_state
-    from turnrl.learner.world import join, leave
+    from turnrl.learner.world import join, leave, store_client
     from turnrl.policy import policy_model
 
     cfg, batches = pickle.loads((work / "job.pkl").read_bytes())
     nccl = cfg.learner.backend == "nccl"  # tests/gpu/test_learner_ranks_gpu.py
     device = torch.device("cuda:0" if nccl else "cpu")
-    world = join(0, int(os.environ["WORLD_SIZE"]), cfg.learner.strategy,
-                 "nccl" if nccl else "gloo", device, cfg.learner.timeout_s, "127.0.0.1",
-                 int(os.environ["MASTER_PORT"]))
+    size, port = int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"])
+    world = join(0, size, cfg.learner.strategy, "nccl" if nccl else "gloo", device,
+                 cfg.learner.timeout_s, "127.0.0.1", port,
+                 store_client("127.0.0.1", port, size, cfg.learner.timeout_s))
     world.command("start", (cfg, None, False))
     seed_run(cfg)
     model, tokenizer = policy_model(cfg, device)

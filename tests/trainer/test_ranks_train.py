@@ -164,3 +164,15 @@ def test_a_task_learns_on_two_fsdp_ranks(tmp_path):
     before, after = (json.loads((run / f"eval_{when}.json").read_text())["success_rate"]
                      for when in ("before", "after"))
     assert before < 0.3 and after > 0.9, (before, after)
+
+
+def test_a_learner_port_in_use_is_refused_in_one_line(tmp_path):
+    import socket
+
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = turnrl("train", *TINY, "--learner.world_size", "2", "--learner.port", str(port),
+                      "--run.out_dir", str(tmp_path / "run"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().count("\n") == 0
+    assert f"learner.port {port} is in use" in done.stderr

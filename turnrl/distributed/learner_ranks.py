@@ -28,8 +28,8 @@ from typing import Any
 from turnrl.config import Config, ConfigError, LearnerConfig
 from turnrl.distributed.cluster import connect
 from turnrl.distributed.placement import PLACE_WAIT_S, STRATEGIES, free_resources
-from turnrl.learner.world import RankLost
-from turnrl.trainer.ranks import DEAD_WAIT_S, Started, device_for, free_port, serve_rank
+from turnrl.learner.world import RankLost, rendezvous_store
+from turnrl.trainer.ranks import DEAD_WAIT_S, Started, device_for, serve_rank
 
 NODE_LABEL = "ray.io/node-id"
 """The label Ray gives every node: pins rank 0's bundle to the driver's node."""
@@ -207,15 +207,17 @@ def ray_ranks(cfg: Config) -> Iterator[Started]:
         # minutes, as long as a rank may take to join (learner.timeout_s).
         places = started_places(actors[1:], max(PLACE_WAIT_S, cfg.learner.timeout_s))
         print(f"learner ranks 1..{len(places)} as Ray actors: {'; '.join(places)}", flush=True)
-        address, port = ray.util.get_node_ip_address(), cfg.learner.port or free_port()
+        address = ray.util.get_node_ip_address()
+        store = rendezvous_store(cfg.learner.world_size, cfg.learner.timeout_s, address,
+                                 cfg.learner.port)
         threads = cfg.run.threads or int(bundle["CPU"])
         learner = {**asdict(cfg.learner), "backend": backend}
         size = cfg.learner.world_size
-        runs = [actor.run.remote(learner, r, size, address, port, threads)
+        runs = [actor.run.remote(learner, r, size, address, store.port, threads)
                 for r, actor in enumerate(actors[1:], start=1)]
 
-        yield Started(address, port, threads, lambda wait: dead_actors(runs, places, wait),
-                      lambda: stop(actors))
+        yield Started(address, store.port, threads,
+                      lambda wait: dead_actors(runs, places, wait), lambda: stop(actors), store)
         # They return on rank 0's stop; a slow one is stopped below, the run's work is saved.
         ready, late = ray.wait(runs, num_returns=len(runs), timeout=cfg.learner.timeout_s)
         ray.get(ready)

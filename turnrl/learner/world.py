@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from turnrl.config import ConfigError
+
 
 class RankLost(RuntimeError):
     """Another rank stopped answering (died, or hung past ``learner.timeout_s``)."""
@@ -88,12 +90,41 @@ _CURRENT: list[World] = []
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def rendezvous_store(size: int, timeout_s: float, address: str = "127.0.0.1",
+                     port: int = 0) -> dist.TCPStore:
+    """The store ``size`` ranks meet at, served by this process and listening before any rank
+    starts (on every interface; ranks reach it at ``address``). Port 0 lets the OS pick one
+    that stays bound: a port probed free, released and bound again later can be taken in
+    between by another process. A given port in use is a one-line ``ConfigError``."""
+    try:
+        return dist.TCPStore(address, port, size, True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistNetworkError as err:
+        if "EADDRINUSE" not in str(err):
+            raise
+        raise ConfigError(f"learner.port {port} is in use on this machine; pick another, or "
+                          "leave learner.port at 0 to let the OS choose a free one") from None
+
+
+def store_client(address: str, port: int, size: int, timeout_s: float) -> dist.TCPStore:
+    """A rank's connection to the ``rendezvous_store`` served at ``address:port``."""
+    return dist.TCPStore(address, port, size, False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def join(rank: int, size: int, strategy: str, backend: str, device: torch.device,
-         timeout_s: float, address: str, port: int) -> World:
-    """Join the process group of ``size`` ranks at ``address:port`` as ``rank``."""
+         timeout_s: float, address: str, port: int, store: dist.Store | None = None) -> World:
+    """Join the process group of ``size`` ranks at ``address:port`` as ``rank``: through
+    ``store`` when given (every rank must then pass one: the rank serving it its
+    ``rendezvous_store``, the others a ``store_client``; torch prefixes the keys of a store it makes itself, not of one
+    it is given), else as torchrun's ranks do (``tcp://``, rank 0 serving the store)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank,
-                            world_size=size, timeout=timeout)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank,
+                                world_size=size, timeout=timeout)
     # Commands may be minutes apart (rank 0 evaluates, collects): their own group waits long.
     commands = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
     world = World(rank, size, strategy, device, timeout_s, commands)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ import torch
 
 from turnrl.config import Config, ConfigError, LearnerConfig
 from turnrl.learner.weights import published_pairs
-from turnrl.learner.world import RankLost, World, join, leave
+from turnrl.learner.world import RankLost, World, join, leave, rendezvous_store, store_client
 from turnrl.policy import policy_model
 from turnrl.trainer.rl_step import StageTimer, rl_step
 from turnrl.trainer.run import learner_for, restore_learner, seed_run
@@ -59,6 +58,9 @@ class Started:
     """rank 0's torch threads"""
     dead: Callable[[bool], str]
     kill: Callable[[], None]
+    store: torch.distributed.Store
+    """the ``rendezvous_store`` this process serves at ``port``, bound before any rank started;
+    rank 0 joins through it, the launched ranks through a ``store_client``"""
 
 
 Launcher = Callable[[Config], AbstractContextManager[Started]]
@@ -123,12 +125,6 @@ def check_capacity(cfg: Config, world_size: int) -> None:
                           "fewer")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """In a child rank: receive SIGKILL when rank 0 dies (Linux), never outlive the run."""
     try:
@@ -145,10 +141,10 @@ def child_ranks(cfg: Config) -> Iterator[Started]:
     (killed after a grace period) when the block ends."""
     size = cfg.learner.world_size
     check_capacity(cfg, size)
-    port = cfg.learner.port or free_port()
+    store = rendezvous_store(size, cfg.learner.timeout_s, "127.0.0.1", cfg.learner.port)
     learner = {**asdict(cfg.learner), "backend": device_for(cfg.learner, cfg.model.device, 0)[0]}
     env = {**os.environ, LEARNER_ENV: json.dumps(learner), "WORLD_SIZE": str(size),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
     children = [subprocess.Popen([sys.executable, "-m", "turnrl.trainer.ranks"],
                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -159,8 +155,8 @@ def child_ranks(cfg: Config) -> Iterator[Started]:
             child.kill()
 
     try:
-        yield Started("127.0.0.1", port, rank_threads(cfg, size),
-                      lambda wait: dead_ranks(children, DEAD_WAIT_S if wait else 0), kill)
+        yield Started("127.0.0.1", store.port, rank_threads(cfg, size),
+                      lambda wait: dead_ranks(children, DEAD_WAIT_S if wait else 0), kill, store)
     finally:
         for child in children:
             try:
@@ -202,7 +198,8 @@ def run_as_rank0(cfg: Config, train: Callable[[], T], launcher: Launcher = child
     with launcher(cfg) as ranks:  # refuses, in one line, a world it cannot hold
         torch.set_num_threads(ranks.threads)
         return _lead(lambda: join(0, cfg.learner.world_size, cfg.learner.strategy, backend,
-                                  device, cfg.learner.timeout_s, ranks.address, ranks.port),
+                                  device, cfg.learner.timeout_s, ranks.address, ranks.port,
+                                  ranks.store),
                      train, ranks)
 
 
@@ -248,7 +245,8 @@ def serve_rank(learner: LearnerConfig, rank: int, size: int, address: str, port:
     torch.set_num_threads(threads)
     backend, device = device_for(learner, "cuda" if learner.backend == "nccl" else "cpu",
                                  local_rank)
-    world = join(rank, size, learner.strategy, backend, device, learner.timeout_s, address, port)
+    world = join(rank, size, learner.strategy, backend, device, learner.timeout_s, address, port,
+                 store_client(address, port, size, learner.timeout_s))
     _follow_then_leave(world)
 
 

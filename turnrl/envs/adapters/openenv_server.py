@@ -1,6 +1,6 @@
 """The local OpenEnv server a run starts for ``--env.name openenv --env.options.transport http``.
 
-A real subprocess (``python .../openenv_server.py SPEC OPTIONS PORT``: this file run as a script,
+A real subprocess (``python .../openenv_server.py SPEC OPTIONS FD``: this file run as a script,
 so the server does not import TurnRL, torch included) serving
 the environment with OpenEnv's own ``create_fastapi_app`` under uvicorn; every TurnRL episode
 talks to it over OpenEnv's WebSocket session protocol through the official ``EnvClient``. One
@@ -76,21 +76,19 @@ def wire_types(env_cls: type) -> tuple[type, type]:
                      "Environment[MyAction, MyObservation, State]")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class LocalServer:
     """A started server subprocess; ``url`` once it answers ``/health``."""
 
     def __init__(self, spec: str, options: dict, start_timeout_s: float = 60.0) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, __file__, spec, json.dumps(options), str(self.port)]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, start_new_session=True)
+        # The socket is bound and listening here, then handed to the server: a port probed
+        # free and bound later by the child could be taken in between by another process.
+        with socket.create_server(("127.0.0.1", 0)) as sock:
+            self.port = sock.getsockname()[1]
+            self.url = f"http://127.0.0.1:{self.port}"
+            command = [sys.executable, __file__, spec, json.dumps(options), str(sock.fileno())]
+            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE, start_new_session=True,
+                                            pass_fds=(sock.fileno(),))
         self._wait(start_timeout_s)
 
     def _wait(self, timeout_s: float) -> None:
@@ -148,7 +146,8 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(0)
 
 
-def main(spec: str, options_json: str, port: str) -> None:
+def main(spec: str, options_json: str, fd: str) -> None:
+    """Serve ``spec`` on the listening socket the parent passed as file descriptor ``fd``."""
     import uvicorn
     from openenv.core.env_server.http_server import create_fastapi_app
     from openenv.core.env_server.types import ConcurrencyConfig
@@ -159,7 +158,8 @@ def main(spec: str, options_json: str, port: str) -> None:
     config = ConcurrencyConfig(max_concurrent_envs=SESSIONS, session_timeout=IDLE_SESSION_S)
     app = create_fastapi_app(partial(env_cls, **json.loads(options_json)), action_cls,
                              observation_cls, concurrency_config=config)
-    uvicorn.run(app, host="127.0.0.1", port=int(port), log_level="warning")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server.run(sockets=[socket.socket(fileno=int(fd))])
 
 
 if __name__ == "__main__":
