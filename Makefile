@@ -37,8 +37,10 @@ $(STAMP): pyproject.toml Makefile
 train: setup
 	$(VENV)/bin/turnrl train $(ARGS)
 
+# One worker per core (pytest-xdist; fewer where memory is short: tests/conftest.py), each
+# test file whole on one worker: its module fixtures (a Ray cluster, a model) are built once.
 test: setup
-	$(VENV)/bin/pytest -q $(ARGS)
+	$(VENV)/bin/pytest -q -n auto --dist loadfile $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

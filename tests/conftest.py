@@ -77,6 +77,27 @@ class Chatter:
             "b": {"reward": float(-sign), "moves": list(self.said["b"])}}})
 
 
+WORKER_GIB = 4
+"""Memory one test worker may hold at once (SmolLM2 runs with AdamW moments, a Ray cluster)."""
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``make test``'s ``-n auto``: one worker per core this process may use, fewer where the
+    available memory holds fewer ``WORKER_GIB`` workers. Many tests wait on subprocesses, Ray
+    and sockets, so two workers on two cores overlap those waits."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, int(available_gib() // WORKER_GIB)))
+
+
+def available_gib() -> float:
+    """Memory new processes may take (Linux's MemAvailable counts reclaimable cache)."""
+    with contextlib.suppress(OSError, StopIteration):
+        with open("/proc/meminfo") as info:
+            line = next(line for line in info if line.startswith("MemAvailable"))
+            return int(line.split()[1]) / 2**20  # kB
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 @pytest.fixture(autouse=True)
 def _two_threads():
     torch.set_num_threads(2)
