@@ -202,7 +202,7 @@ def test_the_learners_seat_holds_its_gpu_and_cpus_on_its_own_node(connected):
         assert placed(config("--ray.num_workers", "1", "--ray.worker_gpus", "1")) == ["b"]
     finally:
         seat.release()
-    assert LearnerSeat.take(config(), on_cuda=False).handle is None  # nothing to hold
+    assert LearnerSeat.take(config(), on_cuda=False).group is None  # nothing to hold
     with pytest.raises(RuntimeError, match=r"the learner's reservation \(ray.learner_cpus 2, "
                                            r"ray.learner_gpus 0\) is not free on its node"):
         LearnerSeat.take(config("--ray.learner_cpus", "2"), on_cuda=False, wait_s=1)

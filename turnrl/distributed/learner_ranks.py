@@ -27,12 +27,9 @@ from typing import Any
 
 from turnrl.config import Config, ConfigError, LearnerConfig
 from turnrl.distributed.cluster import connect
-from turnrl.distributed.placement import PLACE_WAIT_S, STRATEGIES, free_resources
+from turnrl.distributed.placement import NODE_LABEL, PLACE_WAIT_S, STRATEGIES, free_resources
 from turnrl.learner.world import RankLost, rendezvous_store
 from turnrl.trainer.ranks import DEAD_WAIT_S, Started, device_for, serve_rank
-
-NODE_LABEL = "ray.io/node-id"
-"""The label Ray gives every node: pins rank 0's bundle to the driver's node."""
 
 
 def rank_bundle(cfg: Config, on_cuda: bool) -> dict[str, float]:

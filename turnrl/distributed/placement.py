@@ -5,8 +5,8 @@
   ``default`` reserves one placement-group bundle per worker with that strategy (SPREAD, PACK,
   STRICT_*), and a restarted worker comes back in its own bundle.
 - The learner is this (driver) process, which Ray does not count: ``LearnerSeat`` reserves
-  ``ray.learner_cpus`` and its GPU on the learner's node with a placeholder actor, so no worker
-  is placed on them, and the learner's torch threads follow its CPUs.
+  ``ray.learner_cpus`` and its GPU on the learner's node with a one-bundle placement group, so
+  no worker is placed on them, and the learner's torch threads follow its CPUs.
 
 Pure helpers besides ``worker_group`` and ``LearnerSeat.take`` (which talk to Ray).
 """
@@ -26,6 +26,8 @@ STRATEGIES = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREA
 """``ray.placement`` -> Ray's placement-group strategy."""
 PLACE_WAIT_S = 120.0
 """How long the workers' placement group or the learner's seat may wait for room."""
+NODE_LABEL = "ray.io/node-id"
+"""The label Ray gives every node: pins the learner's bundle to the driver's node."""
 log = logging.getLogger("turnrl.worker")
 
 
@@ -124,7 +126,7 @@ def physical_gpu(index: int) -> str:
 
 
 class _Seat:
-    """Holds the learner's CPUs and GPUs in Ray's books; does nothing else."""
+    """Started in the learner's bundle only to learn which GPUs Ray gave it."""
 
     def gpu_ids(self) -> list[str]:
         import ray
@@ -134,20 +136,22 @@ class _Seat:
 
 @dataclass
 class LearnerSeat:
-    """The learner's reservation on its own node (a placeholder actor pinned there)."""
+    """The learner's reservation on its own node (a one-bundle placement group pinned there)."""
 
     cpus: float
     gpus: float
     gpu_ids: list[str]
-    handle: Any = None
+    group: Any = None
 
     @classmethod
     def take(cls, cfg: Config, on_cuda: bool, cuda_index: int = 0,
              wait_s: float = PLACE_WAIT_S) -> LearnerSeat:
         """Reserve ``ray.learner_cpus`` and the learner's GPU (``learner_gpus``, -1 = auto)
-        on this process's node, before the workers are placed."""
+        on this process's node, before the workers are placed: within ``wait_s`` once there
+        is room. Placing a bundle starts no process; only a GPU seat starts one, to learn the
+        GPU's id, and it may take ``learner.timeout_s`` to start on a busy machine."""
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.placement_group import placement_group, remove_placement_group
 
         node_id = ray.get_runtime_context().get_node_id()
         gpus = cfg.ray.learner_gpus
@@ -163,36 +167,59 @@ class LearnerSeat:
         cpus = cfg.ray.learner_cpus
         if cpus <= 0 and gpus <= 0:
             return cls(0.0, 0.0, [])
-        seat = ray.remote(_Seat).options(
-            num_cpus=cpus, num_gpus=gpus, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-        try:
-            gpu_ids = ray.get(seat.gpu_ids.remote(), timeout=wait_s)
-        except ray.exceptions.RayError:  # timed out, or more than the node has (infeasible)
-            ray.kill(seat)
+        bundle = {name: float(n) for name, n in (("CPU", cpus), ("GPU", gpus)) if n > 0}
+        group = placement_group([bundle], bundle_label_selector=[{NODE_LABEL: node_id}])
+        if not group.wait(timeout_seconds=wait_s):  # no room, or more than the node has
+            remove_placement_group(group)
             from turnrl.distributed.cluster import node_label
 
             raise RuntimeError(
                 f"the learner's reservation (ray.learner_cpus {cpus:g}, ray.learner_gpus "
                 f"{gpus:g}) is not free on its node {node_label()} within {wait_s:g} s (free "
                 f"in the cluster: {free_resources(ray)}); lower them, or run the learner on "
-                "a node with room (`ray status`)") from None
+                "a node with room (`ray status`)")
+        try:
+            gpu_ids = _bundle_gpu_ids(group, gpus, max(wait_s, cfg.learner.timeout_s))
+        except BaseException:
+            remove_placement_group(group)
+            raise
         if on_cuda and gpu_ids and physical_gpu(cuda_index) not in gpu_ids:
             log.warning("the learner trains on GPU %s but Ray reserved GPU %s for it: a "
                         "worker may share the learner's GPU; set CUDA_VISIBLE_DEVICES=%s for "
                         "the learner", physical_gpu(cuda_index), ",".join(gpu_ids),
                         gpu_ids[0])
-        return cls(cpus, gpus, gpu_ids, seat)
+        return cls(cpus, gpus, gpu_ids, group)
 
     def release(self) -> None:
-        if self.handle is not None:
-            import ray
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
 
             try:
-                ray.kill(self.handle)
+                remove_placement_group(self.group)
             except Exception:  # noqa: BLE001 - the cluster is already gone
                 pass
-            self.handle = None
+            self.group = None
+
+
+def _bundle_gpu_ids(group: Any, gpus: float, start_wait_s: float) -> list[str]:
+    """The ids of the GPUs in ``group``'s bundle (none without GPUs): a ``_Seat`` started in
+    it answers, then ends; the bundle keeps holding them."""
+    if gpus <= 0:
+        return []
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    seat = ray.remote(_Seat).options(
+        num_cpus=0, num_gpus=gpus, max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0)).remote()
+    try:
+        return ray.get(seat.gpu_ids.remote(), timeout=start_wait_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"the learner's seat on its node did not start within "
+                           f"{start_wait_s:g} s (its room is held: the machine may be too busy)"
+                           "; raise learner.timeout_s") from None
+    finally:
+        ray.kill(seat)
 
 
 def release_placement(seat: LearnerSeat | None, group: Any) -> None:
