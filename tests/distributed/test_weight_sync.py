@@ -153,8 +153,10 @@ def _check_workers_hold_the_learners_weights(source, steps: int) -> None:
     assert [v for v, _, _ in source.newest] == [steps] * len(source.newest)
     for version, digest, devices in source.newest:  # what the next generate call loads
         assert digest == source.published[version] and devices == ["cpu"]
-    for version, digest in source.loaded:  # what each worker samples with now
-        assert 0 <= version <= steps and digest == source.published[version]
+    for version, digest in source.loaded:  # what each worker samples with now; -1: a
+        if version != -1:  # restarted worker not asked to generate since (it loads `newest`)
+            assert 0 <= version <= steps and digest == source.published[version]
+    assert any(version != -1 for version, _ in source.loaded)
     assert len(set(source.published.values())) == steps + 1  # each update changed them
 
 

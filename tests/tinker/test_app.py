@@ -39,7 +39,11 @@ def base_url(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(base_url):
     warnings.filterwarnings("ignore", category=FutureWarning)
-    return tinker.ServiceClient(base_url=base_url, api_key="tml-local")
+    client = tinker.ServiceClient(base_url=base_url, api_key="tml-local")
+    yield client
+    # Finished before the service stops: its session heartbeat would otherwise fail for the
+    # rest of this worker's tests, into their logs.
+    client.close("success").result(timeout=60)
 
 
 def _datum(ids, weights=None, **inputs):

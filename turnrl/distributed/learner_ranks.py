@@ -7,12 +7,13 @@ of a placement group (``learner.placement``: pack, spread, strict_*): ``ray.lear
 (at least 1) and ``ray.learner_gpus`` (-1: one GPU on CUDA, none on the CPU), the seat that
 ``LearnerSeat`` holds for a one-process learner. Bundle 0 is pinned to this process's node by
 its node-id label and held by a placeholder actor; bundles 1..N-1 carry the ``LearnerRank``
-actors. The rendezvous is rank 0's node address (``ray.util.get_node_ip_address``) and a free
-port; the backend is chosen as for local ranks (gloo on the CPU, NCCL on CUDA).
+actors. The rendezvous is the store rank 0 binds on its node address
+(``ray.util.get_node_ip_address``) before the ranks join (``learner.port``, or a port the OS
+picks); the backend is chosen as for local ranks (gloo on the CPU, NCCL on CUDA).
 
 A cluster that cannot hold the bundles is refused in one line before any actor starts
 (``missing_room``, from the nodes' totals), and again when the group is not placed within
-``PLACE_WAIT_S`` (busy nodes). A rank actor that dies is noticed at rank 0's next collective
+``PLACE_WAIT_S`` (busy nodes); a placed actor may take ``ACTOR_START_S`` to start. A rank actor that dies is noticed at rank 0's next collective
 (its sockets close; a hung one after ``learner.timeout_s``) and named by its rank and node.
 """
 
@@ -148,6 +149,12 @@ def rank_actors(cfg: Config, group: Any, bundle: dict[str, float]) -> list:
         for r in range(1, cfg.learner.world_size)]
 
 
+ACTOR_START_S = 600.0
+"""How long a placed rank actor may take to start: a Python that imports torch takes minutes
+on a busy node (over 120 s seen at load 5 on two cores). Only a slow start waits this long:
+Ray raises at once for an actor that cannot start (its runtime env, its process died)."""
+
+
 def started_places(ranks: list, wait_s: float) -> list[str]:
     """``10.0.0.2, pid 7`` for each rank actor once it runs; one line if one never does
     within ``wait_s``."""
@@ -200,9 +207,7 @@ def ray_ranks(cfg: Config) -> Iterator[Started]:
         check_room(cfg, bundle)
         group = rank_group(cfg, bundle)
         actors = rank_actors(cfg, group, bundle)
-        # A rank actor starts a Python that imports torch: on a busy node that can take
-        # minutes, as long as a rank may take to join (learner.timeout_s).
-        places = started_places(actors[1:], max(PLACE_WAIT_S, cfg.learner.timeout_s))
+        places = started_places(actors[1:], max(ACTOR_START_S, cfg.learner.timeout_s))
         print(f"learner ranks 1..{len(places)} as Ray actors: {'; '.join(places)}", flush=True)
         address = ray.util.get_node_ip_address()
         store = rendezvous_store(cfg.learner.world_size, cfg.learner.timeout_s, address,

@@ -233,14 +233,3 @@ def _with_tied_names(model: nn.Module, weights: dict) -> dict:
             if present and name not in weights:
                 weights[name] = weights[present[0]]
     return weights
-
-
-def adapter_names(model: nn.Module) -> dict[str, str]:
-    """PEFT's saved name of each adapter tensor (``adapter_model.safetensors``'s keys) ->
-    its parameter name in ``model``."""
-    from peft import get_peft_model_state_dict
-
-    markers = {name: torch.zeros(1) for name in model.state_dict()}
-    by_id = {id(marker): name for name, marker in markers.items()}
-    return {saved: by_id[id(marker)] for saved, marker in
-            get_peft_model_state_dict(model, state_dict=markers).items()}
