@@ -6,10 +6,10 @@ the rollout source, as with child processes (trainer/ranks.py). Each rank reserv
 of a placement group (``learner.placement``: pack, spread, strict_*): ``ray.learner_cpus``
 (at least 1) and ``ray.learner_gpus`` (-1: one GPU on CUDA, none on the CPU), the seat that
 ``LearnerSeat`` holds for a one-process learner. Bundle 0 is pinned to this process's node by
-its node-id label and held by a placeholder actor; bundles 1..N-1 carry the ``LearnerRank``
-actors. The rendezvous is the store rank 0 binds on its node address
-(``ray.util.get_node_ip_address``) before the ranks join (``learner.port``, or a port the OS
-picks); the backend is chosen as for local ranks (gloo on the CPU, NCCL on CUDA).
+its node-id label and holds no process; bundles 1..N-1 carry the ``LearnerRank`` actors. The
+rendezvous is the store rank 0 binds on its node address (``ray.util.get_node_ip_address``)
+before the ranks join (``learner.port``, or a port the OS picks); the backend is chosen as
+for local ranks (gloo on the CPU, NCCL on CUDA).
 
 A cluster that cannot hold the bundles is refused in one line before any actor starts
 (``missing_room``, from the nodes' totals), and again when the group is not placed within
@@ -123,16 +123,10 @@ class LearnerRank:
         serve_rank(LearnerConfig(**learner), rank, size, address, port, threads, 0)
 
 
-class _Seat:
-    """Holds rank 0's bundle in Ray's books (rank 0 is the driver, which Ray does not count)."""
-
-    def ready(self) -> bool:
-        return True
-
-
 def rank_actors(cfg: Config, group: Any, bundle: dict[str, float]) -> list:
-    """The seat in bundle 0 and the ``LearnerRank`` actors 1..N-1, named
-    ``turnrl-<pid>-learner-rank-<r>`` in namespace ``turnrl``, each in its own bundle."""
+    """The ``LearnerRank`` actors 1..N-1, named ``turnrl-<pid>-learner-rank-<r>`` in
+    namespace ``turnrl``, each in bundle r. Bundle 0 is rank 0's (the driver, which Ray does
+    not count): placed, it holds the CPUs and GPU in Ray's books with no process in it."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -142,7 +136,7 @@ def rank_actors(cfg: Config, group: Any, bundle: dict[str, float]) -> list:
                 PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
 
     runtime_env = cfg.ray.runtime_env or None
-    return [ray.remote(_Seat).options(**options(0)).remote()] + [
+    return [
         ray.remote(LearnerRank).options(**options(
             r, name=f"turnrl-{os.getpid()}-learner-rank-{r}", namespace="turnrl",
             runtime_env=runtime_env)).remote()
@@ -207,7 +201,7 @@ def ray_ranks(cfg: Config) -> Iterator[Started]:
         check_room(cfg, bundle)
         group = rank_group(cfg, bundle)
         actors = rank_actors(cfg, group, bundle)
-        places = started_places(actors[1:], max(ACTOR_START_S, cfg.learner.timeout_s))
+        places = started_places(actors, max(ACTOR_START_S, cfg.learner.timeout_s))
         print(f"learner ranks 1..{len(places)} as Ray actors: {'; '.join(places)}", flush=True)
         address = ray.util.get_node_ip_address()
         store = rendezvous_store(cfg.learner.world_size, cfg.learner.timeout_s, address,
@@ -216,7 +210,7 @@ def ray_ranks(cfg: Config) -> Iterator[Started]:
         learner = {**asdict(cfg.learner), "backend": backend}
         size = cfg.learner.world_size
         runs = [actor.run.remote(learner, r, size, address, store.port, threads)
-                for r, actor in enumerate(actors[1:], start=1)]
+                for r, actor in enumerate(actors, start=1)]
 
         yield Started(address, store.port, threads,
                       lambda wait: dead_actors(runs, places, wait), lambda: stop(actors), store)
@@ -235,7 +229,7 @@ def ray_ranks(cfg: Config) -> Iterator[Started]:
 
 
 def stop(actors: list) -> None:
-    """Kill the rank actors and the seat (safe when they are gone)."""
+    """Kill the rank actors (safe when they are gone)."""
     import ray
 
     for actor in actors:
