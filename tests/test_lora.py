@@ -62,6 +62,22 @@ def base_tensors(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
 
 
+@pytest.mark.parametrize("extra", [[], ["--model.lora.target_modules", "q_proj,v_proj"]])
+def test_the_adapter_state_is_peft_s_own_without_peft_touching_the_weights(extra):
+    """TurnRL picks the adapter's tensors by PEFT's names (markers, so PEFT never gathers FSDP
+    shards, which peft 0.22 does as a collective): the same keys and the very tensors PEFT's
+    ``get_peft_model_state_dict`` gives for a whole model."""
+    from peft import get_peft_model_state_dict
+
+    _, policy = lora_policy(*extra)
+    ours, theirs = adapter_state(policy.model), get_peft_model_state_dict(policy.model)
+    assert ours and ours.keys() == theirs.keys()
+    assert all("lora_" in key and ".default" not in key for key in ours)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    named = dict(policy.model.named_parameters())
+    assert all(any(v.data_ptr() == p.data_ptr() for p in named.values()) for v in ours.values())
+
+
 def test_a_step_changes_the_adapter_alone_and_the_optimiser_holds_only_it():
     cfg, policy = lora_policy()
     learner = build_learner(cfg, policy)

@@ -11,6 +11,7 @@ table shows what training bought and what an imprecise user costs.
     python benchmarks/learning/simulated_user.py                     # SmolLM2, CPU
     python benchmarks/learning/simulated_user.py --model tiny --steps 2 --episodes 8  # smoke
     python benchmarks/learning/simulated_user.py --warmup-steps 8 --warmup-demos 42
+    python benchmarks/learning/simulated_user.py --warmup-steps 16 --guidance
 
 Measured so far (2026-12-06, a 2-core machine at load ~24): the base SmolLM2-135M-Instruct
 solves 0 of 14 held-out patients against the scripted user (0.0% [0.0, 21.5], temperature
@@ -46,6 +47,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=0, help="SFT steps before RL")
     parser.add_argument("--warmup-demos", type=int, default=42,
                         help="reference-player episodes the warm-up trains on")
+    parser.add_argument("--guidance", action="store_true",
+                        help="guided RL: the reference player's episode joins each all-failed "
+                             "group (--explore.guidance demo)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     common = ["--env.name", "simulated-user", "--env.options.max_turns", "5",
@@ -57,6 +61,8 @@ def main() -> None:
     started = time.perf_counter()
     warmup = (["--sft.steps", str(args.warmup_steps), "--sft.env_demos", str(args.warmup_demos)]
               if args.warmup_steps else [])
+    if args.guidance:
+        warmup += ["--explore.guidance", "demo"]
     cfg = load_config(None, ["--model.name", args.model, *common, *warmup, "--run.steps",
                              str(args.steps), "--run.checkpoint_every", str(args.steps),
                              "--run.out_dir", args.out])
