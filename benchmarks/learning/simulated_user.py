@@ -24,14 +24,17 @@ turns) is the route; that run is not measured yet.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
+from pathlib import Path
 
 from turnrl.checkpoint import latest_checkpoint
 from turnrl.config import load_config
 from turnrl.launch import train
 from turnrl.metrics import print_table
 from turnrl.policy import load_policy
+from turnrl.stats import sign_flip_test, t_interval
 from turnrl.trainer.evaluation import held_out_eval
 
 HEADERS = ["policy", "user", "success [95% CI]", "mean reward", "mean turns", "episodes"]
@@ -50,6 +53,7 @@ def main() -> None:
     parser.add_argument("--guidance", action="store_true",
                         help="guided RL: the reference player's episode joins each all-failed "
                              "group (--explore.guidance demo)")
+    parser.add_argument("--seed", type=int, default=0, help="run.seed (episodes, sampling)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     common = ["--env.name", "simulated-user", "--env.options.max_turns", "5",
@@ -57,7 +61,7 @@ def main() -> None:
               "--rollout.group_size", "6", "--rollout.groups_per_step", "2",
               "--eval.episodes", str(args.episodes), "--eval.temperature", "1.0",
               "--run.progress", "false", "--run.tensorboard", "false",
-              "--optim.lr", "2e-5"]
+              "--optim.lr", "2e-5", "--run.seed", str(args.seed)]
     started = time.perf_counter()
     warmup = (["--sft.steps", str(args.warmup_steps), "--sft.env_demos", str(args.warmup_demos)]
               if args.warmup_steps else [])
@@ -78,8 +82,31 @@ def main() -> None:
         rows.append([label, f"model ({args.model})", *measured.row("")[1:]])
     print_table(f"simulated-user, held-out patients, {args.steps} RL steps against the "
                 "scripted user", HEADERS, rows)
+    before, after = (by_patient(Path(result.run_dir) / f"eval_{w}.jsonl") for w in ("before", "after"))
+    print(f"by patient (scripted user; the {len(after)} held-out patients are the units, each "
+          f"played {args.episodes // max(1, len(after))}+ times): {start} {patient_line(before)}; "
+          f"after RL {patient_line(after)}; paired sign-flip p = "
+          f"{sign_flip_test([after[k] - before[k] for k in after]):.3f}")
     print(f"wall time {time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores; run dir {result.run_dir}")
+
+
+def by_patient(episodes: Path) -> dict[str, float]:
+    """Each held-out patient's (its right answer's) success rate in an ``eval_*.jsonl``."""
+    wins: dict[str, list[bool]] = {}
+    for line in episodes.read_text().splitlines():
+        row = json.loads(line)
+        patient = row["info"]["judge_reference"].rsplit("The right answer: ", 1)[-1]
+        wins.setdefault(patient.rstrip("."), []).append(bool(row["success"]))
+    return {patient: sum(w) / len(w) for patient, w in sorted(wins.items())}
+
+
+def patient_line(rates: dict[str, float]) -> str:
+    """``53.6% [18.9, 88.2] (t over 7 patients)``: episodes of one patient are not
+    independent, so the interval is over patients, not episodes."""
+    mean, lo, hi = t_interval(list(rates.values()))
+    lo, hi = max(0.0, lo), min(1.0, hi)  # a rate: the t interval clipped to [0, 1]
+    return f"{100 * mean:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] (t over {len(rates)} patients)"
 
 
 if __name__ == "__main__":
