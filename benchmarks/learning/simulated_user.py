@@ -15,8 +15,8 @@ table shows what training bought and what an imprecise user costs.
 
 Measured (docs/simulated_users.md#measured): the base SmolLM2-135M-Instruct solves 0 of the
 held-out patients (GRPO alone has no signal); ``--warmup-steps 16 --warmup-demos 64
---guidance`` solved 9 and 5 of 28 after the warm-up and 15 and 7 after 12 RL steps (seeds 0
-and 1), against a model user (SmolLM2 playing the patient) 0-1 of 28. Seven held-out patients:
+--guidance`` solved 9, 5 and 5 of 28 after the warm-up and 15, 7 and 10 after 12 RL steps
+(seeds 0-2), against a model user (SmolLM2 playing the patient) 0-1 of 28. Seven held-out patients:
 the by-patient line, not the per-episode interval, says how sure that is.
 """
 
