@@ -146,9 +146,12 @@ def test_eval_work_grows_linearly_with_the_episodes(runs, capsys):
     """Issue 58: ``--eval.episodes 1024`` ran 44 min where 512 took 3.7. Counted, not timed:
     the lines that 2n tasks add over n, then 4n over 2n. Fixed costs (the model load) cancel;
     a linear cost doubles the increment (measured 1.98-2.04), a quadratic one heads for 4x
-    (one comparison per pair of episodes, a rescan at each new one: 2.58 at these sizes)."""
+    (one comparison per pair of episodes, a rescan at each new one: 2.58 at these sizes).
+    The fewer of two counts per size: waiting on env threads runs more lines when they are
+    slow (2.33 seen on a busy machine), never fewer than the work itself."""
     _eval_lines(runs[0], 4)  # imports and first-call costs
-    lines = {n: _eval_lines(runs[0], n) for n in (64, 128, 256)}  # 2, 4, 8 chunks of 32
+    lines = {n: min(_eval_lines(runs[0], n) for _ in range(2))  # 2, 4, 8 chunks of 32
+             for n in (64, 128, 256)}
     capsys.readouterr()
     first, second = lines[128] - lines[64], lines[256] - lines[128]
     assert first > 0 and second / first < 2.3, lines
