@@ -127,16 +127,16 @@ def get_peft_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     FSDP shards stay shards. PEFT 0.22+ gathers shards itself, a collective every rank must
     enter, and here rank 0 alone asks (``turnrl.learner.weights`` gathers in step)."""
     state = model.state_dict()
-    return {saved: state[name] for saved, name in adapter_names(model).items()}
+    return {saved: state[name] for saved, name in adapter_names(model, state).items()}
 
 
-def adapter_names(model: nn.Module) -> dict[str, str]:
+def adapter_names(model: nn.Module, state: dict | None = None) -> dict[str, str]:
     """PEFT's saved name of each adapter tensor (``adapter_model.safetensors``'s keys) ->
-    its parameter name in ``model``. PEFT is shown one-element markers, never the weights:
-    it neither copies nor gathers them."""
+    its parameter name in ``model`` (``state``: its state dict, if already taken). PEFT is
+    shown one-element markers, never the weights: it neither copies nor gathers them."""
     from peft import get_peft_model_state_dict
 
-    markers = {name: torch.zeros(1) for name in model.state_dict()}
+    markers = {name: torch.zeros(1) for name in (state or model.state_dict())}
     by_id = {id(marker): name for name, marker in markers.items()}
     return {saved: by_id[id(marker)] for saved, marker in
             get_peft_model_state_dict(model, state_dict=markers).items()}

@@ -13,8 +13,9 @@ for local ranks (gloo on the CPU, NCCL on CUDA).
 
 A cluster that cannot hold the bundles is refused in one line before any actor starts
 (``missing_room``, from the nodes' totals), and again when the group is not placed within
-``PLACE_WAIT_S`` (busy nodes); a placed actor may take ``ACTOR_START_S`` to start. A rank actor that dies is noticed at rank 0's next collective
-(its sockets close; a hung one after ``learner.timeout_s``) and named by its rank and node.
+``PLACE_WAIT_S`` (busy nodes); a placed actor may take ``ACTOR_START_S`` to start. A rank
+actor that dies is noticed at rank 0's next collective (its sockets close; a hung one after
+``learner.timeout_s``) and named by its rank and node.
 """
 
 from __future__ import annotations
