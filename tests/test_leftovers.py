@@ -32,12 +32,13 @@ BOUND_S = 150
 hangs never ends."""
 
 
-def _turnrl(command: str, env: str, out_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
+def _turnrl(command: str, env: str, out_dir: Path,
+            *more: str) -> tuple[subprocess.CompletedProcess, float]:
     extra = ["--run.steps", "1", "--run.out_dir", str(out_dir)] if command == "train" else []
     started = time.monotonic()
     try:
         done = subprocess.run([sys.executable, "-c", PROGRAM.format(tests=str(TESTS / "helpers")), command,
-                               "--env.name", env, *TINY, *extra],
+                               "--env.name", env, *TINY, *extra, *more],
                               capture_output=True, text=True, timeout=BOUND_S,
                               env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
     except subprocess.TimeoutExpired:
@@ -134,6 +135,52 @@ def test_a_script_exits_with_its_code_and_names_what_its_env_left_behind(tmp_pat
     assert pids and not any(map(_alive, pids)), f"the env's child {pids} still runs"
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
     assert time.monotonic() - started < BOUND_S
+
+
+@pytest.mark.slow
+def test_a_command_whose_env_call_still_runs_in_torch_exits_with_its_code(tmp_path):
+    """An env step that overran its timeout still runs torch products when ``turnrl`` exits:
+    before ``leftovers.busy``, Python stopped that daemon thread inside torch's C++ frames and
+    the process aborted (exit 134, "terminate called without an active exception") after a
+    run that went well. Now the exit waits ``EXIT_GRACE_S``, names the call and ends with the
+    command's code."""
+    done, _ = _turnrl("train", "busy-torch", tmp_path, "--rollout.env_timeout_s", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "env 'busy-torch' step still runs on a daemon thread" in done.stderr, done.stderr
+    assert "env 'busy-torch' step still runs after 3 s; ending the process with exit code 0" \
+        in done.stderr, done.stderr[-2000:]
+    assert "held-out" in done.stdout and "terminate called" not in done.stderr
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+BUSY_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import leaky_envs
+from turnrl.config import load_config
+from turnrl.trainer import train
+train(load_config(None, {args!r}))
+print("run returned", flush=True)
+sys.exit(7)
+"""
+
+
+@pytest.mark.slow
+def test_a_script_s_exit_waits_for_an_env_call_still_running_in_torch(tmp_path):
+    """As above from a script (``train(cfg)``), with a call that ends 2 s into the exit: the
+    exit waits for it, and the script's own exit code stands."""
+    args = ["--env.name", "busy-torch-past-exit", *TINY, "--rollout.env_timeout_s", "1",
+            "--run.steps", "1", "--run.out_dir", str(tmp_path)]
+    try:
+        done = subprocess.run([sys.executable, "-c", BUSY_SCRIPT.format(
+            tests=str(TESTS / "helpers"), args=args)], capture_output=True, text=True,
+            timeout=BOUND_S, env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the script did not exit within {BOUND_S} s")
+    assert done.returncode == 7, done.stderr[-2000:]
+    assert "run returned" in done.stdout
+    assert "env 'busy-torch-past-exit' step still runs on a daemon thread" in done.stderr
+    assert "still runs after" not in done.stderr, done.stderr[-2000:]
 
 
 RUN_ONLY = """

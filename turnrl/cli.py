@@ -283,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if argv is None and sys.argv[1:2] and sys.argv[1] in LEFTOVERS_WATCHED:
         before, leftovers.WATCHING = leftovers.snapshot(), True
+        leftovers.end_busy_work_at_exit()
         code = _main_reporting_crashes(sys.argv[1:])
         leftovers.settle(before, code)
         return code

@@ -15,6 +15,15 @@ child too, since it holds the pipe), or open files and never close them. At the 
   that end by themselves, and the framework's idle worker threads, exit in time and are
   not reported.
 
+Work still running on a daemon thread when Python exits (an env call that overran its
+timeout and was abandoned: a model user still generating) is waited for at the exit, after
+every other exit handler (``end_busy_work_at_exit``): Python 3.11-3.13 end a daemon thread
+that wakes during finalization with ``pthread_exit``, which inside torch's C++ frames aborts
+the process (SIGABRT, exit 134, "terminate called without an active exception") after a run
+that went well. Still running ``EXIT_GRACE_S`` later (a script's: ``BUSY_GRACE_S``, since
+Python does not tell exit handlers a script's exit code, and ending it then exits with 1), it
+is named and the process ends with the command's exit code.
+
 A script's run (``turnrl.launch.train(cfg)``, ``turnrl.cli.main(["train" | "eval", ...])``:
 ``watched_run``) gets the same at the end of each run: child processes started during it are
 stopped and named, files it opened and left open named; and the non-daemon threads it
@@ -31,6 +40,9 @@ open files are found through ``/proc`` (Linux); elsewhere only the threads are w
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import itertools
 import os
 import signal
 import stat
@@ -44,6 +56,9 @@ from pathlib import Path
 
 EXIT_GRACE_S = 3.0
 """How long Python's own exit may wait on non-daemon threads before ``os._exit``."""
+BUSY_GRACE_S = 30.0
+"""How long a script's exit waits for ``busy`` work on daemon threads before ``os._exit(1)``
+(a command's waits ``EXIT_GRACE_S``, then ends with its own exit code)."""
 CHILD_GRACE_S = 2.0
 """How long a leftover child process gets to end after SIGTERM before SIGKILL."""
 FRAMEWORK_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
@@ -250,6 +265,7 @@ def _exit(code: int) -> None:
 def settle(before: Snapshot, code: int) -> None:
     """At the end of a command: stop and name leftover child processes, name leftover open
     files, and watch the exit (``watch_exit``)."""
+    COMMAND_CODE[:] = [code]
     try:
         stop_and_name(before)
     finally:
@@ -275,6 +291,61 @@ def stop_and_name(before: Snapshot) -> None:
              "(close what an env opens, e.g. with a with-block)")
 
 
+# ---- busy daemon threads ----------------------------------------------------------------
+
+BUSY: dict[int, str] = {}
+"""What runs now on daemon threads and may be in native code (``busy``), by a key each."""
+_busy_keys = itertools.count()
+_busy_lock = threading.Lock()
+_busy_watched = False
+COMMAND_CODE: list[int] = []
+"""The exit code of the command this process runs (``settle``); empty in a script."""
+
+
+@contextlib.contextmanager
+def busy(what: str):
+    """Mark the work inside as running on a daemon thread (``what`` names it, e.g. "env
+    'x' step"): the process's exit waits for it (``end_busy_work_at_exit``)."""
+    key = next(_busy_keys)
+    with _busy_lock:
+        BUSY[key] = what
+    try:
+        yield
+    finally:
+        with _busy_lock:
+            BUSY.pop(key, None)
+
+
+def end_busy_work_at_exit() -> None:
+    """Have the exit wait for ``busy`` work (once a process): call before the run starts, so
+    that this exit handler runs after those the run registers (Ray's, trackers')."""
+    global _busy_watched
+    if not _busy_watched:
+        _busy_watched = True
+        atexit.register(_wait_for_busy_work)
+
+
+def _wait_for_busy_work() -> None:
+    """The exit handler: wait for ``busy`` work, saying so; past the grace, name what still
+    runs and end the process (``os._exit``, output flushed)."""
+    if not BUSY:
+        return
+    grace_s = EXIT_GRACE_S if COMMAND_CODE else BUSY_GRACE_S
+    with _busy_lock:
+        running = ", ".join(sorted(set(BUSY.values())))
+    warn(f"{running} still runs on a daemon thread (an env call past its timeout is left "
+         f"running): the exit waits up to {grace_s:.0f} s for it, since Python would abort the "
+         "process stopping it inside native code")
+    deadline = time.monotonic() + grace_s
+    while BUSY and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if BUSY:
+        code = COMMAND_CODE[0] if COMMAND_CODE else 1
+        warn(f"{running} still runs after {grace_s:.0f} s; ending the process with exit code "
+             f"{code} without waiting for it")
+        _exit(code)
+
+
 # ---- a script's runs --------------------------------------------------------------------------
 
 WATCHING = False
@@ -293,6 +364,7 @@ def watched_run(run: Callable[[], object]) -> object:
     if WATCHING:
         return run()
     WATCHING, before = True, snapshot()
+    end_busy_work_at_exit()
     try:
         return run()
     finally:

@@ -90,3 +90,43 @@ class Tidy(_Leaky):
 
     def leave(self) -> None:
         pass
+
+
+def _spin_torch(past_exit_s: float | None) -> None:
+    """Native work (torch products), forever (``past_exit_s`` None) or until ``past_exit_s``
+    after Python's exit has begun (the main thread has ended): what a model user's overrun
+    generation is doing while the run ends."""
+    import torch
+
+    a, main = torch.randn(256, 256), threading.main_thread()
+    while past_exit_s is None or main.is_alive():
+        a = torch.tanh(a @ a)
+    end = time.monotonic() + past_exit_s
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a)
+
+
+@register_env("busy-torch")
+class BusyTorch(_Leaky):
+    """Its first step runs torch products forever on the env's own (daemon) thread: the call
+    times out and is abandoned, still running when the process exits. Python 3.11-3.13 then
+    end that thread inside torch's C++ frames, which aborts the process (SIGABRT)."""
+
+    spun = False
+    past_exit_s: float | None = None
+
+    async def step(self, action: str) -> StepResult:
+        if not BusyTorch.spun:
+            BusyTorch.spun = True
+            _spin_torch(self.past_exit_s)
+        return await super().step(action)
+
+    def leave(self) -> None:
+        pass
+
+
+@register_env("busy-torch-past-exit")
+class BusyTorchPastExit(BusyTorch):
+    """As ``busy-torch``, until 2 s into Python's exit: an overrun call that then ends."""
+
+    past_exit_s = 2.0

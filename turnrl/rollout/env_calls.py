@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from turnrl import leftovers
 from turnrl.envs.base import StepResult
 from turnrl.envs.contract import is_cooperative, start_state, step_state
 from turnrl.safe_json import USER_ERRORS, json_safe, safe_repr, safe_text
@@ -248,7 +249,8 @@ class EnvRunner:
 
         async def run() -> None:  # on the env's loop
             try:
-                outcome = await _timed(_invoke(getattr(self.env, method), arg), seconds), None
+                with leftovers.busy(f"env {self.name!r} {method}"):  # exit waits for it
+                    outcome = await _timed(_invoke(getattr(self.env, method), arg), seconds), None
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
                     return  # timed out, or the caller went away: nobody waits for an answer

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from turnrl import leftovers
 from turnrl.samplers.ct2 import CT2Engine, converted_temperature
 
 DELAY_ENV = "TURNRL_CT2_CONVERT_DELAY_S"
@@ -146,7 +147,8 @@ class BackgroundRefresh:
                 self._offered = (version, None)  # the payload is not kept past its use
                 self._taken = version
             try:
-                model, weights, wall, cpu = self._convert(payload)
+                with leftovers.busy("the ct2 weight conversion"):  # an exit waits for it
+                    model, weights, wall, cpu = self._convert(payload)
             except Exception as err:  # noqa: BLE001 - reported by swap, in the sampling path
                 with self._changed:
                     self._error = (f"ct2 conversion of weights version {version} failed: "
