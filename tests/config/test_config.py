@@ -376,3 +376,26 @@ def test_pool_options_have_their_own_section():
 def test_cross_section_checks_run_when_the_config_is_built(overrides, message):
     error = _error(overrides)
     assert message in error
+
+
+
+FAST_FAIL = """
+import sys
+from turnrl.cli import main
+codes = [main([command, "--nope", "1"]) for command in ("train", "sft", "rm", "serve")]
+print(codes, sorted(m for m in ("transformers", "turnrl.launch", "turnrl.serve.server",
+                                "turnrl.sft.train", "turnrl.sft.reward_model") if m in sys.modules))
+"""
+
+
+def test_a_mistyped_option_is_answered_before_the_run_s_modules_load():
+    """A fresh process: the error comes from the config alone; transformers and the run's
+    own modules (about 3 s of imports) are never loaded for it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FAST_FAIL], capture_output=True, text=True,
+                          timeout=300)
+    for command in ("train", "sft", "rm", "serve"):
+        assert f"turnrl {command}: error: unknown config key 'nope'" in done.stderr, done.stderr
+    assert done.stdout.split() == ["[2,", "2,", "2,", "2]", "[]"], done.stdout + done.stderr

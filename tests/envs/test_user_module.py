@@ -114,7 +114,8 @@ def test_unknown_names_and_clashes_name_the_fix(tmp_path, forget, monkeypatch):
         load_env_module(str(clash))
     monkeypatch.syspath_prepend(str(LEAKY.parent))
     with pytest.raises(ConfigError, match=r"registers no env 'nope' \(it registers: "
-                       r"leaky-thread, leaky-event, leaky-child, leaky-file, .*tidy\)"):
+                       r"leaky-thread, leaky-event, leaky-child, leaky-file, .*tidy, "
+                       r"busy-torch, busy-torch-past-exit\)"):
         load_env_module("leaky_envs:nope")
 
 
