@@ -27,7 +27,8 @@ tensor gathered from its shards, ``learner/world.py gathered``) beside world siz
 one process copying its whole state dict into a sampler copy (the same bytes, no gather).
 
 Usage: ``python benchmarks/speed/learner_memory.py [--model smollm2-135m-instruct]
-[--steps 2] [--quick]`` (``--quick``: a small Llama built in code, for tests).
+[--steps 2] [--quick] [--sampler-dtype bfloat16]`` (``--quick``: a small Llama built in code, for
+tests; ``--sampler-dtype bfloat16``: every run samples from a bf16 copy of the weights).
 """
 
 from __future__ import annotations
@@ -166,15 +167,18 @@ def shard_rows(rows: int, size: int, rank: int) -> int:
     return max(0, min(chunk, rows - rank * chunk))
 
 
-def held_bytes(shapes: list[tuple[int, ...]], element: int, size: int) -> list[int]:
+def held_bytes(shapes: list[tuple[int, ...]], element: int, size: int,
+               copy_element: int | None = None) -> list[int]:
     """Per rank, bytes of weights + gradients + AdamW's two moments it holds at world size
-    ``size`` under fsdp, rank 0's whole sampler copy included (at size 1 the sampler samples
-    from the learner's own tensors)."""
+    ``size`` under fsdp, rank 0's whole sampler copy included: at ``copy_element`` bytes an
+    element where given (a copy in another dtype, held at every size), else in the weights'
+    own dtype at size > 1 (at size 1 the sampler samples from the learner's own tensors)."""
     def share(rank: int) -> int:
         return sum(shard_rows(s[0], size, rank) * math.prod(s[1:]) for s in shapes) * element * 4
 
-    whole = sum(math.prod(s) for s in shapes) * element
-    return [share(r) + (whole if size > 1 and r == 0 else 0) for r in range(size)]
+    elements = sum(math.prod(s) for s in shapes)
+    copy = elements * copy_element if copy_element else elements * element if size > 1 else 0
+    return [share(r) + (copy if r == 0 else 0) for r in range(size)]
 
 
 def model_shapes(model: str) -> tuple[list[tuple[int, ...]], int]:
@@ -245,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a ~75M-weight Llama built in code instead of --model")
     parser.add_argument("--no-publish", action="store_true",
                         help="skip timing one process's state-dict copy")
+    parser.add_argument("--sampler-dtype", choices=["auto", "bfloat16"], default="auto",
+                        help="bfloat16: every run samples from a bf16 copy of the weights "
+                             "(--rollout.sampler hf --rollout.sampler_dtype bfloat16)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="learner-memory-"))
     try:
@@ -258,10 +265,13 @@ def measure(args: argparse.Namespace, work: Path) -> int:
     load = harness.load_average()
     model = quick_model(work / "model") if args.quick else args.model
     shapes, element = model_shapes(model)
-    held = {n: held_bytes(shapes, element, n) for n in (1, 2)}
-    print("per rank: VmPeak / VmHWM / weights+grads+AdamW held (rank 0 at size 2: + its "
-          "sampler copy), MB")
+    bf16 = args.sampler_dtype == "bfloat16"
+    held = {n: held_bytes(shapes, element, n, 2 if bf16 else None) for n in (1, 2)}
+    print("per rank: VmPeak / VmHWM / weights+grads+AdamW held (rank 0: + its sampler copy "
+          f"{'in bf16, at both sizes' if bf16 else 'at size 2'}), MB")
     extra = tuple(QUICK if args.quick else ())
+    if bf16:
+        extra += ("--rollout.sampler", "hf", "--rollout.sampler_dtype", "bfloat16")
     measured = {n: train(model, n, work / f"measure{n}", args.steps, extra=extra)
                 for n in (1, 2)}
     for n, run in measured.items():

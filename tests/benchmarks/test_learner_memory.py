@@ -31,6 +31,9 @@ def test_shards_are_torch_chunks_and_rank_0_adds_its_sampler_copy():
     assert learner_memory.held_bytes(shapes, 4, 1) == [26 * 4 * 4]
     # rank 0: rows 4 + 3 (12 + 3 elements) x 4 copies, plus the whole sampler copy
     assert learner_memory.held_bytes(shapes, 4, 2) == [15 * 16 + 26 * 4, 11 * 16]
+    # a bf16 sampler copy: 2 bytes an element, on rank 0 at every size
+    assert learner_memory.held_bytes(shapes, 4, 1, 2) == [26 * 16 + 26 * 2]
+    assert learner_memory.held_bytes(shapes, 4, 2, 2) == [15 * 16 + 26 * 2, 11 * 16]
 
 
 def test_one_process_fails_under_the_derived_limit_and_two_fsdp_ranks_train():
