@@ -17,7 +17,7 @@ child too, since it holds the pipe), or open files and never close them. At the 
 
 Work still running on a daemon thread when Python exits (an env call that overran its
 timeout and was abandoned: a model user still generating) is waited for at the exit, after
-every other exit handler (``end_busy_work_at_exit``): Python 3.11-3.13 end a daemon thread
+the exit handlers the run registers (``end_busy_work_at_exit``): Python 3.11-3.13 end a daemon thread
 that wakes during finalization with ``pthread_exit``, which inside torch's C++ frames aborts
 the process (SIGABRT, exit 134, "terminate called without an active exception") after a run
 that went well. Still running ``EXIT_GRACE_S`` later (a script's: ``BUSY_GRACE_S``, since
@@ -334,8 +334,8 @@ def _wait_for_busy_work() -> None:
     with _busy_lock:
         running = ", ".join(sorted(set(BUSY.values())))
     warn(f"{running} still runs on a daemon thread (an env call past its timeout is left "
-         f"running): the exit waits up to {grace_s:.0f} s for it, since Python would abort the "
-         "process stopping it inside native code")
+         f"running; so is a conversion under way): the exit waits up to {grace_s:.0f} s for "
+         "it, since Python would abort the process stopping it inside native code")
     deadline = time.monotonic() + grace_s
     while BUSY and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -136,7 +136,7 @@ def adapter_names(model: nn.Module, state: dict | None = None) -> dict[str, str]
     shown one-element markers, never the weights: it neither copies nor gathers them."""
     from peft import get_peft_model_state_dict
 
-    markers = {name: torch.zeros(1) for name in (state or model.state_dict())}
+    markers = {name: torch.zeros(1) for name in (model.state_dict() if state is None else state)}
     by_id = {id(marker): name for name, marker in markers.items()}
     return {saved: by_id[id(marker)] for saved, marker in
             get_peft_model_state_dict(model, state_dict=markers).items()}

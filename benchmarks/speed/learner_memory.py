@@ -177,7 +177,9 @@ def held_bytes(shapes: list[tuple[int, ...]], element: int, size: int,
         return sum(shard_rows(s[0], size, rank) * math.prod(s[1:]) for s in shapes) * element * 4
 
     elements = sum(math.prod(s) for s in shapes)
-    copy = elements * copy_element if copy_element else elements * element if size > 1 else 0
+    if copy_element is None:  # a copy in the weights' dtype, only where they are sharded
+        copy_element = element if size > 1 else 0
+    copy = elements * copy_element
     return [share(r) + (copy if r == 0 else 0) for r in range(size)]
 
 
