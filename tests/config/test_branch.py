@@ -37,8 +37,12 @@ def test_nonsense_is_refused_in_one_line(args, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--algo.advantage", "grpo"], "needs --algo.advantage tree_grpo"),
-    ([*TREE, "--run.mode", "async"], "use --run.mode sync"),
 ])
 def test_what_tree_rollouts_cannot_run_with_is_refused(args, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["--rollout.branch.turns", "1", *args])
+
+
+def test_async_runs_fork_too():
+    cfg = load_config(None, ["--rollout.branch.turns", "1", *TREE, "--run.mode", "async"])
+    assert cfg.rollout.branch_plan().turns == (1,)

@@ -652,6 +652,39 @@ def test_async_training_on_a_local_ray_cluster(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_tree_rollouts_fork_in_the_workers_loop(ray_cluster, tmp_path):
+    """``rollout.branch`` in async mode: the worker's turn loop forks each episode after turn 1
+    into 2 continuations (a root that ended at turn 1 does not fork), the copies hold the
+    trunk's tokens with a zero loss mask, and the learner credits the leaves over their tree."""
+    from turnrl.launch import train_async
+    from turnrl.metrics import read_metrics
+    from turnrl.types import read_episodes
+
+    cfg = load_config(None, TINY[:4] + TINY[6:] + [
+        "--env.name", "guess-number", "--rollout.max_turns", "3", "--rollout.group_size", "2",
+        "--rollout.branch.turns", "1", "--rollout.branch.k", "2",
+        "--algo.advantage", "tree_grpo", "--run.steps", "2", "--eval.episodes", "0",
+        "--run.checkpoint_every", "0", "--run.out_dir", str(tmp_path)])
+    result = train_async(cfg)
+    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("step", 0) > 0]
+    assert len(steps) == 2 and all(1 < r["tree/leaves_per_root"] <= 2 for r in steps)
+    trees: dict[str, list] = {}
+    for path in sorted((tmp_path / "episodes").glob("step-*.jsonl")):
+        for episode in read_episodes(path):
+            if "branch" in episode.info:
+                trees.setdefault(episode.info["branch"]["tree"], []).append(episode)
+    assert trees and all(len(leaves) == 2 for leaves in trees.values())
+    for leaves in trees.values():
+        first, second = sorted(leaves, key=lambda e: e.info["branch"]["path"])
+        assert [first.info["branch"]["path"], second.info["branch"]["path"]] == [[[1, 0]],
+                                                                                 [[1, 1]]]
+        shared = second.loss_mask.index(1)  # the copy trains from its own turn 2 on
+        assert second.token_ids[:shared] == first.token_ids[:shared]
+        assert any(first.loss_mask[:shared])  # the trunk's turn 1, trained by child 0 alone
+    _books_balance(result)
+
+
+@pytest.mark.slow
 def test_an_async_run_evaluates_the_base_model_first_then_every_n_versions(ray_cluster,
                                                                            tmp_path):
     """With ``eval.every 2`` over 5 steps, metrics.jsonl holds version 0's held-out row at

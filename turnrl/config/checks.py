@@ -268,15 +268,11 @@ TREE_ESTIMATOR = "tree_grpo"
 
 
 def check_branch(cfg: Config) -> None:
-    """Tree rollouts fork inside the learner's lock-step turn loop, and their copies train
-    only their own turns, so only the estimator that credits the shared turns once reads
-    them right."""
+    """Tree rollouts' copies train only their own turns, so only the estimator that credits
+    the shared turns once reads them right. Either mode forks: the learner's lock-step loop
+    (sync) and each rollout worker's loop (async) alike."""
     if cfg.rollout.branch_plan() is None:
         return
-    if cfg.run.mode != "sync":
-        raise ConfigError(f"rollout.branch forks episodes in the learner's lock-step turn loop "
-                          f"(run.mode sync); run.mode {cfg.run.mode} plays elsewhere; use "
-                          "--run.mode sync or drop rollout.branch")
     if cfg.algo.advantage != TREE_ESTIMATOR:
         raise ConfigError(f"rollout.branch needs --algo.advantage {TREE_ESTIMATOR} (it credits "
                           f"the shared turns once, over the tree); algo.advantage "

@@ -215,7 +215,7 @@ class RolloutConfig(Section):
     """tree rollouts (Tree-GRPO), off when empty: ``turns`` (an int or a list) forks every
     episode after those turns, once the env has answered, into ``k`` (default 2)
     continuations sharing its tokens so far, e.g. --rollout.branch.turns 1
-    --rollout.branch.k 2; run.mode sync and algo.advantage tree_grpo only; envs must replay
+    --rollout.branch.k 2; algo.advantage tree_grpo only (sync or async); envs must replay
     exactly from seed and actions (docs/tree_rollouts.md)"""
 
     def _check(self) -> None:

@@ -179,7 +179,8 @@ class RolloutWorker:
             env_name=cfg.env.name, max_turns=cfg.rollout.max_turns,
             max_context=policy.max_context, env_timeout_s=cfg.rollout.env_timeout_s,
             before_generate=self._load_newest_weights,
-            partial_rollouts=cfg.staleness.partial_rollouts, worker=index)
+            partial_rollouts=cfg.staleness.partial_rollouts, worker=index,
+            branch=cfg.rollout.branch_plan())  # tree rollouts fork in the worker's loop
         self.planned = planned_env_factories(cfg, self.pool, players)
         """(mix entries' envs, curriculum levels' envs): what an assignment's plan names."""
         self.rollout.seats.record_versions = True  # which weights played each seat of a game
