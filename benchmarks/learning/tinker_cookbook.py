@@ -16,8 +16,15 @@ converted SmolLM2-135M-Instruct directory (the cookbook loads the tokenizer itse
 the renderer is ``qwen3_instruct``, whose ChatML is SmolLM2's chat template token for token
 (minus SmolLM2's default system prompt) with ``<|im_end|>`` as the stop token.
 
-Usage: ``python benchmarks/learning/tinker_cookbook.py [--steps 15] [--lr 1e-3]`` or
-``--analyse LOG_DIR`` for a finished run. Prints the recipe command, its wall time, the
+SmolLM2-135M never adds two 2-digit numbers right (0 of 256 samples at temperature 1), so
+with every answer wrong the recipe can only learn its format term. ``--warm-start N`` first
+runs ``turnrl sft`` for N steps on generated sums (the recipe's own prompt shape, one
+few-shot example; every pair the recipe's first 200 batches draw is left out, so the RL
+problems are unseen) and exports the result (``turnrl export``) as the model the service and
+the recipe load: a cold start from TurnRL, the recipe itself unchanged.
+
+Usage: ``python benchmarks/learning/tinker_cookbook.py [--steps 15] [--lr 1e-3]
+[--warm-start 200]`` or ``--analyse LOG_DIR`` for a finished run. Prints the recipe command, its wall time, the
 per-step mean reward / correct / format, and the mean reward of the first and last ``--k``
 steps with 95% intervals over problem groups (a group's episodes share a problem).
 """
@@ -30,6 +37,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +59,120 @@ def setup_cookbook(target: Path) -> None:
         return
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target",
                     str(target), *COOKBOOK], check=True)
+
+
+def recipe_pairs(batches: int = 200, groups: int = 16) -> set[tuple[int, int]]:
+    """The (x, y) pairs the arithmetic recipe draws in its first ``batches`` batches of up
+    to ``groups`` problems: batch ``i`` seeds ``numpy.random.RandomState(i)`` and draws
+    ``randint(0, 101)`` twice a problem (tinker_cookbook/recipes/math_rl/arithmetic_env.py)."""
+    import numpy as np
+
+    pairs = set()
+    for index in range(batches):
+        rng = np.random.RandomState(index)
+        pairs.update((int(rng.randint(0, 101)), int(rng.randint(0, 101))) for _ in range(groups))
+    return pairs
+
+
+def sum_demos(path: Path, rows: int, seed: int = 0) -> None:
+    """``rows`` chat-format demonstrations "What is X + Y?" -> "X+Y" after the recipe's
+    few-shot example (weight 0: context, not trained on), none of them a recipe pair."""
+    import random
+
+    held, rng = recipe_pairs(), random.Random(seed)
+    with path.open("w") as f:
+        written = 0
+        while written < rows:
+            x, y = rng.randint(0, 100), rng.randint(0, 100)
+            if (x, y) in held:
+                continue
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": "What is 4 + 5?"},
+                {"role": "assistant", "content": "9", "weight": 0},
+                {"role": "user", "content": f"What is {x} + {y}?"},
+                {"role": "assistant", "content": str(x + y)}]}) + "\n")
+            written += 1
+
+
+def warm_start(model_dir: str, steps: int, work: Path) -> str:
+    """``turnrl sft`` on generated sums, exported as a plain model directory."""
+    sum_demos(work / "sums.jsonl", rows=16 * steps + 160)
+    turnrl = [sys.executable, "-m", "turnrl"]
+    began = time.perf_counter()
+    subprocess.run([*turnrl, "sft", "--sft.data", str(work / "sums.jsonl"), "--model.name",
+                    model_dir, "--run.steps", str(steps), "--sft.batch_size", "16",
+                    "--optim.lr", "5e-5", "--sft.eval_fraction", "0.01",
+                    "--run.checkpoint_every", str(steps), "--run.keep_checkpoints", "1",
+                    "--run.progress", "false", "--run.out_dir", str(work / "sft")],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([*turnrl, "export", str(work / "sft"), str(work / "warm")], check=True,
+                   stdout=subprocess.DEVNULL)
+    shutil.rmtree(work / "sft")  # 1.6 GB of checkpoint; the export is what is kept
+    print(f"warm start: turnrl sft {steps} steps of 16 sums, lr 5e-5, "
+          f"{time.perf_counter() - began:.0f} s with its export", flush=True)
+    return str(work / "warm")
+
+
+HELD_OUT_BATCHES = range(150, 182)
+"""Batches whose first two problems are the held-out set: beyond any run's steps (the recipe
+trains on batches 0..steps-1) and left out of the warm start's demonstrations."""
+
+
+def held_out_problems() -> list[tuple[int, int]]:
+    import numpy as np
+
+    problems = []
+    for index in HELD_OUT_BATCHES:
+        rng = np.random.RandomState(index)
+        problems += [(int(rng.randint(0, 101)), int(rng.randint(0, 101))) for _ in range(2)]
+    return problems
+
+
+def held_out_correct(url: str, model_dir: str, target: dict, cookbook: Path, samples: int
+                     ) -> list[float]:
+    """Each held-out problem's share of ``samples`` answers graded correct: the recipe's own
+    env (``ArithmeticEnv`` with its few-shot prefix) builds the prompt and stop condition and
+    grades each answer (its ``step``'s ``correct``); the real tinker client samples through
+    the service at the recipe's temperature 1 and 5 tokens. ``target``:
+    ``{"base_model": ...}`` or ``{"model_path": ...}``."""
+    import asyncio
+
+    sys.path.insert(0, str(cookbook))
+    import tinker
+    from tinker import types
+    from tinker_cookbook import renderers
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticEnv
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    renderer = renderers.get_renderer("qwen3_instruct", get_tokenizer(model_dir))
+    sampler = tinker.ServiceClient(base_url=url, api_key="tml-local").create_sampling_client(
+        **target).result()
+
+    def env(x: int, y: int) -> ArithmeticEnv:
+        return ArithmeticEnv(x, y, renderer, convo_prefix=ArithmeticEnv.standard_fewshot_prefix())
+
+    shares = []
+    for x, y in held_out_problems():
+        prompt, stop = asyncio.run(env(x, y).initial_observation())
+        result = sampler.sample(prompt, samples, types.SamplingParams(
+            max_tokens=5, temperature=1.0, stop=stop)).result()
+        graded = [asyncio.run(env(x, y).step(seq.tokens)).metrics["correct"]
+                  for seq in result.sequences]
+        shares.append(statistics.fmean(float(c) for c in graded))
+    return shares
+
+
+def compare_held_out(before: list[float], after: list[float], samples: int) -> None:
+    from turnrl.stats import sign_flip_test, t_interval
+
+    differences = [b - a for a, b in zip(before, after, strict=True)]
+    for name, shares in (("before RL", before), ("after RL", after)):
+        mean, lo, hi = t_interval(shares)
+        print(f"held-out {name}: {mean:.3f} [{lo:.3f}, {hi:.3f}] correct "
+              f"({len(shares)} problems x {samples} samples)")
+    mean, lo, hi = t_interval(differences)
+    print(f"held-out gain: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] (t interval over problems), "
+          f"paired sign-flip p = {sign_flip_test(differences):.3f}", flush=True)
 
 
 def start_service(model_dir: str, threads: int, out_dir: str) -> tuple[subprocess.Popen, str]:
@@ -116,8 +238,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="the service's torch threads")
     parser.add_argument("--k", type=int, default=3, help="steps averaged at each end")
     parser.add_argument("--target", default="/tmp/cb", help="where the cookbook is installed")
+    parser.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
+                        help="turnrl sft on generated sums first (0 = the base model)")
+    parser.add_argument("--samples", type=int, default=4,
+                        help="answers per held-out problem, before and after RL")
     parser.add_argument("--analyse", help="only summarise this finished run's log dir")
     args = parser.parse_args()
+    if args.steps > HELD_OUT_BATCHES.start:
+        parser.error(f"--steps at most {HELD_OUT_BATCHES.start}: later batches are held out")
     if args.analyse:
         report(Path(args.analyse), args.k)
         return
@@ -130,6 +258,8 @@ def main() -> None:
     print(f"machine: {platform.node()} {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
           f"torch {torch.__version__}, model {model_dir}")
     work = Path(tempfile.mkdtemp(prefix="tinker-cookbook-"))
+    if args.warm_start:
+        model_dir = warm_start(model_dir, args.warm_start, work)
     proc, url = start_service(model_dir, args.threads, str(work / "service"))
     try:
         command = recipe_command(url, model_dir, str(work / "recipe"), args)
@@ -142,6 +272,13 @@ def main() -> None:
         print(f"recipe wall time {time.perf_counter() - began:.0f} s, load "
               f"{os.getloadavg()[0]:.1f}")
         report(work / "recipe", args.k)
+        final = [json.loads(line) for line in
+                 (work / "recipe" / "checkpoints.jsonl").read_text().splitlines()][-1]
+        before = held_out_correct(url, model_dir, {"base_model": model_dir},
+                                  Path(args.target), args.samples)
+        after = held_out_correct(url, model_dir, {"model_path": final["sampler_path"]},
+                                 Path(args.target), args.samples)
+        compare_held_out(before, after, args.samples)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
