@@ -197,3 +197,40 @@ def test_an_api_key_set_on_the_service_is_required(tmp_path):
     assert refused.status_code == 401 and "TINKER_API_KEY" in refused.json()["error"]
     assert http.post("/api/v1/create_session", json={},
                      headers={"X-API-Key": "tml-secret"}).status_code == 200
+
+
+def test_sample_requests_waiting_together_are_drawn_together(tmp_path):
+    """A recipe asks for each env of a group alone (``num_samples=1``, one prompt): requests
+    that wait together for the same weights, prompt and parameters are drawn in one call,
+    each answer its own rows, each row's log-probs a fresh forward's. A seeded request, and
+    one queued after a request of another kind, are drawn alone."""
+    import threading
+
+    import numpy as np
+
+    from turnrl.tinker.service import Service
+    from turnrl.tinker.wire import pb
+
+    service = Service("tiny", tmp_path)
+    gate = threading.Event()
+    service.submit(gate.wait)  # holds the worker: the requests below queue behind it
+    prompt = service.bases["tiny"].tokenizer.encode(TEXT)[:6]
+    body = {"base_model": "tiny", "prompt": {"chunks": [{"tokens": prompt}]}, "num_samples": 2,
+            "sampling_params": {"max_tokens": 4, "stop": []}}
+    together = [service.submit_sample(dict(body))["request_id"] for _ in range(3)]
+    seeded = service.submit_sample({**body, "sampling_params": {"max_tokens": 4, "seed": 3,
+                                                                "stop": []}})
+    service.submit(lambda: None)  # another kind of request: a new run
+    after = service.submit_sample(dict(body))
+    gate.set()
+    model = service.bases["tiny"].model
+    for request in [*together, seeded["request_id"], after["request_id"]]:
+        answer = pb.SampleResponse.FromString(service.future(request).result(timeout=120))
+        assert len(answer.sequences) == 2
+        for seq in answer.sequences:
+            tokens = np.frombuffer(seq.tokens, dtype=np.int32).tolist()
+            logprobs = torch.from_numpy(np.frombuffer(seq.logprobs, dtype=np.float32).copy())
+            with torch.no_grad():
+                fresh = score(model, [prompt + tokens], service.bases["tiny"].pad_id)[0]
+            assert len(tokens) == 4 and torch.equal(logprobs, fresh[len(prompt) - 1:])
+    assert service.draws == 3  # the three together, the seeded one, the one after the barrier

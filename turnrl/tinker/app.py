@@ -112,7 +112,7 @@ def _add_work_routes(app: FastAPI, service: Service) -> None:
     @app.post("/api/v1/asample")
     async def asample(request: Request):
         body = await request.json()
-        queued = service.submit(service.sample, body)
+        queued = service.submit_sample(body)
         # the client names each sequence it will get back (for provenance spans)
         queued["sample_sequence_ids"] = [f"{queued['request_id']}-{i}"
                                          for i in range(int(body.get("num_samples", 1)))]

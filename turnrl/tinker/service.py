@@ -21,6 +21,7 @@ import torch
 from turnrl.lora import load_adapter_state
 from turnrl.models import SMOLLM2, load_model
 from turnrl.tinker import sampling
+from turnrl.tinker.batching import Pending, SampleRuns, merge_key
 from turnrl.tinker.losses import LOSSES
 from turnrl.tinker.models import TrainingModel
 from turnrl.tinker.wire import FwdBwd, forward_backward_output, sample_response
@@ -68,13 +69,28 @@ class Service:
         self.futures: dict[str, Future] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker")
         self._ids = itertools.count(1)
+        self.runs = SampleRuns()
+        self.draws = 0
+        """Draw calls made (a merged group of sample requests counts once)."""
 
     # --- futures --------------------------------------------------------------------------
-    def submit(self, fn, *args) -> dict:
+    def submit(self, fn, *args, barrier: bool = True) -> dict:
         """Queue ``fn(*args)`` on the worker; the client polls the returned request id."""
+        if barrier:
+            self.runs.barrier()
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         self.futures[request_id] = self.worker.submit(fn, *args)
         return {"request_id": request_id}
+
+    def submit_sample(self, body: dict) -> dict:
+        """Queue a sample request, which may be drawn with others waiting beside it
+        (batching.py)."""
+        try:
+            target = self._target(body)
+        except (RequestError, KeyError):
+            target = None  # drawn alone, where the request answers its own error
+        return self.submit(self._run_sample, self.runs.add(body, merge_key(body, target)),
+                           barrier=False)
 
     def future(self, request_id: str) -> Future:
         if request_id not in self.futures:
@@ -218,7 +234,7 @@ class Service:
         load_adapter_state(model.model, adapter)
         return base, model.model
 
-    def sample(self, body: dict) -> bytes:
+    def _target(self, body: dict) -> str:
         target = (self.sampling_sessions.get(body.get("sampling_session_id") or "")
                   or body.get("model_path") or body.get("base_model"))
         if not target:
@@ -226,10 +242,32 @@ class Service:
         if target.startswith("tinker://") and target not in self.saved:
             raise RequestError(f"no sampler weights at '{target}' (save_weights_for_sampler "
                                "gives such paths)")
-        base, model = self.sampler(target)
+        return target
+
+    def _run_sample(self, pending: Pending) -> bytes:
+        group = self.runs.take(pending)
+        if group:
+            try:
+                for p, answer in zip(group, self.sample_together([p.body for p in group]),
+                                     strict=True):
+                    p.result.set_result(answer)
+            except BaseException as err:  # noqa: BLE001 - each request answers the error
+                for p in group:
+                    p.result.set_exception(err)
+        return pending.result.result()
+
+    def sample_together(self, bodies: list[dict]) -> list[bytes]:
+        """One draw for ``bodies`` (the same target, prompt and parameters when several),
+        split back into each request's ``num_samples``."""
+        body = bodies[0]
+        base, model = self.sampler(self._target(body))
         prompt = [t for chunk in body["prompt"]["chunks"] for t in chunk["tokens"]]
+        counts = [int(b.get("num_samples", 1)) for b in bodies]
+        self.draws += 1
         sequences, prompt_lps = sampling.sample(
-            model, prompt, int(body.get("num_samples", 1)), body.get("sampling_params") or {},
+            model, prompt, sum(counts), body.get("sampling_params") or {},
             base.tokenizer.eos_token_id, base.decode, base.pad_id,
             bool(body.get("prompt_logprobs")))
-        return sample_response(sequences, prompt_lps)
+        starts = list(itertools.accumulate(counts, initial=0))
+        return [sample_response(sequences[a:b], prompt_lps)
+                for a, b in itertools.pairwise(starts)]
