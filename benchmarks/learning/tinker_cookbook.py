@@ -61,17 +61,19 @@ def setup_cookbook(target: Path) -> None:
                     str(target), *COOKBOOK], check=True)
 
 
-def recipe_pairs(batches: int = 200, groups: int = 16) -> set[tuple[int, int]]:
-    """The (x, y) pairs the arithmetic recipe draws in its first ``batches`` batches of up
-    to ``groups`` problems: batch ``i`` seeds ``numpy.random.RandomState(i)`` and draws
+def batch_pairs(index: int, groups: int) -> list[tuple[int, int]]:
+    """The (x, y) pairs of the arithmetic recipe's batch ``index``, its first ``groups``
+    problems: the batch seeds ``numpy.random.RandomState(index)`` and draws
     ``randint(0, 101)`` twice a problem (tinker_cookbook/recipes/math_rl/arithmetic_env.py)."""
     import numpy as np
 
-    pairs = set()
-    for index in range(batches):
-        rng = np.random.RandomState(index)
-        pairs.update((int(rng.randint(0, 101)), int(rng.randint(0, 101))) for _ in range(groups))
-    return pairs
+    rng = np.random.RandomState(index)
+    return [(int(rng.randint(0, 101)), int(rng.randint(0, 101))) for _ in range(groups)]
+
+
+def recipe_pairs(batches: int = 200, groups: int = 16) -> set[tuple[int, int]]:
+    """Every pair of the recipe's first ``batches`` batches of up to ``groups`` problems."""
+    return {pair for index in range(batches) for pair in batch_pairs(index, groups)}
 
 
 def sum_demos(path: Path, rows: int, seed: int = 0) -> None:
@@ -119,13 +121,7 @@ trains on batches 0..steps-1) and left out of the warm start's demonstrations.""
 
 
 def held_out_problems() -> list[tuple[int, int]]:
-    import numpy as np
-
-    problems = []
-    for index in HELD_OUT_BATCHES:
-        rng = np.random.RandomState(index)
-        problems += [(int(rng.randint(0, 101)), int(rng.randint(0, 101))) for _ in range(2)]
-    return problems
+    return [pair for index in HELD_OUT_BATCHES for pair in batch_pairs(index, 2)]
 
 
 def held_out_correct(url: str, model_dir: str, target: dict, cookbook: Path, samples: int
@@ -137,7 +133,8 @@ def held_out_correct(url: str, model_dir: str, target: dict, cookbook: Path, sam
     ``{"base_model": ...}`` or ``{"model_path": ...}``."""
     import asyncio
 
-    sys.path.insert(0, str(cookbook))
+    if str(cookbook) not in sys.path:
+        sys.path.insert(0, str(cookbook))
     import tinker
     from tinker import types
     from tinker_cookbook import renderers

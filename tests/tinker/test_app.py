@@ -217,12 +217,14 @@ def test_sample_requests_waiting_together_are_drawn_together(tmp_path):
     prompt = service.bases["tiny"].tokenizer.encode(TEXT)[:6]
     body = {"base_model": "tiny", "prompt": {"chunks": [{"tokens": prompt}]}, "num_samples": 2,
             "sampling_params": {"max_tokens": 4, "stop": []}}
-    together = [service.submit_sample(dict(body))["request_id"] for _ in range(3)]
-    seeded = service.submit_sample({**body, "sampling_params": {"max_tokens": 4, "seed": 3,
-                                                                "stop": []}})
-    service.submit(lambda: None)  # another kind of request: a new run
-    after = service.submit_sample(dict(body))
-    gate.set()
+    try:
+        together = [service.submit_sample(dict(body))["request_id"] for _ in range(3)]
+        seeded = service.submit_sample({**body, "sampling_params": {"max_tokens": 4, "seed": 3,
+                                                                    "stop": []}})
+        service.submit(lambda: None)  # another kind of request: a new run
+        after = service.submit_sample(dict(body))
+    finally:
+        gate.set()  # never leave the worker held (it would hold the test process at exit)
     model = service.bases["tiny"].model
     for request in [*together, seeded["request_id"], after["request_id"]]:
         answer = pb.SampleResponse.FromString(service.future(request).result(timeout=120))
@@ -234,3 +236,4 @@ def test_sample_requests_waiting_together_are_drawn_together(tmp_path):
                 fresh = score(model, [prompt + tokens], service.bases["tiny"].pad_id)[0]
             assert len(tokens) == 4 and torch.equal(logprobs, fresh[len(prompt) - 1:])
     assert service.draws == 3  # the three together, the seeded one, the one after the barrier
+    assert not service.runs._run  # the drawn requests are not kept

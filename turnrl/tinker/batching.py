@@ -29,10 +29,10 @@ class Pending:
     result: Future = field(default_factory=Future)
 
 
-def merge_key(body: dict, target: str | None) -> tuple | None:
+def merge_key(body: dict, target: str) -> tuple | None:
     """What requests must share to be drawn together; None: drawn alone."""
     params = body.get("sampling_params") or {}
-    if target is None or params.get("seed") is not None or body.get("prompt_logprobs"):
+    if params.get("seed") is not None or body.get("prompt_logprobs"):
         return None
     prompt = tuple(t for chunk in body["prompt"]["chunks"] for t in chunk["tokens"])
     return target, prompt, json.dumps(params, sort_keys=True)
@@ -56,12 +56,14 @@ class SampleRuns:
 
     def take(self, pending: Pending) -> list[Pending]:
         """``pending`` and the waiting requests of its run it can be drawn with, marked
-        taken; [] when an earlier job took ``pending`` already."""
+        taken and dropped from the run (which a client that only samples never ends);
+        [] when an earlier job took ``pending`` already."""
         with self._lock:
             if pending.taken:
                 return []
-            group = [pending] + [p for p in pending.run if p is not pending and not p.taken
+            group = [pending] + [p for p in pending.run if p is not pending
                                  and pending.key is not None and p.key == pending.key]
             for p in group:
                 p.taken = True
+            pending.run[:] = [p for p in pending.run if not p.taken]
             return group

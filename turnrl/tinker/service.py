@@ -86,11 +86,10 @@ class Service:
         """Queue a sample request, which may be drawn with others waiting beside it
         (batching.py)."""
         try:
-            target = self._target(body)
-        except (RequestError, KeyError):
-            target = None  # drawn alone, where the request answers its own error
-        return self.submit(self._run_sample, self.runs.add(body, merge_key(body, target)),
-                           barrier=False)
+            key = merge_key(body, self._target(body))
+        except (RequestError, KeyError, TypeError):
+            key = None  # drawn alone, where the request answers its own error
+        return self.submit(self._run_sample, self.runs.add(body, key), barrier=False)
 
     def future(self, request_id: str) -> Future:
         if request_id not in self.futures:
