@@ -41,3 +41,20 @@ def test_an_unknown_method_is_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         ragen_sokoban.main(["--methods", "rl,ppo"])
     assert "unknown method 'ppo'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_frozenlake_runs_the_same_methods_on_ragens_lake(tmp_path, capsys):
+    """``--env frozenlake``: the warm-up learns from the lake planner's chained replies (its
+    successful episodes only) on ``gymnasium --env.options.protocol ragen``."""
+    assert ragen_sokoban.main(["--quick", "--env", "frozenlake", "--methods", "warmup",
+                               "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    [command] = re.findall(r"^\$ (turnrl train .*)$", out, re.M)
+    assert "--env.name gymnasium --env.options.protocol ragen" in command, command
+    assert "--sft.env_demos 8" in command
+    demos = (tmp_path / "warmup" / "seed-0" / "train.log").read_text()
+    assert "left out: the scripted player did not succeed" in demos  # slippery: not every seed
+    assert re.search(r"^frozenlake +warmup ", out, re.M), out
+    assert re.search(r"^ragen  18-21%  <- RAGEN .*Qwen2\.5-0\.5B-Instruct .*quoted, not run here$",
+                     out, re.M), out

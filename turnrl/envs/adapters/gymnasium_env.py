@@ -128,7 +128,10 @@ class PlannerPlayer:
     """A reference player (envs/reference.py) for the toy-text games: the greedy action of
     value iteration on the env's own transition table (``goal_values``: the shortest path on
     FrozenLake, Taxi and CliffWalking, the likeliest on slippery ice), and for Blackjack
-    hit below 17."""
+    hit below 17. Where a turn may chain moves (FrozenLake's ``actions_per_turn``), it
+    spreads the moves left evenly over the turns left (RAGEN's 10 over 5: two a turn),
+    planning each next move from the best outcome of the one before: on slippery ice that
+    is a guess, and the next turn's observation corrects it."""
 
     def __init__(self, env: GymnasiumText) -> None:
         self.env = env
@@ -140,18 +143,35 @@ class PlannerPlayer:
         env = self.env
         if env.game == "Blackjack-v1":
             return "hit" if env.obs[0] < 17 else "stick"
-        cliff = env.game == "CliffWalking-v1"
+        values, is_goal = self._values()
+        transitions, state, moves = env.env.unwrapped.P, int(env.obs), []
+        for _ in range(self._moves_this_turn()):
+            actions = transitions[state]
+            best = max(actions, key=lambda a: action_value(actions[a], values, is_goal, 0.98))
+            moves.append(env.names[best])
+            _, state, _, done = max(actions[best], key=lambda o: (o[0], values[int(o[1])]))
+            if done:
+                break
+        return " || ".join(moves)
+
+    def _values(self) -> tuple[dict[int, float], Any]:
+        env, cliff = self.env, self.env.game == "CliffWalking-v1"
 
         def is_goal(reward: float, done: bool) -> bool:
             return bool(done) and (cliff or reward > 0)
 
-        transitions = env.env.unwrapped.P
         key = f"{env.game}:{env.make_options}:{env.lake_map}"  # a drawn map: its own table
         if key not in _VALUES:
-            _VALUES[key] = goal_values(transitions, is_goal)
-        actions = transitions[int(env.obs)]
-        best = max(actions, key=lambda a: action_value(actions[a], _VALUES[key], is_goal, 0.98))
-        return env.names[best]
+            _VALUES[key] = goal_values(env.env.unwrapped.P, is_goal)
+        return _VALUES[key], is_goal
+
+    def _moves_this_turn(self) -> int:
+        lake, env = self.env.lake, self.env
+        if lake.actions_per_turn == 1:
+            return 1
+        turns_left = max(env.max_turns - env.turn, 1)
+        moves_left = (lake.max_actions - env.moves) if lake.max_actions else lake.actions_per_turn
+        return max(1, min(lake.actions_per_turn, -(-moves_left // turns_left)))
 
 
 @register_env("gymnasium")
