@@ -652,6 +652,48 @@ def test_async_training_on_a_local_ray_cluster(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_async_training_scores_the_workers_episodes_with_the_reward_model(ray_cluster, tmp_path):
+    """``reward.model`` in async mode: the learner scores the groups the Ray worker sends,
+    and each trained episode's reward is env_weight * its env reward + model_weight *
+    sigmoid(the model's score of its transcript), re-scored here from its saved token ids."""
+    from tests.rewards.test_model import save_rm
+    from turnrl.launch import train_async
+    from turnrl.metrics import read_metrics
+    from turnrl.models import tiny_tokenizer
+    from turnrl.rewards.model import RewardModel
+    from turnrl.types import read_episodes
+
+    model_dir = save_rm(tmp_path / "rm")
+    cfg = load_config(None, TINY + ["--run.steps", "2", "--eval.episodes", "0",
+                                    "--run.checkpoint_every", "0", "--run.sample_episodes", "8",
+                                    "--reward.model", str(model_dir),
+                                    "--reward.normalise", "sigmoid", "--reward.env_weight",
+                                    "0.5", "--reward.model_weight", "2",
+                                    "--run.out_dir", str(tmp_path / "run")])
+    result = train_async(cfg)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 0 < r["reward/model_used_mean"] < 1 and r["reward/model_std"] > 0
+        assert r["reward/mean"] == pytest.approx(
+            0.5 * r["reward/env_mean"] + 2 * r["reward/model_used_mean"], abs=1e-5)
+        assert r["time/reward_model_s"] > 0
+    tokenizer = tiny_tokenizer()
+    rm = RewardModel.load(str(model_dir), policy_tokenizer=tokenizer)
+    episodes = [ep for path in sorted((tmp_path / "run" / "episodes").glob("step-*.jsonl"))
+                for ep in read_episodes(path)]
+    assert len(episodes) == 2 * 8
+    scores = rm.score([tokenizer.decode(ep.token_ids, skip_special_tokens=False)
+                       for ep in episodes]).tolist()
+    for ep, score in zip(episodes, scores, strict=True):
+        assert ep.info["model_score"] == pytest.approx(score, abs=1e-4)
+        assert ep.reward == pytest.approx(
+            0.5 * ep.info["env_reward"] + 2 / (1 + math.exp(-score)), abs=1e-4)
+        assert sum(t.reward for t in ep.turns) == pytest.approx(ep.reward, abs=1e-5)
+    _books_balance(result)
+
+
+@pytest.mark.slow
 def test_tree_rollouts_fork_in_the_workers_loop(ray_cluster, tmp_path):
     """``rollout.branch`` in async mode: the worker's turn loop forks each episode after turn 1
     into 2 continuations (a root that ended at turn 1 does not fork), the copies hold the

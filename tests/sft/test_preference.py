@@ -56,3 +56,44 @@ def test_missing_and_empty_files(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="no preference pairs"):
         read_pairs(tmp_path / "empty.jsonl")
+
+
+# ---- local Hugging Face datasets, read by turnrl sft's reader -------------------------------
+
+def test_pairs_read_the_same_from_jsonl_parquet_arrow_and_a_saved_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")  # an optional dependency
+    turn = [{"role": "user", "content": "Hi"}]
+    rows = [{"prompt": "What is 12 + 30?", "chosen": "42", "rejected": "41"},
+            {"prompt": "Name a colour.", "chosen": "Red.", "rejected": "Seven."}]
+    whole = [{"chosen": [*turn, {"role": "assistant", "content": "Hello."}],
+              "rejected": [*turn, {"role": "assistant", "content": "Go away."}]}]
+    for name, group in (("text", rows), ("whole", whole)):
+        jsonl = tmp_path / f"{name}.jsonl"
+        jsonl.write_text("".join(json.dumps(row) + "\n" for row in group))
+        expected = [(p.chosen, p.rejected) for p in read_pairs(jsonl)]
+        table = datasets.Dataset.from_list(group)
+        table.to_parquet(str(tmp_path / f"{name}.parquet"))
+        table.save_to_disk(str(tmp_path / f"{name}-saved"))
+        arrow = next((tmp_path / f"{name}-saved").glob("*.arrow"))  # the saved table itself
+        datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / f"{name}-splits"))
+        for path in (f"{name}.parquet", arrow, f"{name}-saved", f"{name}-splits"):
+            got = read_pairs(tmp_path / path)
+            assert [(p.chosen, p.rejected) for p in got] == expected, path
+            assert got[-1].where == f"{tmp_path / path}: row {len(group)}"
+
+
+def test_a_bad_row_of_a_dataset_names_its_row(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": "p", "chosen": "a", "rejected": "b"},
+            {"prompt": "q", "chosen": "c", "rejected": None}]  # Arrow's null: the key is gone
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "bad.parquet"))
+    with pytest.raises(DataError) as err:
+        read_pairs(tmp_path / "bad.parquet")
+    assert str(err.value).startswith(f"{tmp_path / 'bad.parquet'}: row 2: rejected: missing; ")
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match="reward.data '.*junk.parquet': cannot be read as a "):
+        read_pairs(tmp_path / "junk.parquet")
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows[:1])}).save_to_disk(
+        str(tmp_path / "test-only"))
+    with pytest.raises(DataError, match="reward.data .*no 'train' split \\(it has test\\)"):
+        read_pairs(tmp_path / "test-only")

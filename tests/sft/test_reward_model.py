@@ -45,6 +45,17 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
 
 
+def test_a_parquet_file_trains_with_the_held_out_loss_every_eval_every_steps(tmp_path):
+    datasets = pytest.importorskip("datasets")  # an optional dependency, as for turnrl sft
+    jsonl = write_pairs(tmp_path / "pairs.jsonl", count=8)
+    datasets.Dataset.from_json(str(jsonl)).to_parquet(str(tmp_path / "pairs.parquet"))
+    result = train_reward_model(rm_config(tmp_path / "pairs.parquet", tmp_path / "rm", 4,
+                                          "--reward.eval_every", "2"))
+    assert (result.train_pairs, result.held_out_pairs) == (6, 2)  # sft's split of 8
+    records = read_metrics(tmp_path / "rm")
+    assert ["eval/loss" in r for r in records] == [False, True, False, True]
+
+
 def test_a_second_run_into_the_same_directory_is_refused(tmp_path):
     data = write_pairs(tmp_path / "pairs.jsonl", count=8)
     train_reward_model(rm_config(data, tmp_path / "rm", 1))

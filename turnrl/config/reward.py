@@ -38,15 +38,20 @@ class RewardConfig(Section):
     data: str = ""
     """turnrl rm: JSONL of preference pairs, one a line: {"prompt": ..., "chosen": ...,
     "rejected": ...} (text or lists of chat messages), or {"chosen": [messages],
-    "rejected": [messages]}"""
+    "rejected": [messages]}; or a local Hugging Face dataset with those columns (.parquet,
+    .arrow, a save_to_disk directory), as sft.data"""
     pair_batch_size: int = 8
     """turnrl rm: pairs per optimisation step"""
     eval_fraction: float = 0.1
     """turnrl rm: share of the pairs held out (seeded by run.seed) for the held-out loss and
-    accuracy"""
+    accuracy; at least one when above 0 and there are two or more (as sft.eval_fraction)"""
+    eval_every: int = 0
+    """turnrl rm: held-out loss and accuracy every N steps (0 = at each checkpoint and the
+    last step), as sft.eval_every"""
 
     def _check(self) -> None:
         for name in ("model_weight", "env_weight"):
             self._require(name, math.isfinite(getattr(self, name)), "a finite number")
         self._at_least(1, "batch_size", "max_tokens", "pair_batch_size")
+        self._at_least(0, "eval_every")
         self._require("eval_fraction", 0 <= self.eval_fraction < 1, "in [0, 1)")

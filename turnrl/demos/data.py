@@ -10,6 +10,10 @@ Two token-level kinds of row are read too, as they were written: an episode reco
 ``reward``) and a turn-loop ``Episode`` (a run's ``episodes/*.jsonl``, ``eval_*.jsonl``:
 ``token_ids``, ``loss_mask``, ``reward``). Their ids are trained as recorded.
 
+A local Hugging Face dataset (``.parquet``, ``.arrow``, a ``save_to_disk`` directory) is read
+row by row as its JSONL would be, ``FILE: row N`` naming a row. ``read_rows`` is that reader,
+shared with ``turnrl rm``'s preference pairs (``turnrl/sft/preference.py``).
+
 The bytes are read by ``turnrl.datafile``: UTF-8, a leading UTF-8 byte-order mark accepted
 and dropped; a byte that is not UTF-8, a UTF-16 file, a line over ``MAX_LINE_BYTES``,
 JSON that is truncated, nested too deeply or holds ``NaN`` are each one ``DataError`` line
@@ -19,12 +23,15 @@ naming ``FILE:LINE`` and the fix. No row is ever dropped: the first bad one stop
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from turnrl.datafile import DataFileError, parse_json, text_lines
 from turnrl.types import Episode, Turn
 
+T = TypeVar("T")
 ROLES = ("system", "user", "assistant", "tool")
 ROW_FORMAT = 'one JSON object a line: {"messages": [{"role": ..., "content": ...}, ...]}'
 
@@ -52,35 +59,58 @@ DATASET_SUFFIXES = (".parquet", ".arrow")
 def read_demonstrations(path: str | Path) -> list[Demonstration]:
     """Every row of ``path``, checked and normalised; raises ``DataError``. A JSONL file, or
     a local Hugging Face dataset (``DATASET_SUFFIXES`` or a ``save_to_disk`` directory)."""
+    return read_rows(path, parse_row, option="sft.data", what="conversations",
+                     row_format=ROW_FORMAT)
+
+
+def read_rows(path: str | Path, parse: Callable[[Any, str], T], *, option: str, what: str,
+              row_format: str) -> list[T]:
+    """Every row of ``path`` through ``parse(row, where)``: a JSONL file's lines as parsed JSON
+    (``where`` is ``FILE:LINE``) or a local Hugging Face dataset's rows (``DATASET_SUFFIXES``
+    or a ``save_to_disk`` directory; ``where`` is ``FILE: row N`` from 1, the nulls Arrow
+    fills in dropped). ``option`` (the setting that named the file), ``what`` (its rows) and
+    ``row_format`` word the errors; ``turnrl sft`` and ``turnrl rm`` both read this way."""
     path = Path(path)
     if path.is_dir() or path.suffix in DATASET_SUFFIXES:
-        return read_dataset(path)
+        rows = [parse(_drop_nulls(row), f"{path}: row {number}")
+                for number, row in enumerate(dataset_rows(path, option), 1)]
+        if not rows:
+            raise DataError(f"{path}: no {what} (the dataset is empty)")
+        return rows
     if not path.is_file():
-        raise DataError(f"sft.data '{path}' is not a file; pass a JSONL file of conversations "
-                        f"({ROW_FORMAT}) or a local Hugging Face dataset")
+        raise DataError(f"{option} '{path}' is not a file; pass a JSONL file of {what} "
+                        f"({row_format}) or a local Hugging Face dataset")
     rows = []
     try:
         for number, line in text_lines(path):
             if line.strip():
-                rows.append(parse_row(line, f"{path}:{number}"))
+                where = f"{path}:{number}"
+                rows.append(parse(_json_row(line, where, row_format), where))
     except DataFileError as err:
         raise DataError(str(err)) from None
     except OSError as err:  # unreadable (permissions, a device error): name the file
-        raise DataError(f"sft.data '{path}': cannot be read ({err.strerror or err})") from None
+        raise DataError(f"{option} '{path}': cannot be read ({err.strerror or err})") from None
     if not rows:
-        raise DataError(f"{path}: no conversations (the file is empty); {ROW_FORMAT}")
+        raise DataError(f"{path}: no {what} (the file is empty); {row_format}")
     return rows
 
 
-def read_dataset(path: Path) -> list[Demonstration]:
-    """The rows of a local Hugging Face dataset (its "train" split when it has several),
-    checked as JSONL rows are; ``FILE: row N`` (from 1) names a row in errors."""
+def _json_row(line: str, where: str, row_format: str):
+    try:
+        return parse_json(line, where)
+    except DataFileError as err:
+        raise DataError(f"{err}; {row_format}") from None
+
+
+def dataset_rows(path: Path, option: str):
+    """The rows of a local Hugging Face dataset (its "train" split when it has several), as
+    dicts; ``DataError`` naming ``option``'s file when it cannot be read."""
     if not path.exists():
-        raise DataError(f"sft.data '{path}' does not exist")
+        raise DataError(f"{option} '{path}' does not exist")
     try:
         import datasets
     except ImportError:
-        raise DataError(f"sft.data '{path}' is a Hugging Face dataset: pip install datasets "
+        raise DataError(f"{option} '{path}' is a Hugging Face dataset: pip install datasets "
                         "(or convert it to JSONL)") from None
     try:
         if path.is_dir():
@@ -88,26 +118,20 @@ def read_dataset(path: Path) -> list[Demonstration]:
         else:
             data = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds; name the file
-        raise DataError(f"sft.data '{path}': cannot be read as a dataset "
+        raise DataError(f"{option} '{path}': cannot be read as a dataset "
                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:
-            raise DataError(f"sft.data '{path}': no 'train' split (it has "
+            raise DataError(f"{option} '{path}': no 'train' split (it has "
                             f"{', '.join(data)}); save the split to train on")
         data = data["train"]
-    rows = [parse_row(row, f"{path}: row {number}") for number, row in enumerate(data, 1)]
-    if not rows:
-        raise DataError(f"{path}: no conversations (the dataset is empty)")
-    return rows
+    return data
 
 
 def parse_row(line: str | dict, where: str) -> Demonstration:
-    """One JSONL line (or a dataset's row) as a ``Demonstration``; ``where`` (FILE:LINE)
+    """One JSONL line (or a parsed row) as a ``Demonstration``; ``where`` (FILE:LINE)
     starts every error."""
-    try:
-        row = parse_json(line, where) if isinstance(line, str) else _drop_nulls(line)
-    except DataFileError as err:
-        raise DataError(f"{err}; {ROW_FORMAT}") from None
+    row = _json_row(line, where, ROW_FORMAT) if isinstance(line, str) else line
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {_kind(row)}; {ROW_FORMAT}")
     if "messages" not in row:

@@ -2,7 +2,9 @@
 
 A row of the JSONL file is ``{"prompt": P, "chosen": C, "rejected": R}``: ``P`` a text (the
 user's message) or a list of chat messages, ``C``/``R`` a text (the assistant's reply) or a
-list of messages; without ``prompt``, ``C`` and ``R`` are whole conversations. Each side is
+list of messages; without ``prompt``, ``C`` and ``R`` are whole conversations. A local
+Hugging Face dataset (``.parquet``, ``.arrow``, a ``save_to_disk`` directory) with those
+columns is read too, by the reader ``turnrl sft`` uses (``read_rows``). Each side is
 rendered by the reward model's chat template (``render_conversation``), as the policy's
 transcripts are when the model scores them.
 """
@@ -15,8 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from turnrl.datafile import DataFileError, parse_json, text_lines
-from turnrl.demos.data import DataError, check_message
+from turnrl.demos.data import DataError, check_message, read_rows
 
 PAIR_FORMAT = ('one JSON object a line: {"prompt": ..., "chosen": ..., "rejected": ...} (text '
                'or lists of {"role", "content"} messages)')
@@ -27,7 +28,7 @@ class Pair:
     chosen: list[dict]
     rejected: list[dict]
     where: str
-    """``FILE:LINE``, for messages about this row."""
+    """``FILE:LINE`` (a dataset: ``FILE: row N``), for messages about this row."""
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -38,22 +39,11 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Te
 
 
 def read_pairs(path: str | Path) -> list[Pair]:
-    """Every row of the JSONL file ``path`` as a ``Pair``; ``DataError`` naming the file, line
-    and field otherwise."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"reward.data '{path}' is not a file; pass a JSONL file of preference "
-                        f"pairs ({PAIR_FORMAT})")
-    pairs = []
-    try:
-        for number, line in text_lines(path):
-            if line.strip():
-                pairs.append(parse_pair(parse_json(line, f"{path}:{number}"), f"{path}:{number}"))
-    except DataFileError as err:
-        raise DataError(str(err)) from None
-    if not pairs:
-        raise DataError(f"{path}: no preference pairs (the file is empty); {PAIR_FORMAT}")
-    return pairs
+    """Every row of ``path`` as a ``Pair``: a JSONL file or a local Hugging Face dataset
+    (``.parquet``, ``.arrow``, a ``save_to_disk`` directory), read as ``turnrl sft`` reads
+    demonstrations (``read_rows``); ``DataError`` naming the file, line or row and field."""
+    return read_rows(path, parse_pair, option="reward.data", what="preference pairs",
+                     row_format=PAIR_FORMAT)
 
 
 def parse_pair(row, where: str) -> Pair:

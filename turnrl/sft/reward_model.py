@@ -1,5 +1,9 @@
 """``turnrl rm --data pairs.jsonl``: a reward model trained on preference pairs.
 
+The pairs are read as ``turnrl sft`` reads demonstrations (JSONL or a local Hugging Face
+dataset, ``turnrl/sft/preference.py``) and held out as it holds them out (``split``, the
+loss every ``reward.eval_every`` steps or at each checkpoint).
+
     read + check the pairs -> a score head on the base model (``model.name``) -> split
     -> held-out loss and accuracy before -> each step: ``reward.pair_batch_size`` pairs
     (a pure function of run.seed and the step, as ``turnrl sft``'s batches) -> Bradley-Terry
@@ -117,7 +121,8 @@ def train_reward_model(cfg: Config, *, resume: bool = False) -> RmResult:
     """Train a reward model on ``reward.data`` for ``run.steps`` steps (module docstring)."""
     if not cfg.reward.data:
         raise DataError("turnrl rm needs --data FILE.jsonl: preference pairs, one a line: "
-                        '{"prompt": ..., "chosen": ..., "rejected": ...}')
+                        '{"prompt": ..., "chosen": ..., "rejected": ...} (or a local '
+                        "Hugging Face dataset with those columns)")
     pairs = read_pairs(cfg.reward.data)  # a malformed file stops before anything starts
     cfg, _ = prepare_run_dir(cfg, resume)
     run_dir = Path(cfg.run.out_dir)
@@ -158,6 +163,7 @@ def run_steps(cfg: Config, rm: RewardModel, optimizer, train: list[Pair], held: 
     run_dir, start = Path(cfg.run.out_dir), state["step"]
     held_metrics = state.get("after")
     every = cfg.run.checkpoint_every
+    eval_every = cfg.reward.eval_every or every  # as turnrl sft's sft.eval_every
     with MetricsLogger(run_dir) as logger, TrainProgress(
             cfg.run.steps, description="rm", start_step=start,
             enabled=cfg.run.progress) as progress:
@@ -166,7 +172,7 @@ def run_steps(cfg: Config, rm: RewardModel, optimizer, train: list[Pair], held: 
                                                     step, cfg.run.seed)]
             metrics = pair_update(rm, optimizer, batch, cfg.optim.max_grad_norm)
             done = step + 1
-            if held and (done == cfg.run.steps or (every and done % every == 0)):
+            if held and (done == cfg.run.steps or (eval_every and done % eval_every == 0)):
                 held_metrics = pair_metrics(rm, held)
                 metrics.update({f"eval/{k}": v for k, v in held_metrics.items()})
             logger.log(step, metrics)
