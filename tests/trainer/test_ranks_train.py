@@ -164,6 +164,13 @@ def test_a_task_learns_on_two_fsdp_ranks(tmp_path):
     before, after = (json.loads((run / f"eval_{when}.json").read_text())["success_rate"]
                      for when in ("before", "after"))
     assert before < 0.3 and after > 0.9, (before, after)
+    # the last (sharded, fsdp) checkpoint evaluated in one process reads the trained weights
+    report = tmp_path / "eval.json"
+    done = turnrl("eval", "--checkpoint", str(run / "checkpoints" / "step-000020"),
+                  "--eval.episodes", "64", "--run.threads", "1", "--out", str(report))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run / "checkpoints" / "step-000020" / ".metadata").is_file()
+    assert json.loads(report.read_text())["result"]["pass_at_k"]["1"]["value"] > 0.9, done.stdout
 
 
 def test_a_learner_port_in_use_is_refused_in_one_line(tmp_path):
