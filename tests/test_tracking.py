@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -123,3 +124,32 @@ def test_prometheus_serves_the_latest_step_while_the_logger_is_open(tmp_path, ca
     assert health["status"] == "ok" and health["step"] == 2
     with pytest.raises(urllib.error.URLError):  # closed with the logger
         urllib.request.urlopen(url, timeout=5)
+
+
+@pytest.mark.slow
+def test_a_training_run_serves_its_metrics_and_health_while_it_trains(tmp_path):
+    """``turnrl train --run.tracking prometheus`` as a user runs it: the printed URL answers
+    with the run's numbers while it trains (scraped until a step shows, then stopped)."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "turnrl", "train", "--model.name", "tiny", "--run.steps", "500",
+         "--rollout.max_new_tokens", "3", "--rollout.max_turns", "1", "--eval.episodes", "2",
+         "--run.progress", "false", "--run.tensorboard", "false", "--run.checkpoint_every", "0",
+         "--run.tracking", "prometheus", "--run.out_dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = next(line.split()[-1] for line in run.stdout if line.startswith("metrics: "))
+        deadline, values = time.monotonic() + 300, {}
+        while values.get("turnrl_step", 0) < 1:  # the first step's numbers, once logged
+            assert run.poll() is None and time.monotonic() < deadline, "no step was served"
+            page = urllib.request.urlopen(url, timeout=10).read().decode()
+            values = {s.name: s.value for f in text_string_to_metric_families(page)
+                      for s in f.samples}
+        health = json.loads(urllib.request.urlopen(url.replace("/metrics", "/health"),
+                                                   timeout=10).read())
+    finally:
+        run.kill()
+        run.wait(timeout=60)
+    assert "turnrl_reward_mean" in values and "turnrl_time_update_s" in values, sorted(values)
+    assert health["status"] == "ok" and health["step"] >= values["turnrl_step"]
+    logged = {r["step"]: r for r in read_metrics(tmp_path)}
+    assert values["turnrl_reward_mean"] == logged[int(values["turnrl_step"])]["reward/mean"]
