@@ -89,15 +89,43 @@ def check_distill(cfg: Config) -> None:
 def check_judge(cfg: Config) -> None:
     """The judge scores a step's episodes after they are collected, so nothing that picks
     episodes by their reward while collecting may run with it; an env told to leave its
-    reward to the judge (``reward: judge``, a simulated user) needs one."""
-    if cfg.env.options.get("reward") == "judge" and not cfg.judge.enabled:
-        raise ConfigError("env.options.reward judge leaves the reward to the judge section, "
-                          "which is off: set --judge.model (and --judge.rubric), or use "
-                          "--env.options.reward check")
+    reward to the trainer (``reward: judge``, ``model`` or ``none``) needs what scores it."""
+    for name, reward in env_rewards(cfg):
+        check_trainer_reward(cfg, name, reward)
     if cfg.judge.enabled and cfg.explore.dynamic_sampling:
         raise ConfigError("explore.dynamic_sampling keeps groups by the env's reward before "
                           "the judge has scored them; drop explore.dynamic_sampling or the "
                           "judge")
+
+
+def env_rewards(cfg: Config) -> list[tuple[str, object]]:
+    """(env name, its ``reward`` option) of the run's env or each env of a mix; a wrapper's
+    (``try-again``) name is its inner env's."""
+    entries = [(cfg.env.name, cfg.env.options),
+               *((e.name, e.options) for e in cfg.env.mix_plan())]
+    return [(options.get("inner") or name, options.get("reward")) for name, options in entries]
+
+
+def check_trainer_reward(cfg: Config, name: str, reward: object) -> None:
+    """``reward: judge`` needs the judge section, ``model`` reward.model, ``none`` either;
+    a ``dataset`` scored so has no success to report, and held-out evaluation is not judged."""
+    judge, model = cfg.judge.enabled, bool(cfg.reward.model)
+    if reward == "judge" and not judge:
+        raise ConfigError("env.options.reward judge leaves the reward to the judge section, "
+                          "which is off: set --judge.model (and --judge.rubric), or choose a "
+                          "reward the env checks itself")
+    if reward == "model" and not model:
+        raise ConfigError("env.options.reward model leaves the reward to a reward model, and "
+                          "reward.model is unset: pass --reward.model DIR, or choose a reward "
+                          "the env checks itself")
+    if reward == "none" and not (judge or model):
+        raise ConfigError("env.options.reward none pays 0 and leaves the reward to a judge or "
+                          "a reward model, and neither is set: pass --judge.model (and "
+                          "--judge.rubric) or --reward.model DIR")
+    if name == "dataset" and reward in ("judge", "model", "none") and cfg.eval.episodes:
+        raise ConfigError(f"env.options.reward {reward}: the dataset checks no answer and "
+                          "held-out evaluation is not judged, so it would report 0 success; "
+                          "pass --eval.episodes 0")
 
 
 def check_self_play(cfg: Config) -> None:

@@ -5,8 +5,13 @@ Hugging Face ``datasets`` (``save_to_disk``; offline). Each row gives a prompt (
 column of text, or ``messages``: a column of chat messages, whose user turns become the prompt
 and whose system turn the system message) and an answer (``answer``), and the reply earns the
 named reward: ``exact_match``, ``numeric_match``, ``integer_match``, ``math_answer``, or
-``code_tests`` (the row's ``tests`` column, run in the sandbox). One turn; wrap it in
-``try-again`` for several attempts.
+``code_tests`` (the row's ``tests`` column, run in the sandbox). ``none`` (or ``judge``,
+``model``, which also say which one the config must set) pays 0 and checks nothing: an LLM
+judge or a reward model, applied by the trainer to every env's episodes, gives the reward, so
+such rows need no answer; their info has no ``success`` (none was checked). ``metadata``
+names columns passed through to the episode's ``info["metadata"]`` and told to a judge
+(``info["judge_reference"]``, never shown to the policy). One turn; wrap it in ``try-again``
+for several attempts.
 
 Splits are real. The eval rows are, in this order of precedence: ``eval_path``'s rows; a saved
 ``DatasetDict``'s ``test`` (else ``validation``) split; the rows whose ``split`` column says
@@ -18,8 +23,11 @@ on a training row. Training seeds walk a shuffled order of the training rows, on
 another (``epoch = seed // rows``, each epoch its own permutation from ``shuffle_seed``), so a
 resumed run draws exactly the rows the uninterrupted one would.
 
-Bad input fails at start-up in one line naming the file, the row and the field: a missing
-column, an empty split, an answer the reward cannot read (numeric rewards).
+Bad input fails at start-up in one line naming the file, the row as the user sees it
+(``FILE:LINE`` in JSONL and CSV, ``FILE: row N`` from 1 in parquet and datasets files) and the
+field: a missing column, an empty split, an answer the reward cannot read (numeric rewards,
+every ``math_answer`` reference parsed), ``tests`` that are not a list of strings (a CSV cell
+holding a JSON list is read as one).
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from turnrl.datafile import DataFileError, parse_json, text_lines
 from turnrl.envs.base import StepResult, register_env
 from turnrl.rewards import code_tests_async, exact_match, integer_match, math_answer, numeric_match
+from turnrl.rewards.math_answer import parse_reference
 
 EVAL_SPLITS = ("test", "eval", "validation")
 REWARDS: dict[str, Callable[..., Any]] = {
@@ -41,10 +51,28 @@ REWARDS: dict[str, Callable[..., Any]] = {
     "integer_match": lambda reply, answer: integer_match(reply, int(answer)),
 }
 NUMERIC = {"numeric_match": float, "integer_match": int}
+TRAINER_REWARDS = ("none", "judge", "model")
+"""Rewards the env leaves to the trainer's judge or reward model (config/checks.py requires
+one: ``judge`` the judge section, ``model`` reward.model, ``none`` either)."""
+CHOICES = (*REWARDS, "code_tests", *TRAINER_REWARDS)
 
 
 class DatasetError(ValueError):
     """A dataset the env cannot use: one line naming the file, row and field."""
+
+
+class Row(dict):
+    """A row that knows where the user wrote it (``FILE:LINE``, ``FILE: row N``) for error
+    messages; otherwise the plain dict (its split hash, equality and JSON are the dict's)."""
+
+    def __init__(self, data: dict, where: str) -> None:
+        super().__init__(data)
+        self.where = where
+
+
+def numbered(rows: list[dict], where: str) -> list[Row]:
+    """Rows of a table file, each named ``WHERE: row N`` (from 1, as turnrl sft names them)."""
+    return [Row(row, f"{where}: row {n}") for n, row in enumerate(rows, 1)]
 
 
 def read_rows(path: str) -> dict[str, list[dict]]:
@@ -59,29 +87,29 @@ def read_rows(path: str) -> dict[str, list[dict]]:
     if suffix in (".jsonl", ".json"):
         return {"": _jsonl(file)}
     if suffix == ".csv":
-        with file.open(newline="", encoding="utf-8") as handle:
-            return {"": list(csv.DictReader(handle))}
+        with file.open(newline="", encoding="utf-8-sig") as handle:  # -sig: Excel's BOM
+            reader = csv.DictReader(handle)
+            return {"": [Row(row, f"{file}:{reader.line_num}") for row in reader]}
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return {"": pq.read_table(file).to_pylist()}
+        return {"": numbered(pq.read_table(file).to_pylist(), str(file))}
     raise DatasetError(f"dataset '{path}': unknown format '{suffix}'; use .jsonl, .csv, "
                        ".parquet or a directory saved by datasets' save_to_disk")
 
 
-def _jsonl(file: Path) -> list[dict]:
+def _jsonl(file: Path) -> list[Row]:
     rows = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DatasetError(f"{file}:{number}: not JSON ({err.msg}); one object per "
-                               "line") from None
-        if not isinstance(row, dict):
-            raise DatasetError(f"{file}:{number}: a {type(row).__name__}, not an object")
-        rows.append(row)
+    try:
+        for number, line in text_lines(file):
+            if line.strip():
+                row = parse_json(line, f"{file}:{number}")
+                if not isinstance(row, dict):
+                    raise DatasetError(f"{file}:{number}: a {type(row).__name__}, not an "
+                                       "object; one JSON object per line")
+                rows.append(Row(row, f"{file}:{number}"))
+    except DataFileError as err:
+        raise DatasetError(str(err)) from None
     return rows
 
 
@@ -94,8 +122,9 @@ def _saved_dataset(directory: Path) -> dict[str, list[dict]]:
         raise DatasetError(f"dataset directory '{directory}' was not written by datasets' "
                            f"save_to_disk ({err}); pass a file or such a directory") from None
     if isinstance(saved, datasets.DatasetDict):
-        return {name: saved[name].to_list() for name in saved}
-    return {"": saved.to_list()}
+        return {name: numbered(saved[name].to_list(), f"{directory} [{name}]")
+                for name in saved}
+    return {"": numbered(saved.to_list(), str(directory))}
 
 
 def held_out(row: dict, fraction: float) -> bool:
@@ -188,16 +217,17 @@ class DatasetEnv:
                  messages: str = "messages", answer: str = "answer", tests: str = "tests",
                  reward: str = "exact_match", instruction: str = "", eval_path: str = "",
                  eval_fraction: float = 0.1, split_column: str = "split",
-                 shuffle_seed: int = 0):
-        if reward not in (*REWARDS, "code_tests"):
+                 shuffle_seed: int = 0, metadata: str | list[str] = ""):
+        if reward not in CHOICES:
             raise DatasetError(f"dataset reward '{reward}' is unknown; choose one of: "
-                               f"{', '.join([*REWARDS, 'code_tests'])}")
+                               f"{', '.join(CHOICES)}")
         check_split("dataset", split, eval_fraction)
         train, held = load_splits(path, eval_path, split_column, eval_fraction)
         self.rows = train if split == "train" else held
         self.split, self.reward_name, self.instruction = split, reward, instruction
-        self.columns = {"prompt": prompt, "messages": messages, "answer": answer, "tests": tests}
-        self.shuffle_seed, self.row = shuffle_seed, {}
+        self.columns = {"prompt": prompt, "messages": messages, "answer": answer, "tests": tests,
+                        "metadata": metadata_columns(metadata)}
+        self.shuffle_seed, self.row, self.metadata = shuffle_seed, {}, {}
         self.eval_options = {"split": "eval"}  # what evaluation builds (policy.env_factories)
         checked = (id(self.rows), tuple(self.columns.values()), reward)
         if checked not in _CHECKED:  # an env is built per episode: check the rows once
@@ -209,18 +239,24 @@ class DatasetEnv:
         index = (row_order(seed, len(self.rows), self.shuffle_seed) if self.split == "train"
                  else seed % len(self.rows))
         self.row = self.rows[index]
+        self.metadata = metadata_of(self.row, self.columns["metadata"])
         prompt, self.system_prompt = prompt_of(self.row, self.columns["prompt"],
                                                self.columns["messages"])
         return f"{prompt}\n\n{self.instruction}" if self.instruction else prompt
 
     async def step(self, action: str) -> StepResult:
+        extra = ({"metadata": self.metadata, "judge_reference": reference_text(self.metadata)}
+                 if self.metadata else {})
+        if self.reward_name in TRAINER_REWARDS:  # the judge or reward model scores it
+            return StepResult("", 0.0, True, extra)
         if self.reward_name == "code_tests":
-            score = await code_tests_async(action, list(self.row[self.columns["tests"]]))
+            tests = tests_of(self.row[self.columns["tests"]], where_of(self.row, "the row"))
+            score = await code_tests_async(action, tests)
         else:
             score = REWARDS[self.reward_name](action, self.row[self.columns["answer"]])
         reward = float(score or 0.0)  # None: the reply states no answer the reward can read
         return StepResult("", reward, True, {"success": reward >= 1.0,
-                                             "answered": score is not None})
+                                             "answered": score is not None, **extra})
 
     def reference_player(self) -> AnswerPlayer:
         """States the row's answer (guidance and scripted demonstrations; code: none)."""
@@ -241,26 +277,89 @@ class AnswerPlayer:
         return f"The answer is \\boxed{{{answer}}}."
 
 
-def check_rows(rows: list[dict], where: str, columns: dict[str, str], reward: str) -> None:
-    """Every row has a prompt and what its reward reads, in one line naming the first that
-    does not; an empty split is refused."""
+def metadata_columns(option: object) -> tuple[str, ...]:
+    """The ``metadata`` option's column names: one name, names joined by commas, or a list."""
+    names = option.split(",") if isinstance(option, str) else option
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise DatasetError(f"dataset metadata {option!r}: name columns, e.g. "
+                           "--env.options.metadata source,level")
+    return tuple(n.strip() for n in names if n.strip())
+
+
+def metadata_of(row: dict, names: tuple[str, ...]) -> dict:
+    """The row's metadata: one named column holding a dict gives that dict; otherwise each
+    named column's value by its name."""
+    if len(names) == 1 and isinstance(row.get(names[0]), dict):
+        return dict(row[names[0]])
+    return {name: row.get(name) for name in names}
+
+
+def reference_text(metadata: dict) -> str:
+    """The metadata as the judge reads it (``rewards/judge.py::with_reference``)."""
+    return "; ".join(f"{key}: {value}" for key, value in metadata.items())
+
+
+def where_of(row: dict, fallback: str) -> str:
+    """Where the user wrote ``row`` (``Row.where``), else ``fallback``."""
+    return getattr(row, "where", "") or fallback
+
+
+def tests_of(value: object, where: str) -> list[str]:
+    """A row's ``tests`` as a list of strings; text holding a JSON list (a CSV cell) is read as
+    one, since ``list()`` of a string would make one test per character."""
+    tests = value
+    if isinstance(value, str):
+        try:
+            tests = json.loads(value)
+        except json.JSONDecodeError:
+            tests = None
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+        shown = str(value)[:80]
+        raise DatasetError(f"{where}: tests {shown!r} is not a list of test strings; write a "
+                           'JSON list such as ["assert f(1) == 2"]')
+    return tests
+
+
+def check_rows(rows: list[dict], where: str, columns: dict[str, Any], reward: str) -> None:
+    """Every row has a prompt, its metadata columns and what its reward reads, in one line
+    naming the first that does not (its file line or row); an empty split is refused."""
     if not rows:
         raise DatasetError(f"{where} has no rows; give the dataset an eval split (a 'split' "
                            "column, eval_path, a DatasetDict 'test' split) or raise eval_fraction"
                            if "eval" in where else f"{where} has no rows")
-    needed = columns["tests"] if reward == "code_tests" else columns["answer"]
     for number, row in enumerate(rows):
-        if prompt_of(row, columns["prompt"], columns["messages"])[0] is None:
-            raise DatasetError(f"{where} row {number}: no '{columns['prompt']}' text or "
-                               f"'{columns['messages']}' chat; name the column with "
-                               "--env.options.prompt (or messages)")
-        if row.get(needed) in (None, ""):
-            option = "tests" if reward == "code_tests" else "answer"
-            raise DatasetError(f"{where} row {number}: no '{needed}' value for reward {reward}; "
-                               f"name the column with --env.options.{option}")
-        if reward in NUMERIC:
-            try:
-                NUMERIC[reward](row[needed])
-            except (TypeError, ValueError):
-                raise DatasetError(f"{where} row {number}: answer {row[needed]!r} is not a "
-                                   f"number, which {reward} needs") from None
+        check_row(row, where_of(row, f"{where} row {number}"), columns, reward)
+
+
+def check_row(row: dict, at: str, columns: dict[str, Any], reward: str) -> None:
+    """One row's checks (``check_rows``); ``at`` names it."""
+    if prompt_of(row, columns["prompt"], columns["messages"])[0] is None:
+        raise DatasetError(f"{at}: no '{columns['prompt']}' text or '{columns['messages']}' "
+                           "chat; name the column with --env.options.prompt (or messages)")
+    missing = next((name for name in columns["metadata"] if name not in row), None)
+    if missing is not None:
+        raise DatasetError(f"{at}: no '{missing}' column, which --env.options.metadata names; "
+                           "add it to every row or drop it from metadata")
+    if reward in TRAINER_REWARDS:
+        return  # nothing to check: the judge or reward model scores the reply
+    option = "tests" if reward == "code_tests" else "answer"
+    needed = columns[option]
+    value = row.get(needed)
+    if value in (None, ""):
+        raise DatasetError(f"{at}: no '{needed}' value for reward {reward}; name the column "
+                           f"with --env.options.{option}")
+    if reward == "code_tests":
+        tests_of(value, at)
+    elif reward == "math_answer":
+        try:
+            parse_reference(value)
+        except ValueError:
+            raise DatasetError(f"{at}: answer {value!r} does not parse as math, which "
+                               "math_answer needs; write a number or LaTeX, or use "
+                               "exact_match") from None
+    elif reward in NUMERIC:
+        try:
+            NUMERIC[reward](value)
+        except (TypeError, ValueError):
+            raise DatasetError(f"{at}: answer {value!r} is not a number, which {reward} "
+                               "needs") from None

@@ -27,17 +27,30 @@ def _math_verify():
     return math_verify
 
 
-def math_answer(completion: str, answer: str | int | float, timeout_s: int = 5) -> float | None:
-    """1.0 when the reply's final answer equals ``answer`` mathematically, 0.0 when it is a
-    different answer, None when no answer can be found in the reply (e.g. only words)."""
-    mv = _math_verify()
-    bound = timeout_s if threading.current_thread() is threading.main_thread() else None
+def _bound(timeout_s: int) -> int | None:
+    """math-verify's time bound: ``signal.alarm`` works on the main thread only."""
+    return timeout_s if threading.current_thread() is threading.main_thread() else None
+
+
+def parse_reference(answer: str | int | float, timeout_s: int = 5) -> list:
+    """``answer`` as math-verify parses it (as written, else between ``$`` signs: a bare LaTeX
+    reference such as \\sqrt{8} needs them); ValueError naming it when neither parses. The
+    dataset env calls it on every reference at load, so a bad one fails before training."""
+    mv, bound = _math_verify(), _bound(timeout_s)
     gold = mv.parse(str(answer), parsing_timeout=bound)
-    if not gold:  # a bare LaTeX reference such as \sqrt{8} needs math delimiters to parse
+    if not gold:
         gold = mv.parse(f"${answer}$", parsing_timeout=bound)
     if not gold:
         raise ValueError(f"math_answer: the reference answer {answer!r} does not parse; "
                          f"write it as a number or LaTeX")
+    return gold
+
+
+def math_answer(completion: str, answer: str | int | float, timeout_s: int = 5) -> float | None:
+    """1.0 when the reply's final answer equals ``answer`` mathematically, 0.0 when it is a
+    different answer, None when no answer can be found in the reply (e.g. only words)."""
+    mv, bound = _math_verify(), _bound(timeout_s)
+    gold = parse_reference(answer, timeout_s)
     predicted = mv.parse(completion, parsing_timeout=bound)
     if not predicted:
         return None
