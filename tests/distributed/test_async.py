@@ -657,11 +657,9 @@ def test_async_training_scores_the_workers_episodes_with_the_reward_model(ray_cl
     and each trained episode's reward is env_weight * its env reward + model_weight *
     sigmoid(the model's score of its transcript), re-scored here from its saved token ids."""
     from tests.rewards.test_model import save_rm
+    from tests.trainer.test_reward_model import assert_rescored
     from turnrl.launch import train_async
     from turnrl.metrics import read_metrics
-    from turnrl.models import tiny_tokenizer
-    from turnrl.rewards.model import RewardModel
-    from turnrl.types import read_episodes
 
     model_dir = save_rm(tmp_path / "rm")
     cfg = load_config(None, TINY + ["--run.steps", "2", "--eval.episodes", "0",
@@ -678,18 +676,10 @@ def test_async_training_scores_the_workers_episodes_with_the_reward_model(ray_cl
         assert r["reward/mean"] == pytest.approx(
             0.5 * r["reward/env_mean"] + 2 * r["reward/model_used_mean"], abs=1e-5)
         assert r["time/reward_model_s"] > 0
-    tokenizer = tiny_tokenizer()
-    rm = RewardModel.load(str(model_dir), policy_tokenizer=tokenizer)
-    episodes = [ep for path in sorted((tmp_path / "run" / "episodes").glob("step-*.jsonl"))
-                for ep in read_episodes(path)]
-    assert len(episodes) == 2 * 8
-    scores = rm.score([tokenizer.decode(ep.token_ids, skip_special_tokens=False)
-                       for ep in episodes]).tolist()
-    for ep, score in zip(episodes, scores, strict=True):
-        assert ep.info["model_score"] == pytest.approx(score, abs=1e-4)
-        assert ep.reward == pytest.approx(
-            0.5 * ep.info["env_reward"] + 2 / (1 + math.exp(-score)), abs=1e-4)
-        assert sum(t.reward for t in ep.turns) == pytest.approx(ep.reward, abs=1e-5)
+    def sigmoid(scores):
+        return [1 / (1 + math.exp(-s)) for s in scores]
+
+    assert assert_rescored(tmp_path / "run", model_dir, 0.5, 2, sigmoid) == 2 * 8
     _books_balance(result)
 
 
