@@ -148,15 +148,18 @@ def test_bad_options_and_tasks_are_refused_in_one_line(tmp_path):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(tmp_path / name)
 
+    # bad rows are named by their file line (as the user sees them), not their index in the
+    # split: the eval row on line 2 is the eval split's row 0
     row = {"goal": "You lost your keys.", "answer": "keys"}
     nofacts = tasks("nofacts.jsonl", [{**row, "split": "train"}, {**row, "split": "eval"}])
-    cases += [({"path": nofacts}, r"nofacts.jsonl \(train split\) row 0: no 'facts' list"),
-              ({"path": tasks("nogoal.jsonl", [{"answer": "keys", "facts": [], "split": s}
-                                               for s in ("train", "eval")])},
-               "row 0: no 'goal' text"),
-              ({"path": tasks("alias.jsonl", [{**row, "aliases": "key", "split": s}
-                                              for s in ("train", "eval")]),
-                "opponent": "model"}, "row 0: 'aliases' must be a list"),
+    good = {**row, "facts": [], "split": "train"}
+    cases += [({"path": nofacts}, r"nofacts.jsonl:1: no 'facts' list"),
+              ({"path": tasks("nogoal.jsonl", [good, {"answer": "keys", "facts": [],
+                                                      "split": "eval"}])},
+               r"nogoal.jsonl:2: no 'goal' text"),
+              ({"path": tasks("alias.jsonl", [good, good, {**good, "aliases": "key"},
+                                              {**good, "split": "eval"}]),
+                "opponent": "model"}, r"alias.jsonl:3: 'aliases' must be a list"),
               ({"path": tasks("train.jsonl", [{**row, "facts": [], "split": "train"}])},
                "eval split.* has no rows")]
     for options, message in cases:

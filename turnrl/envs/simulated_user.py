@@ -36,7 +36,7 @@ from importlib import resources
 from typing import Any
 
 from turnrl.envs.base import StepResult, register_env
-from turnrl.envs.dataset import DatasetError, check_split, load_splits, row_order
+from turnrl.envs.dataset import DatasetError, check_split, load_splits, row_order, where_of
 
 USERS = ("scripted", "model", "endpoint")
 REDACTED = "[...]"
@@ -100,21 +100,22 @@ def is_correct(answer: str, row: dict, choices: list[str]) -> bool:
 
 def check_tasks(rows: list[dict], where: str, scripted: bool) -> None:
     """Each row has a goal and an answer (and facts for the scripted user): one line naming
-    the first that does not."""
+    the first that does not by its file line or row (``where_of``), as the user wrote it."""
     if not rows:
         raise DatasetError(f"{where} has no rows; give the tasks an eval split (a 'split' "
                            "column, eval_path) or raise eval_fraction")
     for number, row in enumerate(rows):
+        at = where_of(row, f"{where} row {number}")
         for field in ("goal", "answer"):
             if not isinstance(row.get(field), str) or not row[field].strip():
-                raise DatasetError(f"{where} row {number}: no '{field}' text")
+                raise DatasetError(f"{at}: no '{field}' text")
         aliases = row.get("aliases", [])
         if not (isinstance(aliases, list) and all(isinstance(a, str) for a in aliases)):
-            raise DatasetError(f"{where} row {number}: 'aliases' must be a list of names")
+            raise DatasetError(f"{at}: 'aliases' must be a list of names")
         facts = row.get("facts")
         if scripted and not (isinstance(facts, list) and all(isinstance(f, str) for f in facts)):
-            raise DatasetError(f"{where} row {number}: no 'facts' list, which the scripted "
-                               "user answers from; add one or use --env.options.opponent model")
+            raise DatasetError(f"{at}: no 'facts' list, which the scripted user answers from; "
+                               "add one or use --env.options.opponent model")
 
 
 def check_numbers(max_turns: Any, turn_cost: Any, show_choices: Any) -> None:
