@@ -16,6 +16,7 @@ from turnrl.models import (
     ModelNotFoundError,
     default_cache_dir,
     load_model,
+    model_skeleton,
     tiny_model,
 )
 
@@ -96,6 +97,14 @@ def test_local_dir_round_trip(tmp_path):
     assert loaded_tok.chat_template == tok.chat_template
     assert loaded_tok.pad_token_id == tok.pad_token_id
     assert torch.equal(_logits(loaded, loaded_tok), _logits(model, tok))
+    # its module tree alone, for checks before any weight loads (learner/shard.py)
+    from turnrl.learner.shard import decoder_layers
+
+    skeleton = model_skeleton(str(tmp_path))
+    assert {p.device.type for p in skeleton.parameters()} == {"meta"}
+    assert ({n: p.shape for n, p in skeleton.named_parameters()}
+            == {n: p.shape for n, p in loaded.named_parameters()})
+    assert len(decoder_layers(skeleton)) == 2
 
 
 def test_dtypes():

@@ -46,11 +46,11 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
 
 def _train(cfg: Config, resume: bool) -> TrainResult:
     cfg = launched_world_size(cfg)
-    if cfg.learner.world_size > 1:
+    if cfg.learner.ranked():  # world size 1 too, where fsdp's options ask for one rank
         from turnrl.trainer.ranks import child_ranks, run_as_rank0
 
-        launcher = child_ranks
-        if cfg.learner.launcher == "ray":
+        launcher = child_ranks  # at world size 1: no other rank to start
+        if cfg.learner.launcher == "ray" and cfg.learner.world_size > 1:
             if importlib.util.find_spec("ray") is None:
                 raise ConfigError("learner.launcher ray needs Ray: pip install 'turnrl[ray]'")
             from turnrl.distributed.learner_ranks import ray_ranks as launcher

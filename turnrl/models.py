@@ -198,6 +198,28 @@ def model_directory(name: str, cache_dir: str | None = None, revision: str = ""
     return path if (path / "config.json").is_file() else None
 
 
+def model_skeleton(name: str, *, cache_dir: str | None = None, revision: str = "",
+                   trust_remote_code: bool = False) -> torch.nn.Module:
+    """``load_model(name)``'s module tree without its weights (built from its config on the
+    meta device: nothing read but the config, nothing allocated), for checks of its structure
+    before it loads (``learner/shard.py:check_wrappable``). ``tiny`` is built whole."""
+    name = os.fspath(name)
+    if name == "tiny":
+        return tiny_model()[0]
+    if (base := checkpoint_base(name)) is not None:
+        saved = checkpoint_model_section(name)
+        return model_skeleton(base, cache_dir=cache_dir, revision=str(saved.get("revision") or ""),
+                              trust_remote_code=bool(saved.get("trust_remote_code")))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = _smollm2_dir(cache_dir) if name == SMOLLM2 else _local_or_hub_dir(name, revision)
+    trust = {"trust_remote_code": trust_remote_code}
+    with _HF_LOCK:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, **trust)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, **trust)
+
+
 def tiny_model(
     seed: int = 0,
     *,

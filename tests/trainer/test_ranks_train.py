@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -183,3 +184,60 @@ def test_a_learner_port_in_use_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().count("\n") == 0
     assert f"learner.port {port} is in use" in done.stderr
+
+
+class NoLayers(torch.nn.Module):
+    """A model built in code that FSDP cannot wrap layer by layer: no decoder ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+
+REFUSED = {  # options -> what the one line says (the cause, then the fix)
+    "nccl-on-cpu": (["--learner.world_size", "2", "--learner.backend", "nccl",
+                     "--model.device", "cpu"], "nccl needs CUDA GPUs", "--learner.backend gloo"),
+    "offload-on-cpu": (["--learner.world_size", "2", "--learner.cpu_offload", "true",
+                        "--model.device", "cpu"], "on the CPU already", "drop --learner.cpu_offload"),
+    "unwrappable-model": (["--learner.world_size", "2"], "NoLayers has no repeated decoder layers",
+                          "use --learner.strategy ddp"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_bad_learner_input_is_one_line_before_any_rank_starts(case, tmp_path, monkeypatch,
+                                                              capsys):
+    """In this process (no command to launch): ``turnrl train`` refuses it with exit 2 and
+    one line, and never reaches the launcher that would start ranks 1..N-1."""
+    import importlib
+
+    from turnrl import cli, models
+
+    def started(cfg):
+        raise AssertionError(f"{case}: ranks started")
+
+    monkeypatch.setattr(importlib.import_module("turnrl.trainer.ranks"), "child_ranks", started)
+    monkeypatch.setattr(models, "tiny_model", lambda *a, **k: (NoLayers(), None))
+    options, cause, fix = REFUSED[case]
+    code = cli.main(["train", *TINY, *options, "--run.out_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err[-2000:]
+    assert err.count("\n") == 0 and cause in err and fix in err, err
+    assert not (tmp_path / "run").exists()  # refused before the run directory, too
+
+
+def test_fsdp_options_at_world_size_one_shard_over_one_rank(tmp_path):
+    """``--learner.param_dtype`` (or reduce_dtype, cpu_offload) at world size 1: FSDP2's
+    fully_shard on this process alone (a process group of one; trained in this process),
+    its checkpoint a DCP directory; plain world size 1 stays the one-process learner."""
+    from turnrl.config import load_config
+    from turnrl.launch import train
+
+    assert not load_config(None, TINY).learner.ranked()  # the default: one process, unchanged
+    run = tmp_path / "run"
+    cfg = load_config(None, [*TINY, "--run.steps", "1", "--eval.episodes", "0",
+                             "--learner.param_dtype", "float32", "--run.out_dir", str(run)])
+    assert cfg.learner.world_size == 1 and cfg.learner.ranked()
+    train(cfg)
+    assert (run / "checkpoints" / "step-000001" / ".metadata").is_file()

@@ -265,7 +265,9 @@ def check_self_seeds(cfg: Config) -> None:
 
 
 def check_learner(cfg: Config) -> None:
-    """What learner ranks cannot do yet (docs/learner.md), refused before any rank starts."""
+    """What learner ranks cannot do yet (docs/learner.md), and what this machine cannot give
+    them (CPU offload of a model already on the CPU, NCCL without CUDA: at any world size),
+    refused before any rank starts."""
     learner = cfg.learner
     if learner.cpu_offload and learner.strategy == "fsdp" and samples_on_cpu(cfg.model.device):
         raise ConfigError("learner.cpu_offload moves GPU shards to CPU memory, and this model "
@@ -274,21 +276,27 @@ def check_learner(cfg: Config) -> None:
         raise ConfigError("algo.reference_reset_every: a LoRA run's KL reference is its base "
                           "model (the adapter off), which does not train; drop "
                           "--model.lora.r to reset it, or drop the reset")
-    if learner.world_size == 1:
+    if learner.backend == "nccl" and samples_on_cpu(cfg.model.device):
+        raise ConfigError("learner.backend nccl needs CUDA GPUs, and this machine has none (or "
+                          "model.device is cpu); use --learner.backend gloo (or auto)")
+    if not learner.ranked():
         return
     refused = {
         "sft.steps": (cfg.sft.steps > 0, "the SFT warm-up trains in one process: run turnrl "
                       "sft first and start RL from its output (--model.name OUT)"),
-        "distill.teacher": (bool(cfg.distill.teacher), "drop it, or train at world size 1"),
+        "distill.teacher": (bool(cfg.distill.teacher), "drop it, or train without learner ranks"),
         "explore.top_entropy_fraction": (cfg.explore.top_entropy_fraction < 1,
                                          "its threshold is one rank's: keep it at 1"),
         "algo.reference_reset_every": (cfg.algo.reference_reset_every > 0,
-                                       "drop it, or train at world size 1"),
+                                       "drop it, or train without learner ranks"),
     }
+    ranks = f"learner.world_size {learner.world_size}"
+    if learner.world_size == 1:
+        ranks = "learner.strategy fsdp at world size 1 (learner.param_dtype, reduce_dtype or "
+        ranks += "cpu_offload set: FSDP2 on one rank)"
     for key, (bad, fix) in refused.items():
         if bad:
-            raise ConfigError(f"{key} does not work with learner.world_size "
-                              f"{learner.world_size} yet; {fix}")
+            raise ConfigError(f"{key} does not work with {ranks} yet; {fix}")
 
 
 TREE_ESTIMATOR = "tree_grpo"

@@ -41,6 +41,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
+def fsdp_layers(model: nn.Module) -> list[nn.Module]:
+    """``decoder_layers(model)``; none is a one-line ``ConfigError`` naming the fix."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ConfigError(f"learner.strategy fsdp: {type(model).__name__} has no repeated "
+                          "decoder layers (an nn.ModuleList of one block class) to shard one "
+                          "by one; use --learner.strategy ddp")
+    return layers
+
+
 def broadcast_weights(model: nn.Module, world: World) -> None:
     """Every rank's parameters and buffers set to rank 0's (before sharding)."""
     with torch.no_grad():
@@ -50,7 +60,8 @@ def broadcast_weights(model: nn.Module, world: World) -> None:
 
 def shard(model: nn.Module, world: World, cfg: LearnerConfig) -> nn.Module:
     """``model`` split over ``world`` as ``cfg.strategy`` says, in place; returns it. Call
-    ``broadcast_weights`` first. A model FSDP cannot wrap is a one-line ``ConfigError``."""
+    ``broadcast_weights`` first. A model FSDP cannot wrap is a one-line ``ConfigError`` (rank 0
+    refuses it before any rank starts: ``trainer/ranks.py:check_wrappable``)."""
     if world.strategy == "fsdp":
         _fully_shard(model, cfg)
     mark_sharded(model, world)
@@ -67,11 +78,7 @@ def _fully_shard(model: nn.Module, cfg: LearnerConfig) -> None:
         register_fsdp_forward_method,
     )
 
-    layers = decoder_layers(model)
-    if not layers:
-        raise ConfigError(f"learner.strategy fsdp: {type(model).__name__} has no repeated "
-                          "decoder layers (an nn.ModuleList of one block class) to shard one "
-                          "by one; use --learner.strategy ddp")
+    layers = fsdp_layers(model)
     precision = MixedPrecisionPolicy(param_dtype=DTYPES.get(cfg.param_dtype),
                                      reduce_dtype=DTYPES.get(cfg.reduce_dtype))
     offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()

@@ -117,8 +117,13 @@ def join(rank: int, size: int, strategy: str, backend: str, device: torch.device
     """Join the process group of ``size`` ranks at ``address:port`` as ``rank``: through
     ``store`` when given (every rank must then pass one: the rank serving it its
     ``rendezvous_store``, the others a ``store_client``; torch prefixes the keys of a store it makes itself, not of one
-    it is given), else as torchrun's ranks do (``tcp://``, rank 0 serving the store)."""
+    it is given), else as torchrun's ranks do (``tcp://``, rank 0 serving the store). NCCL
+    (written for CUDA, never run on a GPU here) is joined as ``cpu:gloo,cuda:nccl``."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":  # NCCL and FSDP's default mesh use the current device
+        torch.cuda.set_device(device)
+    if backend == "nccl":  # NCCL moves CUDA tensors only: the small CPU ones (micro-batch
+        backend = "cpu:gloo,cuda:nccl"  # counts, metric sums) go over gloo in the same group
     if store is not None:
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=timeout)

@@ -4,6 +4,8 @@
 child processes on this machine (``child_ranks``), or with ``--learner.launcher ray`` as Ray
 actors placed on a cluster (distributed/learner_ranks.py); ``torchrun --nproc-per-node N -m
 turnrl train ...`` starts them all itself (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are read).
+At world size 1 with fsdp's own options (``LearnerConfig.ranked``) this process is the only
+rank: a process group of one, so FSDP2 can shard (and offload, and cast) the model.
 Rank 0 then runs the one learner loop (trainer/learn.py); every other rank runs ``follow``:
 it builds its share of the learner from the config rank 0 sends, then does what rank 0 says
 until told to stop: update on the step's episodes (``rl_step``, each on its share), gather the
@@ -34,8 +36,10 @@ from typing import TypeVar
 import torch
 
 from turnrl.config import Config, ConfigError, LearnerConfig
+from turnrl.learner.shard import fsdp_layers
 from turnrl.learner.weights import published_pairs
 from turnrl.learner.world import RankLost, World, join, leave, rendezvous_store, store_client
+from turnrl.models import model_skeleton
 from turnrl.policy import policy_model
 from turnrl.trainer.rl_step import StageTimer, rl_step
 from turnrl.trainer.run import learner_for, restore_learner, seed_run
@@ -125,6 +129,17 @@ def check_capacity(cfg: Config, world_size: int) -> None:
                           "fewer")
 
 
+def check_wrappable(cfg: Config) -> None:
+    """Under fsdp, a model FSDP cannot wrap refused in one line before any rank starts: read
+    from its module tree without weights (``models.model_skeleton``), as ``shard`` would find
+    it (a LoRA adapter wraps the same layers)."""
+    if cfg.learner.strategy != "fsdp":
+        return
+    m = cfg.model
+    fsdp_layers(model_skeleton(m.name, cache_dir=m.cache_dir or None, revision=m.revision,
+                               trust_remote_code=m.trust_remote_code))
+
+
 def _die_with_parent() -> None:
     """In a child rank: receive SIGKILL when rank 0 dies (Linux), never outlive the run."""
     try:
@@ -184,7 +199,8 @@ def dead_ranks(children: list[subprocess.Popen], wait_s: float = 0) -> str:
 def run_as_rank0(cfg: Config, train: Callable[[], T], launcher: Launcher = child_ranks) -> T:
     """``train()`` as rank 0 of ``cfg.learner.world_size`` ranks that ``launcher`` starts (or
     that torchrun started: RANK is set). In a torchrun rank > 0, ``follow`` instead (returns
-    None)."""
+    None). A model fsdp cannot wrap is refused first, in one line (``check_wrappable``)."""
+    check_wrappable(cfg)
     if "RANK" in os.environ:
         size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         backend, device = device_for(cfg.learner, cfg.model.device,
