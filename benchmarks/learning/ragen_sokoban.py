@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -72,6 +73,46 @@ def command(task: cold_start.ColdTask, method: str, seed: int, budget: cold_star
     return [*cold_start.train_command(task, method, seed, budget, folder), *RAGEN_EVAL]
 
 
+class RandomMover:
+    """Uniformly random moves, ``per_turn`` a turn, chained as RAGEN's replies are: the level a
+    model must beat before it has learnt anything."""
+
+    def __init__(self, per_turn: int, rng: random.Random) -> None:
+        self.per_turn, self.rng = per_turn, rng
+
+    def reset(self, first_observation: str) -> None:
+        pass
+
+    def act(self, observation: str) -> str:
+        return " || ".join(self.rng.choice(("up", "down", "left", "right"))
+                           for _ in range(self.per_turn))
+
+
+def floors(env: str, episodes: int, seeds: int = 256) -> dict[str, float]:
+    """Held-out success (seeds ``eval.seed_offset`` onwards, ``seeds`` of them) of a random
+    mover at 5 moves a turn over ``episodes`` episodes, and of the env's reference player once
+    a seed: the protocol's floor and a planner's level, no model involved."""
+    from turnrl.config import Config
+    from turnrl.envs import make_env
+    from turnrl.envs.reference import play, reference_player
+    from turnrl.rollout import run_sync
+
+    task = ENVS[env][0]
+    name, options = task.env[1], dict(zip(task.env[2::2], task.env[3::2], strict=True))
+    options = {k.removeprefix("--env.options."): v for k, v in options.items()}
+    first, rng = Config().eval.seed_offset, random.Random(0)
+
+    def rate(player_for, count: int) -> float:
+        wins = 0
+        for i in range(count):
+            game = make_env(name, **options)
+            wins += run_sync(play(game, player_for(game), first + i % seeds))[1]
+        return wins / count
+
+    return {"random": rate(lambda game: RandomMover(5, rng), episodes),
+            "reference": rate(lambda game: reference_player(game, name), seeds)}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--env", choices=sorted(ENVS), default="sokoban")
@@ -83,6 +124,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--out", help="where the runs go (default runs/ragen_ENV)")
     parser.add_argument("--quick", action="store_true", help="tiny model: the wiring only")
+    parser.add_argument("--floors", type=int, metavar="EPISODES",
+                        help="only print the random mover's and the reference player's "
+                             "held-out success (no model)")
     args = parser.parse_args(argv)
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
@@ -92,6 +136,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.floors:
+        rates = floors(args.env, args.floors)
+        print(f"{args.env}, RAGEN's protocol, held-out seeds from 1,000,000: random mover (5 "
+              f"moves a turn, {args.floors} episodes) {rates['random']:.1%}; reference player "
+              f"(256 seeds) {rates['reference']:.1%}")
+        return 0
     budget = QUICK if args.quick else BUDGET
     overrides = {"steps": args.steps, "eval_episodes": args.eval_episodes,
                  "threads": args.threads}
