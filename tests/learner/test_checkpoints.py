@@ -1,7 +1,8 @@
 """Sharded checkpoints (torch.distributed.checkpoint) on real gloo process groups: written by 2
 ranks (fsdp, ddp, LoRA), read back at 1, 2 and 3 ranks, into either strategy, with weights and
 AdamW moments equal to what the writers held; today's one-process checkpoints load into
-sharded models; ``turnrl export`` reads a sharded checkpoint; a damaged shard is one line.
+sharded models; ``turnrl export`` and ``turnrl serve`` read a sharded checkpoint; a damaged
+shard is one line.
 
 The ranks run once for the whole module (``written``): two spawns, one of 2 ranks and one of 3,
 each doing several saves and loads in order (tests/learner/checkpoint_ranks.py)."""
@@ -9,6 +10,8 @@ each doing several saves and loads in order (tests/learner/checkpoint_ranks.py).
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,22 +131,37 @@ def test_a_lora_checkpoint_holds_the_adapter_alone_and_loads_at_one_process(writ
         load_weights(path, tiny_model(0)[0])
 
 
-def test_export_of_a_sharded_checkpoint_is_a_plain_hugging_face_model(written, tmp_path):
+def test_export_command_and_serve_read_a_sharded_checkpoint(written, tmp_path):
+    """``turnrl export CHECKPOINT OUT`` (the command, as a user runs it) writes the writers'
+    weights as a plain Hugging Face model; ``turnrl serve --serve.checkpoint`` (its
+    ``load_server``, in this process) serves those same weights, tagged with the step."""
     from transformers import AutoModelForCausalLM
 
-    from turnrl.export import export_model
+    from turnrl.serve import load_server
 
+    path = written / "fsdp" / STEP
     expected = _read(written / "fsdp.pt")["model"]
-    whole = full_weights(written / "fsdp" / STEP)
+    whole = full_weights(path)
     assert whole.keys() == expected.keys()
     assert all(torch.equal(whole[k], v) for k, v in expected.items())
-    result = export_model(written / "fsdp" / STEP, tmp_path / "out")
+    done = subprocess.run([sys.executable, "-m", "turnrl", "export", str(path),
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    diff = float(done.stdout.rsplit("max |log-prob difference| on reload: ", 1)[1])
+    assert diff <= 1e-5, done.stdout
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     state = exported.state_dict()
     assert state.keys() <= expected.keys() and "model.embed_tokens.weight" in state
     for name, tensor in state.items():
         assert torch.equal(tensor, expected[name]), name
-    assert result.max_logprob_diff <= 1e-5
+    untrained = tiny_model(0)[0].state_dict()
+    assert not all(torch.equal(untrained[k], v) for k, v in state.items())  # trained weights
+    served = load_server(load_config(None, ["--model.name", "tiny", "--serve.checkpoint",
+                                            str(path)]))
+    assert served.engine.version == 2
+    held = served.model.state_dict()
+    for name, tensor in state.items():
+        assert torch.equal(held[name], tensor), name
 
 
 def _damaged(written: Path, tmp_path: Path, damage) -> Path:

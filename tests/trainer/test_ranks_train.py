@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def exported(tmp_path: Path, run: Path, name: str) -> dict:
     return load_file(out / "model.safetensors")
 
 
-def test_two_ranks_train_checkpoint_and_resume_at_one(tmp_path):
+def test_two_ranks_train_checkpoint_and_resume_at_one_and_at_two(tmp_path):
     run = tmp_path / "run"
     done = turnrl("train", *TINY, "--run.steps", "2", "--learner.world_size", "2",
                   "--run.out_dir", str(run))
@@ -47,6 +48,11 @@ def test_two_ranks_train_checkpoint_and_resume_at_one(tmp_path):
     last = run / "checkpoints" / "step-000002"
     assert (last / ".metadata").is_file()  # a torch.distributed.checkpoint directory
     assert "before vs after" in done.stdout
+    again = tmp_path / "again"  # the same 2 steps, to resume at world size 2 below
+    shutil.copytree(run, again)
+    saved = yaml.safe_load((again / "config.yaml").read_text())
+    saved["run"]["out_dir"] = str(again)  # a resume keeps the run's directory
+    (again / "config.yaml").write_text(yaml.safe_dump(saved))
     resumed = turnrl("train", "--run.out_dir", str(run), "--resume", "--run.steps", "3",
                      "--learner.world_size", "1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -59,16 +65,27 @@ def test_two_ranks_train_checkpoint_and_resume_at_one(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = exported(tmp_path, run, "a"), exported(tmp_path, straight, "b")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    # resumed at the same world size (one thread a rank): bit for bit the straight run
+    resumed = turnrl("train", "--run.out_dir", str(again), "--resume", "--run.steps", "3",
+                     "--learner.world_size", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    c = exported(tmp_path, again, "c")
+    assert c.keys() == b.keys()
+    assert all(torch.equal(c[k], b[k]) for k in b), max(
+        float((c[k] - b[k]).abs().max()) for k in b)
+    two = exported(tmp_path, again / "checkpoints" / "step-000002", "two")
+    assert not all(torch.equal(two[k], b[k]) for k in b)  # step 3 moved the weights
 
 
-def test_a_killed_rank_stops_the_run_in_one_line_and_resume_continues(tmp_path):
-    run = tmp_path / "run"
+def _running_past_step_1(run: Path, *options: str) -> tuple[subprocess.Popen, int]:
+    """A 6-step world-size-2 fsdp run, once its first checkpoint is written (so a rank is hit
+    mid-run, not at start), and the pid of its rank 1."""
     proc = subprocess.Popen([sys.executable, "-m", "turnrl", "train", *TINY, "--run.steps",
                              "6", "--learner.world_size", "2", "--learner.strategy", "fsdp",
-                             "--run.out_dir", str(run)],
+                             "--run.out_dir", str(run), *options],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + WAIT_S
-    while not (run / "checkpoints" / "step-000001").is_dir():  # killed mid-run, not at start
+    while not (run / "checkpoints" / "step-000001").is_dir():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()  # a bare communicate() would wait for a hung run forever
             _, err = proc.communicate(timeout=60)
@@ -78,6 +95,12 @@ def test_a_killed_rank_stops_the_run_in_one_line_and_resume_continues(tmp_path):
     child = next(int(line.split()[0]) for line in subprocess.run(
         ["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True,
         text=True).stdout.splitlines() if "turnrl.trainer.ranks" in line)
+    return proc, child
+
+
+def test_a_killed_rank_stops_the_run_in_one_line_and_resume_continues(tmp_path):
+    run = tmp_path / "run"
+    proc, child = _running_past_step_1(run)
     os.kill(child, signal.SIGKILL)
     _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 1
@@ -87,6 +110,62 @@ def test_a_killed_rank_stops_the_run_in_one_line_and_resume_continues(tmp_path):
                      "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (run / "checkpoints" / "step-000006").is_dir()
+
+
+HUNG_TIMEOUT_S = 30  # rank 1's start (imports) must fit in it on a loaded machine
+
+
+def test_a_hung_rank_stops_the_run_in_one_line_within_the_timeout(tmp_path):
+    """Rank 1 stopped (SIGSTOP: alive, its sockets open, never answering) mid-run: rank 0's
+    next collective gives up after learner.timeout_s and the run ends naming rank 1. Before
+    the fix rank 0 hung for good, sending a step's episodes on the commands' group (which
+    waits 30 days) into rank 1's full socket buffer."""
+    proc, child = _running_past_step_1(tmp_path / "run", "--learner.timeout_s",
+                                       str(HUNG_TIMEOUT_S))
+    os.kill(child, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=HUNG_TIMEOUT_S + 120)  # loose: a loaded machine
+        took = time.monotonic() - stopped
+    finally:
+        proc.kill()
+        for sig in (signal.SIGCONT, signal.SIGKILL):  # never leave a stopped process behind
+            try:
+                os.kill(child, sig)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 1, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert "rank 1" in line and "learner.timeout_s" in line and "--resume" in line, err[-2000:]
+    assert err.strip().count("\n") == 0, err[-2000:]
+    assert took < HUNG_TIMEOUT_S + 60, took
+    gone = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True,
+                          text=True).stdout.strip()
+    assert gone in ("", "Z"), gone  # rank 0 killed its stopped child (at most a zombie)
+
+
+def test_dead_ranks_names_the_cause_not_the_ranks_that_saw_it_go():
+    """Of three children: one stopped (the hung rank), one that exited PEER_LOST_EXIT
+    (a follower whose collective timed out on the hung one): the stopped one is named."""
+    from turnrl.trainer.ranks import PEER_LOST_EXIT, dead_ranks
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    hung, saw = subprocess.Popen(sleeper), subprocess.Popen(
+        [sys.executable, "-c", f"raise SystemExit({PEER_LOST_EXIT})"])
+    try:
+        saw.wait(timeout=60)
+        assert dead_ranks([hung, saw], wait_s=1, timeout_s=7) == ""  # running: no cause yet
+        os.kill(hung.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        named = dead_ranks([hung, saw], wait_s=1, timeout_s=7)
+        assert named.startswith(f"rank 1 (pid {hung.pid}) stopped") and "rank 2" not in named
+        assert "learner.timeout_s (7 s)" in named
+        os.kill(hung.pid, signal.SIGKILL)
+        hung.wait(timeout=60)
+        assert dead_ranks([hung, saw]) == f"rank 1 (pid {hung.pid}, signal SIGKILL) died"
+    finally:
+        hung.kill()
+        hung.wait(timeout=60)
 
 
 def test_torchrun_starts_the_ranks(tmp_path):

@@ -166,8 +166,8 @@ def started_places(ranks: list, wait_s: float) -> list[str]:
 
 
 def dead_actors(runs: list, places: list[str], wait: bool) -> str:
-    """``rank 1 (Ray actor on 10.0.0.2, pid 7: died ...)`` for the ranks whose ``run`` ended
-    with an error (``wait``: up to ``DEAD_WAIT_S`` for the first)."""
+    """``rank 1 (Ray actor on 10.0.0.2, pid 7: died ...) died`` for the ranks whose ``run``
+    ended with an error (``wait``: up to ``DEAD_WAIT_S`` for the first)."""
     import ray
 
     ready, _ = ray.wait(runs, num_returns=1, timeout=DEAD_WAIT_S if wait else 0)
@@ -183,7 +183,7 @@ def dead_actors(runs: list, places: list[str], wait: bool) -> str:
             text = (str(err).strip().splitlines() or [type(err).__name__])[0]
             dead.append(f"rank {rank} (Ray actor on {place}: {type(err).__name__}: "
                         f"{text[:200]})")
-    return ", ".join(dead)
+    return f"{', '.join(dead)} died" if dead else ""
 
 
 @contextmanager

@@ -3,16 +3,23 @@
 Rank 0 runs the one learner loop (trainer/learn.py) with its source, progress bar, metrics
 and run directory; the other ranks hold their share of the model and wait for commands
 (``trainer/ranks.py``'s ``follow``). Before each collective step (an update, gathering the
-weights to publish, a sharded checkpoint) rank 0 broadcasts the command with its payload, so
+weights to publish, a sharded checkpoint) rank 0 sends the command with its payload, so
 every rank enters the same collectives in the same order.
 
-Commands travel on a gloo group of their own (Python objects on the CPU), so a run on NCCL
-never moves pickles through GPU memory.
+A command's name travels through the rendezvous key-value store (rank 0 sets a numbered
+key, which the others wait for as long as rank 0 may take between commands), its payload (a
+step's episodes: megabytes of Python objects) on a gloo group of its own that waits
+``learner.timeout_s``, so a run on NCCL never moves pickles through GPU memory. Not a
+broadcast with a long timeout for the name: gloo's send waits for the receiver's recv, so a
+rank that stopped answering (hung, or stopped by a signal) held rank 0 in that broadcast for
+as long as the group waited (30 days), where setting a key never waits for a reader.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import secrets
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +46,11 @@ class World:
     device: torch.device
     timeout_s: float
     commands: Any = None
-    """The gloo process group commands travel on."""
+    """The store commands' names travel through (a key per command, this run's prefix)."""
+    payloads: Any = None
+    """The gloo process group commands' payloads travel on (waits ``timeout_s``)."""
+    given: int = 0
+    """Commands given (rank 0) or received (the others) so far: the next one's key."""
 
     @property
     def leader(self) -> bool:
@@ -48,18 +59,29 @@ class World:
     def command(self, name: str, payload: Any = None) -> None:
         """Rank 0: tell every rank to do ``name`` (with ``payload``) next."""
         assert self.leader, "only rank 0 gives commands"
-        self._broadcast([name, payload])
+        self.given += 1
+        try:
+            self.commands.set(str(self.given), json.dumps([name, payload is not None]))
+        except RuntimeError as err:
+            raise lost(err, self) from None
+        if payload is not None:
+            self._broadcast([payload])
 
     def receive(self) -> tuple[str, Any]:
         """Ranks > 0: the next command and its payload."""
-        name, payload = self._broadcast([None, None])
-        return name, payload
+        self.given += 1
+        try:
+            self.commands.wait([str(self.given)], COMMAND_WAIT)
+            name, has_payload = json.loads(self.commands.get(str(self.given)))
+        except RuntimeError as err:
+            raise lost(err, self) from None
+        return name, self._broadcast([None])[0] if has_payload else None
 
     def _broadcast(self, message: list) -> list:
         try:
-            dist.broadcast_object_list(message, src=0, group=self.commands)
+            dist.broadcast_object_list(message, src=0, group=self.payloads)
         except RuntimeError as err:
-            raise lost(err) from None
+            raise lost(err, self) from None
         return message
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -67,7 +89,7 @@ class World:
         try:
             dist.all_reduce(tensor, op=op)
         except RuntimeError as err:
-            raise lost(err) from None
+            raise lost(err, self) from None
         return tensor
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -75,17 +97,23 @@ class World:
         try:
             dist.broadcast(tensor, src=0)
         except RuntimeError as err:
-            raise lost(err) from None
+            raise lost(err, self) from None
         return tensor
 
 
-def lost(err: BaseException) -> RankLost:
-    """A failed collective as one line: which rank went, and what to do."""
+def lost(err: BaseException, world: World | None = None) -> RankLost:
+    """A failed collective as one line: which rank went (of two ranks, the other one; gloo's
+    error does not say which peer), and what to do."""
     text = str(err).splitlines()[0] if str(err) else type(err).__name__
-    return RankLost(f"a learner rank stopped answering ({text[:300]}); the run stopped: "
+    who = (f"learner rank {1 - world.rank}" if world is not None and world.size == 2
+           else "a learner rank")
+    return RankLost(f"{who} stopped answering ({text[:300]}); the run stopped: "
                     "resume it with --resume (the last checkpoint is whole)")
 
 
+COMMAND_WAIT = datetime.timedelta(days=30)
+"""How long ranks > 0 wait for rank 0's next command (it may evaluate or collect for
+minutes; a rank 0 that dies closes the store's socket, which ends the wait at once)."""
 _CURRENT: list[World] = []
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -116,9 +144,11 @@ def join(rank: int, size: int, strategy: str, backend: str, device: torch.device
          timeout_s: float, address: str, port: int, store: dist.Store | None = None) -> World:
     """Join the process group of ``size`` ranks at ``address:port`` as ``rank``: through
     ``store`` when given (every rank must then pass one: the rank serving it its
-    ``rendezvous_store``, the others a ``store_client``; torch prefixes the keys of a store it makes itself, not of one
-    it is given), else as torchrun's ranks do (``tcp://``, rank 0 serving the store). NCCL
-    (written for CUDA, never run on a GPU here) is joined as ``cpu:gloo,cuda:nccl``."""
+    ``rendezvous_store``, the others a ``store_client``; torch prefixes the keys of a store it
+    makes itself, not of one it is given), else as torchrun's ranks do (``tcp://``, rank 0
+    serving the store). Commands' names travel through the same store (a client of it under
+    torchrun), under a prefix rank 0 draws for this run. NCCL (written for CUDA, never run on
+    a GPU here) is joined as ``cpu:gloo,cuda:nccl``."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":  # NCCL and FSDP's default mesh use the current device
         torch.cuda.set_device(device)
@@ -130,9 +160,12 @@ def join(rank: int, size: int, strategy: str, backend: str, device: torch.device
     else:
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank,
                                 world_size=size, timeout=timeout)
-    # Commands may be minutes apart (rank 0 evaluates, collects): their own group waits long.
-    commands = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=30))
-    world = World(rank, size, strategy, device, timeout_s, commands)
+    payloads = dist.new_group(backend="gloo", timeout=timeout)
+    run = [secrets.token_hex(8) if rank == 0 else None]  # keys of this run alone (torchrun
+    dist.broadcast_object_list(run, src=0, group=payloads)  # may restart on one store)
+    keys = store if store is not None else store_client(address, port, size, timeout_s)
+    commands = dist.PrefixStore(f"turnrl-commands/{run[0]}/", keys)
+    world = World(rank, size, strategy, device, timeout_s, commands, payloads)
     _CURRENT[:] = [world]
     return world
 
@@ -152,7 +185,7 @@ def leave(together: bool = False) -> None:
         if dist.is_initialized():
             if together:
                 try:
-                    dist.monitored_barrier(world.commands,
+                    dist.monitored_barrier(world.payloads,
                                            datetime.timedelta(seconds=world.timeout_s))
                 except RuntimeError:
                     pass  # a peer already gone: nothing left to wait for
@@ -181,5 +214,5 @@ def gathered(state: dict[str, torch.Tensor], world: World) -> Iterator[tuple[str
         try:
             whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         except RuntimeError as err:
-            raise lost(err) from None
+            raise lost(err, world) from None
         yield name, whole.detach()

@@ -16,8 +16,9 @@ alone, which sends each step's episodes to every rank (docs/learner.md says why)
 
 A rank that dies is noticed at the next collective (its socket closes): the run stops with
 one line naming it, and ``--resume`` continues from the last whole checkpoint. A rank that
-hangs stops the run after ``learner.timeout_s``. Children die with rank 0 (PDEATHSIG), Ray
-actors with its driver.
+hangs stops the run after ``learner.timeout_s``, named as the one that did not answer (a
+stopped child by its state; of two ranks, the other one). Children die with rank 0
+(PDEATHSIG), Ray actors with its driver.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -47,6 +49,9 @@ from turnrl.trainer.run import learner_for, restore_learner, seed_run
 T = TypeVar("T")
 DEAD_WAIT_S = 5.0
 """After a failed collective, how long a rank that died may take to be seen as ended."""
+PEER_LOST_EXIT = 3
+"""A child rank's exit code when another rank stopped answering: a consequence, not a cause,
+so ``dead_ranks`` does not name it."""
 LEARNER_ENV = "TURNRL_LEARNER"
 """The ``learner`` section, as JSON, for the ranks ``child_ranks`` starts."""
 
@@ -61,6 +66,8 @@ class Started:
     threads: int
     """rank 0's torch threads"""
     dead: Callable[[bool], str]
+    """``rank 1 (...) died``: the ranks that ended (or stopped) and took the run down, "" if
+    none did"""
     kill: Callable[[], None]
     store: torch.distributed.Store
     """the ``rendezvous_store`` this process serves at ``port``, bound before any rank started;
@@ -171,7 +178,8 @@ def child_ranks(cfg: Config) -> Iterator[Started]:
 
     try:
         yield Started("127.0.0.1", store.port, rank_threads(cfg, size),
-                      lambda wait: dead_ranks(children, DEAD_WAIT_S if wait else 0), kill, store)
+                      lambda wait: dead_ranks(children, DEAD_WAIT_S if wait else 0,
+                                              cfg.learner.timeout_s), kill, store)
     finally:
         for child in children:
             try:
@@ -181,19 +189,39 @@ def child_ranks(cfg: Config) -> Iterator[Started]:
                 child.wait()
 
 
-def dead_ranks(children: list[subprocess.Popen], wait_s: float = 0) -> str:
-    """``rank 1 (exit -9, SIGKILL)``... for the children that have ended abnormally, waiting
-    up to ``wait_s`` for one to end (a dying process closes its sockets before it exits)."""
+def dead_ranks(children: list[subprocess.Popen], wait_s: float = 0,
+               timeout_s: float = 0) -> str:
+    """``rank 1 (pid 7, signal SIGKILL) died`` for the children that have ended abnormally
+    (one that saw another rank go, ``PEER_LOST_EXIT``, is not a cause), waiting up to
+    ``wait_s`` for one to end (a dying process closes its sockets before it exits); when none
+    has, the ones stopped by a signal (SIGSTOP, a debugger): alive, their sockets open, they
+    never answer, so a collective waited ``timeout_s`` for them."""
     deadline = time.monotonic() + wait_s
     while all(child.poll() is None for child in children) and time.monotonic() < deadline:
         time.sleep(0.05)
-    dead = []
+    dead, stopped = [], []
     for rank, child in enumerate(children, start=1):
         code = child.poll()
-        if code not in (None, 0):
+        if code not in (None, 0, PEER_LOST_EXIT):
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
             dead.append(f"rank {rank} (pid {child.pid}, {why})")
-    return ", ".join(dead)
+        elif code is None and _stopped(child.pid):
+            stopped.append(f"rank {rank} (pid {child.pid})")
+    if dead:
+        return f"{', '.join(dead)} died"
+    if stopped and wait_s:
+        return (f"{', '.join(stopped)} stopped by a signal (SIGSTOP or a debugger) and did "
+                f"not answer within learner.timeout_s ({timeout_s:g} s)")
+    return ""
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (Linux: state T or t in /proc; elsewhere False)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
 
 
 def run_as_rank0(cfg: Config, train: Callable[[], T], launcher: Launcher = child_ranks) -> T:
@@ -234,7 +262,7 @@ def _lead(joined: Callable[[], World], train: Callable[[], T],
             ranks.kill()
         leave()
         if dead:
-            raise RankLost(f"learner {dead} died; the run stopped: resume it with --resume "
+            raise RankLost(f"learner {dead}; the run stopped: resume it with --resume "
                            "(the last checkpoint is whole)") from None
         raise
     try:
@@ -275,7 +303,7 @@ def main() -> int:
                    max(1, (os.cpu_count() or 1) // size), int(os.environ.get("LOCAL_RANK", rank)))
     except RankLost as err:
         print(f"learner rank {rank}: {err}", file=sys.stderr)
-        return 1
+        return PEER_LOST_EXIT
     return 0
 
 
