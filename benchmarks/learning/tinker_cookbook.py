@@ -120,12 +120,16 @@ HELD_OUT_BATCHES = range(150, 182)
 trains on batches 0..steps-1) and left out of the warm start's demonstrations."""
 
 
-def held_out_problems() -> list[tuple[int, int]]:
-    return [pair for index in HELD_OUT_BATCHES for pair in batch_pairs(index, 2)]
+def held_out_problems(steps: int = 0, groups: int = 0) -> list[tuple[int, int]]:
+    """The held-out problems, less any pair the run's own batches (``steps`` of ``groups``)
+    happen to draw too: the batches are apart, the pairs only mostly (101 x 101 of them)."""
+    trained = {pair for index in range(steps) for pair in batch_pairs(index, groups)}
+    return [pair for index in HELD_OUT_BATCHES for pair in batch_pairs(index, 2)
+            if pair not in trained]
 
 
-def held_out_correct(url: str, model_dir: str, target: dict, cookbook: Path, samples: int
-                     ) -> list[float]:
+def held_out_correct(url: str, model_dir: str, target: dict, cookbook: Path, samples: int,
+                     problems: list[tuple[int, int]]) -> list[float]:
     """Each held-out problem's share of ``samples`` answers graded correct: the recipe's own
     env (``ArithmeticEnv`` with its few-shot prefix) builds the prompt and stop condition and
     grades each answer (its ``step``'s ``correct``); the real tinker client samples through
@@ -149,7 +153,7 @@ def held_out_correct(url: str, model_dir: str, target: dict, cookbook: Path, sam
         return ArithmeticEnv(x, y, renderer, convo_prefix=ArithmeticEnv.standard_fewshot_prefix())
 
     shares = []
-    for x, y in held_out_problems():
+    for x, y in problems:
         prompt, stop = asyncio.run(env(x, y).initial_observation())
         result = sampler.sample(prompt, samples, types.SamplingParams(
             max_tokens=5, temperature=1.0, stop=stop)).result()
@@ -271,10 +275,13 @@ def main() -> None:
         report(work / "recipe", args.k)
         final = [json.loads(line) for line in
                  (work / "recipe" / "checkpoints.jsonl").read_text().splitlines()][-1]
+        problems = held_out_problems(args.steps, args.groups)
+        print(f"held-out: {len(problems)} problems ({len(held_out_problems()) - len(problems)} "
+              "left out: the run's own batches drew them too)")
         before = held_out_correct(url, model_dir, {"base_model": model_dir},
-                                  Path(args.target), args.samples)
+                                  Path(args.target), args.samples, problems)
         after = held_out_correct(url, model_dir, {"model_path": final["sampler_path"]},
-                                 Path(args.target), args.samples)
+                                 Path(args.target), args.samples, problems)
         compare_held_out(before, after, args.samples)
     finally:
         proc.terminate()

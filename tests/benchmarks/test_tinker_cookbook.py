@@ -34,3 +34,7 @@ def test_the_demonstrations_hold_no_recipe_or_held_out_problem(tmp_path):
     assert not asked & bench.recipe_pairs()
     assert set(bench.held_out_problems()) <= bench.recipe_pairs()
     assert len(bench.held_out_problems()) == 64
+    # a run's own batches may draw a held-out pair by chance: 40 steps of 8 draw 3 of them
+    kept = bench.held_out_problems(40, 8)
+    assert len(kept) == 61 and not set(kept) & {p for i in range(40) for p in bench.batch_pairs(i, 8)}
+    assert len(bench.held_out_problems(20, 8)) == 64
