@@ -131,7 +131,7 @@ def test_a_ray_actor_rank_updates_as_local_ranks_and_one_process(cluster, tmp_pa
     local_grads_, local_state = first_step(cfg, child_ranks, episodes)
     assert max_difference(grads, local_grads_) < 1e-6
     assert max_difference(state, local_state) < 1e-6
-    one, one_grads = one_process(single, [episodes], grads=True)
+    one, one_grads, _ = one_process(single, [episodes], grads=True)
     assert grads.keys() == one_grads.keys()
     for name, grad in one_grads.items():
         assert float((grads[name] - torch.chunk(grad, 2, dim=0)[0]).abs().max()) < GRAD_TOL
