@@ -130,15 +130,21 @@ def test_prometheus_serves_the_latest_step_while_the_logger_is_open(tmp_path, ca
 def test_a_training_run_serves_its_metrics_and_health_while_it_trains(tmp_path):
     """``turnrl train --run.tracking prometheus`` as a user runs it: the printed URL answers
     with the run's numbers while it trains (scraped until a step shows, then stopped)."""
-    run = subprocess.Popen(
-        [sys.executable, "-m", "turnrl", "train", "--model.name", "tiny", "--run.steps", "500",
-         "--rollout.max_new_tokens", "3", "--rollout.max_turns", "1", "--eval.episodes", "2",
-         "--run.progress", "false", "--run.tensorboard", "false", "--run.checkpoint_every", "0",
-         "--run.tracking", "prometheus", "--run.out_dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "out.txt"
+    with log.open("w") as out:  # a file, not a pipe: nothing to drain, never blocks the run
+        run = subprocess.Popen(
+            [sys.executable, "-m", "turnrl", "train", "--model.name", "tiny", "--run.steps",
+             "500", "--rollout.max_new_tokens", "3", "--rollout.max_turns", "1",
+             "--eval.episodes", "2", "--run.progress", "false", "--run.tensorboard", "false",
+             "--run.checkpoint_every", "0", "--run.tracking", "prometheus",
+             "--run.out_dir", str(tmp_path / "run")], stdout=out, stderr=subprocess.STDOUT)
+    deadline, url, values = time.monotonic() + 300, "", {}
     try:
-        url = next(line.split()[-1] for line in run.stdout if line.startswith("metrics: "))
-        deadline, values = time.monotonic() + 300, {}
+        while not url:  # the line the tracker prints when it listens
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            url = next((line.split()[-1] for line in log.read_text().splitlines()
+                        if line.startswith("metrics: ")), "")
+            time.sleep(0.1)
         while values.get("turnrl_step", 0) < 1:  # the first step's numbers, once logged
             assert run.poll() is None and time.monotonic() < deadline, "no step was served"
             page = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -151,5 +157,5 @@ def test_a_training_run_serves_its_metrics_and_health_while_it_trains(tmp_path):
         run.wait(timeout=60)
     assert "turnrl_reward_mean" in values and "turnrl_time_update_s" in values, sorted(values)
     assert health["status"] == "ok" and health["step"] >= values["turnrl_step"]
-    logged = {r["step"]: r for r in read_metrics(tmp_path)}
+    logged = {r["step"]: r for r in read_metrics(tmp_path / "run")}
     assert values["turnrl_reward_mean"] == logged[int(values["turnrl_step"])]["reward/mean"]

@@ -202,7 +202,7 @@ def model_skeleton(name: str, *, cache_dir: str | None = None, revision: str = "
                    trust_remote_code: bool = False) -> torch.nn.Module:
     """``load_model(name)``'s module tree without its weights (built from its config on the
     meta device: nothing read but the config, nothing allocated), for checks of its structure
-    before it loads (``learner/shard.py:check_wrappable``). ``tiny`` is built whole."""
+    before it loads (``trainer/ranks.py:check_wrappable``). ``tiny`` is built whole."""
     name = os.fspath(name)
     if name == "tiny":
         return tiny_model()[0]

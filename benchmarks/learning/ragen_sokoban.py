@@ -12,7 +12,7 @@ turnrl/envs/sokoban.py says where in RAGEN each value is set), built and run by
 added: temperature 0.5 and 100 new tokens a turn. ``--env frozenlake`` plays ``gymnasium
 --env.options.protocol ragen`` instead (a new slippery 4x4 map per seed with random start and
 goal, the same turns and moves: turnrl/envs/adapters/frozen_lake.py); its reference player is
-value iteration on the drawn map, one move a turn. Methods:
+value iteration on the drawn map, two moves a turn. Methods:
 
 - ``rl``: GRPO from the base model, the setting RAGEN reports (no expert anywhere); its
   ``eval_before`` is the base model's held-out success;
@@ -128,6 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="only print the random mover's and the reference player's "
                              "held-out success (no model)")
     args = parser.parse_args(argv)
+    if args.floors is not None and args.floors < 1:
+        parser.error("--floors takes a number of episodes, at least 1")
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         parser.error(f"unknown method '{unknown[0]}'; choose from: {', '.join(METHODS)}")
@@ -136,7 +138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.floors:
+    if args.floors is not None:
         rates = floors(args.env, args.floors)
         print(f"{args.env}, RAGEN's protocol, held-out seeds from 1,000,000: random mover (5 "
               f"moves a turn, {args.floors} episodes) {rates['random']:.1%}; reference player "

@@ -143,6 +143,8 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
      "bad.jsonl:2: tests .* is not a list of test strings"),
     ("bad.csv", [GOOD, {**GOOD, "tests": "assert f(1) == 2"}], {"reward": "code_tests"},
      "bad.csv:3: tests .* is not a list of test strings"),  # line 1: the header
+    ("bad.csv", [{**GOOD, "prompt": "two\nlines"}, {**GOOD, "answer": ""}], {},
+     "bad.csv:4: no 'answer'"),  # the line a record starts on, past a quoted line break
     ("bad.parquet", [GOOD, {**GOOD, "answer": ""}], {}, "bad.parquet: row 2: no 'answer'"),
     ("bad.jsonl", [GOOD, {"prompt": "q", "answer": "1"}], {"metadata": "level"},
      "bad.jsonl:2: no 'level' column, which --env.options.metadata names"),
@@ -200,7 +202,7 @@ def test_reward_none_needs_no_answer_reports_no_success_and_passes_metadata_on(t
     (["--env.options.reward", "none", "--judge.model", "tiny", "--judge.rubric", "r"],
      "held-out evaluation is not judged.*pass --eval.episodes 0"),
     (["--env.name", "try-again", "--env.options.inner", "dataset", "--env.options.reward",
-      "judge", "--judge.model", "tiny", "--judge.rubric", "r"], "pass --eval.episodes 0"),
+      "judge", "--judge.model", "tiny", "--judge.rubric", "r"], "drop the wrapper"),
 ])
 def test_a_reward_left_to_the_trainer_needs_a_judge_or_reward_model_and_no_evaluation(
         args, says):

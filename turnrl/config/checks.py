@@ -92,17 +92,25 @@ def check_judge(cfg: Config) -> None:
     reward to the trainer (``reward: judge``, ``model`` or ``none``) needs what scores it."""
     for name, reward in env_rewards(cfg):
         check_trainer_reward(cfg, name, reward)
-    if cfg.judge.enabled and cfg.explore.dynamic_sampling:
-        raise ConfigError("explore.dynamic_sampling keeps groups by the env's reward before "
-                          "the judge has scored them; drop explore.dynamic_sampling or the "
-                          "judge")
+    if (cfg.judge.enabled or cfg.reward.model) and cfg.explore.dynamic_sampling:
+        scorer = "the judge" if cfg.judge.enabled else "the reward model (reward.model)"
+        raise ConfigError(f"explore.dynamic_sampling keeps groups by the env's reward before "
+                          f"{scorer} has scored them; drop explore.dynamic_sampling or "
+                          f"{scorer}")
 
 
 def env_rewards(cfg: Config) -> list[tuple[str, object]]:
     """(env name, its ``reward`` option) of the run's env or each env of a mix; a wrapper's
-    (``try-again``) name is its inner env's."""
+    (``try-again``) name is its inner env's. Try-again retries a reply its env scored below 1,
+    and an env leaving its reward to the trainer scores every reply 0: refused here."""
     entries = [(cfg.env.name, cfg.env.options),
                *((e.name, e.options) for e in cfg.env.mix_plan())]
+    for name, options in entries:
+        if options.get("inner") and options.get("reward") in ("judge", "model", "none"):
+            raise ConfigError(f"{name} around env.options.reward {options['reward']}: the inner "
+                              "env pays 0 and the trainer scores afterwards, so every attempt "
+                              "would be retried; drop the wrapper (--env.name "
+                              f"{options['inner']})")
     return [(options.get("inner") or name, options.get("reward")) for name, options in entries]
 
 
@@ -276,7 +284,7 @@ def check_learner(cfg: Config) -> None:
         raise ConfigError("algo.reference_reset_every: a LoRA run's KL reference is its base "
                           "model (the adapter off), which does not train; drop "
                           "--model.lora.r to reset it, or drop the reset")
-    if learner.backend == "nccl" and samples_on_cpu(cfg.model.device):
+    if learner.ranked() and learner.backend == "nccl" and samples_on_cpu(cfg.model.device):
         raise ConfigError("learner.backend nccl needs CUDA GPUs, and this machine has none (or "
                           "model.device is cpu); use --learner.backend gloo (or auto)")
     if not learner.ranked():
@@ -296,6 +304,9 @@ def check_learner(cfg: Config) -> None:
         ranks += "cpu_offload set: FSDP2 on one rank)"
     for key, (bad, fix) in refused.items():
         if bad:
+            if learner.world_size == 1:  # ranks here come from fsdp's own options alone
+                fix = fix.replace("train without learner ranks", "drop --learner.param_dtype, "
+                                  "--learner.reduce_dtype and --learner.cpu_offload")
             raise ConfigError(f"{key} does not work with {ranks} yet; {fix}")
 
 

@@ -88,14 +88,25 @@ def read_rows(path: str) -> dict[str, list[dict]]:
         return {"": _jsonl(file)}
     if suffix == ".csv":
         with file.open(newline="", encoding="utf-8-sig") as handle:  # -sig: Excel's BOM
-            reader = csv.DictReader(handle)
-            return {"": [Row(row, f"{file}:{reader.line_num}") for row in reader]}
+            return {"": _csv_rows(csv.DictReader(handle), file)}
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return {"": numbered(pq.read_table(file).to_pylist(), str(file))}
     raise DatasetError(f"dataset '{path}': unknown format '{suffix}'; use .jsonl, .csv, "
                        ".parquet or a directory saved by datasets' save_to_disk")
+
+
+def _csv_rows(reader: csv.DictReader, file: Path) -> list[Row]:
+    """Each record named by the line it starts on (``line_num`` is the line a record ends on,
+    later when a quoted cell spans lines)."""
+    if reader.fieldnames is None:  # reading them reads the header; the first record follows
+        return []
+    rows, start = [], reader.line_num + 1
+    for row in reader:
+        rows.append(Row(row, f"{file}:{start}"))
+        start = reader.line_num + 1
+    return rows
 
 
 def _jsonl(file: Path) -> list[Row]:

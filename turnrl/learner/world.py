@@ -62,7 +62,7 @@ class World:
         self.given += 1
         try:
             self.commands.set(str(self.given), json.dumps([name, payload is not None]))
-        except RuntimeError as err:
+        except dist.DistError as err:  # a peer gone; an OOM stays itself
             raise lost(err, self) from None
         if payload is not None:
             self._broadcast([payload])
@@ -73,14 +73,14 @@ class World:
         try:
             self.commands.wait([str(self.given)], COMMAND_WAIT)
             name, has_payload = json.loads(self.commands.get(str(self.given)))
-        except RuntimeError as err:
+        except dist.DistError as err:
             raise lost(err, self) from None
         return name, self._broadcast([None])[0] if has_payload else None
 
     def _broadcast(self, message: list) -> list:
         try:
             dist.broadcast_object_list(message, src=0, group=self.payloads)
-        except RuntimeError as err:
+        except dist.DistError as err:
             raise lost(err, self) from None
         return message
 
@@ -88,7 +88,7 @@ class World:
         """``tensor`` reduced over the ranks, in place (on the tensor's own device)."""
         try:
             dist.all_reduce(tensor, op=op)
-        except RuntimeError as err:
+        except dist.DistError as err:
             raise lost(err, self) from None
         return tensor
 
@@ -96,7 +96,7 @@ class World:
         """Rank 0's ``tensor`` on every rank, in place."""
         try:
             dist.broadcast(tensor, src=0)
-        except RuntimeError as err:
+        except dist.DistError as err:
             raise lost(err, self) from None
         return tensor
 
@@ -113,7 +113,8 @@ def lost(err: BaseException, world: World | None = None) -> RankLost:
 
 COMMAND_WAIT = datetime.timedelta(days=30)
 """How long ranks > 0 wait for rank 0's next command (it may evaluate or collect for
-minutes; a rank 0 that dies closes the store's socket, which ends the wait at once)."""
+minutes). When rank 0 serves the store, its death closes the store's socket, which ends the
+wait at once; under torchrun the agent serves it and ends the ranks itself."""
 _CURRENT: list[World] = []
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -213,6 +214,6 @@ def gathered(state: dict[str, torch.Tensor], world: World) -> Iterator[tuple[str
     for name, tensor in state.items():
         try:
             whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        except RuntimeError as err:
+        except dist.DistError as err:
             raise lost(err, world) from None
         yield name, whole.detach()

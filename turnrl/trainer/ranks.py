@@ -17,8 +17,10 @@ alone, which sends each step's episodes to every rank (docs/learner.md says why)
 A rank that dies is noticed at the next collective (its socket closes): the run stops with
 one line naming it, and ``--resume`` continues from the last whole checkpoint. A rank that
 hangs stops the run after ``learner.timeout_s``, named as the one that did not answer (a
-stopped child by its state; of two ranks, the other one). Children die with rank 0
-(PDEATHSIG), Ray actors with its driver.
+stopped child by its state; of two ranks, the other one). A rank alive but stuck inside
+FSDP's own forward or backward collectives, at three ranks or more, is not named: gloo's
+error does not say which peer it waited for. Children die with rank 0 (PDEATHSIG), Ray
+actors with its driver.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 from turnrl.config import Config, ConfigError, LearnerConfig
 from turnrl.learner.shard import fsdp_layers
 from turnrl.learner.weights import published_pairs
-from turnrl.learner.world import RankLost, World, join, leave, rendezvous_store, store_client
+from turnrl.learner.world import RankLost, World, join, leave, lost, rendezvous_store, store_client
 from turnrl.models import model_skeleton
 from turnrl.policy import policy_model
 from turnrl.trainer.rl_step import StageTimer, rl_step
@@ -197,7 +199,8 @@ def dead_ranks(children: list[subprocess.Popen], wait_s: float = 0,
     has, the ones stopped by a signal (SIGSTOP, a debugger): alive, their sockets open, they
     never answer, so a collective waited ``timeout_s`` for them."""
     deadline = time.monotonic() + wait_s
-    while all(child.poll() is None for child in children) and time.monotonic() < deadline:
+    while children and all(child.poll() is None for child in children) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
     dead, stopped = [], []
     for rank, child in enumerate(children, start=1):
@@ -303,6 +306,9 @@ def main() -> int:
                    max(1, (os.cpu_count() or 1) // size), int(os.environ.get("LOCAL_RANK", rank)))
     except RankLost as err:
         print(f"learner rank {rank}: {err}", file=sys.stderr)
+        return PEER_LOST_EXIT
+    except torch.distributed.DistError as err:  # inside FSDP's collectives: a peer went
+        print(f"learner rank {rank}: {lost(err)}", file=sys.stderr)
         return PEER_LOST_EXIT
     return 0
 

@@ -170,7 +170,8 @@ class PlannerPlayer:
         if lake.actions_per_turn == 1:
             return 1
         turns_left = max(env.max_turns - env.turn, 1)
-        moves_left = (lake.max_actions - env.moves) if lake.max_actions else lake.actions_per_turn
+        moves_left = (lake.max_actions - env.moves if lake.max_actions  # no cap: K a turn
+                      else lake.actions_per_turn * turns_left)
         return max(1, min(lake.actions_per_turn, -(-moves_left // turns_left)))
 
 
