@@ -292,11 +292,11 @@ def check_learner(cfg: Config) -> None:
     refused = {
         "sft.steps": (cfg.sft.steps > 0, "the SFT warm-up trains in one process: run turnrl "
                       "sft first and start RL from its output (--model.name OUT)"),
-        "distill.teacher": (bool(cfg.distill.teacher), "drop it, or train without learner ranks"),
+        "distill.teacher": (bool(cfg.distill.teacher), "drop it, or train at world size 1"),
         "explore.top_entropy_fraction": (cfg.explore.top_entropy_fraction < 1,
                                          "its threshold is one rank's: keep it at 1"),
         "algo.reference_reset_every": (cfg.algo.reference_reset_every > 0,
-                                       "drop it, or train without learner ranks"),
+                                       "drop it, or train at world size 1"),
     }
     ranks = f"learner.world_size {learner.world_size}"
     if learner.world_size == 1:
@@ -305,7 +305,7 @@ def check_learner(cfg: Config) -> None:
     for key, (bad, fix) in refused.items():
         if bad:
             if learner.world_size == 1:  # ranks here come from fsdp's own options alone
-                fix = fix.replace("train without learner ranks", "drop --learner.param_dtype, "
+                fix = fix.replace("train at world size 1", "drop --learner.param_dtype, "
                                   "--learner.reduce_dtype and --learner.cpu_offload")
             raise ConfigError(f"{key} does not work with {ranks} yet; {fix}")
 
