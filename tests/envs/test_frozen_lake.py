@@ -125,6 +125,20 @@ def test_on_the_ragen_protocol_the_planner_spreads_its_ten_moves_over_five_turns
     assert solved[0] == 40 and 8 <= solved[1] <= 32, solved
 
 
+def test_with_moves_uncapped_the_planner_chains_a_turns_whole_allowance():
+    """``actions_per_turn`` 3, no ``max_actions``: three moves a turn (the lake's own
+    planner, never one a turn until the last), so a six-move path takes two turns."""
+    env = make_env("gymnasium", size=4, ends="corners", is_slippery=False, actions_per_turn=3,
+                   max_turns=2)
+    transcript: list[tuple[str, str]] = []
+    for seed in range(10):
+        transcript.clear()
+        _, success, turns = run_sync(play_reference(env, reference_player(env, "gymnasium"),
+                                                    seed, transcript))
+        assert success and turns <= 2, (seed, env.lake_map, transcript)
+        assert len(transcript[0][1].split(" || ")) == 3
+
+
 def test_the_ragen_protocol_sets_what_ragen_runs():
     env = make_env("gymnasium", protocol="ragen")
     assert env.lake == LakeSettings(size=4, frozen=0.8, ends="random", actions_per_turn=5,

@@ -146,6 +146,8 @@ def test_sync_training_goes_on_when_the_judge_gives_no_score(tmp_path, server, w
     (["--judge.mode", "best", "--judge.rubric", "r"], "judge.mode"),
     (["--judge.model", "tiny", "--judge.rubric", "r", "--explore.dynamic_sampling", "true"],
      "drop explore.dynamic_sampling or the judge"),
+    (["--reward.model", "rm", "--explore.dynamic_sampling", "true"],
+     "before the reward model .reward.model. has scored them"),
 ])
 def test_bad_judge_config_is_one_line(args, message):
     with pytest.raises(ValueError, match=message):

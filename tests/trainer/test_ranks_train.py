@@ -320,3 +320,16 @@ def test_fsdp_options_at_world_size_one_shard_over_one_rank(tmp_path):
     assert cfg.learner.world_size == 1 and cfg.learner.ranked()
     train(cfg)
     assert (run / "checkpoints" / "step-000001" / ".metadata").is_file()
+
+
+def test_without_ranks_nccl_is_not_refused_and_no_child_is_waited_for():
+    """A config saved with ``learner.backend nccl`` still loads at world size 1 on a CPU (an
+    evaluation or a one-process resume never joins a group); with no children there is
+    nothing to wait for when a step fails."""
+    from turnrl.config import load_config
+    from turnrl.trainer.ranks import dead_ranks
+
+    assert load_config(None, ["--learner.backend", "nccl"]).learner.backend == "nccl"
+    started = time.monotonic()
+    assert dead_ranks([], wait_s=30, timeout_s=30) == ""
+    assert time.monotonic() - started < 5
