@@ -90,8 +90,8 @@ def check_judge(cfg: Config) -> None:
     """The judge scores a step's episodes after they are collected, so nothing that picks
     episodes by their reward while collecting may run with it; an env told to leave its
     reward to the trainer (``reward: judge``, ``model`` or ``none``) needs what scores it."""
-    for name, reward in env_rewards(cfg):
-        check_trainer_reward(cfg, name, reward)
+    for wrapper, name, reward in env_rewards(cfg):
+        check_trainer_reward(cfg, wrapper, name, reward)
     if (cfg.judge.enabled or cfg.reward.model) and cfg.explore.dynamic_sampling:
         scorer = "the judge" if cfg.judge.enabled else "the reward model (reward.model)"
         raise ConfigError(f"explore.dynamic_sampling keeps groups by the env's reward before "
@@ -99,25 +99,29 @@ def check_judge(cfg: Config) -> None:
                           f"{scorer}")
 
 
-def env_rewards(cfg: Config) -> list[tuple[str, object]]:
-    """(env name, its ``reward`` option) of the run's env or each env of a mix; a wrapper's
-    (``try-again``) name is its inner env's. Try-again retries a reply its env scored below 1,
-    and an env leaving its reward to the trainer scores every reply 0: refused here."""
+TRAINER_SCORED = ("judge", "model", "none")
+"""An env's ``reward`` options that leave the reward to the trainer's judge or reward model
+(the env pays 0)."""
+
+
+def env_rewards(cfg: Config) -> list[tuple[str, str, object]]:
+    """(wrapper or "", env name, its ``reward`` option) of the run's env or each env of a mix;
+    a wrapper's (``try-again``) env is its ``inner`` one."""
     entries = [(cfg.env.name, cfg.env.options),
                *((e.name, e.options) for e in cfg.env.mix_plan())]
-    for name, options in entries:
-        if options.get("inner") and options.get("reward") in ("judge", "model", "none"):
-            raise ConfigError(f"{name} around env.options.reward {options['reward']}: the inner "
-                              "env pays 0 and the trainer scores afterwards, so every attempt "
-                              "would be retried; drop the wrapper (--env.name "
-                              f"{options['inner']})")
-    return [(options.get("inner") or name, options.get("reward")) for name, options in entries]
+    return [(name, options["inner"], options.get("reward")) if options.get("inner")
+            else ("", name, options.get("reward")) for name, options in entries]
 
 
-def check_trainer_reward(cfg: Config, name: str, reward: object) -> None:
+def check_trainer_reward(cfg: Config, wrapper: str, name: str, reward: object) -> None:
     """``reward: judge`` needs the judge section, ``model`` reward.model, ``none`` either;
-    a ``dataset`` scored so has no success to report, and held-out evaluation is not judged."""
+    a ``dataset`` scored so has no success to report, and held-out evaluation is not judged;
+    a wrapper retrying replies its env scored below 1 (try-again) would retry every one."""
     judge, model = cfg.judge.enabled, bool(cfg.reward.model)
+    if wrapper and reward in TRAINER_SCORED:
+        raise ConfigError(f"{wrapper} around env.options.reward {reward}: the inner env pays 0 "
+                          "and the trainer scores afterwards, so every attempt would be "
+                          f"retried; drop the wrapper (--env.name {name})")
     if reward == "judge" and not judge:
         raise ConfigError("env.options.reward judge leaves the reward to the judge section, "
                           "which is off: set --judge.model (and --judge.rubric), or choose a "
@@ -130,7 +134,7 @@ def check_trainer_reward(cfg: Config, name: str, reward: object) -> None:
         raise ConfigError("env.options.reward none pays 0 and leaves the reward to a judge or "
                           "a reward model, and neither is set: pass --judge.model (and "
                           "--judge.rubric) or --reward.model DIR")
-    if name == "dataset" and reward in ("judge", "model", "none") and cfg.eval.episodes:
+    if name == "dataset" and reward in TRAINER_SCORED and cfg.eval.episodes:
         raise ConfigError(f"env.options.reward {reward}: the dataset checks no answer and "
                           "held-out evaluation is not judged, so it would report 0 success; "
                           "pass --eval.episodes 0")
